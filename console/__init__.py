@@ -1,0 +1,1 @@
+"""The Textual console and the command line. Never imports torch."""

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One entry point for a fresh clone:
+#   ./dev.sh console   set everything up, then start the console on the builtin engine with the demo pair
+#   ./dev.sh test      set everything up, then run the whole test suite (what CI runs)
+#   ./dev.sh setup     only set up .venv
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${DDTREE_VENV:-.venv}
+
+setup() {
+    if [ ! -x "$VENV/bin/python" ]; then
+        python3 -m venv "$VENV"
+    fi
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    # torch first, pinned to the CPU build this kind of machine keeps on disk; an unpinned torch
+    # would pull a multi-GB CUDA build. On a GPU box, install the torch you want before this.
+    if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+        "$VENV/bin/python" -m pip install -q torch==2.13.0
+    fi
+    # A strict editable install gives a real ddtree/ tree (import-linter needs files, not the
+    # lenient mode's import hook); swapping its per-file links for folder links makes new modules
+    # importable without reinstalling.
+    "$VENV/bin/python" -m pip install -q -e '.[engine,dev]' --config-settings editable_mode=strict 2>/dev/null
+    local tree
+    tree=$(echo build/__editable__.ddtree_console-*/ddtree)
+    for pkg in console engine jobs store assets; do
+        rm -rf "${tree:?}/$pkg"
+        ln -s "$PWD/$pkg" "$tree/$pkg"
+    done
+}
+
+case "${1:-}" in
+    setup) setup ;;
+    console)
+        setup
+        shift
+        exec "$VENV/bin/ddtree-console" "$@"
+        ;;
+    test)
+        setup
+        shift
+        "$VENV/bin/lint-imports"
+        exec "$VENV/bin/python" -m pytest -q "$@"
+        ;;
+    *)
+        sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'
+        exit 2
+        ;;
+esac

@@ -1,0 +1,1 @@
+"""Inference engines: hardware discovery, launch specs, the HTTP client, preflight."""

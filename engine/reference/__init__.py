@@ -1,0 +1,1 @@
+"""The builtin engine (PyTorch + transformers): the only package that imports torch."""

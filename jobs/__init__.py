@@ -1,0 +1,1 @@
+"""Jobs: the job model, the supervisor and the detached runner."""

@@ -1,0 +1,1 @@
+"""SQLite store through sqlite-utils: schema, migrations, records, queries."""
