@@ -10,6 +10,9 @@ from __future__ import annotations
 class StoreError(Exception):
     """Base of every error this package raises on purpose."""
 
+    #: The CLI's exit code for this error: 1 for a failure, 2 for bad input (subclasses set it).
+    exit_code = 1
+
     def __init__(self, message: str, hint: str | None = None) -> None:
         super().__init__(message)
         self.message = message
