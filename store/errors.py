@@ -1,5 +1,11 @@
 """Errors raised by the SQLite store.
 
+    StoreError
+    ├── DatabasePathError   the path cannot be used (exit 2)
+    ├── CorruptDatabase     not SQLite, or damaged; left untouched (exit 2)
+    ├── ForeignDatabase     another application's database; left untouched (exit 2)
+    └── NotFound            no row with that id (exit 2)
+
 One base class to catch (`StoreError`); subclasses name the cause. Every error carries a
 one-line message and an optional hint, which the CLI prints as `error: <message> (<hint>)`.
 """
@@ -20,3 +26,27 @@ class StoreError(Exception):
 
     def __str__(self) -> str:
         return f"{self.message} ({self.hint})" if self.hint else self.message
+
+
+class DatabasePathError(StoreError):
+    """The database path cannot be used (missing permission, a folder, an unwritable place)."""
+
+    exit_code = 2
+
+
+class CorruptDatabase(StoreError):
+    """The file at the database path is not SQLite, or is damaged. It is never overwritten."""
+
+    exit_code = 2
+
+
+class ForeignDatabase(StoreError):
+    """The file is a SQLite database of another application. It is never overwritten."""
+
+    exit_code = 2
+
+
+class NotFound(StoreError):
+    """A row asked for by id does not exist."""
+
+    exit_code = 2

@@ -1,0 +1,209 @@
+"""Opening the database: where it lives, permissions, WAL, busy timeout, migrations.
+
+Every process (the console, each runner, the CLI) opens its own connection with `open_db`.
+WAL lets readers run beside the one writer; the busy timeout makes a second writer wait instead
+of failing. Writes that read before they write must use `transaction(db)` (BEGIN IMMEDIATE):
+a deferred transaction that reads first cannot wait for the lock, SQLite fails it at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+from sqlite_utils import Database
+
+from ddtree.store.errors import (
+    CorruptDatabase,
+    DatabasePathError,
+    ForeignDatabase,
+    StoreError,
+)
+from ddtree.store.migrations import APPLICATION_ID, MIGRATION_SET, migrations
+
+#: Seconds a writer waits for another writer before SQLite gives up.
+BUSY_TIMEOUT_S = 60.0
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def default_db_path() -> Path:
+    """$DDTREE_DB, else $XDG_DATA_HOME/ddtree-console/ddtree.db (XDG default ~/.local/share)."""
+    env = os.environ.get("DDTREE_DB")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(xdg).expanduser() / "ddtree-console" / "ddtree.db"
+
+
+def resolve_db_path(path: str | os.PathLike | None = None) -> Path:
+    """The absolute path `open_db(path)` would open."""
+    return (Path(path).expanduser() if path is not None else default_db_path()).absolute()
+
+
+def data_dir(db_path: str | os.PathLike | None = None) -> Path:
+    """The folder that holds the database; logs go to data_dir/logs."""
+    return resolve_db_path(db_path).parent
+
+
+def logs_dir(db_path: str | os.PathLike | None = None) -> Path:
+    """data_dir/logs, created owner-only if missing."""
+    folder = data_dir(db_path) / "logs"
+    _make_private_dir(folder)
+    return folder
+
+
+def _make_private_dir(folder: Path) -> None:
+    if folder.is_dir():
+        return
+    if folder.exists():
+        raise DatabasePathError(f"{folder} exists and is not a folder", "choose another path with --db or DDTREE_DB")
+    try:
+        folder.mkdir(parents=True, mode=0o700)
+        # mkdir's mode is filtered by the umask; the leaf is ours to lock down.
+        folder.chmod(0o700)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise DatabasePathError(
+            f"cannot create folder {folder}: {exc.strerror}", "choose a writable path with --db or DDTREE_DB"
+        ) from None
+
+
+def _check_header(path: Path) -> None:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_SQLITE_MAGIC))
+    except OSError as exc:
+        raise DatabasePathError(f"cannot read {path}: {exc.strerror}", "check its permissions") from None
+    # An empty file is a valid, empty SQLite database.
+    if head and head != _SQLITE_MAGIC:
+        raise CorruptDatabase(
+            f"{path} is not a SQLite database",
+            "it was left untouched; move it away or pass another path with --db or DDTREE_DB",
+        )
+
+
+def _create_private_file(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise DatabasePathError(
+            f"cannot create {path}: {exc.strerror}", "choose a writable path with --db or DDTREE_DB"
+        ) from None
+    os.close(fd)
+
+
+def _check_ours(db: Database, path: Path) -> None:
+    app_id = db.execute("PRAGMA application_id").fetchone()[0]
+    if app_id == APPLICATION_ID:
+        return
+    names = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()]
+    if not names:
+        return
+    ours = False
+    if "_sqlite_migrations" in names:
+        ours = bool(
+            db.execute("SELECT 1 FROM _sqlite_migrations WHERE migration_set = ?", [MIGRATION_SET]).fetchone()
+        )
+    if not ours:
+        raise ForeignDatabase(
+            f"{path} is a SQLite database of another application (tables: {', '.join(sorted(names)[:5])})",
+            "it was left untouched; pass another path with --db or DDTREE_DB",
+        )
+
+
+def connect(path: Path) -> Database:
+    """A connection with our pragmas, no checks, no migrations (used by `open_db`)."""
+    conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+    db = Database(conn)
+    db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+    db.execute("PRAGMA synchronous = NORMAL")
+    db.execute("PRAGMA foreign_keys = ON")
+    return db
+
+
+def open_db(path: str | os.PathLike | None = None) -> Database:
+    """Open (creating if needed) the store and bring its schema up to date.
+
+    None -> `default_db_path()`. The folder is created 0700, the file 0600. A file that is not
+    SQLite, is damaged, or belongs to another application raises StoreError and stays untouched.
+    The connection may be handed to another thread, but use it from one thread at a time.
+    """
+    db_path = resolve_db_path(path)
+    if db_path.is_dir():
+        raise DatabasePathError(f"{db_path} is a folder", "pass the path of a database file with --db or DDTREE_DB")
+    _make_private_dir(db_path.parent)
+    if db_path.exists():
+        _check_header(db_path)
+    else:
+        _create_private_file(db_path)
+    db = None
+    try:
+        db = connect(db_path)
+        _check_ours(db, db_path)
+        if db.journal_mode != "wal":
+            db.enable_wal()
+        _migrate(db)
+    except sqlite3.DatabaseError as exc:
+        if db is not None:
+            db.close()
+        raise _classify(exc, db_path) from None
+    except StoreError:
+        if db is not None:
+            db.close()
+        raise
+    return db
+
+
+def _migrate(db: Database) -> None:
+    # Cheap read first: the common case is "nothing to do" and needs no write lock.
+    if migrations.applied(db) and not migrations.pending(db):
+        return
+    # BEGIN IMMEDIATE serialises two processes migrating a new file at once; the second one
+    # waits, then finds nothing pending. Migrations.apply nests as savepoints inside it.
+    with transaction(db):
+        migrations.apply(db)
+
+
+def _classify(exc: sqlite3.DatabaseError, path: Path) -> StoreError:
+    text = str(exc)
+    if isinstance(exc, sqlite3.OperationalError) and (
+        "unable to open" in text or "readonly" in text or "read-only" in text or "disk I/O" in text
+    ):
+        return DatabasePathError(
+            f"cannot write {path}: {text}", "the database and its folder must be writable; use --db or DDTREE_DB"
+        )
+    if "not a database" in text or "malformed" in text or "corrupt" in text:
+        return CorruptDatabase(
+            f"{path} is damaged or not a SQLite database: {text}",
+            "it was left untouched; move it away or pass another path with --db or DDTREE_DB",
+        )
+    return StoreError(f"cannot open {path}: {text}")
+
+
+@contextlib.contextmanager
+def transaction(db: Database) -> Iterator[Database]:
+    """A write transaction that takes the write lock up front (BEGIN IMMEDIATE).
+
+    Use it for any read-modify-write, so a concurrent writer makes it wait (busy timeout)
+    instead of failing with "database is locked". Nested use becomes a savepoint.
+    """
+    if db.conn.in_transaction:
+        with db.atomic():
+            yield db
+        return
+    db.conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+    except BaseException:
+        if db.conn.in_transaction:
+            db.conn.execute("ROLLBACK")
+        raise
+    else:
+        db.conn.execute("COMMIT")

@@ -1,0 +1,114 @@
+"""Reads and small writes shared by the CLI, the console and the runners."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from sqlite_utils import Database
+
+from ddtree.store.db import transaction
+from ddtree.store.errors import NotFound
+from ddtree.store.records import Job, JobEvent, Process, Run, from_row
+
+
+def to_json(value: Any) -> str | None:
+    """JSON text for a JSON column (None stays NULL)."""
+    return None if value is None else json.dumps(value, sort_keys=True, default=str)
+
+
+def insert_row(db: Database, table: str, values: dict[str, Any]) -> int:
+    """Insert one row in a short transaction and return its id."""
+    cols = list(values)
+    sql = f"INSERT INTO [{table}] ({', '.join(f'[{c}]' for c in cols)}) VALUES ({', '.join('?' for _ in cols)})"
+    with transaction(db):
+        cur = db.execute(sql, [values[c] for c in cols])
+    return int(cur.lastrowid)
+
+
+def update_row(db: Database, table: str, row_id: int, values: dict[str, Any]) -> None:
+    """Update columns of one row in a short transaction (no error if the row is gone)."""
+    if not values:
+        return
+    sets = ", ".join(f"[{c}] = ?" for c in values)
+    with transaction(db):
+        db.execute(f"UPDATE [{table}] SET {sets} WHERE id = ?", [*values.values(), row_id])
+
+
+def get_job(db: Database, job_id: int) -> Job:
+    rows = _rows(db, "SELECT * FROM jobs WHERE id = ?", [job_id])
+    if not rows:
+        raise NotFound(f"no job with id {job_id}", "list jobs with `ddtree-console jobs`")
+    return from_row(Job, rows[0])
+
+
+def list_jobs(db: Database, *, states: set[str] | None = None, limit: int | None = None) -> list[Job]:
+    """Jobs, newest first."""
+    sql = "SELECT * FROM jobs"
+    params: list[Any] = []
+    if states:
+        sql += f" WHERE state IN ({', '.join('?' for _ in states)})"
+        params.extend(sorted(states))
+    sql += " ORDER BY id DESC"
+    if limit is not None:
+        sql += " LIMIT ?"
+        params.append(int(limit))
+    return [from_row(Job, row) for row in _rows(db, sql, params)]
+
+
+def job_events(db: Database, job_id: int) -> list[JobEvent]:
+    return [
+        from_row(JobEvent, row)
+        for row in _rows(db, "SELECT * FROM job_events WHERE job_id = ? ORDER BY id", [job_id])
+    ]
+
+
+def job_processes(db: Database, job_id: int, *, running_only: bool = False) -> list[Process]:
+    sql = "SELECT * FROM processes WHERE job_id = ?"
+    if running_only:
+        sql += " AND ended_at IS NULL"
+    return [from_row(Process, row) for row in _rows(db, sql + " ORDER BY id", [job_id])]
+
+
+def get_run(db: Database, run_id: int) -> Run:
+    runs = _runs(db, "WHERE r.id = ?", [run_id])
+    if not runs:
+        raise NotFound(f"no run with id {run_id}", "list runs with `ddtree-console runs`")
+    return runs[0]
+
+
+def list_runs(db: Database, *, text: str | None = None, limit: int | None = None) -> list[Run]:
+    """Runs, newest first; `text` keeps those whose name, models, engine, state or recipe contain
+    it (case-insensitive)."""
+    where, params = "", []
+    if text:
+        like = f"%{text.lower()}%"
+        cols = ["r.name", "r.model", "r.draft_model", "r.engine_kind", "r.state", "r.recipe"]
+        where = "WHERE " + " OR ".join(f"lower(coalesce({c}, '')) LIKE ?" for c in cols)
+        params = [like] * len(cols)
+    suffix = " LIMIT ?" if limit is not None else ""
+    if limit is not None:
+        params.append(int(limit))
+    return _runs(db, where, params, suffix)
+
+
+def _runs(db: Database, where: str, params: list[Any], suffix: str = "") -> list[Run]:
+    sql = (
+        "SELECT r.*, "
+        "(SELECT count(*) FROM points p WHERE p.run_id = r.id AND p.state = 'done') AS points_done, "
+        "(SELECT count(*) FROM points p WHERE p.run_id = r.id AND p.state = 'failed') AS points_failed "
+        f"FROM runs r {where} ORDER BY r.id DESC{suffix}"
+    )
+    return [from_row(Run, row) for row in _rows(db, sql, params)]
+
+
+def now() -> float:
+    return time.time()
+
+
+def _rows(db: Database, sql: str, params: list[Any]) -> list[dict[str, Any]]:
+    cur = db.execute(sql, params)
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row)) for row in cur.fetchall()]
+
