@@ -247,3 +247,22 @@ def m001_initial(db: Database) -> None:
         not_null=["at"],
     )
     db["telemetry"].create_index(["at"])
+
+
+@migrations()
+def m002_sweep_points(db: Database) -> None:
+    # Sweeps (issue 7): a point's identity within its run, so a resumed sweep updates the row it
+    # left behind instead of adding a second one; the GPU set; failure causes; repeat agreement.
+    db["points"].add_column("point_key", str)  # JSON of the grid parameters (jobs/plan.point_key)
+    db["points"].add_column("gpus", str)  # JSON list
+    db["points"].add_column("baseline", int)  # 1 when measured only as a baseline for speedups
+    db["points"].add_column("idx", int)  # position in the plan (run order)
+    db["points"].add_column("tok_s_per_user", float)
+    db["points"].add_column("failures", str)  # JSON {cause: count}
+    db["points"].add_column("warnings", str)  # JSON list
+    db["points"].add_column("repeat_spread", float)  # (max - min) / median of output tok/s over repeats
+    db["points"].add_column("unstable", int)  # 1 when repeats disagree by more than the recipe allows
+    db["points"].create_index(["run_id", "point_key"], unique=True)
+    db["requests"].add_column("finish_reason", str)
+    db["requests"].add_column("detail", str)
+    db["requests"].add_column("accept_hist", str)  # JSON list, index = accept length
