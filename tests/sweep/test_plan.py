@@ -1,0 +1,86 @@
+"""The plan: launches (argv, env), restart logic, point order, keys, estimate, JSON shape."""
+
+import json
+
+from ddtree.jobs.plan import make_plan, point_key
+from ddtree.jobs.recipe import parse_recipe
+
+BUILTIN = """
+name = "demo"
+[engine]
+model = "/m/target"
+draft_model = "/m/drafter"
+[sweep]
+budget = [4, 8]
+concurrency = [2, 1]
+num_prompts = 8
+max_new_tokens = 16
+baseline = ["ar", "dflash"]
+repeats = 2
+"""
+
+
+def test_builtin_engine_takes_spec_per_request_so_one_launch():
+    plan = make_plan(parse_recipe(BUILTIN))
+    assert len(plan.launches) == 1
+    launch = plan.launches[0]
+    argv = list(launch.argv)
+    assert argv[1:3] == ["-m", "ddtree.engine.reference.server"]
+    assert argv[argv.index("--model") + 1] == "/m/target" and argv[argv.index("--draft") + 1] == "/m/drafter"
+    assert argv[argv.index("--port") + 1] == "0" and argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--budget") + 1] == "8"
+    # concurrency ascending (saturation stops a series early), baselines before the measured grid
+    order = [(p.concurrency, p.algorithm, p.budget, p.repeat) for p in plan.points]
+    assert order[:8] == [(1, "ar", None, 0), (1, "ar", None, 1), (1, "dflash", None, 0), (1, "dflash", None, 1),
+                         (1, "ddtree", 4, 0), (1, "ddtree", 4, 1), (1, "ddtree", 8, 0), (1, "ddtree", 8, 1)]
+    assert len(plan.points) == 16 and all(p.launch == 0 for p in plan.points)
+    assert len({p.key for p in plan.points}) == 16
+    assert [p.baseline for p in plan.points[:4]] == [True] * 4
+
+
+def test_server_side_axes_restart_the_engine_for_engines_that_fix_them():
+    recipe = parse_recipe("""
+name = "s"
+[engine]
+kind = "sglang"
+gpus = [0, 1, 2, 3]
+[sweep]
+budget = [16, 32]
+tp = [2, 4]
+concurrency = [1, 8]
+baseline = ["ar"]
+""")
+    plan = make_plan(recipe)
+    # per tp: ar baseline, ddtree 16, ddtree 32 -> 3 launches each
+    got = [(l.tp, l.algorithm, l.budget, dict(l.env)["CUDA_VISIBLE_DEVICES"]) for l in plan.launches]
+    assert got == [(2, "ar", None, "0,1"), (2, "ddtree", 16, "0,1"), (2, "ddtree", 32, "0,1"),
+                   (4, "ar", None, "0,1,2,3"), (4, "ddtree", 16, "0,1,2,3"), (4, "ddtree", 32, "0,1,2,3")]
+    # client-side axes reuse the launch: both concurrencies under each
+    for launch in plan.launches:
+        assert [p.concurrency for p in plan.points if p.launch == launch.index] == [1, 8]
+    assert all(l.argv is None and "not supported yet" in l.unsupported for l in plan.launches)
+
+
+def test_plan_json_shape_and_estimate():
+    plan = make_plan(parse_recipe(BUILTIN))
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert set(data) == {"name", "engine_kind", "launches", "points", "warnings", "estimate"}
+    assert set(data["launches"][0]) >= {"index", "argv", "env", "tp", "gpus", "algorithm", "budget", "est_start_s"}
+    point = data["points"][0]
+    assert set(point) >= {"index", "launch", "key", "algorithm", "budget", "concurrency", "dataset", "temperature",
+                          "repeat", "baseline", "est_s"}
+    assert data["estimate"]["total_s"] > 0
+    assert abs(sum(p["est_s"] for p in data["points"]) + data["launches"][0]["est_start_s"]
+               - data["estimate"]["total_s"]) < 1.0
+    # num_prompts 8 < 5 x 2, but not < 5 x 1
+    assert any("5 x concurrency 2" in w for w in data["warnings"])
+    assert not any("5 x concurrency 1:" in w for w in data["warnings"])
+    # measured speed halves the estimate when it doubles
+    faster = make_plan(parse_recipe(BUILTIN), stream_tok_s=2 * plan.assumed_stream_tok_s)
+    assert sum(p.est_s for p in faster.points) == sum(p.est_s for p in plan.points) / 2
+
+
+def test_point_key_is_stable_across_types():
+    params = {"engine_kind": "builtin", "algorithm": "ddtree", "budget": 8, "tp": 1, "gpus": (), "concurrency": 1,
+              "dataset": "builtin:code", "temperature": 0, "repeat": 0}
+    assert point_key(params) == point_key({**params, "temperature": 0.0, "gpus": []})
