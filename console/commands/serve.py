@@ -1,0 +1,81 @@
+"""`ddtree-console serve`: the builtin engine's HTTP server in the foreground.
+
+The console never imports the engine (torch lives only in ddtree.engine.reference), so this command
+replaces itself with `python -m ddtree.engine.reference.server ...` via exec: same pid, same
+terminal, signals (Ctrl-C, SIGTERM) go straight to the server, and its exit code is ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+from ddtree.engine.errors import EngineError
+
+SERVER_MODULE = "ddtree.engine.reference.server"
+
+
+class ServeError(EngineError):
+    exit_code = 2
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _non_negative(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (0..65535), got {value}")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve", help="run the builtin engine (SGLang-compatible HTTP API) in the foreground",
+        description="Run the builtin DFlash/DDTree engine as an HTTP server speaking a subset of SGLang's API. "
+                    "Prints one JSON line {\"event\": \"listening\", \"port\": N, \"url\": ...} on stdout once ready.")
+    p.add_argument("--model", help="target model: a local directory or a hub repo id (default: the demo pair)")
+    p.add_argument("--draft", help="DFlash drafter: a local directory or a hub repo id (default: the demo drafter)")
+    p.add_argument("--algorithm", choices=("ar", "dflash", "ddtree"), default="ddtree",
+                   help="default algorithm; requests may override it (default: ddtree)")
+    p.add_argument("--budget", type=_non_negative, help="default DDTree node budget")
+    p.add_argument("--block-size", type=_non_negative, help="draft block size (default: the drafter's)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=0, help="port (default: 0, a free port printed on stdout)")
+    p.add_argument("--max-running-requests", type=int, help="requests decoded at once (default: 8)")
+    p.add_argument("--max-queued-requests", type=int, help="queued beyond those before 503 (default: 64)")
+    p.set_defaults(command_module=__name__)
+
+
+def server_argv(args: argparse.Namespace) -> list[str]:
+    """The server's command line for these arguments (also what a job would spawn)."""
+    argv = [sys.executable, "-m", SERVER_MODULE, "--algorithm", args.algorithm, "--device", args.device,
+            "--host", args.host, "--port", str(args.port)]
+    for flag, value in (("--model", args.model), ("--draft", args.draft), ("--budget", args.budget),
+                        ("--block-size", args.block_size),
+                        ("--max-running-requests", getattr(args, "max_running_requests", None)),
+                        ("--max-queued-requests", getattr(args, "max_queued_requests", None))):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def run(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("uvicorn") is None:
+        raise ServeError("the builtin engine is not installed in this Python",
+                         hint="pip install 'ddtree-console[engine]'")
+    argv = server_argv(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)
+    return 0  # not reached: exec replaced this process

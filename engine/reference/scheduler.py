@@ -1,0 +1,424 @@
+"""Round-robin scheduling of decoding sessions on one engine thread, and the server's counters.
+
+One thread owns the engine. Each turn it admits waiting requests (prefill happens in
+`engine.start`), then advances every running session by exactly one round (`Session.step()`: one
+token for AR, one draft + one verify for DFlash/DDTree). A long request therefore delays a new one
+by at most one round of each other running request, never by its whole generation.
+
+Nothing here imports torch: the scheduler only sees the Session API, so it is testable with a
+double and reusable by any engine with that API.
+
+Requests past `max_running + max_queued` are refused at once (`QueueFull`, a 503 at the HTTP
+layer) rather than growing the queue without bound. A cancelled ticket (client gone, stop string
+matched) has its session closed at the start of the next turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ddtree.engine.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(EngineError):
+    """The server holds as many requests as it accepts; the client should retry later."""
+
+
+class ShuttingDown(EngineError):
+    """The server is stopping and takes no new requests."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one request gained since its previous update (sent from the engine thread)."""
+
+    new_ids: tuple[int, ...] = ()
+    #: tau of each verify round finished since the previous update (bonus token included).
+    new_accepts: tuple[int, ...] = ()
+    verify_ct: int = 0
+    done: bool = False
+    finish_reason: str | None = None  # "length" | "stop" | "abort"
+    error: EngineError | None = None
+    at: float = field(default_factory=time.perf_counter)
+
+
+class Ticket:
+    """One submitted request. `sink` is called on the engine thread with each `Update`."""
+
+    def __init__(self, input_ids: list[int], gen: Any, spec: Any, sink: Callable[[Update], None]) -> None:
+        self.input_ids = input_ids
+        self.gen = gen
+        self.spec = spec
+        self.sink = sink
+        self.submitted_at = time.perf_counter()
+        self._cancelled = threading.Event()
+        #: Why the consumer dropped it: "abort" (client gone, error) or "stop" (a stop string
+        #: matched, so the request completed normally and counts as such).
+        self.cancel_reason = "abort"
+        self.finished = False
+
+    def cancel(self, reason: str = "abort") -> None:
+        """Ask the engine thread to drop this request; safe from any thread, idempotent."""
+        if not self._cancelled.is_set():
+            self.cancel_reason = reason
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass
+class _Active:
+    ticket: Ticket
+    session: Any
+    emitted: int = 0
+    rounds_seen: int = 0
+
+
+# Latency histogram bounds (seconds): from sub-10 ms rounds on a GPU to minutes on a laptop CPU.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Histogram:
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.sum += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+
+
+class Stats:
+    """Counters since boot plus short recent windows; every method is thread-safe."""
+
+    WINDOW_ROUNDS = 512
+    THROUGHPUT_WINDOW_S = 10.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests_total = 0
+        self.aborted_total = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.verify_calls_total = 0
+        self.accepted_tokens_total = 0  # sum of tau over all verify rounds
+        self.correct_drafts_total = 0
+        self.proposed_drafts_total = 0
+        self._recent_rounds: deque[tuple[int, int]] = deque(maxlen=self.WINDOW_ROUNDS)  # (tau, proposed)
+        self._recent_tokens: deque[tuple[float, int]] = deque()
+        self.ttft = Histogram()
+        self.e2e = Histogram()
+        self.itl = Histogram()
+
+    def add_rounds(self, accepts: tuple[int, ...], proposed_per_round: int) -> None:
+        with self._lock:
+            for tau in accepts:
+                self.verify_calls_total += 1
+                self.accepted_tokens_total += tau
+                self.correct_drafts_total += max(tau - 1, 0)
+                self.proposed_drafts_total += proposed_per_round
+                self._recent_rounds.append((tau, proposed_per_round))
+
+    def add_tokens(self, n: int, now: float) -> None:
+        with self._lock:
+            self.generation_tokens_total += n
+            self._recent_tokens.append((now, n))
+            while self._recent_tokens and self._recent_tokens[0][0] < now - self.THROUGHPUT_WINDOW_S:
+                self._recent_tokens.popleft()
+
+    def add_request(self, prompt_tokens: int, *, aborted: bool, e2e_s: float | None) -> None:
+        with self._lock:
+            self.requests_total += 1
+            self.prompt_tokens_total += prompt_tokens
+            if aborted:
+                self.aborted_total += 1
+            if e2e_s is not None:
+                self.e2e.observe(e2e_s)
+
+    def observe_ttft(self, seconds: float) -> None:
+        with self._lock:
+            self.ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float, tokens: int) -> None:
+        with self._lock:
+            # One round commits several tokens at once; spread the gap over them as SGLang does.
+            for _ in range(tokens):
+                self.itl.observe(seconds / tokens)
+
+    def avg_accept_length(self) -> float | None:
+        """Mean tau since boot (SGLang's internal_states avg_spec_accept_length is cumulative too)."""
+        with self._lock:
+            return self.accepted_tokens_total / self.verify_calls_total if self.verify_calls_total else None
+
+    def recent_accept(self) -> tuple[float, float]:
+        """(mean tau, accept rate) over the last WINDOW_ROUNDS rounds; (0, 0) before any round."""
+        with self._lock:
+            rounds = list(self._recent_rounds)
+        if not rounds:
+            return 0.0, 0.0
+        taus = sum(t for t, _ in rounds)
+        proposed = sum(p for _, p in rounds)
+        correct = sum(max(t - 1, 0) for t, _ in rounds)
+        return taus / len(rounds), (correct / proposed if proposed else 0.0)
+
+    def gen_throughput(self, now: float) -> float:
+        with self._lock:
+            while self._recent_tokens and self._recent_tokens[0][0] < now - self.THROUGHPUT_WINDOW_S:
+                self._recent_tokens.popleft()
+            tokens = sum(n for _, n in self._recent_tokens)
+        return tokens / self.THROUGHPUT_WINDOW_S
+
+
+def proposed_per_round(algorithm: str, budget: int, block_size: int) -> int:
+    """Draft tokens one verify round checks: the tree's nodes, the chain's block, none for AR."""
+    if algorithm == "ddtree":
+        return budget
+    if algorithm == "dflash":
+        return block_size - 1
+    return 0
+
+
+class Scheduler:
+    """Runs sessions of `engine` (the `Engine.start -> Session` API) round by round on one thread."""
+
+    def __init__(self, engine: Any, *, max_running: int = 8, max_queued: int = 64, stats: Stats | None = None) -> None:
+        if max_running < 1 or max_queued < 0:
+            raise ValueError("max_running must be >= 1 and max_queued >= 0")
+        self.engine = engine
+        self.max_running = max_running
+        self.max_queued = max_queued
+        self.stats = stats or Stats()
+        self._cond = threading.Condition()
+        self._waiting: deque[Ticket] = deque()
+        self._running: list[_Active] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # -- any thread ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, input_ids: list[int], gen: Any, spec: Any, sink: Callable[[Update], None]) -> Ticket:
+        ticket = Ticket(input_ids, gen, spec, sink)
+        with self._cond:
+            if self._stopping:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._waiting) + len(self._running) >= self.max_running + self.max_queued:
+                raise QueueFull(
+                    f"{self.max_running} requests running and {len(self._waiting)} queued",
+                    hint="retry later, or start the server with a larger --max-queued-requests",
+                )
+            self._waiting.append(ticket)
+            self._cond.notify()
+        return ticket
+
+    def counts(self) -> tuple[int, int]:
+        """(running, queued) right now."""
+        with self._cond:
+            return len(self._running), len(self._waiting)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop after the current round; requests still held get an error update."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the engine thread did not stop within %.0f s; closing its sessions anyway", timeout)
+        with self._cond:
+            leftovers = [a.ticket for a in self._running] + list(self._waiting)
+            sessions = [a.session for a in self._running]
+            self._running.clear()
+            self._waiting.clear()
+        for session in sessions:
+            session.close()
+        for ticket in leftovers:
+            self._finish(ticket, Update(done=True, finish_reason="abort", error=ShuttingDown("the server shut down")),
+                         aborted=True)
+
+    # -- engine thread --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._running and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                admit = []
+                while self._waiting and len(self._running) + len(admit) < self.max_running:
+                    admit.append(self._waiting.popleft())
+            for ticket in admit:
+                self._admit(ticket)
+            with self._cond:
+                turn = list(self._running)
+            for active in turn:
+                self._advance(active)
+
+    def _admit(self, ticket: Ticket) -> None:
+        if ticket.cancelled:
+            self._finish(ticket, Update(done=True, finish_reason="abort"), aborted=True)
+            return
+        try:
+            session = self.engine.start(ticket.input_ids, ticket.gen, ticket.spec)
+        except EngineError as exc:
+            self._finish(ticket, Update(done=True, finish_reason="abort", error=exc), aborted=True)
+            return
+        except Exception as exc:  # boundary: one bad request must not stop the engine thread
+            log.exception("engine.start failed")
+            self._finish(ticket, Update(done=True, finish_reason="abort", error=EngineError(f"prefill failed: {exc}")),
+                         aborted=True)
+            return
+        active = _Active(ticket, session)
+        with self._cond:
+            self._running.append(active)
+        # Some engines commit the first token during prefill; report it now for a short TTFT.
+        self._publish(active)
+
+    def _advance(self, active: _Active) -> None:
+        ticket, session = active.ticket, active.session
+        if ticket.cancelled:
+            stopped = ticket.cancel_reason == "stop"
+            self._retire(active, Update(done=True, finish_reason="stop" if stopped else "abort"), aborted=not stopped)
+            return
+        if not session.done:
+            try:
+                session.step()
+            except EngineError as exc:
+                self._retire(active, Update(done=True, finish_reason="abort", error=exc), aborted=True)
+                return
+            except Exception as exc:  # boundary: fail this request, keep serving the others
+                log.exception("session.step failed")
+                self._retire(active, Update(done=True, finish_reason="abort", error=EngineError(f"decoding failed: {exc}")),
+                             aborted=True)
+                return
+        self._publish(active)
+
+    def _publish(self, active: _Active) -> None:
+        """Send the tokens and rounds committed since the last update; retire a finished session."""
+        session = active.session
+        ids = session.output_ids
+        accepts = session.accept_lengths
+        new_ids = tuple(ids[active.emitted:])
+        new_accepts = tuple(accepts[active.rounds_seen:])
+        active.emitted = len(ids)
+        active.rounds_seen = len(accepts)
+        now = time.perf_counter()
+        if new_accepts:
+            spec = active.ticket.spec
+            self.stats.add_rounds(new_accepts, proposed_per_round(spec.algorithm, spec.budget, self.engine.block_size))
+        if new_ids:
+            self.stats.add_tokens(len(new_ids), now)
+        update = Update(new_ids, new_accepts, session.verify_ct, at=now)
+        if session.done:
+            update = Update(new_ids, new_accepts, session.verify_ct, done=True,
+                            finish_reason=session.finish_reason, at=now)
+            self._retire(active, update, aborted=False)
+        elif new_ids or new_accepts:
+            self._send(active.ticket, update)
+
+    def _retire(self, active: _Active, update: Update, *, aborted: bool) -> None:
+        with self._cond:
+            if active in self._running:
+                self._running.remove(active)
+        try:
+            active.session.close()
+        finally:
+            self._finish(active.ticket, update, aborted=aborted)
+
+    def _finish(self, ticket: Ticket, update: Update, *, aborted: bool) -> None:
+        if ticket.finished:
+            return
+        ticket.finished = True
+        e2e = update.at - ticket.submitted_at if not aborted else None
+        self.stats.add_request(len(ticket.input_ids), aborted=aborted, e2e_s=e2e)
+        self._send(ticket, update)
+
+    @staticmethod
+    def _send(ticket: Ticket, update: Update) -> None:
+        try:
+            ticket.sink(update)
+        except Exception:  # boundary: a consumer that went away must not stop the engine thread
+            log.exception("delivering an update failed")
+            ticket.cancel()
+
+
+# -- Prometheus text exposition (format 0.0.4), with SGLang's metric names ----------------------
+
+def _labels(labels: dict[str, str], extra: dict[str, str] | None = None) -> str:
+    merged = {**labels, **(extra or {})}
+    if not merged:
+        return ""
+    parts = []
+    for key, value in merged.items():
+        escaped = str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+        parts.append(f'{key}="{escaped}"')
+    return "{" + ",".join(parts) + "}"
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+def render_metrics(stats: Stats, running: int, queued: int, labels: dict[str, str], now: float) -> str:
+    """The /metrics body: gauges, counters and latency histograms named as SGLang names them."""
+    lab = _labels(labels)
+    out: list[str] = []
+
+    def scalar(name: str, kind: str, doc: str, value: float) -> None:
+        out.append(f"# HELP {name} {doc}")
+        out.append(f"# TYPE {name} {kind}")
+        out.append(f"{name}{lab} {_number(value)}")
+
+    def histogram(name: str, doc: str, hist: Histogram) -> None:
+        out.append(f"# HELP {name} {doc}")
+        out.append(f"# TYPE {name} histogram")
+        for bound, count in zip(hist.bounds, hist.counts):
+            out.append(f"{name}_bucket{_labels(labels, {'le': _number(bound)})} {_number(count)}")
+        out.append(f"{name}_bucket{_labels(labels, {'le': '+Inf'})} {_number(hist.count)}")
+        out.append(f"{name}_count{lab} {_number(hist.count)}")
+        out.append(f"{name}_sum{lab} {_number(hist.sum)}")
+
+    accept_length, accept_rate = stats.recent_accept()
+    scalar("sglang:num_running_reqs", "gauge", "The number of running requests.", running)
+    scalar("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", queued)
+    scalar("sglang:gen_throughput", "gauge", "The generation throughput (token/s).", stats.gen_throughput(now))
+    scalar("sglang:spec_accept_length", "gauge",
+           "The average acceptance length of speculative decoding (recent rounds).", accept_length)
+    scalar("sglang:spec_accept_rate", "gauge",
+           "The average acceptance rate of speculative decoding (recent rounds).", accept_rate)
+    with stats._lock:
+        counters = [
+            ("sglang:prompt_tokens_total", "Number of prefill tokens processed.", stats.prompt_tokens_total),
+            ("sglang:generation_tokens_total", "Number of generation tokens processed.",
+             stats.generation_tokens_total),
+            ("sglang:num_requests_total", "Number of requests processed.", stats.requests_total),
+            ("sglang:num_aborted_requests_total", "Number of requests aborted.", stats.aborted_total),
+            ("sglang:spec_verify_calls_total", "Number of speculative decoding verification calls.",
+             stats.verify_calls_total),
+        ]
+        for name, doc, value in counters:
+            scalar(name, "counter", doc, value)
+        histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", stats.ttft)
+        histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", stats.itl)
+        histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
+                  stats.e2e)
+    return "\n".join(out) + "\n"

@@ -1,0 +1,439 @@
+"""The builtin engine's HTTP server: the subset of SGLang's API in DESIGN.md, over starlette + uvicorn.
+
+    python -m ddtree.engine.reference.server [--model DIR|REPO] [--draft DIR|REPO]
+        [--algorithm ar|dflash|ddtree] [--budget M] [--block-size B] [--device cpu|cuda]
+        [--host 127.0.0.1] [--port 0]
+
+Startup: load the engine, warm it up, bind the socket (port 0 = a free port, bound here and handed
+to uvicorn so nobody can take it in between), start serving, then print exactly one line on stdout:
+`{"event": "listening", "host": ..., "port": N, "url": "http://HOST:N"}`. SIGTERM/SIGINT: stop
+accepting, let in-flight requests finish (up to --graceful-timeout), exit 0.
+
+Endpoints: /health, /server_info (= /get_server_info), /generate, /v1/completions,
+/v1/chat/completions, /v1/models, /metrics. Requests run on one engine thread, interleaved round by
+round (scheduler.py). Bad requests get 400 with SGLang's JSON error shape; a full queue gets 503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ddtree.engine.errors import EngineError
+from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
+from ddtree.engine.reference.scheduler import QueueFull, ShuttingDown, render_metrics
+from ddtree.engine.reference.serving import ALGORITHMS, DEFAULT_BUDGET, Api, BadRequest, Run, ServerConfig
+
+log = logging.getLogger("ddtree.engine.server")
+
+
+# -- HTTP ----------------------------------------------------------------------------------------
+
+def _error(status: int, message: str) -> JSONResponse:
+    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 503: "ServiceUnavailable"}
+    return JSONResponse({"object": "error", "message": message, "type": kind.get(status, "InternalServerError"),
+                         "param": None, "code": status}, status_code=status)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that always releases its request, however the stream ends.
+
+    Starlette leaves the body generator suspended (not closed) when the client vanishes while a
+    chunk is being sent, so cleanup cannot live only in the generator's finally.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Any) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def stream_response(self, send: Any) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            self.on_close()
+
+
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"malformed JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+async def _collect(run: Run, request: Request) -> Run:
+    """Runs a non-streaming request to the end, cancelling it if the client disconnects."""
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                run.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        async for _ in run.updates():
+            pass
+    finally:
+        watcher.cancel()
+    return run
+
+
+def build_app(api: Api) -> Starlette:
+    async def health(request: Request) -> Response:
+        if api.draining:
+            return _error(503, "the server is shutting down")
+        return JSONResponse({"status": "ok"})
+
+    async def server_info(request: Request) -> Response:
+        engine, config = api.engine, api.config
+        running, queued = api.scheduler.counts()
+        now = time.perf_counter()
+        tau, rate = api.stats.recent_accept()
+        return JSONResponse({
+            "engine": "builtin",
+            "version": _version(),
+            "model": engine.model_name, "model_path": config.model_path,
+            "served_model_name": config.served_model_name,
+            "draft_model": engine.draft_name, "speculative_draft_model_path": config.draft_path,
+            "algorithm": config.algorithm, "budget": config.budget, "block_size": engine.block_size,
+            "max_budget": engine.max_budget, "device": str(engine.device),
+            "speculative_algorithm": None if config.algorithm == "ar" else config.algorithm.upper(),
+            "speculative_ddtree_budget": config.budget if config.algorithm == "ddtree" else None,
+            "speculative_dflash_block_size": engine.block_size,
+            "speculative_num_draft_tokens": engine.block_size,
+            "context_length": engine.context_window,
+            "max_running_requests": config.max_running, "max_queued_requests": config.max_queued,
+            "chat_template": "model" if api.has_chat_template else "fallback",
+            "uptime_s": time.time() - api.started_at,
+            "internal_states": [{
+                "avg_spec_accept_length": api.stats.avg_accept_length(),
+                "recent_spec_accept_length": tau, "recent_spec_accept_rate": rate,
+                "last_gen_throughput": api.stats.gen_throughput(now),
+                "num_running_reqs": running, "num_queue_reqs": queued,
+                "spec_verify_calls_total": api.stats.verify_calls_total,
+                "generation_tokens_total": api.stats.generation_tokens_total,
+            }],
+        })
+
+    async def metrics(request: Request) -> Response:
+        running, queued = api.scheduler.counts()
+        body = render_metrics(api.stats, running, queued, {"model_name": api.config.served_model_name},
+                              time.perf_counter())
+        return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": api.config.served_model_name, "object": "model", "created": int(api.started_at),
+            "owned_by": "ddtree-console", "root": api.config.model_path,
+            "max_model_len": api.engine.context_window}]})
+
+    async def generate(request: Request) -> Response:
+        req = api.parse_generate(await _json_body(request))
+        run = api.submit(req)
+        if not req.stream:
+            await _collect(run, request)
+            return JSONResponse({"text": run.text, "output_ids": run.ids,
+                                 "meta_info": api.meta_info(req, run, final=True)})
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for r in run.updates():
+                    yield _sse({"text": r.text, "output_ids": list(r.ids),
+                                "meta_info": api.meta_info(req, r, final=r.done)})
+            except EngineError as exc:
+                yield _sse({"error": {"message": str(exc)}})
+            yield SSE_DONE
+
+        return _EventStream(chunks(), run.cancel)
+
+    async def completions(request: Request) -> Response:
+        return await _openai(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await _openai(request, chat=True)
+
+    async def _openai(request: Request, *, chat: bool) -> Response:
+        body = await _json_body(request)
+        req = api.parse_openai(body, chat=chat)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        model = body.get("model") or api.config.served_model_name
+        rid = ("chatcmpl-" if chat else "cmpl-") + req.rid
+        created = int(time.time())
+        run = api.submit(req)
+
+        def usage() -> dict:
+            n_in, n_out = len(req.input_ids), len(run.ids)
+            return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+        def finish() -> str | None:
+            return run.finish_reason if run.finish_reason in ("stop", "length") else None
+
+        if not req.stream:
+            await _collect(run, request)
+            if chat:
+                choice = {"index": 0, "message": {"role": "assistant", "content": run.text},
+                          "logprobs": None, "finish_reason": finish()}
+            else:
+                choice = {"index": 0, "text": run.text, "logprobs": None, "finish_reason": finish()}
+            return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                 "created": created, "model": model, "choices": [choice], "usage": usage()})
+
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish_reason: str | None, *, role: bool = False) -> bytes:
+            if chat:
+                d: dict[str, Any] = {"role": "assistant"} if role else {}
+                if delta is not None:
+                    d["content"] = delta
+                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
+            return _sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]})
+
+        async def chunks() -> AsyncIterator[bytes]:
+            sent = 0
+            try:
+                if chat:
+                    yield chunk("", None, role=True)
+                async for r in run.updates():
+                    delta = r.text[sent:]
+                    sent = len(r.text)
+                    if r.done:
+                        yield chunk(delta, finish())
+                    elif delta:
+                        yield chunk(delta, None)
+                if include_usage:
+                    yield _sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
+                                "usage": usage()})
+            except EngineError as exc:
+                yield _sse({"error": {"message": str(exc), "type": "InternalServerError", "code": 500}})
+            yield SSE_DONE
+
+        return _EventStream(chunks(), run.cancel)
+
+    async def on_engine_error(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, (QueueFull, ShuttingDown)):
+            return _error(503, str(exc))
+        if isinstance(exc, EngineError) and exc.exit_code == 2:
+            return _error(400, str(exc))
+        log.error("request failed: %s", exc)
+        return _error(500, str(exc))
+
+    async def on_http_error(request: Request, exc: HTTPException) -> Response:
+        return _error(exc.status_code, exc.detail)
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error")  # boundary: a bug must cost one request, not the server
+        return _error(500, f"internal error: {exc}")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        api.scheduler.start()
+        try:
+            yield
+        finally:
+            api.scheduler.stop()
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health, methods=["GET"]),
+        Route("/server_info", server_info, methods=["GET"]),
+        Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/generate", generate, methods=["POST", "PUT"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={EngineError: on_engine_error, HTTPException: on_http_error,
+                                         Exception: on_unexpected})
+
+
+def _version() -> str:
+    try:
+        return version("ddtree-console")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# -- process -------------------------------------------------------------------------------------
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Binds (host, port) now; port 0 picks a free one with no window for another process to take it."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise BadRequest(f"cannot resolve host {host!r}: {exc}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise EngineError(f"cannot listen on {host}:{port}: {exc.strerror}", hint="pick another --port, or 0") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def warm_up(engine: Engine, config: ServerConfig) -> None:
+    """One short generation, so the first real request does not pay for lazy initialisation."""
+    ids = list(engine.tokenizer.encode("def main():\n    ")) or list(engine.eos_token_ids or [0])
+    engine.generate(ids, GenParams(max_new_tokens=8, temperature=0.0),
+                    SpecParams(algorithm=config.algorithm, budget=config.budget))
+
+
+def _uvicorn_server(app: Starlette, api: Api, announce: Any, graceful_timeout_s: float) -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                announce()
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[override]
+            # uvicorn re-raises a caught SIGTERM after its graceful shutdown, which would turn our
+            # clean exit into death by signal; we handle the signals ourselves instead.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        def on_signal(self, sig: int, frame: Any) -> None:
+            api.draining = True
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=graceful_timeout_s, timeout_keep_alive=30)
+    return Server(config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ddtree.engine.reference.server",
+                                description="The builtin DFlash/DDTree engine behind an SGLang-compatible HTTP API.")
+    p.add_argument("--model", help="target model: a local directory or a hub repo id (default: the demo pair)")
+    p.add_argument("--draft", help="DFlash drafter: a local directory or a hub repo id (default: the demo drafter "
+                                   "when --model is not given; none otherwise, which allows only ar)")
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="ddtree", help="default algorithm (default: ddtree)")
+    p.add_argument("--budget", type=int, default=None,
+                   help=f"default DDTree node budget (default: {DEFAULT_BUDGET}, capped by the engine's maximum)")
+    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port (default: 0, a free port printed on stdout)")
+    p.add_argument("--served-model-name", default=None, help="the model name the OpenAI endpoints report")
+    p.add_argument("--max-running-requests", type=int, default=8,
+                   help="requests decoded at once, interleaved round by round (default: 8)")
+    p.add_argument("--max-queued-requests", type=int, default=64,
+                   help="requests waiting beyond those; past this the server answers 503 (default: 64)")
+    p.add_argument("--graceful-timeout", type=float, default=60.0,
+                   help="seconds in-flight requests get to finish after SIGTERM (default: 60)")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
+    model, draft = args.model, args.draft
+    if model is None:
+        from ddtree.engine.demo import demo_paths
+
+        demo_target, demo_drafter = demo_paths()
+        model = str(demo_target)
+        draft = draft or str(demo_drafter)
+    dtype = None
+    if args.dtype != "auto":
+        import torch
+
+        dtype = getattr(torch, args.dtype)
+    kwargs: dict[str, Any] = {"device": args.device, "dtype": dtype}
+    if args.block_size is not None:
+        kwargs["block_size"] = args.block_size
+    try:
+        engine = Engine.load(model, draft, **kwargs)
+    except TypeError:
+        raise BadRequest("--block-size is not supported by this engine build") from None
+    return engine, str(model), None if draft is None else str(draft)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.port < 0 or args.port > 65535:
+            raise BadRequest(f"--port must be in 0..65535, got {args.port}")
+        if args.block_size is not None and args.block_size < 2:
+            raise BadRequest(f"--block-size must be at least 2, got {args.block_size}")
+        engine, model_path, draft_path = _load(args)
+        budget = args.budget if args.budget is not None else min(DEFAULT_BUDGET, engine.max_budget or DEFAULT_BUDGET)
+        if engine.max_budget is not None and not 0 <= budget <= engine.max_budget:
+            raise BadRequest(f"--budget must be between 0 and {engine.max_budget}, got {budget}")
+        algorithm = args.algorithm if engine.draft_name is not None else "ar"
+        if args.algorithm != "ar" and engine.draft_name is None:
+            log.warning("no drafter loaded: serving %s requests as ar", args.algorithm)
+        config = ServerConfig(algorithm=algorithm, budget=budget,
+                              served_model_name=args.served_model_name or engine.model_name or model_path,
+                              model_path=model_path, draft_path=draft_path,
+                              max_running=args.max_running_requests, max_queued=args.max_queued_requests,
+                              graceful_timeout_s=args.graceful_timeout)
+        warm_up(engine, config)
+        sock = bind_socket(args.host, args.port)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+
+    def announce() -> None:
+        print(json.dumps({"event": "listening", "host": host, "port": port, "url": f"http://{url_host}:{port}"}),
+              flush=True)
+
+    api = Api(engine, config)
+    server = _uvicorn_server(build_app(api), api, announce, args.graceful_timeout)
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,445 @@
+"""Request validation and per-request state for the builtin engine's HTTP server.
+
+`Api` turns SGLang-native (/generate) and OpenAI-shaped bodies into one `GenRequest` (400 on
+anything malformed, out of range or unsupported, never a silent default for a value that changes
+the output), submits it to the round-robin scheduler, and builds SGLang's meta_info. `Run` is one
+request on the event loop: it gathers the engine thread's updates, decodes text, applies stop
+strings, and cancels the request when its consumer goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from ddtree.engine.errors import EngineError
+from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
+from ddtree.engine.reference.scheduler import Scheduler, Update, proposed_per_round
+
+ALGORITHMS = ("ar", "dflash", "ddtree")
+DEFAULT_BUDGET = 16
+
+
+class BadRequest(EngineError):
+    """A request the server refuses as malformed (HTTP 400)."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    algorithm: str
+    budget: int
+    served_model_name: str
+    model_path: str
+    draft_path: str | None
+    max_running: int = 8
+    max_queued: int = 64
+    graceful_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise BadRequest(f"unknown algorithm {self.algorithm!r}", hint="one of ar, dflash, ddtree")
+        if self.budget < 0:
+            raise BadRequest("budget must be >= 0")
+        if self.max_running < 1 or self.max_queued < 0:
+            raise BadRequest("max running requests must be >= 1 and max queued requests >= 0")
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """A validated generation request, whatever endpoint it came from."""
+
+    input_ids: list[int]
+    gen: GenParams
+    spec: SpecParams
+    stops: tuple[str, ...] = ()
+    trim_stop: bool = True
+    skip_special_tokens: bool = True
+    stream: bool = False
+    rid: str = ""
+
+
+# -- validation helpers ------------------------------------------------------------------------
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(obj: dict, key: str, default: float, *, where: str) -> float:
+    value = obj.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRequest(f"{where}{key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _int(obj: dict, key: str, default: int | None, *, where: str) -> int | None:
+    value = obj.get(key, default)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise BadRequest(f"{where}{key} must be an integer, got {value!r}")
+    return value
+
+
+def _bool(obj: dict, key: str, default: bool, *, where: str = "") -> bool:
+    value = obj.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"{where}{key} must be true or false, got {value!r}")
+    return value
+
+
+def _stop_strings(value: Any, *, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise BadRequest(f"{where}stop must be a string or a list of strings")
+    return tuple(s for s in value if s)
+
+
+def _token_ids(value: Any, vocab_size: int | None, *, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+        raise BadRequest(f"{what} must be a list of integers")
+    if vocab_size is not None and any(t < 0 or t >= vocab_size for t in value):
+        raise BadRequest(f"{what} holds a token id outside the vocabulary (0..{vocab_size - 1})")
+    return list(value)
+
+
+class Api:
+    """The request handlers; one instance per server, bound to one engine and scheduler."""
+
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.scheduler = Scheduler(engine, max_running=config.max_running, max_queued=config.max_queued)
+        self.stats = self.scheduler.stats
+        self.draining = False
+        self.started_at = time.time()
+        tokenizer = engine.tokenizer
+        self.vocab_size = len(tokenizer) if tokenizer is not None else None
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+
+    # -- request building ----------------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        return list(self.engine.tokenizer.encode(text))
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _spec(self, body: dict) -> SpecParams:
+        ext = body.get("speculative")
+        if ext is None:
+            ext = {}
+        if not isinstance(ext, dict):
+            raise BadRequest("speculative must be an object {algorithm, budget}")
+        algorithm = ext.get("algorithm", self.config.algorithm)
+        if not isinstance(algorithm, str) or algorithm.lower() not in ALGORITHMS:
+            raise BadRequest(f"unknown algorithm {algorithm!r}", hint="one of ar, dflash, ddtree")
+        algorithm = algorithm.lower()
+        budget = _int(ext, "budget", self.config.budget, where="speculative.")
+        max_budget = self.engine.max_budget
+        if budget < 0 or (max_budget is not None and budget > max_budget):
+            raise BadRequest(f"budget must be between 0 and {max_budget}, got {budget}")
+        if algorithm != "ar" and self.engine.draft_name is None:
+            raise BadRequest(f"algorithm {algorithm} needs a drafter", hint="this server was started without --draft")
+        return SpecParams(algorithm=algorithm, budget=budget)
+
+    def _check_prompt(self, input_ids: list[int], max_new_tokens: int | None) -> int:
+        """Validates lengths; returns max_new_tokens (None means: the rest of the context window)."""
+        if not input_ids:
+            raise BadRequest("the prompt is empty")
+        window = self.engine.context_window
+        if window is not None and len(input_ids) >= window:
+            raise BadRequest(f"the prompt has {len(input_ids)} tokens; the context window is {window}")
+        if max_new_tokens is None:
+            max_new_tokens = window - len(input_ids) if window is not None else 128
+        if max_new_tokens < 1:
+            raise BadRequest(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if window is not None and len(input_ids) + max_new_tokens > window:
+            raise BadRequest(
+                f"the prompt ({len(input_ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+                f"context window ({window})", hint="ask for fewer new tokens")
+        return max_new_tokens
+
+    def _gen(self, *, max_new_tokens: int, temperature: float, top_p: float, seed: int | None,
+             stop_token_ids: list[int], ignore_eos: bool) -> GenParams:
+        if temperature < 0:
+            raise BadRequest(f"temperature must be >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
+        # The engine stops at the model's EOS tokens itself unless ignore_eos is set.
+        return GenParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                         stop_token_ids=tuple(stop_token_ids), seed=seed, ignore_eos=ignore_eos)
+
+    def parse_generate(self, body: dict) -> GenRequest:
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise BadRequest("give exactly one of text or input_ids")
+        if isinstance(text, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)):
+            raise BadRequest("batch requests are not supported", hint="send one prompt per request")
+        if text is not None:
+            if not isinstance(text, str):
+                raise BadRequest("text must be a string")
+            ids = self._encode(text)
+        else:
+            ids = _token_ids(input_ids, self.vocab_size, what="input_ids")
+        for key in ("return_logprob", "return_hidden_states"):
+            if _bool(body, key, False):
+                raise BadRequest(f"{key} is not supported by the builtin engine")
+        sp = body.get("sampling_params") or {}
+        if not isinstance(sp, dict):
+            raise BadRequest("sampling_params must be an object")
+        known = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
+                 "ignore_eos", "seed", "sampling_seed", "n", "skip_special_tokens", "no_stop_trim",
+                 "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
+                 "spaces_between_special_tokens"}
+        unknown = sorted(set(sp) - known)
+        if unknown:
+            raise BadRequest(f"unknown sampling_params: {', '.join(unknown)}")
+        self._defaults_only(sp, where="sampling_params.",
+                            defaults={"top_k": (-1, 0), "min_p": (0,), "n": (1,), "frequency_penalty": (0,),
+                                      "presence_penalty": (0,), "repetition_penalty": (1,),
+                                      "min_new_tokens": (0,)})
+        max_new = self._check_prompt(ids, _int(sp, "max_new_tokens", 128, where="sampling_params."))
+        seed = _int(sp, "sampling_seed", None, where="sampling_params.")
+        seed = _int(sp, "seed", seed, where="sampling_params.")
+        stop_ids = _token_ids(sp.get("stop_token_ids") or [], self.vocab_size, what="sampling_params.stop_token_ids")
+        gen = self._gen(max_new_tokens=max_new, temperature=_number(sp, "temperature", 1.0, where="sampling_params."),
+                        top_p=_number(sp, "top_p", 1.0, where="sampling_params."), seed=seed,
+                        stop_token_ids=stop_ids, ignore_eos=_bool(sp, "ignore_eos", False, where="sampling_params."))
+        rid = body.get("rid")
+        if rid is not None and not isinstance(rid, str):
+            raise BadRequest("rid must be a string")
+        return GenRequest(ids, gen, self._spec(body), _stop_strings(sp.get("stop"), where="sampling_params."),
+                          trim_stop=not _bool(sp, "no_stop_trim", False, where="sampling_params."),
+                          skip_special_tokens=_bool(sp, "skip_special_tokens", True, where="sampling_params."),
+                          stream=_bool(body, "stream", False), rid=rid or uuid.uuid4().hex)
+
+    @staticmethod
+    def _defaults_only(obj: dict, *, where: str, defaults: dict[str, tuple]) -> None:
+        for key, allowed in defaults.items():
+            value = obj.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise BadRequest(f"{where}{key} must be a number, got {value!r}")
+            if value not in allowed:
+                raise BadRequest(f"{where}{key}={value!r} is not supported by the builtin engine",
+                                 hint=f"leave it out or set it to {allowed[0]}")
+
+    def parse_openai(self, body: dict, *, chat: bool) -> GenRequest:
+        if chat:
+            ids = self._chat_prompt(body.get("messages"))
+            max_new = _int(body, "max_completion_tokens", None, where="")
+            max_new = _int(body, "max_tokens", max_new, where="")
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                ids = self._encode(prompt)
+            elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+                ids = _token_ids(prompt, self.vocab_size, what="prompt")
+            elif isinstance(prompt, list):
+                raise BadRequest("batch prompts are not supported", hint="send one prompt per request")
+            else:
+                raise BadRequest("prompt must be a string or a list of token ids")
+            max_new = _int(body, "max_tokens", 16, where="")
+            if _bool(body, "echo", False):
+                raise BadRequest("echo is not supported by the builtin engine")
+            if body.get("suffix"):
+                raise BadRequest("suffix is not supported by the builtin engine")
+        if body.get("logprobs") not in (None, False, 0):
+            raise BadRequest("logprobs are not supported by the builtin engine")
+        self._defaults_only(body, where="", defaults={"n": (1,), "best_of": (1,), "frequency_penalty": (0,),
+                                                      "presence_penalty": (0,), "top_k": (-1, 0)})
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise BadRequest("model must be a string")
+        stream_options = body.get("stream_options")
+        if stream_options is not None and not isinstance(stream_options, dict):
+            raise BadRequest("stream_options must be an object")
+        max_new = self._check_prompt(ids, max_new)
+        gen = self._gen(max_new_tokens=max_new, temperature=_number(body, "temperature", 1.0, where=""),
+                        top_p=_number(body, "top_p", 1.0, where=""), seed=_int(body, "seed", None, where=""),
+                        stop_token_ids=_token_ids(body.get("stop_token_ids") or [], self.vocab_size,
+                                                  what="stop_token_ids"),
+                        ignore_eos=_bool(body, "ignore_eos", False))
+        return GenRequest(ids, gen, self._spec(body), _stop_strings(body.get("stop"), where=""),
+                          stream=_bool(body, "stream", False), rid=uuid.uuid4().hex)
+
+    def _chat_prompt(self, messages: Any) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list")
+        plain: list[dict[str, str]] = []
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise BadRequest("each message must be an object with a string role")
+            content = m.get("content")
+            if content is None:
+                content = ""
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise BadRequest("only text content parts are supported")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            if not isinstance(content, str):
+                raise BadRequest("message content must be a string or a list of text parts")
+            plain.append({"role": m["role"], "content": content})
+        if self.has_chat_template:
+            try:
+                text = self.engine.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # a template can raise anything (jinja errors, raise_exception)
+                raise BadRequest(f"the chat template rejected these messages: {exc}") from None
+            return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+        # A model without a chat template (the demo target is a plain LM): a minimal transcript
+        # format, announced in /server_info as chat_template "fallback".
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
+        return self._encode(text)
+
+    # -- running a request ---------------------------------------------------------------------
+    def submit(self, req: GenRequest) -> "Run":
+        return Run(self, req)
+
+    def meta_info(self, req: GenRequest, run: "Run", *, final: bool) -> dict:
+        ids = run.ids
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": run.finish_reason_obj() if final else None,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+        }
+        if run.verify_ct > 0:
+            correct = sum(max(t - 1, 0) for t in run.accepts)
+            proposed = run.verify_ct * proposed_per_round(req.spec.algorithm, req.spec.budget, self.engine.block_size)
+            hist = [0] * (max(run.accepts) if run.accepts else 1)
+            for tau in run.accepts:
+                hist[max(tau - 1, 0)] += 1
+            meta.update({
+                "spec_verify_ct": run.verify_ct,
+                "spec_accept_length": len(ids) / run.verify_ct,
+                "spec_accept_rate": correct / proposed if proposed else 0.0,
+                "spec_num_correct_drafts": correct,
+                "spec_num_proposed_drafts": proposed,
+                # SGLang's layout: index k counts verify rounds that accepted k drafts (bonus excluded).
+                "spec_accept_histogram": hist,
+                "spec_correct_drafts_histogram": hist,
+                # Ours: mean tau over rounds (bonus included), which differs slightly from
+                # completion_tokens / verify_ct (the prefill token and trimming count in the latter).
+                "spec_tau_mean": sum(run.accepts) / len(run.accepts) if run.accepts else None,
+            })
+        meta["spec_algorithm"] = req.spec.algorithm
+        meta["spec_budget"] = req.spec.budget
+        if final:
+            meta["e2e_latency"] = run.e2e_latency
+        return meta
+
+
+class Run:
+    """One request on the event loop: submits the ticket, gathers updates, applies stop strings."""
+
+    def __init__(self, api: Api, req: GenRequest) -> None:
+        self.api, self.req = api, req
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Update] = asyncio.Queue()
+        self.t0 = time.perf_counter()
+        self.ids: list[int] = []
+        self.accepts: list[int] = []
+        self.verify_ct = 0
+        self.text = ""            # text so far, stable (never retracted) while streaming
+        self.done = False
+        self.finish_reason: str | None = None
+        self.matched: str | int | None = None
+        self.e2e_latency: float | None = None
+        self.first_token_at: float | None = None
+        self._last_token_at: float | None = None
+        self.ticket = api.scheduler.submit(req.input_ids, req.gen, req.spec, self._sink)
+
+    def _sink(self, update: Update) -> None:
+        # Called on the engine thread; hand the update to the event loop.
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.ticket.cancel()
+
+    def finish_reason_obj(self) -> dict | None:
+        if self.finish_reason == "length":
+            return {"type": "length", "length": len(self.ids)}
+        if self.finish_reason == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.finish_reason is not None:
+            return {"type": "abort", "message": self.finish_reason}
+        return None
+
+    async def updates(self) -> AsyncIterator["Run"]:
+        """Yields self after every update that changed anything; the last has done=True."""
+        try:
+            while not self.done:
+                update = await self.queue.get()
+                if update.error is not None:
+                    self.done = True
+                    raise update.error
+                self._apply(update)
+                yield self
+        finally:
+            self.cancel()
+
+    def _apply(self, update: Update) -> None:
+        now = time.perf_counter()
+        stats = self.api.stats
+        if update.new_ids:
+            if self.first_token_at is None:
+                self.first_token_at = now
+                stats.observe_ttft(now - self.t0)
+            elif self._last_token_at is not None:
+                stats.observe_itl(now - self._last_token_at, len(update.new_ids))
+            self._last_token_at = now
+        previous = len(self.ids)
+        self.ids.extend(update.new_ids)
+        self.accepts.extend(update.new_accepts)
+        self.verify_ct = max(self.verify_ct, update.verify_ct)
+        full = self.api._decode(self.ids, self.req.skip_special_tokens)
+        if self.req.stops and self._apply_stop(full, previous):
+            self.ticket.cancel("stop")
+        elif update.done:
+            self.done = True
+            self.finish_reason = update.finish_reason
+            if self.finish_reason == "stop" and self.ids:
+                self.matched = self.ids[-1]
+            self.text = full
+        elif not full.endswith("\ufffd"):
+            # A trailing U+FFFD is half of a multi-byte character; hold it back until it completes.
+            self.text = full
+        if self.done:
+            self.e2e_latency = now - self.t0
+
+    def _apply_stop(self, full: str, previous: int) -> bool:
+        longest = max(len(s) for s in self.req.stops)
+        start = max(0, len(self.text) - longest)
+        hits = [(full.find(s, start), s) for s in self.req.stops]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        # Keep only the tokens up to the one that completed the stop string, as SGLang does.
+        for k in range(previous + 1, len(self.ids) + 1):
+            if stop in self.api._decode(self.ids[:k], self.req.skip_special_tokens)[start:]:
+                del self.ids[k:]
+                break
+        self.text = full[:pos] if self.req.trim_stop else full[:pos + len(stop)]
+        self.done, self.finish_reason, self.matched = True, "stop", stop
+        return True
