@@ -1,0 +1,129 @@
+"""`download`: fetch a Hugging Face repo (or part of it) with a disk-headroom guard.
+
+spec: {"repo_id": str, "revision": str | None, "include": [glob], "exclude": [glob],
+       "local_dir": str | None, "cache_dir": str | None, "reserve_bytes": int | None,
+       "endpoint": str | None, "max_workers": int}
+Paths are made absolute when the job is submitted; with no local_dir the HF cache in force at
+submit time is recorded, so the detached runner writes where the submitter meant. The token is
+never part of the spec: huggingface_hub reads it from HF_TOKEN or the token file at run time.
+
+Progress goes to the `downloads` row of the job (bytes/files done and total, smoothed rate, ETA,
+free space, reserve, state: running | stalled | succeeded | failed | cancelled) and to
+ctx.progress (bytes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ddtree.engine.download import Download, DownloadCancelled, DownloadError, DownloadSpec, Progress, plan
+from ddtree.engine.host import hf_cache_dir
+from ddtree.jobs.context import JobContext
+from ddtree.jobs.errors import BadSpec, JobCancelled, JobError
+from ddtree.store.db import transaction
+from ddtree.store.queries import now
+
+#: Seconds between two writes of the downloads row (the last value always lands).
+ROW_INTERVAL_S = 0.5
+
+
+class DownloadJobError(JobError):
+    """A download failure, carried to the job row as one line with its hint."""
+
+
+def validate(spec: dict) -> dict:
+    if not isinstance(spec, dict):
+        raise BadSpec("a download spec is a JSON object")
+    try:
+        parsed = DownloadSpec.from_dict(spec)
+    except DownloadError as exc:
+        raise BadSpec(exc.message, exc.hint) from None
+    except TypeError:
+        raise BadSpec("a download spec needs repo_id", "e.g. {\"repo_id\": \"Qwen/Qwen3-8B\"}") from None
+    out = parsed.to_dict()
+    if out["local_dir"]:
+        out["local_dir"] = str(Path(out["local_dir"]).expanduser().absolute())
+    else:
+        out["cache_dir"] = str(Path(out["cache_dir"] or hf_cache_dir()).expanduser().absolute())
+    return out
+
+
+class _Recorder:
+    """Writes the downloads row and the job progress from the job's own thread."""
+
+    def __init__(self, ctx: JobContext, row_id: int) -> None:
+        self.ctx, self.row_id = ctx, row_id
+        self.written_at = 0.0
+        self.last: Progress | None = None
+
+    def write(self, values: dict) -> None:
+        values["updated_at"] = now()
+        sets = ", ".join(f"[{k}] = ?" for k in values)
+        with transaction(self.ctx.db):
+            self.ctx.db.execute(f"UPDATE downloads SET {sets} WHERE id = ?", [*values.values(), self.row_id])
+
+    def __call__(self, p: Progress, *, force: bool = False) -> None:
+        self.last = p
+        t = now()
+        if not force and t - self.written_at < ROW_INTERVAL_S:
+            return
+        self.written_at = t
+        self.write({
+            "state": "stalled" if p.stalled else "running",
+            "bytes_done": p.bytes_done, "bytes_total": p.bytes_total,
+            "files_done": p.files_done, "files_total": p.files_total,
+            "rate_bps": p.rate_bps, "eta_s": p.eta_s, "disk_free_bytes": p.disk_free,
+        })
+        self.ctx.progress(p.bytes_done, p.bytes_total, p.line())
+
+
+def run(ctx: JobContext, spec: dict) -> dict:
+    dspec = DownloadSpec.from_dict(spec)
+    created = now()
+    with transaction(ctx.db):
+        row_id = ctx.db["downloads"].insert({
+            "job_id": ctx.job_id, "repo_id": dspec.repo_id, "revision": dspec.revision,
+            "include": json.dumps(list(dspec.include)), "local_dir": dspec.local_dir,
+            "state": "planning", "created_at": created, "updated_at": created,
+        }).last_pk
+    recorder = _Recorder(ctx, row_id)
+    try:
+        ctx.log(f"listing {dspec.repo_id} at {dspec.revision or 'the default branch'}")
+        the_plan = plan(dspec)
+        disk = the_plan.disk
+        ctx.log(f"{len(the_plan.files)} files, {the_plan.bytes_total} bytes; to fetch: {the_plan.files_needed} files, "
+                f"{the_plan.bytes_needed} bytes; {disk.describe()}")
+        recorder.write({
+            "revision": dspec.revision or "main", "state": "running",
+            "bytes_total": the_plan.bytes_total, "files_total": len(the_plan.files),
+            "bytes_done": the_plan.bytes_total - the_plan.bytes_needed,
+            "files_done": len(the_plan.files) - the_plan.files_needed,
+            "disk_free_bytes": disk.free, "reserve_bytes": disk.reserve,
+        })
+        ctx.check_cancelled()
+        result = Download(the_plan, stop=ctx.cancelled, on_progress=recorder).run()
+    except DownloadCancelled:
+        _end(recorder, "cancelled", None)
+        raise JobCancelled(f"download of {dspec.repo_id} cancelled") from None
+    except JobCancelled:
+        _end(recorder, "cancelled", None)
+        raise
+    except DownloadError as exc:
+        _end(recorder, "failed", str(exc))
+        ctx.log(f"error: {exc}")
+        raise DownloadJobError(exc.message, exc.hint) from None
+    if recorder.last is not None:
+        recorder(recorder.last, force=True)
+    _end(recorder, "succeeded", None)
+    ctx.log(f"done: {result['path']} ({result['bytes_fetched']} bytes fetched in {result['elapsed_s']} s)")
+    return result
+
+
+def _end(recorder: _Recorder, state: str, error: str | None) -> None:
+    values: dict = {"state": state, "ended_at": now(), "error": error}
+    p = recorder.last
+    if p is not None:
+        values.update(bytes_done=p.bytes_done, files_done=p.files_done, rate_bps=p.rate_bps,
+                      eta_s=None if state != "succeeded" else 0.0, disk_free_bytes=p.disk_free)
+    recorder.write(values)
