@@ -1,0 +1,161 @@
+"""`ddtree-console export RUN_ID --format csv|json|md|recipe [-o FILE]`.
+
+csv: one row per point (every repeat), JSON columns as JSON text. json: the run (recipe, hardware,
+software) with its points and a per-cell summary (medians over repeats). md: that summary as a
+Markdown table. recipe: TOML that reproduces the run elsewhere (`sweep` reads it back unchanged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from ddtree.jobs.errors import JobError
+from ddtree.jobs.recipe import RecipeError, recipe_from_dict, recipe_to_toml
+from ddtree.store import sweeps
+from ddtree.store.db import open_db
+
+FORMATS = ("csv", "json", "md", "recipe")
+
+
+class ExportError(JobError):
+    exit_code = 2
+
+
+def _run_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a run id (an integer), got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a run id is >= 1, got {value}")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("export", help="export a run as CSV, JSON, a Markdown table or a recipe",
+                              description="Export a sweep run: csv (one row per point), json (run, points, "
+                                          "summary), md (a table of the grid), recipe (TOML that reproduces it).")
+    p.add_argument("run_id", type=_run_id, metavar="RUN_ID", help="the run (see `ddtree-console runs`)")
+    p.add_argument("--format", choices=FORMATS, default="csv", help="output format (default: csv)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    p.set_defaults(command_module=__name__)
+
+
+def run(args: argparse.Namespace) -> int:
+    db = open_db(getattr(args, "db", None))
+    try:
+        run_row = sweeps.get_run(db, args.run_id)
+        points = sweeps.list_points(db, run_row.id)
+    finally:
+        db.close()
+    text = render(run_row, points, args.format)
+    if args.output and args.output != "-":
+        _write(Path(args.output), text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def render(run_row, points: list[sweeps.Point], fmt: str) -> str:
+    if fmt == "csv":
+        return to_csv(points)
+    if fmt == "json":
+        return json.dumps(to_json(run_row, points), indent=2, sort_keys=False) + "\n"
+    if fmt == "md":
+        return to_markdown(run_row, points)
+    if fmt == "recipe":
+        return to_recipe(run_row)
+    raise ExportError(f"unknown format {fmt!r}", "allowed: " + ", ".join(FORMATS))
+
+
+def to_csv(points: list[sweeps.Point]) -> str:
+    buf = io.StringIO()
+    names = list(sweeps.Point.__dataclass_fields__)
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(names)
+    for p in points:
+        row = []
+        for name in names:
+            value = getattr(p, name)
+            row.append(json.dumps(value) if isinstance(value, (list, dict)) else ("" if value is None else value))
+        writer.writerow(row)
+    return buf.getvalue()
+
+
+def to_json(run_row, points: list[sweeps.Point]) -> dict:
+    run_fields = {k: getattr(run_row, k) for k in run_row.__dataclass_fields__
+                  if k not in ("points_done", "points_failed")}
+    return {"run": run_fields, "points": [p.to_dict() for p in points], "summary": sweeps.summarize(points)}
+
+
+def to_recipe(run_row) -> str:
+    try:
+        recipe = recipe_from_dict(run_row.recipe)
+    except RecipeError as exc:
+        raise ExportError(f"run {run_row.id} holds no readable recipe: {exc}") from None
+    stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(run_row.created_at))
+    host = ((run_row.hardware or {}).get("host") or {}).get("hostname") if isinstance(run_row.hardware, dict) else None
+    comment = f"exported from run {run_row.id} ({run_row.name}), {stamp}" + (f" on {host}" if host else "")
+    if run_row.recipe_git_rev:
+        comment += f"\nrecipe file {run_row.recipe_path} at git {run_row.recipe_git_rev}"
+    return recipe_to_toml(recipe, comment=comment)
+
+
+def _cell(value, fmt: str = ".2f") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return format(value, fmt)
+    return str(value)
+
+
+def to_markdown(run_row, points: list[sweeps.Point]) -> str:
+    lines = [f"# Run {run_row.id}: {run_row.name}", ""]
+    hw = run_row.hardware if isinstance(run_row.hardware, dict) else {}
+    gpus = hw.get("gpus") or []
+    host = hw.get("host") or {}
+    device = (f"{len(gpus)} x {gpus[0].get('name')}" if gpus else (host.get("cpu_model") or "CPU"))
+    lines.append(f"- engine: {run_row.engine_kind}, model {run_row.model or 'demo'}, draft {run_row.draft_model or 'demo'}")
+    lines.append(f"- hardware: {device}; state: {run_row.state}; points: {len(points)}")
+    lines.append("")
+    header = ["algorithm", "budget", "c", "dataset", "T", "out tok/s", "tok/s/user", "vs ar", "vs dflash",
+              "tau (weighted)", "tau (mean)", "TTFT p50 s", "ITL p50 ms", "E2E p99 s", "repeats", "note"]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "|".join("---" for _ in header) + "|")
+    for row in sweeps.summarize(points):
+        note = []
+        if row["unstable"]:
+            note.append(f"unstable (spread {row['repeat_spread']:.0%})")
+        if row["baseline"]:
+            note.append("baseline")
+        if "done" not in row["states"]:
+            note.append("/".join(row["states"]) + (f": {row['error']}" if row["error"] else ""))
+        itl = row["itl_p50"] * 1000 if row["itl_p50"] is not None else None
+        cells = [row["algorithm"], _cell(row["budget"]), _cell(row["concurrency"]), row["dataset"],
+                 _cell(row["temperature"], "g"), _cell(row["output_tok_s"], ".1f"), _cell(row["tok_s_per_user"], ".1f"),
+                 _cell(row["speedup_vs_ar"]), _cell(row["speedup_vs_dflash"]), _cell(row["tau_weighted"]),
+                 _cell(row["tau_mean"]), _cell(row["ttft_p50"], ".3f"), _cell(itl, ".1f"), _cell(row["e2e_p99"]),
+                 f"{row['repeats_done']}/{row['repeats']}", "; ".join(note).replace("|", "/")]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _write(path: Path, text: str) -> None:
+    if path.is_dir():
+        raise ExportError(f"{path} is a folder", "give a file name with -o")
+    if not path.parent.exists():
+        raise ExportError(f"folder {path.parent} does not exist")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from None

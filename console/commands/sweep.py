@@ -1,0 +1,227 @@
+"""`ddtree-console sweep`: run a recipe's grid as a job, show its plan, or resume a run.
+
+    sweep RECIPE.toml [--detach] [--dry-run] [--json] [--name NAME]
+    sweep --resume RUN_ID [--detach] [--json]
+
+The run row is created here (so its id is known at once, detached or not) and the job runs it;
+`--resume` submits a new job for the same run, which skips the points already finished.
+In the foreground a line is printed per finished point; Ctrl-C cancels the job (resume later).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from ddtree.jobs.errors import JobError
+from ddtree.jobs.kinds.sweep import check_supported
+from ddtree.jobs.plan import format_plan, make_plan
+from ddtree.jobs.recipe import load_recipe, recipe_to_dict
+from ddtree.store import sweeps
+from ddtree.store.db import open_db, resolve_db_path
+from ddtree.store.records import ACTIVE_STATES
+
+
+class SweepUsageError(JobError):
+    exit_code = 2
+
+
+def _run_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a run id (an integer), got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a run id is >= 1, got {value}")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "sweep", help="run a benchmark sweep from a recipe (or show its plan, or resume a run)",
+        description="Run the grid of a recipe (TOML) against an engine as a job that outlives this terminal, "
+                    "filling the store point by point. --dry-run prints every engine launch and point with an "
+                    "estimated duration and starts nothing.")
+    p.add_argument("recipe", nargs="?", help="the recipe file (TOML), e.g. assets/recipes/demo.toml")
+    p.add_argument("--resume", type=_run_id, metavar="RUN_ID", help="resume a run: skip its finished points")
+    p.add_argument("--detach", action="store_true", help="run in the background and return at once")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit; start nothing")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--name", help="name of the job (default: the recipe's name)")
+    p.set_defaults(command_module=__name__)
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.recipe is None) == (args.resume is None):
+        raise SweepUsageError("give either a recipe file or --resume RUN_ID",
+                              "e.g. `ddtree-console sweep assets/recipes/demo.toml`")
+    if args.resume is not None:
+        if args.dry_run:
+            raise SweepUsageError("--dry-run applies to a recipe file, not to --resume")
+        return _resume(args)
+    recipe = load_recipe(args.recipe)
+    if args.dry_run:
+        plan = make_plan(recipe)
+        if args.json:
+            print(json.dumps(plan.to_dict(), indent=2))
+        else:
+            print(format_plan(plan))
+        return 0
+    check_supported(recipe)
+    db_path = resolve_db_path(getattr(args, "db", None))
+    db = open_db(db_path)
+    try:
+        run_id = sweeps.create_run(
+            db, job_id=None, name=recipe.name, recipe=recipe_to_dict(recipe),
+            recipe_path=str(Path(args.recipe).resolve()), recipe_git_rev=git_revision(args.recipe),
+            engine_kind=recipe.engine.kind, model=recipe.engine.model, draft_model=recipe.engine.draft_model,
+            points_total=len(make_plan(recipe).points))
+        sweeps.update_run(db, run_id, state="queued")
+    finally:
+        db.close()
+    return _start(args, db_path, run_id, args.name or recipe.name)
+
+
+def _resume(args: argparse.Namespace) -> int:
+    from ddtree.jobs.procs import is_alive
+    from ddtree.jobs.supervisor import reconcile
+    from ddtree.store.queries import get_job
+
+    db_path = resolve_db_path(getattr(args, "db", None))
+    db = open_db(db_path)
+    try:
+        run = sweeps.get_run(db, args.resume)
+        if run.job_id is not None:
+            job = get_job(db, run.job_id)
+            if job.state in ACTIVE_STATES:
+                if job.pid is None or is_alive(job.pid, job.pid_started):
+                    raise SweepUsageError(f"run {run.id} is still being run by job {job.id} ({job.state})",
+                                          f"cancel it first with `ddtree-console jobs cancel {job.id}`")
+                # Its runner is gone: mark it lost (and stop what it left running) before taking over.
+                reconcile(db_path, stale_s=0.0)
+        points = sweeps.list_points(db, run.id)
+    finally:
+        db.close()
+    left = sum(1 for p in points if p.state not in sweeps.FINISHED_POINT_STATES)
+    if points and not left:
+        print(f"run {run.id}: all {len(points)} points are finished; nothing to resume")
+        return 0
+    return _start(args, db_path, run.id, args.name or run.name or f"run-{run.id}")
+
+
+def _start(args: argparse.Namespace, db_path: Path, run_id: int, name: str) -> int:
+    from ddtree.jobs.supervisor import submit
+    from ddtree.store.queries import get_job
+
+    if args.detach:
+        job_id = submit(db_path, "sweep", {"run_id": run_id}, name=name, detach=True)
+        if args.json:
+            print(json.dumps({"job_id": job_id, "run_id": run_id}))
+        else:
+            print(f"sweep run {run_id} started as job {job_id}; follow it with "
+                  f"`ddtree-console jobs logs {job_id} --follow`, resume with `ddtree-console sweep --resume {run_id}`")
+        return 0
+    watcher = _PointPrinter(db_path, run_id, quiet=args.json)
+    watcher.start()
+    try:
+        job_id = submit(db_path, "sweep", {"run_id": run_id}, name=name, detach=False)
+    finally:
+        watcher.stop()
+    db = open_db(db_path)
+    try:
+        job = get_job(db, job_id)
+        points = sweeps.list_points(db, run_id)
+    finally:
+        db.close()
+    counts = {s: sum(1 for p in points if p.state == s) for s in sweeps.POINT_STATES}
+    if args.json:
+        print(json.dumps({"job_id": job_id, "run_id": run_id, "state": job.state, "points": counts}))
+    else:
+        print(f"run {run_id} {job.state}: {counts['done']} done, {counts['failed']} failed, "
+              f"{counts['skipped']} skipped, {counts['pending'] + counts['running']} left"
+              + (f"; resume with `ddtree-console sweep --resume {run_id}`" if counts['pending'] + counts['running'] else ""))
+        if job.state not in ("succeeded",) and getattr(job, "error", None):
+            print(f"error: {job.error}", file=sys.stderr)
+    return 0 if job.state == "succeeded" else 1
+
+
+class _PointPrinter:
+    """Prints a line for each point of the run that finishes, from its own connection."""
+
+    def __init__(self, db_path: Path, run_id: int, *, quiet: bool = False) -> None:
+        self.db_path, self.run_id, self.quiet = db_path, run_id, quiet
+        self.done = threading.Event()
+        self.seen: set[int] = set()
+        self.thread = threading.Thread(target=self._loop, name="sweep-progress", daemon=True)
+
+    def start(self) -> None:
+        db = open_db(self.db_path)
+        try:
+            self.seen = {p.id for p in sweeps.list_points(db, self.run_id) if p.state in ("done", "failed", "skipped")}
+        finally:
+            db.close()
+        if not self.quiet:
+            self.thread.start()
+
+    def stop(self) -> None:
+        self.done.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=5)
+            self._poll()
+
+    def _loop(self) -> None:
+        while not self.done.wait(0.5):
+            self._poll()
+
+    def _poll(self) -> None:
+        db = open_db(self.db_path)
+        try:
+            points = sweeps.list_points(db, self.run_id)
+        finally:
+            db.close()
+        total = len(points)
+        for p in points:
+            if p.id in self.seen or p.state not in ("done", "failed", "skipped"):
+                continue
+            self.seen.add(p.id)
+            print(f"[{len(self.seen)}/{total}] {format_point(p)}", flush=True)
+
+
+def format_point(p: sweeps.Point) -> str:
+    budget = "" if p.budget is None else f" budget={p.budget}"
+    head = f"{p.algorithm}{budget} c={p.concurrency} T={p.temperature:g} {p.dataset} r{p.repeat}: {p.state}"
+    if p.state != "done":
+        return f"{head} ({p.error})" if p.error else head
+
+    def num(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    parts = [f"{num(p.output_tok_s, '.1f')} tok/s", f"tau {num(p.tau_weighted, '.2f')}",
+             f"ttft p50 {num(p.ttft_p50, '.3f')}s", f"e2e p99 {num(p.e2e_p99, '.2f')}s"]
+    if p.speedup_vs_ar is not None and p.algorithm != "ar":
+        parts.append(f"x{p.speedup_vs_ar:.2f} vs ar")
+    if p.requests_failed:
+        parts.append(f"{p.requests_failed} failed")
+    return f"{head}  " + "  ".join(parts)
+
+
+def git_revision(path: str | Path) -> str | None:
+    """The commit of the repository holding `path` ("<sha>+dirty" when the file has changes); None
+    outside a repository or without git."""
+    folder = Path(path).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, start_new_session=True, stdin=subprocess.DEVNULL)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(folder), "status", "--porcelain", "--", str(Path(path).resolve())],
+                               capture_output=True, text=True, timeout=10, start_new_session=True,
+                               stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    sha = head.stdout.strip()
+    return f"{sha}+dirty" if dirty.stdout.strip() else sha

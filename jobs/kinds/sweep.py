@@ -1,0 +1,465 @@
+"""The `sweep` job kind: run a recipe's grid against an engine and fill the store point by point.
+
+Spec: `{"run_id": N}` runs (or resumes) a run row that already holds its recipe (the CLI creates
+it); `{"recipe": {...}, "recipe_path": ..., "recipe_git_rev": ...}` creates the run first. Either
+way the same loop follows: plan the grid, create the missing point rows, skip points already
+`done` or `skipped`, and for each engine launch with work left start the engine (ctx.spawn, port
+0, its listening line read from its log), wait for /health, run its points, stop it.
+
+A point that fails (every request failed, the engine died) is recorded with its cause and the
+sweep goes on; the engine is restarted for the next point if it died. A point whose error rate or
+p99 latency crosses the recipe's limits marks the higher concurrencies of its series `skipped`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import threading
+import time
+from importlib.metadata import PackageNotFoundError, version
+from itertools import groupby
+from pathlib import Path
+
+from ddtree.engine.bench import BenchConfig, EngineNotReady, PointResult, run_point, wait_ready
+from ddtree.engine.errors import EngineError
+from ddtree.engine.prompts import load_prompts
+from ddtree.jobs.errors import JobCancelled, JobError
+from ddtree.jobs.plan import Launch, Plan, PlanPoint, UnsupportedEngine, make_plan
+from ddtree.jobs.recipe import Recipe, RecipeError, recipe_from_dict, recipe_to_dict
+from ddtree.store import sweeps
+from ddtree.store.db import open_db
+
+STOP_GRACE_S = 10.0
+SOFTWARE = ("ddtree-console", "torch", "transformers", "tokenizers", "safetensors", "huggingface_hub", "httpx",
+            "sglang", "vllm", "flashinfer-python")
+
+
+class SweepSpecError(JobError):
+    exit_code = 2
+
+
+class EngineStartError(JobError):
+    """The engine process exited or did not report where it listens."""
+
+
+def validate(spec: dict) -> dict:
+    if not isinstance(spec, dict):
+        raise SweepSpecError("a sweep spec must be an object")
+    if "run_id" in spec:
+        run_id = spec["run_id"]
+        if isinstance(run_id, bool) or not isinstance(run_id, int) or run_id < 1:
+            raise SweepSpecError(f"run_id must be a positive integer, got {run_id!r}")
+        extra = set(spec) - {"run_id"}
+        if extra:
+            raise SweepSpecError(f"unknown sweep spec keys with run_id: {', '.join(sorted(extra))}")
+        return {"run_id": run_id}
+    if "recipe" not in spec:
+        raise SweepSpecError("a sweep spec needs 'recipe' (a recipe table) or 'run_id'")
+    extra = set(spec) - {"recipe", "recipe_path", "recipe_git_rev"}
+    if extra:
+        raise SweepSpecError(f"unknown sweep spec keys: {', '.join(sorted(extra))}")
+    recipe = recipe_from_dict(spec["recipe"])
+    check_supported(recipe)
+    return {"recipe": recipe_to_dict(recipe), "recipe_path": spec.get("recipe_path"),
+            "recipe_git_rev": spec.get("recipe_git_rev")}
+
+
+def check_supported(recipe: Recipe) -> None:
+    if recipe.engine.kind != "builtin":
+        raise UnsupportedEngine(
+            f"engine.kind = {recipe.engine.kind!r}: launching SGLang/vLLM engines is not supported yet",
+            "use kind = \"builtin\" for now; `sweep --dry-run` still shows the plan")
+
+
+# -- environment fingerprint ---------------------------------------------------------------------
+
+
+def software_versions(python: str | None = None) -> dict:
+    """Versions of the packages that decide the figures, from this interpreter (no imports) and,
+    when the engine runs under another one, from that interpreter too."""
+    out: dict = {"python": platform.python_version(), "platform": platform.platform(), "packages": {}}
+    for name in SOFTWARE:
+        try:
+            out["packages"][name] = version(name)
+        except PackageNotFoundError:
+            continue
+    if python and os.path.realpath(python) != os.path.realpath(sys.executable):
+        script = ("import json, platform\nfrom importlib.metadata import version\nout = {}\n"
+                  f"for n in {list(SOFTWARE)!r}:\n    try: out[n] = version(n)\n    except Exception: pass\n"
+                  "print(json.dumps({'python': platform.python_version(), 'packages': out}))")
+        try:
+            done = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=60,
+                                  start_new_session=True, stdin=subprocess.DEVNULL)
+            out["engine_python"] = json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr[-300:]}
+        except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
+            out["engine_python"] = {"error": str(exc)}
+    return out
+
+
+def hardware_fingerprint(data_dir: str | None = None) -> dict:
+    """What makes two runs comparable: GPUs (model, memory, bus, NUMA, links), driver, CPU, memory."""
+    from ddtree.engine.host import host_info
+    from ddtree.engine.hw import gpu_view
+
+    view = gpu_view()
+    host = host_info(data_dir=data_dir)
+    gpus = [{"index": g.index, "name": g.name, "uuid": g.uuid, "bus_id": g.bus_id, "numa_node": g.numa_node,
+             "memory_total": g.memory_total, "power_cap_w": g.power_cap_w, "pcie_gen_max": g.pcie_gen_max,
+             "pcie_width_max": g.pcie_width_max, "nvlinks": len(g.nvlinks)} for g in view.gpus]
+    return {
+        "gpus": gpus, "links": view.links, "driver_version": view.driver_version,
+        "cuda_driver_version": view.cuda_driver_version, "gpu_reason": view.reason,
+        "host": {"hostname": host.hostname, "cpu_model": host.cpu_model, "cpus_logical": host.cpus_logical,
+                 "cpus_physical": host.cpus_physical, "memory_total": host.memory_total,
+                 "numa": [{"node": n.node, "cpus": len(n.cpus)} for n in host.numa]},
+    }
+
+
+# -- the engine process --------------------------------------------------------------------------
+
+
+class EngineProcess:
+    """One launch of the engine under the job: spawned, located, checked, stopped."""
+
+    def __init__(self, ctx, launch: Launch, recipe: Recipe, attempt: int) -> None:
+        self.ctx, self.launch, self.recipe = ctx, launch, recipe
+        self.name = f"engine-{launch.index}-{attempt}"
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+        self.row_id: int | None = None
+
+    def exited(self) -> str | None:
+        if self.proc is None:
+            return "not started"
+        code = self.proc.poll()
+        return None if code is None else f"exit code {code}; see {self.log_path()}"
+
+    def log_path(self) -> str | None:
+        row = self.ctx.db.execute("SELECT log_path FROM processes WHERE job_id = ? AND name = ? ORDER BY id DESC",
+                                  [self.ctx.job_id, self.name]).fetchone()
+        return row[0] if row else None
+
+    def start(self) -> str:
+        launch = self.launch
+        self.proc = self.ctx.spawn(list(launch.argv), env=dict(launch.env), name=self.name)
+        log = self.log_path()
+        timeout = self.recipe.engine.ready_timeout_s
+        t0 = time.monotonic()
+        while self.url is None:
+            if log is not None:
+                self.url = _listening_url(log)
+            if self.url is not None:
+                break
+            gone = self.exited()
+            if gone:
+                raise EngineStartError(f"engine exited while starting ({gone})", _log_tail(log))
+            if time.monotonic() - t0 > timeout:
+                raise EngineNotReady(f"engine did not report a listening address within {timeout:g}s",
+                                     "raise engine.ready_timeout_s, or read " + str(log))
+            self.ctx.sleep(0.2)
+        wait_ready(self.url, timeout_s=max(1.0, timeout - (time.monotonic() - t0)), alive=self.exited)
+        self.ctx.log(f"engine {self.name} ready at {self.url} after {time.monotonic() - t0:.1f}s")
+        self._record()
+        return self.url
+
+    def _record(self) -> None:
+        engine = self.recipe.engine
+        now = time.time()
+        values = {"job_id": self.ctx.job_id, "kind": engine.kind, "model": engine.model or "demo",
+                  "draft_model": engine.draft_model or ("demo" if engine.model is None else None),
+                  "algorithm": self.launch.algorithm, "budget": self.launch.budget, "block_size": engine.block_size,
+                  "tp": self.launch.tp, "gpus": json.dumps(list(self.launch.gpus)), "python": self.launch.argv[0],
+                  "base_url": self.url, "host": "127.0.0.1", "port": int(self.url.rsplit(":", 1)[1]),
+                  "pid": self.proc.pid, "pgid": self.proc.pid, "log_path": self.log_path(), "state": "running",
+                  "created_at": now, "ready_at": now}
+        with sweeps._write(self.ctx.db, "the engine row") as tx:
+            cur = tx.execute(f"INSERT INTO engines ({', '.join(values)}) VALUES ({', '.join('?' for _ in values)})",
+                             list(values.values()))
+        self.row_id = int(cur.lastrowid)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+            except ProcessLookupError:
+                self.proc.wait(timeout=10)
+        if hasattr(self.ctx, "poll_children"):
+            self.ctx.poll_children()
+        if self.row_id is not None:
+            with sweeps._write(self.ctx.db, "the engine row") as tx:
+                tx.execute("UPDATE engines SET state = 'stopped', ended_at = ? WHERE id = ?", [time.time(), self.row_id])
+
+
+def _listening_url(log_path: str) -> str | None:
+    try:
+        with open(log_path, "rb") as fh:
+            for raw in fh:
+                line = raw.decode(errors="replace").strip()
+                if line.startswith("{") and '"listening"' in line:
+                    try:
+                        event = json.loads(line)
+                    except ValueError:
+                        continue
+                    if event.get("event") == "listening" and event.get("url"):
+                        return str(event["url"])
+    except OSError:
+        return None
+    return None
+
+
+def _log_tail(path: str | None, lines: int = 3) -> str:
+    if not path:
+        return "no engine log"
+    try:
+        tail = Path(path).read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return f"see {path}"
+    return " | ".join(tail)[-400:] or f"see {path}"
+
+
+# -- GPU telemetry during a point ----------------------------------------------------------------
+
+
+class _GpuWatch:
+    """Samples the point's GPUs while it runs (nothing on a machine without NVML GPUs)."""
+
+    def __init__(self, ctx, point_id: int, gpus: tuple[int, ...]) -> None:
+        self.ctx, self.point_id, self.gpus = ctx, point_id, list(gpus)
+        self.stop_event = threading.Event()
+        self.thread = None
+        self.db = None
+
+    def __enter__(self) -> _GpuWatch:
+        from ddtree.engine.hw import nvml
+        from ddtree.engine.sampler import Sampler, SamplerConfig
+
+        session = nvml()
+        if session.start() is None and session.count > 0:
+            self.db = open_db(self.ctx.db_path)
+            self.thread = Sampler(SamplerConfig(rate_hz=2.0), session=session).start(
+                self.stop_event, db=self.db, labels={"job_id": self.ctx.job_id, "point_id": self.point_id})
+        self.t0 = time.time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_event.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+            self.db.close()
+
+    def means(self) -> tuple[float | None, float | None]:
+        if self.thread is None:
+            return None, None
+        return sweeps.telemetry_means(self.ctx.db, self.t0, time.time(), self.gpus or None)
+
+
+# -- the loop ------------------------------------------------------------------------------------
+
+
+def _planned_rows(plan: Plan) -> list[dict]:
+    sweep = plan.recipe.sweep
+    return [{**p.params(), "point_key": p.key, "idx": p.index, "baseline": p.baseline,
+             "num_prompts": sweep.num_prompts, "max_new_tokens": sweep.max_new_tokens,
+             "block_size": plan.recipe.engine.block_size} for p in plan.points]
+
+
+def _open_run(ctx, spec: dict) -> tuple[int, Recipe]:
+    db = ctx.db
+    if "run_id" in spec:
+        run = sweeps.get_run(db, spec["run_id"])
+        try:
+            recipe = recipe_from_dict(run.recipe)
+        except RecipeError as exc:
+            raise SweepSpecError(f"run {run.id} holds a recipe this version cannot read: {exc}") from None
+        sweeps.update_run(db, run.id, job_id=ctx.job_id, state="running", ended_at=None, error=None)
+        reset = sweeps.reset_interrupted(db, run.id)
+        if reset:
+            ctx.log(f"run {run.id}: {reset} point(s) interrupted earlier will run again")
+        if not run.hardware:
+            sweeps.update_run(db, run.id, hardware=hardware_fingerprint(str(ctx.data_dir)),
+                              software=software_versions(recipe.engine.python))
+        return run.id, recipe
+    recipe = recipe_from_dict(spec["recipe"])
+    run_id = sweeps.create_run(
+        db, job_id=ctx.job_id, name=recipe.name, recipe=recipe_to_dict(recipe), recipe_path=spec.get("recipe_path"),
+        recipe_git_rev=spec.get("recipe_git_rev"), engine_kind=recipe.engine.kind, model=recipe.engine.model,
+        draft_model=recipe.engine.draft_model, hardware=hardware_fingerprint(str(ctx.data_dir)),
+        software=software_versions(recipe.engine.python))
+    return run_id, recipe
+
+
+def run(ctx, spec: dict) -> dict:
+    run_id, recipe = _open_run(ctx, spec)
+    ctx.log(f"sweep run {run_id} ({recipe.name!r})")
+    try:
+        check_supported(recipe)
+        result = _sweep(ctx, run_id, recipe)
+    except JobCancelled:
+        sweeps.finish_run(ctx.db, run_id, "cancelled")
+        raise
+    except BaseException as exc:
+        sweeps.finish_run(ctx.db, run_id, "failed", error=str(exc) or type(exc).__name__)
+        raise
+    state = "succeeded" if result["points_done"] or not result["points_failed"] else "failed"
+    sweeps.finish_run(ctx.db, run_id, state,
+                      error=None if state == "succeeded" else f"all {result['points_failed']} point(s) failed")
+    if state == "failed":
+        raise JobError(f"sweep run {run_id}: every point failed", "see `ddtree-console export "
+                       f"{run_id} --format md` and the job log for the causes")
+    return result
+
+
+def _sweep(ctx, run_id: int, recipe: Recipe) -> dict:
+    db = ctx.db
+    plan = make_plan(recipe)
+    for warning in plan.warnings:
+        ctx.log(f"warning: {warning}")
+    ids = sweeps.ensure_points(db, run_id, _planned_rows(plan))
+    sweeps.update_run(db, run_id, points_total=len(plan.points))
+    states = {p.point_key: p.state for p in sweeps.list_points(db, run_id)}
+    todo = [p for p in plan.points if states.get(p.key) not in sweeps.FINISHED_POINT_STATES]
+    finished = len(plan.points) - len(todo)
+    if finished:
+        ctx.log(f"run {run_id}: {finished} of {len(plan.points)} point(s) already finished; skipping them")
+    ctx.progress(done=finished, total=len(plan.points), message=f"run {run_id}: starting")
+    counts = {"done": 0, "failed": 0, "skipped": 0, "restarts": 0}
+    saturated: dict[tuple, str] = {}
+    for launch_index, group in groupby(todo, key=lambda p: p.launch):
+        launch = plan.launches[launch_index]
+        points = list(group)
+        engine: EngineProcess | None = None
+        attempt = 0
+        try:
+            for point in points:
+                ctx.check_cancelled()
+                point_id = ids[point.key]
+                cause = saturated.get(point.series)
+                if cause is not None:
+                    sweeps.mark_point(db, point_id, "skipped", error=cause)
+                    counts["skipped"] += 1
+                    finished += 1
+                    continue
+                if engine is None or engine.exited():
+                    if engine is not None:
+                        engine.stop()
+                        counts["restarts"] += 1
+                    engine = EngineProcess(ctx, launch, recipe, attempt)
+                    attempt += 1
+                    ctx.progress(message=f"run {run_id}: starting engine {launch.index}")
+                    try:
+                        engine.start()
+                    except (EngineError, JobError) as exc:
+                        if isinstance(exc, JobCancelled):
+                            raise
+                        message = f"engine failed to start: {exc}"
+                        ctx.log(message)
+                        for p in points[points.index(point):]:
+                            sweeps.mark_point(db, ids[p.key], "failed", error=message)
+                            counts["failed"] += 1
+                            finished += 1
+                        ctx.progress(done=finished)
+                        break
+                state = _run_one(ctx, plan, point, point_id, engine, saturated)
+                counts[state] += 1
+                finished += 1
+                sweeps.update_derived(db, run_id, unstable_spread=recipe.sweep.unstable_spread)
+                ctx.progress(done=finished, message=f"run {run_id}: point {point.index + 1}/{len(plan.points)} {state}")
+        finally:
+            if engine is not None:
+                engine.stop()
+    return {"run_id": run_id, "points_total": len(plan.points), "points_done": counts["done"],
+            "points_failed": counts["failed"], "points_skipped": counts["skipped"],
+            "engine_restarts": counts["restarts"]}
+
+
+def _run_one(ctx, plan: Plan, point: PlanPoint, point_id: int, engine: EngineProcess,
+             saturated: dict[tuple, str]) -> str:
+    recipe, sweep = plan.recipe, plan.recipe.sweep
+    db = ctx.db
+    label = (f"point {point.index + 1}/{len(plan.points)}: {point.algorithm} budget={point.budget} "
+             f"c={point.concurrency} T={point.temperature:g} {point.dataset} r{point.repeat}")
+    started = time.time()
+    sweeps.mark_point(db, point_id, "running", started_at=started)
+    ctx.progress(message=f"{label} running")
+    try:
+        prompts = load_prompts(point.dataset, sweep.num_prompts, seed=sweep.seed)
+        warm = load_prompts(point.dataset, sweep.warmup, seed=sweep.seed, offset=sweep.num_prompts) \
+            if sweep.warmup else []
+    except EngineError as exc:
+        sweeps.record_point(db, point_id, state="failed", metrics={}, requests=[], error=str(exc), started_at=started)
+        ctx.log(f"{label} failed: {exc}")
+        return "failed"
+    speculative = None
+    if recipe.engine.per_request_spec:
+        speculative = {"algorithm": point.algorithm}
+        if point.budget is not None:
+            speculative["budget"] = point.budget
+    cfg = BenchConfig(concurrency=point.concurrency, max_new_tokens=sweep.max_new_tokens,
+                      temperature=point.temperature, api=recipe.engine.request_api, request_rate=sweep.request_rate,
+                      warmup=sweep.warmup, timeout_s=sweep.timeout_s, seed=sweep.seed, speculative=speculative,
+                      model=recipe.engine.model)
+    with _GpuWatch(ctx, point_id, point.gpus) as gpu:
+        result = run_point(engine.url, prompts, cfg, warmup_prompts=warm, stop=ctx.cancelled)
+        util, power = gpu.means()
+    if ctx.cancelled.is_set():
+        # An interrupted point is not a result: it goes back to pending for a resume.
+        sweeps.mark_point(db, point_id, "pending")
+        ctx.check_cancelled()
+    metrics = dict(result.metrics, gpu_util_mean=util, gpu_power_mean=power)
+    state, error = _judge(result, engine)
+    sweeps.record_point(db, point_id, state=state, metrics=metrics, requests=_request_rows(result), error=error,
+                        warnings=result.warnings, started_at=started)
+    summary = (f"{label} {state}: {metrics['requests_ok']} ok, {metrics['requests_failed']} failed, "
+               f"{_fmt(metrics.get('output_tok_s'))} tok/s, tau {_fmt(metrics.get('tau_weighted'))}")
+    ctx.log(summary + (f" ({error})" if error else ""))
+    cause = _saturation(metrics, sweep)
+    if cause is not None:
+        saturated[point.series] = f"skipped: saturated at concurrency {point.concurrency} ({cause})"
+        ctx.log(f"{label}: saturated ({cause}); higher concurrencies of this series are skipped")
+    return state
+
+
+def _judge(result: PointResult, engine: EngineProcess) -> tuple[str, str | None]:
+    gone = engine.exited()
+    failures = result.metrics.get("failures") or {}
+    if gone:
+        return "failed", f"engine died during the point ({gone})"
+    if result.metrics["requests_ok"] == 0:
+        first = next((r for r in result.requests if r.error), None)
+        detail = f": {first.detail}" if first is not None and first.detail else ""
+        causes = ", ".join(f"{k} x{v}" for k, v in failures.items()) or "no requests ran"
+        return "failed", f"every request failed ({causes}){detail}"[:500]
+    return "done", None
+
+
+def _saturation(metrics: dict, sweep) -> str | None:
+    total = metrics["requests_ok"] + metrics["requests_failed"]
+    if total and metrics["requests_failed"] / total > sweep.stop_error_rate:
+        return f"error rate {metrics['requests_failed'] / total:.0%} > {sweep.stop_error_rate:.0%}"
+    p99 = metrics.get("e2e_p99")
+    if sweep.stop_e2e_p99_s is not None and p99 is not None and p99 > sweep.stop_e2e_p99_s:
+        return f"p99 E2E {p99:.2f}s > {sweep.stop_e2e_p99_s:g}s"
+    return None
+
+
+def _request_rows(result: PointResult) -> list[dict]:
+    return [{"idx": r.index, "ok": r.ok, "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+             "ttft_s": r.ttft_s, "itl_mean_s": r.itl_mean_s, "e2e_s": r.e2e_s, "verify_ct": r.verify_ct,
+             "accept_length": r.accept_length, "started_at": r.started_at, "error": r.error,
+             "finish_reason": r.finish_reason, "detail": r.detail, "accept_hist": r.accept_hist}
+            for r in result.requests]
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
