@@ -27,8 +27,6 @@ from ddtree.store.migrations import APPLICATION_ID, MIGRATION_SET, migrations
 #: Seconds a writer waits for another writer before SQLite gives up.
 BUSY_TIMEOUT_S = 60.0
 
-_SQLITE_MAGIC = b"SQLite format 3\x00"
-
 
 def default_db_path() -> Path:
     """$DDTREE_DB, else $XDG_DATA_HOME/ddtree-console/ddtree.db (XDG default ~/.local/share)."""
@@ -71,20 +69,6 @@ def _make_private_dir(folder: Path) -> None:
         raise DatabasePathError(
             f"cannot create folder {folder}: {exc.strerror}", "choose a writable path with --db or DDTREE_DB"
         ) from None
-
-
-def _check_header(path: Path) -> None:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(_SQLITE_MAGIC))
-    except OSError as exc:
-        raise DatabasePathError(f"cannot read {path}: {exc.strerror}", "check its permissions") from None
-    # An empty file is a valid, empty SQLite database.
-    if head and head != _SQLITE_MAGIC:
-        raise CorruptDatabase(
-            f"{path} is not a SQLite database",
-            "it was left untouched; move it away or pass another path with --db or DDTREE_DB",
-        )
 
 
 def _create_private_file(path: Path) -> None:
@@ -139,9 +123,11 @@ def open_db(path: str | os.PathLike | None = None) -> Database:
     if db_path.is_dir():
         raise DatabasePathError(f"{db_path} is a folder", "pass the path of a database file with --db or DDTREE_DB")
     _make_private_dir(db_path.parent)
-    if db_path.exists():
-        _check_header(db_path)
-    else:
+    # Never read the file ourselves to sniff it: closing any descriptor of a database file drops
+    # every POSIX lock this process holds on it, including those of open SQLite connections, and
+    # another process may then checkpoint and delete the WAL under them (committed writes vanish).
+    # SQLite reports a file that is not a database on the first query, without writing to it.
+    if not db_path.exists():
         _create_private_file(db_path)
     db = None
     try:
@@ -179,9 +165,14 @@ def _classify(exc: sqlite3.DatabaseError, path: Path) -> StoreError:
         return DatabasePathError(
             f"cannot write {path}: {text}", "the database and its folder must be writable; use --db or DDTREE_DB"
         )
-    if "not a database" in text or "malformed" in text or "corrupt" in text:
+    if "not a database" in text:
         return CorruptDatabase(
-            f"{path} is damaged or not a SQLite database: {text}",
+            f"{path} is not a SQLite database",
+            "it was left untouched; move it away or pass another path with --db or DDTREE_DB",
+        )
+    if "malformed" in text or "corrupt" in text:
+        return CorruptDatabase(
+            f"{path} is damaged: {text}",
             "it was left untouched; move it away or pass another path with --db or DDTREE_DB",
         )
     return StoreError(f"cannot open {path}: {text}")

@@ -184,3 +184,28 @@ def test_concurrent_writers_never_see_locked(tmp_path):
         assert out.strip() == "ok"
     assert db.execute("SELECT count(*) FROM job_events").fetchone()[0] == 3 * n
     assert db.execute("SELECT count(*) FROM telemetry").fetchone()[0] == 3 * n
+
+
+LOCKS = textwrap.dedent(
+    """
+    import sys, subprocess
+    from ddtree.store import open_db
+    path = sys.argv[1]
+    a = open_db(path)
+    open_db(path).close()  # a second open in the same process must not drop a's locks
+    # another process opens and closes: it must not see itself as the last user and drop the WAL
+    subprocess.run([sys.executable, "-c", f"from ddtree.store import open_db; open_db({path!r}).close()"], check=True)
+    a.execute("INSERT INTO runs (name, created_at) VALUES ('kept', 1.0)")
+    a.conn.commit()
+    subprocess.run([sys.executable, "-c", f"from ddtree.store import open_db; open_db({path!r}).close()"], check=True)
+    print("ok")
+    """
+)
+
+
+def test_reopening_in_one_process_keeps_committed_writes(tmp_path):
+    path = tmp_path / "d.db"
+    open_db(path).close()
+    out = subprocess.run([sys.executable, "-c", LOCKS, str(path)], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
+    assert [r.name for r in list_runs(open_db(path))] == ["kept"]

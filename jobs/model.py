@@ -1,0 +1,116 @@
+"""The job model: rows, the lifecycle, and `set_state`, the one function that changes state.
+
+    queued -> starting -> running -> succeeded | failed | cancelled | lost
+
+A queued job may also go straight to cancelled (cancelled before its runner started), failed
+(its runner could not start) or lost; a lost job may be queued again (resume on request).
+Terminal states never change otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+from sqlite_utils import Database
+
+from ddtree.jobs.errors import JobStateError
+from ddtree.store.db import logs_dir, transaction
+from ddtree.store.queries import get_job, now, to_json
+from ddtree.store.records import ACTIVE_STATES, JOB_STATES, TERMINAL_STATES, Job
+
+__all__ = [
+    "ACTIVE_STATES",
+    "JOB_STATES",
+    "TERMINAL_STATES",
+    "TRANSITIONS",
+    "create_job",
+    "hostname",
+    "set_state",
+]
+
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "queued": frozenset({"starting", "cancelled", "failed", "lost"}),
+    "starting": frozenset({"running", "succeeded", "failed", "cancelled", "lost"}),
+    "running": frozenset({"succeeded", "failed", "cancelled", "lost"}),
+    "succeeded": frozenset(),
+    "failed": frozenset(),
+    "cancelled": frozenset(),
+    "lost": frozenset({"queued"}),
+}
+
+_UNSET: Any = object()
+
+
+def hostname() -> str:
+    return socket.gethostname()
+
+
+def create_job(db: Database, kind: str, spec: dict, *, name: str | None = None) -> int:
+    """Write a `queued` row (and its first event); return the job id. The spec must be valid."""
+    at = now()
+    with transaction(db):
+        cur = db.execute(
+            "INSERT INTO jobs (kind, name, state, spec, host, created_at) VALUES (?, ?, 'queued', ?, ?, ?)",
+            [kind, name, json.dumps(spec, sort_keys=True), hostname(), at],
+        )
+        job_id = int(cur.lastrowid)
+        log_path = logs_dir(_db_file(db)) / f"job-{job_id}.log"
+        db.execute("UPDATE jobs SET log_path = ? WHERE id = ?", [str(log_path), job_id])
+        db.execute(
+            "INSERT INTO job_events (job_id, at, state, message) VALUES (?, ?, 'queued', ?)",
+            [job_id, at, f"submitted {kind}"],
+        )
+    return job_id
+
+
+def _db_file(db: Database) -> str:
+    return db.execute("PRAGMA database_list").fetchone()[2]
+
+
+def set_state(
+    db: Database,
+    job_id: int,
+    state: str,
+    message: str | None = None,
+    *,
+    result: Any = _UNSET,
+    error: str | None = None,
+) -> Job:
+    """Move a job to `state` and record a job_events row, in one transaction.
+
+    Raises JobStateError if the lifecycle does not allow the change (the row is untouched) and
+    NotFound for an unknown id. `result` is stored as the job's result JSON; `error` (default:
+    `message` when the new state is failed, cancelled or lost) goes to the row's error column.
+    """
+    if state not in TRANSITIONS:
+        raise JobStateError(f"unknown job state {state!r}", f"one of {', '.join(JOB_STATES)}")
+    at = now()
+    with transaction(db):
+        current = get_job(db, job_id)
+        if state not in TRANSITIONS[current.state]:
+            raise JobStateError(
+                f"job {job_id} is {current.state}, it cannot become {state}",
+                "it already ended" if current.terminal else None,
+            )
+        values: dict[str, Any] = {"state": state}
+        if state == "starting":
+            values["started_at"] = at
+        if state in TERMINAL_STATES:
+            values["ended_at"] = at
+        if state == "queued":
+            values.update(ended_at=None, error=None, cancel_requested_at=None, cancel_grace_s=None)
+        if error is None and state in ("failed", "cancelled", "lost"):
+            error = message
+        if error is not None:
+            values["error"] = error
+        if result is not _UNSET:
+            values["result"] = to_json(result)
+        sets = ", ".join(f"[{c}] = ?" for c in values)
+        db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*values.values(), job_id])
+        db.execute(
+            "INSERT INTO job_events (job_id, at, state, message) VALUES (?, ?, ?, ?)",
+            [job_id, at, state, message],
+        )
+        return get_job(db, job_id)

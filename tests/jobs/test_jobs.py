@@ -1,0 +1,257 @@
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from ddtree.jobs import cancel, reconcile, set_state, submit, wait
+from ddtree.jobs.context import JobContext
+from ddtree.jobs.errors import BadSpec, JobStateError, UnknownKind
+from ddtree.jobs.model import create_job
+from ddtree.jobs.procs import group_exists, is_alive
+from ddtree.jobs.runner import execute
+from ddtree.store import open_db
+from ddtree.store.errors import NotFound
+from ddtree.store.queries import get_job, job_events, job_processes, list_jobs
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def db_path(tmp_path):
+    return str(tmp_path / "data" / "ddtree.db")
+
+
+def job(db_path, job_id):
+    with open_db(db_path) as db:
+        return get_job(db, job_id)
+
+
+def events(db_path, job_id):
+    with open_db(db_path) as db:
+        return [e.state for e in job_events(db, job_id)]
+
+
+def processes(db_path, job_id):
+    with open_db(db_path) as db:
+        return job_processes(db, job_id)
+
+
+def wait_state(db_path, job_id, states, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        j = job(db_path, job_id)
+        if j.state in states:
+            return j
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} stayed {j.state}, wanted {states}")
+
+
+def wait_processes(db_path, job_id, n=1, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        procs = processes(db_path, job_id)
+        if len(procs) >= n:
+            return procs
+        time.sleep(0.05)
+    raise AssertionError("child process never recorded")
+
+
+def test_detached_sleep_job_succeeds_with_result_progress_and_events(db_path):
+    t0 = time.monotonic()
+    job_id = submit(db_path, "sleep", {"seconds": 0.5}, name="nap")
+    assert time.monotonic() - t0 < 5  # the launcher forks before its heavy imports
+    j = wait(db_path, job_id, timeout=20)
+    assert j.state == "succeeded", j.error
+    assert j.name == "nap" and j.result["slept_s"] >= 0.5
+    assert j.progress_done == j.progress_total == 0.5
+    assert j.pid and j.pid != os.getpid() and j.heartbeat_at and j.ended_at >= j.started_at
+    assert events(db_path, job_id) == ["queued", "starting", "running", "succeeded"]
+    assert "succeeded" in open(j.log_path).read()
+
+
+def test_runner_survives_the_killed_process_that_submitted_it(db_path):
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        from ddtree.jobs import submit
+        print(submit({db_path!r}, "sleep", {{"seconds": 2.0}}), flush=True)
+        time.sleep(600)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    job_id = int(parent.stdout.readline())
+    wait_state(db_path, job_id, {"running"})
+    os.killpg(parent.pid, signal.SIGKILL)  # the console (and its whole group) dies mid-job
+    parent.wait()
+    assert job(db_path, job_id).state == "running"
+    j = wait(db_path, job_id, timeout=20)
+    assert j.state == "succeeded" and j.result["slept_s"] >= 2.0
+
+
+def test_kind_exception_fails_the_job_with_error_on_row_and_in_log(db_path):
+    job_id = submit(db_path, "sleep", {"seconds": 0, "fail": True, "message": "boom here"})
+    j = wait(db_path, job_id, timeout=20)
+    assert j.state == "failed"
+    assert j.error == "RuntimeError: boom here"
+    log = open(j.log_path).read()
+    assert "Traceback" in log and "boom here" in log
+    assert events(db_path, job_id)[-1] == "failed"
+
+
+def test_shell_job_child_has_own_group_log_and_exit_code(db_path):
+    job_id = submit(db_path, "shell", {"command": "echo out-$FOO; echo err >&2; exit 3", "env": {"FOO": "bar"}})
+    j = wait(db_path, job_id, timeout=20)
+    assert j.state == "failed" and "status 3" in j.error
+    (proc,) = processes(db_path, job_id)
+    assert proc.returncode == 3 and proc.ended_at and proc.pgid == proc.pid != j.pid
+    assert open(proc.log_path).read().split() == ["out-bar", "err"]
+    ok = submit(db_path, "shell", {"argv": ["true"]})
+    assert wait(db_path, ok, timeout=20).result == {"returncode": 0}
+
+
+def test_cancel_kills_a_child_that_ignores_sigterm(db_path):
+    job_id = submit(db_path, "shell", {"command": "trap '' TERM; sleep 60 & wait; sleep 60"})
+    (proc,) = wait_processes(db_path, job_id)
+    wait_state(db_path, job_id, {"running"})
+    time.sleep(0.3)  # let the shell install its trap
+    t0 = time.monotonic()
+    j = cancel(db_path, job_id, grace_s=2.0)
+    assert j.state == "cancelled"
+    assert time.monotonic() - t0 < 2.0 + 1.0
+    assert not is_alive(proc.pid, proc.pid_started)
+    assert not group_exists(proc.pgid)  # the backgrounded sleep went with it
+    assert events(db_path, job_id)[-1] == "cancelled"
+    (proc,) = processes(db_path, job_id)
+    assert proc.ended_at is not None
+
+
+def test_cancel_sigkills_a_runner_that_does_not_respond(db_path):
+    job_id = submit(db_path, "shell", {"command": "sleep 60"})
+    (proc,) = wait_processes(db_path, job_id)
+    runner = wait_state(db_path, job_id, {"running"})
+    os.kill(runner.pid, signal.SIGSTOP)  # a hung runner: TERM stays pending
+    j = cancel(db_path, job_id, grace_s=0.5)
+    assert j.state == "cancelled" and "killed" in j.error
+    deadline = time.monotonic() + 5
+    while is_alive(runner.pid, runner.pid_started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not is_alive(runner.pid, runner.pid_started)
+    assert not is_alive(proc.pid, proc.pid_started)
+
+
+def test_cancel_errors_finished_unknown_and_queued(db_path):
+    job_id = submit(db_path, "sleep", {"seconds": 0})
+    wait(db_path, job_id, timeout=20)
+    with pytest.raises(JobStateError) as err:
+        cancel(db_path, job_id)
+    assert err.value.exit_code == 2 and "already succeeded" in err.value.message
+    with pytest.raises(NotFound) as err:
+        cancel(db_path, 424242)
+    assert err.value.exit_code == 2
+    with open_db(db_path) as db:
+        queued = create_job(db, "sleep", {"seconds": 5.0, "fail": False, "message": ""})
+    assert cancel(db_path, queued).state == "cancelled"
+    assert execute(db_path, queued) == 1  # a runner arriving late does nothing
+    assert events(db_path, queued) == ["queued", "cancelled"]
+
+
+def test_sigkilled_runner_becomes_lost_and_nothing_else_is_touched(db_path):
+    victim = submit(db_path, "shell", {"command": "sleep 60"})
+    bystander = submit(db_path, "sleep", {"seconds": 1.5})
+    (proc,) = wait_processes(db_path, victim)
+    runner = wait_state(db_path, victim, {"running"})
+    os.kill(runner.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while is_alive(runner.pid, runner.pid_started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reconcile(db_path, stale_s=600) == []  # heartbeat still fresh: not yet
+    assert reconcile(db_path, stale_s=0) == [victim]
+    j = job(db_path, victim)
+    assert j.state == "lost" and "gone" in j.error
+    assert not is_alive(proc.pid, proc.pid_started)  # its orphaned child was stopped too
+    assert wait(db_path, bystander, timeout=20).state == "succeeded"
+    assert reconcile(db_path, stale_s=0) == []
+
+
+def test_foreground_job_is_cancelled_by_ctrl_c(db_path):
+    code = textwrap.dedent(
+        f"""
+        from ddtree.jobs import submit
+        print(submit({db_path!r}, "sleep", {{"seconds": 30}}, detach=False))
+        """
+    )
+    fg = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with open_db(db_path) as db:
+            jobs = list_jobs(db)
+        if jobs and jobs[0].state == "running":
+            break
+        time.sleep(0.05)
+    fg.send_signal(signal.SIGINT)
+    out, _ = fg.communicate(timeout=20)
+    j = job(db_path, int(out))
+    assert j.state == "cancelled" and j.pgid is None and j.pid == fg.pid
+
+
+def test_bad_specs_write_nothing(db_path):
+    with pytest.raises(UnknownKind) as err:
+        submit(db_path, "nope", {})
+    assert err.value.exit_code == 2 and "sleep" in err.value.hint
+    with pytest.raises(UnknownKind):
+        submit(db_path, "../etc", {})
+    with pytest.raises(BadSpec):
+        submit(db_path, "sleep", {"seconds": "soon"})
+    with pytest.raises(BadSpec):
+        submit(db_path, "sleep", {"sconds": 1})
+    with pytest.raises(BadSpec):
+        submit(db_path, "shell", {"command": ""})
+    with pytest.raises(BadSpec):
+        submit(db_path, "shell", {"argv": "ls"})
+    with open_db(db_path) as db:
+        assert list_jobs(db) == []
+
+
+def test_set_state_enforces_the_lifecycle(db_path):
+    with open_db(db_path) as db:
+        job_id = create_job(db, "sleep", {})
+        with pytest.raises(JobStateError):
+            set_state(db, job_id, "succeeded")
+        with pytest.raises(JobStateError):
+            set_state(db, job_id, "sleeping")
+        assert get_job(db, job_id).state == "queued"
+        set_state(db, job_id, "starting")
+        set_state(db, job_id, "running", "go")
+        j = set_state(db, job_id, "failed", "it broke")
+        assert j.error == "it broke" and j.ended_at
+        with pytest.raises(JobStateError):
+            set_state(db, job_id, "running")
+        evs = job_events(db, job_id)
+        assert [(e.state, e.message) for e in evs][1:] == [("starting", None), ("running", "go"), ("failed", "it broke")]
+
+
+def test_context_spawn_and_close_stop_children(db_path):
+    with open_db(db_path) as db:
+        job_id = create_job(db, "sleep", {})
+    ctx = JobContext(job_id, db_path)
+    quick = ctx.spawn([sys.executable, "-c", "import os; print(os.environ['X'])"], env={"X": "42"}, name="quick")
+    quick.wait()
+    slow = ctx.spawn(["sleep", "30"], name="slow")
+    assert os.getpgid(slow.pid) == slow.pid != os.getpgid(0)
+    ctx.progress(1, 4, "a quarter")
+    ctx.close(grace_s=1.0)
+    assert slow.returncode == -signal.SIGTERM
+    rows = {p.name: p for p in processes(db_path, job_id)}
+    assert rows["quick"].returncode == 0 and rows["slow"].returncode == -signal.SIGTERM
+    assert open(rows["quick"].log_path).read().strip() == "42"
+    j = job(db_path, job_id)
+    assert (j.progress_done, j.progress_total, j.progress_message) == (1.0, 4.0, "a quarter")
+    ctx2 = JobContext(job_id, db_path)
+    ctx2.cancelled.set()
+    with pytest.raises(Exception, match="cancelled"):
+        ctx2.spawn(["true"], name="never")
+    ctx2.close()
