@@ -1,0 +1,187 @@
+"""`ddtree-console hw [--json] [--tp N] [--from FILE]`: GPUs, links, NUMA nodes, CPU, memory, disks.
+
+`--json` prints what the table shows as one JSON object (the GPU view plus a `host` key), which
+`--from FILE` reads back, so a report recorded on one machine can be viewed (and placed) on another.
+`--tp N` adds the best GPU sets for tensor-parallel size N and how to pin a server next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ddtree.engine.errors import EngineError
+from ddtree.engine.host import HostInfo, host_info
+from ddtree.engine.hw import LINK_MEANING, GpuInfo, GpuView, format_cpulist, gpu_view
+from ddtree.engine.placement import Placement, suggest
+from ddtree.store.db import data_dir
+
+GIB = 1024**3
+
+
+class HwInputError(EngineError):
+    exit_code = 2
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("hw", help="GPUs, links, NUMA nodes, CPU, memory, disks",
+                              description="Show the machine: GPUs through NVML (memory, use, power, clocks, PCIe, "
+                                          "NVLink, processes), the GPU-to-GPU link matrix, NUMA nodes, CPU, memory "
+                                          "and the disks that hold the HF cache and the data folder.")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--tp", type=int, metavar="N", help="also suggest GPU sets for tensor-parallel size N")
+    p.add_argument("--from", dest="from_file", metavar="FILE", help="show a report saved with --json instead")
+    p.set_defaults(command_module=__name__)
+
+
+def collect(args: argparse.Namespace) -> tuple[GpuView, HostInfo | None]:
+    if args.from_file:
+        try:
+            data = json.loads(Path(args.from_file).read_text())
+        except OSError as exc:
+            raise HwInputError(f"cannot read {args.from_file}: {exc.strerror}") from None
+        except ValueError:
+            raise HwInputError(f"{args.from_file} is not JSON", "write it with `ddtree-console hw --json`") from None
+        if not isinstance(data, dict):
+            raise HwInputError(f"{args.from_file} is not a hw report")
+        try:
+            view = GpuView.from_dict(data)
+            host = HostInfo.from_dict(data["host"]) if data.get("host") else None
+        except (TypeError, KeyError, ValueError) as exc:
+            raise HwInputError(f"{args.from_file} is not a hw report ({exc})") from None
+        return view, host
+    return gpu_view(), host_info(data_dir=data_dir(getattr(args, "db", None)), cpu_interval=0.1)
+
+
+def run(args: argparse.Namespace) -> int:
+    view, host = collect(args)
+    placements: list[Placement] = []
+    if args.tp is not None:
+        numa = host.numa if host else None
+        placements = suggest(view.gpus, view.links, args.tp, numa=numa, limit=3)
+    if args.json:
+        out = view.to_dict()
+        out["host"] = host.to_dict() if host else None
+        if args.tp is not None:
+            out["placement"] = {"tp": args.tp, "suggestions": [p.to_dict() for p in placements]}
+        json.dump(out, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    sys.stdout.write(render(view, host, placements, tp=args.tp))
+    return 0
+
+
+# -- text ---------------------------------------------------------------------------------------
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return [line(headers), *(line(r) for r in rows)]
+
+
+def _na(value, fmt: str = "{}") -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / GIB:.1f}"
+
+
+def _pcie(g: GpuInfo) -> str:
+    if g.pcie_gen is None and g.pcie_width is None:
+        return "n/a"
+    text = f"gen{_na(g.pcie_gen)}/{_na(g.pcie_gen_max)} x{_na(g.pcie_width)}/{_na(g.pcie_width_max)}"
+    return text + " DEGRADED" if g.pcie_degraded else text
+
+
+def _gpu_rows(view: GpuView) -> list[str]:
+    rows = []
+    for g in view.gpus:
+        mem = f"{_gib(g.memory_used)}/{_gib(g.memory_total)} GiB"
+        power = f"{_na(g.power_w, '{:.0f}')}/{_na(g.power_cap_w, '{:.0f}')} W"
+        clocks = f"{_na(g.clock_sm_mhz)}/{_na(g.clock_sm_max_mhz)}"
+        nv = sum(link.active for link in g.nvlinks)
+        procs = ", ".join(f"{p.name or '?'}({p.pid})" for p in g.processes[:3])
+        if len(g.processes) > 3:
+            procs += f" +{len(g.processes) - 3}"
+        rows.append([str(g.index), g.name or "n/a", (g.bus_id or "n/a")[-12:], mem, _na(g.util_gpu, "{:.0f}%"),
+                     _na(g.temperature_c, "{:.0f}C"), power, clocks, _pcie(g), str(nv) if g.nvlinks else "-",
+                     _na(g.numa_node), procs or "-"])
+    return _table(["GPU", "Name", "Bus", "Memory", "Util", "Temp", "Power", "SM MHz", "PCIe", "NVLink", "NUMA",
+                   "Processes"], rows)
+
+
+def _links(view: GpuView) -> list[str]:
+    n = len(view.gpus)
+    headers = [""] + [f"GPU{i}" for i in range(n)] + ["CPU Affinity", "NUMA"]
+    rows = []
+    for i, g in enumerate(view.gpus):
+        cpus = format_cpulist(g.cpu_affinity) if g.cpu_affinity else "n/a"
+        rows.append([f"GPU{i}", *view.links[i], cpus, _na(g.numa_node)])
+    used = {x for row in view.links for x in row if x != "X"}
+    legend = []
+    for key, meaning in LINK_MEANING.items():
+        if key in used or (key == "NV#" and any(u.startswith("NV") for u in used)):
+            legend.append(f"  {key:<5} {meaning}")
+    return _table(headers, rows) + (["Legend:", *legend] if legend else [])
+
+
+def _unavailable(view: GpuView) -> list[str]:
+    lines = []
+    for g in view.gpus:
+        for field_name, reason in sorted(g.unavailable.items()):
+            lines.append(f"  GPU{g.index} {field_name}: {reason}")
+    return lines
+
+
+def _host(host: HostInfo) -> list[str]:
+    out = [f"Host {host.hostname}: {host.cpu_model or 'unknown CPU'}, {host.cpus_logical} logical CPUs"
+           + (f" ({host.cpus_physical} cores)" if host.cpus_physical else "")
+           + f", CPU use {_na(host.cpu_percent, '{:.0f}%')}"
+           + (f", load {host.load_avg[0]:.2f} {host.load_avg[1]:.2f} {host.load_avg[2]:.2f}" if host.load_avg else ""),
+           f"Memory: {_gib(host.memory_total - host.memory_available)}/{_gib(host.memory_total)} GiB used "
+           f"({host.memory_percent:.0f}%), {_gib(host.memory_available)} GiB available", "", "NUMA nodes"]
+    out += _table(["Node", "CPUs", "Memory GiB", "Free GiB", "Distances"],
+                  [[str(n.node), format_cpulist(n.cpus) or "-", _gib(n.memory_total), _gib(n.memory_free),
+                    " ".join(map(str, n.distances)) or "-"] for n in host.numa])
+    out += ["", "Disks"]
+    out += _table(["Role", "Path", "Mount", "FS", "Free GB", "Total GB", "Used"],
+                  [[d.role, d.path, d.mount or "?", d.fstype or "?", f"{d.free / 1e9:.1f}", f"{d.total / 1e9:.1f}",
+                    f"{100 * d.used / d.total:.0f}%" if d.total else "?"] for d in host.disks])
+    return out
+
+
+def _placements(tp: int, placements: list[Placement]) -> list[str]:
+    out = [f"Placement for TP {tp} (best first)"]
+    for rank, p in enumerate(placements, 1):
+        nodes = ",".join(map(str, p.numa_nodes)) or "?"
+        out.append(f"  {rank}. GPUs {','.join(map(str, p.gpus))}  worst link {p.worst_link}  NUMA {nodes}  "
+                   f"CPUs {p.cpulist or '?'}")
+        env = " ".join(f"{k}={v}" for k, v in p.env.items())
+        out.append(f"     {env} {' '.join(p.numactl)} <server command>".rstrip())
+        for note in p.notes:
+            out.append(f"     note: {note}")
+    return out
+
+
+def render(view: GpuView, host: HostInfo | None, placements: list[Placement] | None = None,
+           tp: int | None = None) -> str:
+    lines: list[str] = []
+    if view.gpus:
+        head = f"GPUs: {len(view.gpus)}"
+        if view.driver_version:
+            head += f"  driver {view.driver_version}"
+        if view.cuda_driver_version:
+            head += f"  CUDA {view.cuda_driver_version}"
+        lines += [head, *_gpu_rows(view), "", "Links", *_links(view)]
+        missing = _unavailable(view)
+        if missing:
+            lines += ["", "Unavailable", *missing]
+    else:
+        lines.append(f"GPUs: none ({view.reason or 'unknown reason'})")
+    if placements:
+        lines += ["", *_placements(tp or len(placements[0].gpus), placements)]
+    if host is not None:
+        lines += ["", *_host(host)]
+    return "\n".join(lines) + "\n"
