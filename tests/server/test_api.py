@@ -1,0 +1,315 @@
+"""The builtin server over real HTTP: a real subprocess on a free port, tiny random models."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ddtree.engine.client import (
+    AsyncEngineClient,
+    EngineBadRequest,
+    EngineClient,
+    EngineOverloaded,
+    EngineUnreachable,
+)
+
+from .conftest import CONTEXT_WINDOW
+
+PROMPTS = ["def parse(s):\n    ", "import json\n", "class Decoder:\n", "for key, value in", "return self."]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with EngineClient(server.url, timeout=120) as c:
+        yield c
+
+
+def greedy(n: int = 16, **extra) -> dict:
+    return {"max_new_tokens": n, "temperature": 0.0, **extra}
+
+
+def wait_idle(client: EngineClient, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = client.server_info()["internal_states"][0]
+        if states["num_running_reqs"] == 0 and states["num_queue_reqs"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("requests still held by the server")
+
+
+def test_announcement_and_health(server, client):
+    assert server.announcement["event"] == "listening"
+    assert server.announcement["host"] == "127.0.0.1"
+    assert server.url == f"http://127.0.0.1:{server.port}"
+    assert client.health()
+    info = client.server_info()
+    assert info["algorithm"] == "ddtree" and info["budget"] == 8 and info["block_size"] == 4
+    assert info["context_length"] == CONTEXT_WINDOW
+    assert "avg_spec_accept_length" in info["internal_states"][0]
+    assert httpx.get(server.url + "/get_server_info").json()["model"] == info["model"]
+
+
+def test_generate_meta_info(client):
+    out = client.generate(PROMPTS[0], sampling_params=greedy(24, ignore_eos=True))
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == len(out["output_ids"]) == 24
+    assert meta["finish_reason"] == {"type": "length", "length": 24}
+    assert meta["prompt_tokens"] > 0 and meta["e2e_latency"] > 0
+    assert meta["spec_verify_ct"] > 0
+    assert meta["spec_accept_length"] == pytest.approx(meta["completion_tokens"] / meta["spec_verify_ct"])
+    assert sum(meta["spec_accept_histogram"]) == meta["spec_verify_ct"]
+    assert meta["spec_num_proposed_drafts"] == 8 * meta["spec_verify_ct"]
+
+
+def test_algorithms_agree_at_temperature_zero(client):
+    """Speculation is lossless: ar, dflash and ddtree (any budget) give the same tokens at T=0."""
+    ids = client.generate(PROMPTS[1], sampling_params=greedy(20, ignore_eos=True),
+                          speculative={"algorithm": "ar"})["output_ids"]
+    for spec in ({"algorithm": "dflash"}, {"algorithm": "ddtree", "budget": 3}, {"algorithm": "ddtree", "budget": 40}):
+        out = client.generate(PROMPTS[1], sampling_params=greedy(20, ignore_eos=True), speculative=spec)
+        assert out["output_ids"] == ids, spec
+        assert out["meta_info"]["spec_algorithm"] == spec["algorithm"]
+
+
+def test_input_ids_equal_text(client):
+    by_text = client.generate(PROMPTS[2], sampling_params=greedy(10))
+    prompt_ids = client.generate(PROMPTS[2], sampling_params=greedy(1))["meta_info"]["prompt_tokens"]
+    assert prompt_ids == by_text["meta_info"]["prompt_tokens"]
+    chat = client.completions(PROMPTS[2], max_tokens=10, temperature=0)
+    assert chat["choices"][0]["text"] == by_text["text"]
+
+
+def test_stream_matches_non_stream(client):
+    whole = client.generate(PROMPTS[3], sampling_params=greedy(20, ignore_eos=True))
+    chunks = list(client.generate_stream(PROMPTS[3], sampling_params=greedy(20, ignore_eos=True)))
+    assert len(chunks) > 2
+    lengths = [len(c["output_ids"]) for c in chunks]
+    assert lengths == sorted(lengths)  # cumulative, as SGLang streams by default
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last["output_ids"] == whole["output_ids"] and last["text"] == whole["text"]
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 20}
+    assert last["meta_info"]["spec_verify_ct"] == whole["meta_info"]["spec_verify_ct"]
+
+
+def test_raw_stream_framing(server):
+    body = {"text": PROMPTS[0], "sampling_params": greedy(4), "stream": True}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-2])
+
+
+def test_openai_completions(client):
+    out = client.completions(PROMPTS[4], max_tokens=12, temperature=0, ignore_eos=True)
+    assert out["object"] == "text_completion"
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 12
+    assert out["usage"]["total_tokens"] == out["usage"]["prompt_tokens"] + 12
+    chunks = list(client.completions(PROMPTS[4], max_tokens=12, temperature=0, ignore_eos=True, stream=True,
+                                     stream_options={"include_usage": True}))
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == out["choices"][0]["text"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == out["usage"]
+
+
+def test_openai_chat(client, server):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    out = client.chat(messages, max_tokens=8, temperature=0)
+    assert out["object"] == "chat.completion"
+    assert out["choices"][0]["message"]["role"] == "assistant"
+    chunks = list(client.chat(messages, max_tokens=8, temperature=0, stream=True))
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == out["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    # The chat template was applied: the prompt is longer than the raw message text.
+    assert out["usage"]["prompt_tokens"] > client.generate("be brief hello", sampling_params=greedy(1))[
+        "meta_info"]["prompt_tokens"]
+
+
+def test_stop_string_trims_output(client):
+    reference = client.generate(PROMPTS[0], sampling_params=greedy(24, ignore_eos=True))
+    text = reference["text"]
+    stop = next((text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2]),
+                None)
+    if stop is None:
+        pytest.skip("the random model produced no usable stop string")
+    out = client.generate(PROMPTS[0], sampling_params=greedy(24, ignore_eos=True, stop=stop))
+    assert out["text"] == text[:text.find(stop)]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["output_ids"] == reference["output_ids"][:len(out["output_ids"])]
+
+
+def test_concurrent_clients_match_serial(client, server):
+    """Round-robin interleaving changes nothing: concurrent results equal serial ones at T=0."""
+    jobs = [(p, spec) for p in PROMPTS for spec in ({"algorithm": "ddtree", "budget": 8}, {"algorithm": "ar"})][:8]
+    serial = [client.generate(p, sampling_params=greedy(16, ignore_eos=True), speculative=s)["output_ids"]
+              for p, s in jobs]
+
+    async def run_all():
+        async with AsyncEngineClient(server.url, timeout=120) as ac:
+            return await asyncio.gather(*(ac.generate(p, sampling_params=greedy(16, ignore_eos=True), speculative=s)
+                                          for p, s in jobs))
+
+    results = asyncio.run(run_all())
+    assert [r["output_ids"] for r in results] == serial
+
+
+def test_short_request_is_not_starved(client, server):
+    """A short request submitted behind a long one finishes long before the long one."""
+    done = {}
+
+    def long_request():
+        client_long = EngineClient(server.url, timeout=120)
+        client_long.generate(PROMPTS[1], sampling_params=greedy(300, ignore_eos=True), speculative={"algorithm": "ar"})
+        done["long"] = time.monotonic()
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(0.3)
+    client.generate(PROMPTS[2], sampling_params=greedy(4, ignore_eos=True))
+    done["short"] = time.monotonic()
+    t.join()
+    assert done["short"] < done["long"]
+
+
+def test_metrics_parse_with_prometheus_parser(client, server):
+    client.generate(PROMPTS[0], sampling_params=greedy(8))
+    families = {f.name: f for f in text_string_to_metric_families(client.metrics_text())}
+    for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:spec_accept_length",
+                 "sglang:spec_accept_rate", "sglang:gen_throughput", "sglang:prompt_tokens",
+                 "sglang:generation_tokens", "sglang:spec_verify_calls", "sglang:num_requests",
+                 "sglang:time_to_first_token_seconds", "sglang:e2e_request_latency_seconds"):
+        assert name in families, name
+    value = {f.name: f.samples[0].value for f in families.values()}
+    assert value["sglang:generation_tokens"] >= 8
+    assert value["sglang:spec_verify_calls"] > 0
+    assert value["sglang:spec_accept_length"] >= 1.0
+    ttft = {s.name: s.value for s in families["sglang:time_to_first_token_seconds"].samples}
+    assert ttft["sglang:time_to_first_token_seconds_count"] >= 1
+    assert families["sglang:num_running_reqs"].samples[0].labels["model_name"]
+
+
+BAD = [
+    ("malformed json", b"{not json"),
+    ("not an object", b"[1, 2]"),
+    ("text wrong type", {"text": 5}),
+    ("input_ids wrong type", {"input_ids": ["a", "b"]}),
+    ("input_ids out of vocab", {"input_ids": [10 ** 7]}),
+    ("both text and ids", {"text": "x", "input_ids": [1]}),
+    ("sampling_params wrong type", {"text": "x", "sampling_params": [1]}),
+    ("max_new_tokens string", {"text": "x", "sampling_params": {"max_new_tokens": "5"}}),
+    ("max_new_tokens negative", {"text": "x", "sampling_params": {"max_new_tokens": -3}}),
+    ("max_new_tokens zero", {"text": "x", "sampling_params": {"max_new_tokens": 0}}),
+    ("max_new_tokens absurd", {"text": "x", "sampling_params": {"max_new_tokens": 10 ** 12}}),
+    ("temperature negative", {"text": "x", "sampling_params": {"temperature": -0.5}}),
+    ("temperature string", {"text": "x", "sampling_params": {"temperature": "hot"}}),
+    ("top_p zero", {"text": "x", "sampling_params": {"top_p": 0}}),
+    ("stream wrong type", {"text": "x", "stream": "yes"}),
+    ("unknown sampling param", {"text": "x", "sampling_params": {"max_tokens": 5}}),
+    ("unsupported top_k", {"text": "x", "sampling_params": {"top_k": 5}}),
+    ("budget negative", {"text": "x", "speculative": {"budget": -1}}),
+    ("budget beyond max", {"text": "x", "speculative": {"budget": 1025}}),
+    ("budget wrong type", {"text": "x", "speculative": {"budget": 2.5}}),
+    ("unknown algorithm", {"text": "x", "speculative": {"algorithm": "medusa"}}),
+    ("speculative wrong type", {"text": "x", "speculative": "ddtree"}),
+    ("empty prompt", {"text": ""}),
+    ("empty input_ids", {"input_ids": []}),
+    ("prompt beyond context window", {"input_ids": [5] * (CONTEXT_WINDOW + 10)}),
+    ("prompt + max_new_tokens beyond window", {"input_ids": [5] * 400, "sampling_params": {"max_new_tokens": 200}}),
+    ("batch text", {"text": ["a", "b"]}),
+]
+
+
+@pytest.mark.parametrize("body", [b for _, b in BAD], ids=[n for n, _ in BAD])
+def test_bad_generate_gets_400_and_server_keeps_serving(server, body):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + "/generate", timeout=30, **kwargs)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["object"] == "error" and err["code"] == 400 and err["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+BAD_OPENAI = [
+    ("/v1/completions", {"prompt": 3}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}),
+    ("/v1/completions", {"prompt": "x", "n": 2}),
+    ("/v1/completions", {"prompt": "x", "logprobs": 3}),
+    ("/v1/completions", {"prompt": ""}),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "speculative": {"budget": -2}}),
+]
+
+
+@pytest.mark.parametrize("path,body", BAD_OPENAI)
+def test_bad_openai_request_gets_400(server, path, body):
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["code"] == 400
+
+
+def test_unknown_route_is_json_404(server):
+    r = httpx.get(server.url + "/nope")
+    assert r.status_code == 404 and r.json()["code"] == 404
+
+
+def test_client_disconnect_mid_stream_leaks_nothing(client, server):
+    reference = client.generate(PROMPTS[3], sampling_params=greedy(12, ignore_eos=True))
+    body = {"text": PROMPTS[0], "sampling_params": greedy(400, ignore_eos=True), "stream": True}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [line for line, _ in zip(lines, range(3)) if line.startswith("data:")]
+        assert got
+    wait_idle(client)
+    again = client.generate(PROMPTS[3], sampling_params=greedy(12, ignore_eos=True))
+    assert again["output_ids"] == reference["output_ids"]
+    families = {f.name: f for f in text_string_to_metric_families(client.metrics_text())}
+    assert families["sglang:num_aborted_requests"].samples[0].value >= 1
+
+
+def test_queue_cap_answers_503(client, server):
+    """4 running + 4 queued fit; the rest of a burst of 12 gets 503 right away."""
+
+    async def burst():
+        statuses = []
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = {"text": PROMPTS[1], "sampling_params": greedy(400, ignore_eos=True), "stream": True}
+            async with contextlib.AsyncExitStack() as stack:
+                async def open_one():
+                    r = await stack.enter_async_context(http.stream("POST", server.url + "/generate", json=body))
+                    statuses.append(r.status_code)
+                    if r.status_code == 503:
+                        assert json.loads(await r.aread())["code"] == 503
+                await asyncio.gather(*(open_one() for _ in range(12)))
+        return statuses
+
+    statuses = asyncio.run(burst())
+    assert statuses.count(200) == 8 and statuses.count(503) == 4, statuses
+    wait_idle(client)
+    assert client.health()
+
+
+def test_client_errors(server):
+    with EngineClient(server.url) as c:
+        with pytest.raises(EngineBadRequest) as info:
+            c.generate("x", sampling_params={"temperature": -1})
+        assert info.value.status == 400 and "temperature" in info.value.message
+    with EngineClient("http://127.0.0.1:9") as c:  # discard port: nothing listens there
+        assert not c.health()
+        with pytest.raises(EngineUnreachable):
+            c.server_info()
+    assert issubclass(EngineOverloaded, EngineBadRequest.__mro__[1])

@@ -1,0 +1,179 @@
+"""The round-robin scheduler against a double of the Session API (no torch, no HTTP)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ddtree.engine.errors import EngineError
+from ddtree.engine.reference.scheduler import QueueFull, Scheduler, ShuttingDown, render_metrics
+
+
+@dataclass(frozen=True)
+class Gen:
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class Spec:
+    algorithm: str = "ddtree"
+    budget: int = 4
+
+
+class FakeSession:
+    """Commits 2 tokens per round (tau = 2); token values name the request and the round."""
+
+    def __init__(self, engine, ids, gen, spec):
+        self.engine, self.tag, self.n = engine, ids[0], gen.max_new_tokens
+        self.output_ids, self.accept_lengths, self.verify_ct = [], [], 0
+        self.done, self.finish_reason, self.closed = False, None, False
+
+    def step(self):
+        self.engine.log.append(self.tag)
+        if self.tag == 666:
+            raise RuntimeError("boom")
+        if self.engine.gate is not None:
+            self.engine.gate.wait()
+        new = [self.tag * 1000 + len(self.output_ids) + i for i in range(2)][: self.n - len(self.output_ids)]
+        self.output_ids += new
+        self.accept_lengths.append(len(new))
+        self.verify_ct += 1
+        if len(self.output_ids) >= self.n:
+            self.done, self.finish_reason = True, "length"
+        return new
+
+    def close(self):
+        self.closed = True
+        self.engine.open_sessions.discard(self)
+
+
+class FakeEngine:
+    block_size = 4
+
+    def __init__(self):
+        self.log, self.open_sessions, self.gate = [], set(), None
+
+    def start(self, ids, gen, spec):
+        if not ids:
+            raise EngineError("empty prompt")
+        s = FakeSession(self, ids, gen, spec)
+        self.open_sessions.add(s)
+        return s
+
+
+def collect(sched, tag, n, **kw):
+    q = queue.Queue()
+    ticket = sched.submit([tag], Gen(n), Spec(**kw), q.put)
+    return ticket, q
+
+
+def drain(q, timeout=5.0):
+    updates = []
+    while True:
+        u = q.get(timeout=timeout)
+        updates.append(u)
+        if u.done:
+            return updates
+
+
+@pytest.fixture
+def engine_and_sched():
+    engine = FakeEngine()
+    sched = Scheduler(engine, max_running=3, max_queued=2)
+    yield engine, sched
+    sched.stop(timeout=5)
+
+
+def test_sessions_interleave_round_by_round(engine_and_sched):
+    engine, sched = engine_and_sched
+    engine.gate = threading.Event()
+    _, q1 = collect(sched, 1, 20)
+    _, q2 = collect(sched, 2, 4)
+    sched.start()
+    engine.gate.set()
+    short = drain(q2)
+    long = drain(q1)
+    assert [i for u in short for i in u.new_ids] == [2000, 2001, 2002, 2003]
+    assert len([i for u in long for i in u.new_ids]) == 20
+    # The short request finished after two rounds of the long one, not after all ten.
+    first_two = engine.log[:4]
+    assert sorted(first_two) == [1, 1, 2, 2] and engine.log.index(2) < 2
+    assert not engine.open_sessions
+
+
+def test_updates_carry_rounds_and_final_reason(engine_and_sched):
+    engine, sched = engine_and_sched
+    sched.start()
+    _, q = collect(sched, 3, 5)
+    updates = drain(q)
+    assert [t for u in updates for t in u.new_accepts] == [2, 2, 1]
+    assert updates[-1].finish_reason == "length" and updates[-1].verify_ct == 3
+    assert sched.stats.generation_tokens_total == 5 and sched.stats.verify_calls_total == 3
+
+
+def test_cancel_closes_the_session_at_once(engine_and_sched):
+    engine, sched = engine_and_sched
+    engine.gate = threading.Event()
+    ticket, q = collect(sched, 4, 10_000)
+    sched.start()
+    engine.gate.set()
+    q.get(timeout=5)
+    ticket.cancel()
+    final = drain(q)[-1]
+    assert final.finish_reason == "abort"
+    assert not engine.open_sessions
+    assert sched.stats.aborted_total == 1
+
+
+def test_queue_cap_refuses_past_running_plus_queued(engine_and_sched):
+    engine, sched = engine_and_sched  # not started: everything stays queued
+    for tag in range(5):
+        collect(sched, 10 + tag, 4)
+    with pytest.raises(QueueFull):
+        collect(sched, 99, 4)
+
+
+def test_a_failing_request_does_not_stop_the_others(engine_and_sched):
+    engine, sched = engine_and_sched
+    sched.start()
+    _, bad = collect(sched, 666, 4)
+    _, good = collect(sched, 5, 4)
+    final_bad = drain(bad)[-1]
+    assert final_bad.error is not None and "boom" in str(final_bad.error)
+    assert drain(good)[-1].finish_reason == "length"
+    q = queue.Queue()
+    sched.submit([], Gen(2), Spec(), q.put)
+    assert "empty" in str(drain(q)[-1].error)
+    assert not engine.open_sessions
+
+
+def test_stop_fails_held_requests_and_refuses_new_ones():
+    engine = FakeEngine()
+    sched = Scheduler(engine, max_running=2, max_queued=2)
+    _, q = collect(sched, 7, 4)
+    sched.stop(timeout=1)
+    final = drain(q)[-1]
+    assert isinstance(final.error, ShuttingDown)
+    with pytest.raises(ShuttingDown):
+        collect(sched, 8, 4)
+
+
+def test_render_metrics_parses(engine_and_sched):
+    engine, sched = engine_and_sched
+    sched.start()
+    _, q = collect(sched, 9, 6)
+    drain(q)
+    sched.stats.observe_ttft(0.02)
+    text = render_metrics(sched.stats, 0, 0, {"model_name": 'a "quoted"\\name'}, time.perf_counter())
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["sglang:spec_accept_length"].samples[0].value == 2.0
+    assert families["sglang:spec_accept_rate"].samples[0].value == 0.25  # 1 correct of 4 proposed per round
+    assert families["sglang:spec_verify_calls"].samples[0].value == 3
+    assert families["sglang:num_running_reqs"].samples[0].labels["model_name"] == 'a "quoted"\\name'
+    buckets = [s for s in families["sglang:time_to_first_token_seconds"].samples if s.name.endswith("_bucket")]
+    assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == 1
