@@ -1,24 +1,163 @@
-"""The `ddtree-console` command line."""
+"""The `ddtree-console` command line.
+
+Plain `ddtree-console` opens the Textual console; each subcommand is a module
+`ddtree.console.commands.<name>` with `add_parser(subparsers)` and `run(args) -> int`.
+`--version` is answered before anything else is imported, so it works in a bare install.
+Errors of the three packages become one line `error: <message> (<hint>)` on stderr with their
+exit code (2 bad input, 1 failure); argparse's own usage errors exit 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from importlib.metadata import version
+from types import ModuleType
+
+#: Subcommands, in the order `--help` lists them.
+COMMANDS = ("serve", "sweep", "download", "hw", "jobs", "runs", "export")
+
+# One-line help for a command whose module cannot be imported here (not written yet, or a
+# dependency missing from this environment).
+_FALLBACK_HELP = {
+    "serve": "run the builtin engine's HTTP server in the foreground",
+    "sweep": "run a benchmark sweep from a recipe",
+    "download": "download a model or drafter from the hub",
+    "hw": "show GPUs, links, NUMA nodes, CPU, memory and disks",
+    "jobs": "list, cancel and follow jobs",
+    "runs": "list benchmark runs",
+    "export": "export a run as csv, json, markdown or a recipe",
+}
+
+_DESCRIPTION = """\
+Operator console for speculative decoding (DFlash block drafters, DDTree draft-tree
+verification): downloads, hardware, engines, benchmark sweeps and their results.
+Without a command it opens the terminal console."""
+
+_EPILOG = """\
+data: the store is a SQLite file at --db, else $DDTREE_DB, else
+$XDG_DATA_HOME/ddtree-console/ddtree.db (~/.local/share/...); logs sit beside it in logs/.
+Run `ddtree-console COMMAND --help` for a command's options."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def distribution_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ddtree-console")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def _wants_version(argv: list[str]) -> bool:
+    """True if --version comes before any subcommand (so `jobs --version` is not ours)."""
+    skip = False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        if token == "--version":
+            return True
+        if token == "--db":
+            skip = True
+            continue
+        if token.startswith("-"):
+            continue
+        return False
+    return False
+
+
+class _Unavailable:
+    """Stands in for a command module that cannot be imported."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name = name
+        self.reason = reason
+
+    def add_parser(self, subparsers: argparse._SubParsersAction) -> None:
+        p = subparsers.add_parser(
+            self.name,
+            help=f"{_FALLBACK_HELP.get(self.name, self.name)} (not available yet)",
+            description=f"{_FALLBACK_HELP.get(self.name, self.name)}. Not available in this installation: {self.reason}.",
+        )
+        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+    def run(self, args: argparse.Namespace) -> int:
+        print(f"error: {self.name} is not available yet ({self.reason})", file=sys.stderr)
+        return 1
+
+
+def load_command(name: str) -> ModuleType | _Unavailable:
+    module_name = f"ddtree.console.commands.{name}"
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:
+            return _Unavailable(name, "its module is not written yet")
+        return _Unavailable(name, f"it needs {exc.name!r}, which is not installed")
+    except ImportError as exc:
+        return _Unavailable(name, f"import failed: {exc}")
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType | _Unavailable]]:
     parser = argparse.ArgumentParser(
         prog="ddtree-console",
-        description="Operator console for speculative decoding (DFlash drafters, DDTree verification).",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version('ddtree-console')}")
-    return parser
+    parser.add_argument("--version", action="version", version=f"%(prog)s {distribution_version()}")
+    parser.add_argument(
+        "--db", metavar="PATH", default=None, help="the SQLite store (default: $DDTREE_DB, else under $XDG_DATA_HOME)"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    modules = {}
+    for name in COMMANDS:
+        module = load_command(name)
+        module.add_parser(sub)
+        modules[name] = module
+        # Accept --db after the command too (`ddtree-console jobs --db X`), without overriding
+        # a global --db given before it.
+        cmd_parser = sub.choices.get(name)
+        if cmd_parser is not None and "--db" not in cmd_parser._option_string_actions:
+            cmd_parser.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS, help="the SQLite store")
+    return parser, modules
+
+
+def _run_console(args: argparse.Namespace) -> int:
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        print("error: the console needs a terminal (run it in one, or use a command; see --help)", file=sys.stderr)
+        return 2
+    from ddtree.console.app import run_app
+
+    return run_app(args.db)
 
 
 def main(argv: list[str] | None = None) -> int:
-    build_parser().parse_args(argv)
-    return 0
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if _wants_version(argv):
+        print(f"ddtree-console {distribution_version()}")
+        return 0
+    from ddtree.engine.errors import EngineError
+    from ddtree.jobs.errors import JobError
+    from ddtree.store.errors import StoreError
+
+    parser, modules = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command is None:
+            return _run_console(args)
+        return int(modules[args.command].run(args) or 0)
+    except (EngineError, JobError, StoreError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # `ddtree-console jobs | head`: the reader left; not an error worth a traceback.
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
