@@ -1,0 +1,53 @@
+"""A stand-in engine for fault tests: started as `<this> -m ddtree.engine.reference.server ...` through
+the recipe's engine.python. FAKE_MODE (engine.env) picks the fault: `hang` never announces itself,
+`die` exits on its first /generate, `reject` answers 503 to every /generate."""
+
+import json
+import os
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+MODE = os.environ.get("FAKE_MODE", "reject")
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = json.dumps({"status": "ok"}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        if MODE == "die":
+            os._exit(3)
+        body = json.dumps({"object": "error", "message": "overloaded"}).encode()
+        self.send_response(503)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def main():
+    if "-c" in sys.argv[1:2]:
+        return 1  # the version probe: this is not a Python with packages
+    if MODE == "hang":
+        import time
+
+        time.sleep(600)
+        return 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = server.server_address[1]
+    print(json.dumps({"event": "listening", "host": "127.0.0.1", "port": port, "url": f"http://127.0.0.1:{port}"}),
+          flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

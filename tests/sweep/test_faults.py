@@ -1,0 +1,114 @@
+"""Faults: an engine that never becomes ready, one that dies mid-point, one that rejects everything
+(saturation), a full disk for the store, resume refusals. Real subprocesses; a stand-in engine."""
+
+import argparse
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddtree.jobs.supervisor import submit
+from ddtree.store import sweeps
+from ddtree.store.db import open_db
+from ddtree.store.queries import get_job
+
+pytestmark = pytest.mark.timeout(120)
+HERE = Path(__file__).resolve().parent
+
+
+def fake_recipe(tmp_path, prompts_file, mode, **sweep):
+    exe = tmp_path / "fake-python"
+    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {HERE / 'fake_engine.py'} \"$@\"\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    table = {"budget": [2, 4], "concurrency": [1, 2], "dataset": str(prompts_file), "num_prompts": 2,
+             "max_new_tokens": 4, "warmup": 0, "timeout_s": 10.0, **sweep}
+    return {"name": f"fake-{mode}",
+            "engine": {"kind": "builtin", "python": str(exe), "model": "/nonexistent/target",
+                       "ready_timeout_s": 2.0, "env": {"FAKE_MODE": mode}},
+            "sweep": table}
+
+
+def run_sweep(tmp_path, recipe):
+    db_path = tmp_path / "ddtree.db"
+    job_id = submit(db_path, "sweep", {"recipe": recipe}, detach=False)
+    db = open_db(db_path)
+    job = get_job(db, job_id)
+    run = db.execute("SELECT id FROM runs WHERE job_id = ?", [job_id]).fetchone()[0]
+    points = sweeps.list_points(db, run)
+    db.close()
+    return job, points
+
+
+def test_engine_never_ready_fails_its_points_with_the_cause(tmp_path, prompts_file):
+    job, points = run_sweep(tmp_path, fake_recipe(tmp_path, prompts_file, "hang"))
+    assert job.state == "failed"
+    assert len(points) == 4 and {p.state for p in points} == {"failed"}
+    assert all("did not report a listening address within 2s" in p.error for p in points)
+
+
+def test_engine_dying_mid_point_is_recorded_and_restarted(tmp_path, prompts_file):
+    job, points = run_sweep(tmp_path, fake_recipe(tmp_path, prompts_file, "die", concurrency=[1]))
+    assert [p.state for p in points] == ["failed", "failed"]
+    assert all("engine died during the point (exit code 3" in p.error for p in points)
+    db = open_db(tmp_path / "ddtree.db")
+    names = [r[0] for r in db.execute("SELECT name FROM processes WHERE job_id = ? ORDER BY id", [job.id])]
+    assert names[-2:] == ["engine-0-0", "engine-0-1"]  # a fresh engine for the second point
+    db.close()
+
+
+def test_saturation_skips_higher_concurrency_of_the_series(tmp_path, prompts_file):
+    job, points = run_sweep(tmp_path, fake_recipe(tmp_path, prompts_file, "reject", concurrency=[1, 2, 4],
+                                                  budget=[2], num_prompts=3))
+    by_c = {p.concurrency: p for p in points}
+    assert by_c[1].state == "failed" and by_c[1].failures == {"http 503": 3}
+    assert by_c[2].state == "skipped" and "saturated at concurrency 1" in by_c[2].error
+    assert by_c[4].state == "skipped"
+
+
+def test_full_disk_rolls_back_the_point_and_names_the_cause(tmp_path):
+    db = open_db(tmp_path / "full.db")
+    run_id = sweeps.create_run(db, job_id=None, name="x", recipe={"name": "x"})
+    ids = sweeps.ensure_points(db, run_id, [{"point_key": "k", "idx": 0, "engine_kind": "builtin",
+                                             "algorithm": "ar", "budget": None, "tp": 1, "gpus": [],
+                                             "concurrency": 1, "dataset": "d", "temperature": 0.0, "repeat": 0}])
+    pages = db.execute("PRAGMA page_count").fetchone()[0]
+    db.execute(f"PRAGMA max_page_count = {pages}")
+    requests = [{"idx": i, "ok": True, "detail": "x" * 4000} for i in range(50)]
+    with pytest.raises(sweeps.StoreFull) as info:
+        sweeps.record_point(db, ids["k"], state="done", metrics={"requests_ok": 50}, requests=requests)
+    assert "full" in str(info.value) and "resume" in info.value.hint
+    assert sweeps.get_point(db, ids["k"]).state == "pending"
+    assert db.execute("SELECT count(*) FROM requests").fetchone()[0] == 0
+    db.close()
+
+
+def test_cli_resume_refusals(tmp_path, capsys):
+    from ddtree.console.commands import sweep as cmd
+    from ddtree.store.errors import NotFound
+
+    ns = dict(db=str(tmp_path / "d.db"), recipe=None, resume=None, detach=False, dry_run=False, json=False, name=None)
+    with pytest.raises(cmd.SweepUsageError) as info:
+        cmd.run(argparse.Namespace(**ns))
+    assert info.value.exit_code == 2
+    with pytest.raises(NotFound):
+        cmd.run(argparse.Namespace(**{**ns, "resume": 99}))
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n[sweep]\nbudgte = [1]\n')
+    from ddtree.jobs.recipe import RecipeError
+
+    with pytest.raises(RecipeError) as info:
+        cmd.run(argparse.Namespace(**{**ns, "recipe": str(bad)}))
+    assert "did you mean 'budget'" in str(info.value)
+    sglang = tmp_path / "sglang.toml"
+    sglang.write_text('name = "x"\n[engine]\nkind = "sglang"\n[sweep]\nbudget = [8, 16]\n')
+    from ddtree.jobs.plan import UnsupportedEngine
+
+    with pytest.raises(UnsupportedEngine):
+        cmd.run(argparse.Namespace(**{**ns, "recipe": str(sglang)}))
+    # the dry run still shows the plan, with the launches marked unsupported
+    assert cmd.run(argparse.Namespace(**{**ns, "recipe": str(sglang), "dry_run": True, "json": True})) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert len(plan["launches"]) == 2 and plan["launches"][0]["argv"] is None

@@ -1,0 +1,101 @@
+"""End to end: a detached sweep job on the builtin engine fills a real SQLite file; the runner is
+killed with SIGKILL between points; resume completes the grid with each point exactly once; the
+exports round-trip."""
+
+import argparse
+import csv
+import io
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from ddtree.console.commands import export, sweep as cmd
+from ddtree.jobs.plan import make_plan
+from ddtree.jobs.recipe import load_recipe, parse_recipe, recipe_from_dict
+from ddtree.store import sweeps
+from ddtree.store.db import open_db
+from ddtree.store.queries import get_job
+
+from .conftest import write_recipe
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+
+def _args(db, **kw):
+    base = dict(db=str(db), recipe=None, resume=None, detach=False, dry_run=False, json=True, name=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _wait(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_detached_sweep_killed_then_resumed_fills_each_point_once(tmp_path, tiny_pair, prompts_file, capsys):
+    db_path = tmp_path / "ddtree.db"
+    recipe_path = write_recipe(tmp_path / "tiny.toml", tiny_pair, prompts_file, repeats=1)
+    recipe = load_recipe(recipe_path)
+    planned = make_plan(recipe).points
+    assert cmd.run(_args(db_path, recipe=str(recipe_path), detach=True)) == 0
+    started = json.loads(capsys.readouterr().out)
+    run_id, job_id = started["run_id"], started["job_id"]
+
+    db = open_db(db_path)
+
+    def two_done():
+        return sum(p.state == "done" for p in sweeps.list_points(db, run_id)) >= 2
+
+    _wait(two_done, 150, "two finished points")
+    job = get_job(db, job_id)
+    os.kill(job.pid, signal.SIGKILL)  # the runner dies; its engine lives on until reconcile stops it
+    _wait(lambda: not os.path.exists(f"/proc/{job.pid}") or open(f"/proc/{job.pid}/stat").read().split()[2] == "Z",
+          10, "the runner to die")
+    before = {p.point_key: p for p in sweeps.list_points(db, run_id)}
+    assert 2 <= sum(p.state == "done" for p in before.values()) < len(planned)
+
+    # resuming while the old job still looks active works because its runner is gone
+    assert cmd.run(_args(db_path, resume=run_id)) == 0
+    finished = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert finished["state"] == "succeeded" and finished["points"]["done"] == len(planned)
+    assert get_job(db, job_id).state == "lost"
+
+    points = sweeps.list_points(db, run_id)
+    assert sorted(p.point_key for p in points) == sorted(p.key for p in planned)  # each exactly once
+    for p in points:
+        if before[p.point_key].state == "done":
+            assert p.ended_at == before[p.point_key].ended_at  # not run again
+        assert p.state == "done" and p.requests_ok == 4 and p.requests_failed == 0
+        assert p.output_tok_s > 0 and p.req_s > 0 and p.ttft_p50 > 0 and p.e2e_p99 >= p.e2e_p50
+        assert 1.0 <= p.tau_weighted <= 4 and 1.0 <= p.tau_mean <= 4 and sum(p.tau_hist) > 0
+        assert p.speedup_vs_ar is not None and p.speedup_vs_ar > 0
+        n = db.execute("SELECT count(*) FROM requests WHERE point_id = ?", [p.id]).fetchone()[0]
+        assert n == 4
+    run = sweeps.get_run(db, run_id)
+    assert run.state == "succeeded" and run.points_total == len(planned)
+    assert run.hardware["host"]["cpus_logical"] >= 1 and "python" in run.software
+    assert recipe_from_dict(run.recipe) == recipe
+    db.close()
+
+    # nothing left: a second resume says so and starts nothing
+    assert cmd.run(_args(db_path, resume=run_id, json=False)) == 0
+    assert "nothing to resume" in capsys.readouterr().out
+
+    # exports
+    out = tmp_path / "run.toml"
+    for fmt in ("csv", "json", "md", "recipe"):
+        assert export.run(argparse.Namespace(db=str(db_path), run_id=run_id, format=fmt, output=str(out) + fmt)) == 0
+    assert parse_recipe((tmp_path / "run.tomlrecipe").read_text()) == recipe
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "run.tomlcsv").read_text())))
+    assert len(rows) == len(planned) and float(rows[0]["output_tok_s"]) > 0
+    data = json.loads((tmp_path / "run.tomljson").read_text())
+    assert len(data["points"]) == len(planned) and len(data["summary"]) == len(planned)
+    md = (tmp_path / "run.tomlmd").read_text()
+    assert md.count("\n| ddtree |") == 4 and "| ar |" in md
