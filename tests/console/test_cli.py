@@ -1,0 +1,190 @@
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ddtree.console import cli
+from ddtree.jobs import wait
+from ddtree.jobs.model import create_job, set_state
+from ddtree.store import open_db
+from ddtree.store.queries import get_job, insert_row
+
+pytestmark = pytest.mark.timeout(60)
+
+EXE = os.path.join(os.path.dirname(sys.executable), "ddtree-console")
+
+
+@pytest.fixture
+def db_path(tmp_path, monkeypatch):
+    path = str(tmp_path / "ddtree.db")
+    monkeypatch.setenv("DDTREE_DB", path)
+    return path
+
+
+def main(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_version(capsys):
+    code, out, _ = main(capsys, "--version")
+    assert code == 0 and out.startswith("ddtree-console 0.")
+    code, out, _ = main(capsys, "--db", "/nonexistent/x.db", "--version")
+    assert code == 0 and out.startswith("ddtree-console ")
+
+
+@pytest.mark.parametrize("argv", [[], *[[c] for c in cli.COMMANDS], ["jobs", "show"], ["jobs", "cancel"], ["jobs", "logs"], ["jobs", "submit"]])
+def test_help_of_every_command(capsys, argv):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*argv, "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert out.startswith("usage: ddtree-console")
+    assert len(out.splitlines()) >= 4  # a description and options, not just a usage line
+    if not argv:
+        for command in cli.COMMANDS:
+            assert command in out
+
+
+def test_usage_errors_exit_2(capsys):
+    for argv in (["jobs", "cancel", "x"], ["jobs", "cancel"], ["nope"], ["jobs", "cancel", "1", "--grace", "-1"]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 2
+        assert "usage:" in capsys.readouterr().err
+
+
+def test_jobs_list_show_and_json(db_path, capsys):
+    code, out, _ = main(capsys, "jobs")
+    assert code == 0 and "no jobs yet" in out
+    with open_db(db_path) as db:
+        a = create_job(db, "sleep", {"seconds": 1.0, "fail": False, "message": ""}, name="nap")
+        set_state(db, a, "starting")
+        set_state(db, a, "running")
+        set_state(db, a, "succeeded", result={"slept_s": 1.0})
+        b = create_job(db, "shell", {"argv": ["true"]})
+    code, out, _ = main(capsys, "jobs")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split() == ["ID", "KIND", "NAME", "STATE", "PROGRESS", "CREATED", "TOOK", "INFO"]
+    assert lines[1].split()[:4] == [str(b), "shell", "-", "queued"]
+    assert lines[2].split()[:4] == [str(a), "sleep", "nap", "succeeded"]
+    code, out, _ = main(capsys, "jobs", "--json")
+    doc = json.loads(out)
+    assert [j["id"] for j in doc] == [b, a] and doc[1]["result"] == {"slept_s": 1.0}
+    code, out, _ = main(capsys, "jobs", "show", str(a))
+    assert code == 0 and "succeeded" in out and '"slept_s": 1.0' in out and "history" in out
+    code, out, _ = main(capsys, "jobs", "show", str(a), "--json")
+    assert [e["state"] for e in json.loads(out)["events"]] == ["queued", "starting", "running", "succeeded"]
+
+
+def test_bad_input_is_one_line_exit_2(db_path, capsys):
+    with open_db(db_path) as db:
+        a = create_job(db, "sleep", {})
+        set_state(db, a, "starting")
+        set_state(db, a, "running")
+        set_state(db, a, "succeeded")
+    cases = [
+        (["jobs", "cancel", "999"], "error: no job with id 999"),
+        (["jobs", "cancel", str(a)], f"error: job {a} already succeeded"),
+        (["jobs", "show", "999"], "error: no job with id 999"),
+        (["jobs", "logs", "999"], "error: no job with id 999"),
+        (["jobs", "logs", str(a), "--process", "server"], f"error: job {a} has no process named 'server'"),
+        (["jobs", "submit", "nope"], "error: unknown job kind 'nope'"),
+        (["jobs", "submit", "sleep", "--spec", "{bad"], "error: --spec is not valid JSON"),
+        (["jobs", "submit", "sleep", "--spec", '{"seconds": -1}'], "error: sleep seconds must be"),
+    ]
+    for argv, expected in cases:
+        code, out, err = main(capsys, *argv)
+        assert code == 2, (argv, err)
+        assert err.startswith(expected), (argv, err)
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bad_database_paths(tmp_path, capsys):
+    garbage = tmp_path / "notdb.db"
+    garbage.write_bytes(b"\x00\x01not a database at all" * 100)
+    before = garbage.read_bytes()
+    code, _, err = main(capsys, "--db", str(garbage), "jobs")
+    assert code == 2 and err.startswith(f"error: {garbage} is not a SQLite database (")
+    assert garbage.read_bytes() == before
+    (tmp_path / "afile").write_text("")
+    code, _, err = main(capsys, "jobs", "--db", str(tmp_path / "afile" / "x.db"))
+    assert code == 2 and "not a folder" in err
+    parent = "/sys" if os.geteuid() == 0 else "/"
+    code, _, err = main(capsys, "runs", "--db", os.path.join(parent, "missing-dir", "x.db"))
+    assert code == 2 and err.startswith("error: cannot create folder") and "--db" in err
+
+
+def test_runs_table_filter_and_json(db_path, capsys):
+    code, out, _ = main(capsys, "runs")
+    assert code == 0 and "no runs yet" in out
+    with open_db(db_path) as db:
+        insert_row(db, "runs", {"name": "kimi-tp8", "engine_kind": "sglang", "model": "moonshotai/Kimi-K2.6", "state": "done", "points_total": 2, "created_at": 1.0})
+        r2 = insert_row(db, "runs", {"name": "demo", "engine_kind": "builtin", "model": "assets/demo/target", "state": "running", "points_total": 3, "created_at": 2.0})
+        insert_row(db, "points", {"run_id": r2, "state": "done"})
+    code, out, _ = main(capsys, "runs")
+    lines = out.splitlines()
+    assert lines[0].split() == ["ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "FAILED", "CREATED"]
+    assert lines[1].split()[:6] == [str(r2), "demo", "builtin", "assets/demo/target", "running", "1/3"]
+    code, out, _ = main(capsys, "runs", "--filter", "kimi")
+    assert [line.split()[1] for line in out.splitlines()[1:]] == ["kimi-tp8"]
+    code, out, _ = main(capsys, "runs", "--json", "--filter", "DEMO")
+    assert [r["name"] for r in json.loads(out)] == ["demo"]
+    code, out, _ = main(capsys, "runs", "--filter", "nothing-like-this")
+    assert "no runs match" in out
+
+
+def test_a_detached_job_outlives_the_cli_and_logs_follow_tails_it(db_path):
+    env = dict(os.environ, DDTREE_DB=db_path)
+    command = "for i in 1 2 3; do echo line-$i; sleep 0.3; done"
+    out = subprocess.run([EXE, "jobs", "submit", "shell", "--spec", json.dumps({"command": command}), "--detach"],
+                         capture_output=True, text=True, env=env, timeout=30)
+    assert out.returncode == 0, out.stderr
+    job_id = int(out.stdout.split()[1])
+    with open_db(db_path) as db:
+        assert not get_job(db, job_id).terminal  # the CLI is gone, the job is not
+    t0 = time.monotonic()
+    follow = subprocess.run([EXE, "jobs", "logs", str(job_id), "--follow"], capture_output=True, text=True, env=env, timeout=30)
+    assert follow.returncode == 0
+    assert time.monotonic() - t0 >= 0.3  # it waited for the job
+    assert "succeeded" in follow.stdout.splitlines()[-1]
+    child = subprocess.run([EXE, "jobs", "logs", str(job_id), "--process", "shell"], capture_output=True, text=True, env=env, timeout=30)
+    assert child.stdout.split() == ["line-1", "line-2", "line-3"]
+    assert wait(db_path, job_id, timeout=5).state == "succeeded"
+
+
+def test_cancel_from_the_cli(db_path, capsys):
+    code, out, _ = main(capsys, "jobs", "submit", "sleep", "--spec", '{"seconds": 60}', "--detach")
+    job_id = int(out.split()[1])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with open_db(db_path) as db:
+            if get_job(db, job_id).state == "running":
+                break
+        time.sleep(0.05)
+    code, out, err = main(capsys, "jobs", "cancel", str(job_id), "--grace", "5")
+    assert code == 0 and out.strip() == f"job {job_id} cancelled"
+
+
+def test_foreground_submit_reports_the_outcome(db_path, capsys):
+    code, out, _ = main(capsys, "jobs", "submit", "sleep", "--spec", '{"seconds": 0, "fail": true, "message": "nope"}')
+    assert code == 1 and "failed (RuntimeError: nope)" in out
+    code, out, _ = main(capsys, "jobs", "submit", "sleep", "--spec", '{"seconds": 0}', "--json")
+    assert code == 0 and json.loads(out)["state"] == "succeeded"
+
+
+def test_missing_command_module_is_a_stand_in(capsys):
+    stand_in = cli.load_command("nonexistent")
+    assert isinstance(stand_in, cli._Unavailable)
+    assert stand_in.run(None) == 1
+    assert capsys.readouterr().err.startswith("error: nonexistent is not available yet (")
+
+
+def test_console_without_a_terminal_is_refused(db_path):
+    out = subprocess.run([EXE], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=30)
+    assert out.returncode == 2
+    assert out.stderr.startswith("error: the console needs a terminal")
