@@ -1,0 +1,225 @@
+"""One generation, round by round: AR, DFlash chain, DDTree tree.
+
+A round drafts one block, builds a chain or tree from it, verifies every node in one target
+forward, walks the accepted path and commits it. Every committed token is the target's own choice
+at its true prefix (argmax, or a sample at T > 0), so the output is exactly what plain decoding
+would give: the draft only decides how many of those choices one forward can confirm.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ddtree.engine.reference.params import TIMING_KEYS, GenParams, SpecParams, accept_histogram
+from ddtree.engine.reference.tree import accepted_path, build_tree, chain_tree, tree_attention_mask
+
+if TYPE_CHECKING:
+    from ddtree.engine.reference.engine import Engine
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float,
+           generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of logits [n, V]: argmax at T=0, else a (nucleus) sample."""
+    if temperature < 1e-5:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+class Session:
+    """One request's decoding state. Not thread-safe: drive all sessions from one thread."""
+
+    def __init__(self, engine: Engine, input_ids: list[int], gen: GenParams, spec: SpecParams) -> None:
+        self.engine = engine
+        self.gen = gen
+        self.spec = spec
+        self.prompt_ids = list(input_ids)
+        self.output_ids: list[int] = []
+        self.accept_lengths: list[int] = []
+        self.verify_ct = 0
+        self.done = False
+        self.finish_reason: str | None = None
+        self.timings = dict.fromkeys(TIMING_KEYS, 0.0)
+        if spec.algorithm == "ar" or (spec.algorithm == "ddtree" and spec.budget == 0):
+            self.mode = "ar"
+        else:
+            self.mode = "chain" if spec.algorithm == "dflash" else "tree"
+        target = engine.target
+        self._cache = target.new_cache()
+        self._draft_cache = engine.drafter.new_cache() if self.mode != "ar" else None
+        self._pending: torch.Tensor | None = None  # features of committed rows not yet drafted on
+        self._start = 0                            # rows in the target KV cache
+        self._bonus: int | None = None             # last committed token, not yet in the cache
+        self._stops = set(gen.stop_token_ids)
+        if not gen.ignore_eos:
+            self._stops.update(engine.eos_token_ids)
+        self._generator: torch.Generator | None = None
+        if not gen.greedy:
+            self._generator = torch.Generator(device=target.device)
+            if gen.seed is None:
+                self._generator.seed()
+            else:
+                self._generator.manual_seed(gen.seed)
+
+    # ---- public -----------------------------------------------------------------------------
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def accept_histogram(self) -> list[int]:
+        return accept_histogram(self.accept_lengths, self.engine.block_size)
+
+    def kv_bytes(self) -> int:
+        """Bytes held by this session's target KV cache (the drafter's is much smaller)."""
+        return self._cache.nbytes() if self._cache is not None else 0
+
+    def step(self) -> list[int]:
+        """Run one round; return the tokens it committed (empty once done)."""
+        if self.done:
+            return []
+        with torch.inference_mode():
+            if self._bonus is None:
+                return self._prefill()
+            depth = self._depth_cap()
+            if self.mode == "ar" or depth == 0:
+                return self._ar_round()
+            return self._spec_round(depth)
+
+    def close(self) -> None:
+        """Free the caches; a session closed before it finished ends with reason "abort"."""
+        if not self.done:
+            self.done = True
+            self.finish_reason = "abort"
+        self._cache = None
+        self._draft_cache = None
+        self._pending = None
+
+    # ---- rounds -----------------------------------------------------------------------------
+    def _clock(self) -> float:
+        if self.engine.sync_timings and self.engine.target.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.target.device)
+        return time.perf_counter()
+
+    def _prefill(self) -> list[int]:
+        t0 = self._clock()
+        target = self.engine.target
+        device = target.device
+        ids = torch.tensor(self.prompt_ids, dtype=torch.long, device=device)
+        positions = torch.arange(len(self.prompt_ids), device=device)
+        out = target.forward(ids, positions, self._cache, features=self.mode != "ar", last_only=True)
+        token = self._choose(out.logits)
+        self._pending = out.features
+        self._start = len(self.prompt_ids)
+        self._bonus = int(token[-1])
+        committed = self._commit([self._bonus])
+        self.timings["prefill"] += self._clock() - t0
+        return committed
+
+    def _ar_round(self) -> list[int]:
+        t0 = self._clock()
+        target = self.engine.target
+        device = target.device
+        ids = torch.tensor([self._bonus], dtype=torch.long, device=device)
+        positions = torch.tensor([self._start], dtype=torch.long, device=device)
+        features = self.mode != "ar"
+        out = target.forward(ids, positions, self._cache, features=features)
+        t1 = self._clock()
+        token = int(self._choose(out.logits)[0])
+        if features:
+            self._pending = torch.cat((self._pending, out.features), dim=0)
+        self._start += 1
+        self._bonus = token
+        self.accept_lengths.append(1)
+        self.verify_ct += 1
+        committed = self._commit([token])
+        t2 = self._clock()
+        self.timings["verify"] += t1 - t0
+        self.timings["commit"] += t2 - t1
+        return committed
+
+    def _spec_round(self, depth: int) -> list[int]:
+        engine = self.engine
+        target = engine.target
+        t0 = self._clock()
+        draft_logits = self._draft(depth)
+        t1 = self._clock()
+        if self.mode == "chain":
+            tree = chain_tree(self._bonus, draft_logits.argmax(dim=-1))
+        else:
+            tree = build_tree(self._bonus, torch.log_softmax(draft_logits, dim=-1), self.spec.budget)
+        mask = None if tree.is_chain else tree_attention_mask(tree, self._start, target.dtype)
+        t2 = self._clock()
+        out = target.forward(tree.tokens, tree.depths + self._start, self._cache, mask, features=True)
+        t3 = self._clock()
+        posterior = self._choose(out.logits)
+        path = accepted_path(tree, posterior)
+        new = torch.cat((tree.tokens[path[1:]], posterior[path[-1:]])).tolist()
+        path_list = path.tolist()
+        self._cache.compact(self._start, path, path_list)
+        self._pending = out.features.index_select(0, path)
+        tau = len(path_list)
+        self._start += tau
+        self._bonus = new[-1]
+        self.accept_lengths.append(tau)
+        self.verify_ct += 1
+        committed = self._commit(new)
+        t4 = self._clock()
+        self.timings["draft"] += t1 - t0
+        self.timings["tree"] += t2 - t1
+        self.timings["verify"] += t3 - t2
+        self.timings["commit"] += t4 - t3
+        return committed
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _depth_cap(self) -> int:
+        """How deep a draft may go: the block, the tokens still wanted, the context window."""
+        if self.mode == "ar":
+            return 0
+        wanted = self.gen.max_new_tokens - len(self.output_ids)
+        room = self.engine.context_window - self._start
+        return max(0, min(self.engine.block_size - 1, wanted - 1, room - 1))
+
+    def _draft(self, depth: int) -> torch.Tensor:
+        """Draft logits [depth, V] (float32) for the block after the bonus token."""
+        engine = self.engine
+        target = engine.target
+        device = target.device
+        block = torch.full((engine.block_size,), engine.mask_token_id, dtype=torch.long, device=device)
+        block[0] = self._bonus
+        cached = self._draft_cache.get_seq_length()
+        positions = torch.arange(cached, self._start + engine.block_size, device=device)
+        hidden = engine.drafter(target.embed(block)[None], self._pending[None], positions[None],
+                                None, self._draft_cache)
+        self._pending = self._pending[:0]
+        return target.lm_head(hidden[0, 1:1 + depth]).float()
+
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        return sample(logits, self.gen.temperature, self.gen.top_p, self._generator)
+
+    def _commit(self, tokens: list[int]) -> list[int]:
+        """Append tokens up to a stop token or the length limit; end the session there."""
+        room = self.gen.max_new_tokens - len(self.output_ids)
+        taken: list[int] = []
+        for token in tokens[:room]:
+            taken.append(token)
+            if token in self._stops:
+                self.done, self.finish_reason = True, "stop"
+                break
+        self.output_ids.extend(taken)
+        if not self.done and (len(self.output_ids) >= self.gen.max_new_tokens
+                              or self._start >= self.engine.context_window):
+            self.done, self.finish_reason = True, "length"
+        if self.done:
+            self._cache = None
+            self._draft_cache = None
+            self._pending = None
+        return taken

@@ -1,0 +1,167 @@
+"""The builtin engine: a target, an optional DFlash drafter, and sessions that decode with them.
+
+    engine = Engine.load("assets/demo/target", "assets/demo/drafter")
+    result = engine.generate(ids, GenParams(max_new_tokens=64), SpecParams("ddtree", budget=32))
+
+A server interleaves requests by calling `Session.step()` on each in turn from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ddtree.engine.reference.decode import Session
+from ddtree.engine.reference.drafter import DFlashDrafter, load_drafter
+from ddtree.engine.reference.errors import BadParams, ModelLoadError
+from ddtree.engine.reference.loading import (
+    eos_token_ids,
+    load_target_model,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model_dir,
+    resolve_mask_token_id,
+)
+from ddtree.engine.reference.params import GenParams, GenResult, SpecParams
+from ddtree.engine.reference.target import Target, hybrid_reason
+
+__all__ = ["Engine", "GenParams", "SpecParams", "Session", "GenResult"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BUDGET = 1024
+
+
+class Engine:
+    def __init__(self, model: nn.Module, drafter: DFlashDrafter | None = None, tokenizer=None, *,
+                 model_name: str = "target", draft_name: str | None = None,
+                 eos_token_ids: tuple[int, ...] = (), mask_token_id: int | None = None,
+                 max_budget: int = DEFAULT_MAX_BUDGET, context_window: int | None = None) -> None:
+        """Wrap already-built modules (Engine.load builds them from checkpoints)."""
+        self.model = model.eval()
+        self.drafter = drafter.eval() if drafter is not None else None
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.draft_name = draft_name if drafter is not None else None
+        self.eos_token_ids = tuple(eos_token_ids)
+        feature_layers = drafter.target_layer_ids if drafter is not None else ()
+        self.target = Target(self.model, feature_layers)
+        self.device = str(self.target.device)
+        self.dtype = self.target.dtype
+        cw = context_window or getattr(model.config, "max_position_embeddings", None) or 4096
+        self.context_window = int(cw)
+        self.sync_timings = False
+        self.hybrid_warning = hybrid_reason(model.config)
+        if self.hybrid_warning:
+            self.hybrid_warning += ("; tree verification cannot separate sibling branches in a "
+                                    "recurrent state, so DDTree acceptance will collapse")
+            warnings.warn(self.hybrid_warning, RuntimeWarning, stacklevel=2)
+            log.warning("%s", self.hybrid_warning)
+        if drafter is None:
+            self.block_size = 1
+            self.max_budget = 0
+            self.mask_token_id = None
+            return
+        self._check_drafter(drafter)
+        self.block_size = drafter.block_size
+        self.max_budget = int(max_budget)
+        mask = mask_token_id if mask_token_id is not None else drafter.mask_token_id
+        if mask is None or not 0 <= mask < self.target.vocab_size:
+            raise ModelLoadError(f"drafter mask token id {mask} is not in the target's vocabulary",
+                                 "set dflash_config.mask_token_id in the drafter's config.json")
+        self.mask_token_id = int(mask)
+
+    def _check_drafter(self, drafter: DFlashDrafter) -> None:
+        cfg = drafter.config
+        target = self.target
+        problems = []
+        if cfg.hidden_size != target.hidden_size:
+            problems.append(f"hidden size {cfg.hidden_size} != target {target.hidden_size}")
+        if target.num_layers and max(cfg.target_layer_ids) >= target.num_layers:
+            problems.append(f"target_layer_ids {list(cfg.target_layer_ids)} exceed the target's "
+                            f"{target.num_layers} layers")
+        if target.num_layers and cfg.num_target_layers != target.num_layers:
+            log.warning("drafter was built for %d target layers, target has %d",
+                        cfg.num_target_layers, target.num_layers)
+        if problems:
+            raise ModelLoadError("drafter does not fit the target: " + "; ".join(problems),
+                                 "pair the drafter with the target it was trained for")
+        if next(drafter.parameters()).device != target.device or next(drafter.parameters()).dtype != target.dtype:
+            drafter.to(device=target.device, dtype=target.dtype)
+
+    @classmethod
+    def load(cls, model: str | Path, draft: str | Path | None = None, *, device: str = "cpu",
+             dtype=None, attn_implementation: str = "sdpa",
+             max_budget: int = DEFAULT_MAX_BUDGET) -> Engine:
+        """Load a transformers target and (optionally) a DFlash drafter from dirs or hub ids."""
+        device = str(device)
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise BadParams("device cuda requested but CUDA is not available", "use --device cpu")
+        torch_dtype = resolve_dtype(dtype, device)
+        target_dir = resolve_model_dir(model)
+        target = load_target_model(target_dir, device=device, dtype=torch_dtype,
+                                   attn_implementation=attn_implementation)
+        tokenizer = load_tokenizer(target_dir)
+        drafter = None
+        mask_id = None
+        if draft is not None:
+            draft_dir = resolve_model_dir(draft)
+            drafter = load_drafter(draft_dir, device=device, dtype=torch_dtype)
+            if drafter.mask_token_id is None:
+                mask_id = resolve_mask_token_id(draft_dir, tokenizer)
+        return cls(target, drafter, tokenizer, model_name=str(model),
+                   draft_name=str(draft) if draft is not None else None,
+                   eos_token_ids=eos_token_ids(target_dir, target.config, tokenizer),
+                   mask_token_id=mask_id, max_budget=max_budget)
+
+    def start(self, input_ids: list[int], gen: GenParams | None = None,
+              spec: SpecParams | None = None) -> Session:
+        gen = gen or GenParams()
+        spec = spec or SpecParams()
+        ids = list(input_ids) if not isinstance(input_ids, (str, bytes)) else None
+        if not ids:
+            raise BadParams("input_ids must be a non-empty list of token ids")
+        vocab = self.target.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise BadParams(f"input_ids must be integers in 0..{vocab - 1}")
+        if len(ids) >= self.context_window:
+            raise BadParams(f"prompt of {len(ids)} tokens does not fit the context window "
+                            f"({self.context_window})", "shorten the prompt")
+        if spec.algorithm != "ar" and not (spec.algorithm == "ddtree" and spec.budget == 0):
+            if self.drafter is None:
+                raise BadParams(f"algorithm {spec.algorithm} needs a drafter", "load one with --draft")
+            if spec.algorithm == "ddtree" and spec.budget > self.max_budget:
+                raise BadParams(f"budget {spec.budget} exceeds this engine's maximum {self.max_budget}")
+        return Session(self, ids, gen, spec)
+
+    def generate(self, input_ids: list[int], gen: GenParams | None = None,
+                 spec: SpecParams | None = None) -> GenResult:
+        t0 = time.perf_counter()
+        sess = self.start(input_ids, gen, spec)
+        try:
+            while not sess.done:
+                sess.step()
+        finally:
+            sess.close()
+        return GenResult(
+            output_ids=sess.output_ids,
+            accept_lengths=sess.accept_lengths,
+            verify_ct=sess.verify_ct,
+            finish_reason=sess.finish_reason,
+            prompt_tokens=sess.prompt_tokens,
+            elapsed_s=time.perf_counter() - t0,
+            timings=dict(sess.timings),
+        )
+
+    def kv_bytes_per_token(self) -> int:
+        """Target KV bytes one cached token costs (a session holds about this x its length)."""
+        cfg = self.model.config
+        layers = int(getattr(cfg, "num_hidden_layers", 0))
+        heads = int(getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", 0))
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return 2 * layers * heads * int(head_dim) * torch.finfo(self.dtype).bits // 8
