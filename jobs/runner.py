@@ -116,6 +116,8 @@ def _supervise(db, db_path: str, job_id: int, kind: str, spec: dict, log_path: s
             module = load_kind(kind)
         except JobError as exc:
             ctx.log(f"failed: {exc}")
+            heartbeat.stop.set()
+            heartbeat.join(timeout=10)
             ctx.close()
             set_state(db, job_id, "failed", str(exc))
             return 1
@@ -131,8 +133,10 @@ def _supervise(db, db_path: str, job_id: int, kind: str, spec: dict, log_path: s
                 done.wait(2.0)
                 break
         grace = _child_grace(db, job_id) if ctx.cancelled.is_set() else DEFAULT_CHILD_GRACE_S
-        ctx.close(grace)
+        # Stop the heartbeat first: it writes through the context, which close() shuts.
         heartbeat.stop.set()
+        heartbeat.join(timeout=10)
+        ctx.close(grace)
         return _record(db, ctx, job_id, outcome, done.is_set())
     finally:
         heartbeat.stop.set()
