@@ -54,6 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=_port, default=0, help="port (default: 0, a free port printed on stdout)")
     p.add_argument("--max-running-requests", type=int, help="requests decoded at once (default: 8)")
     p.add_argument("--max-queued-requests", type=int, help="queued beyond those before 503 (default: 64)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.set_defaults(command_module=__name__)
 
 
@@ -64,7 +65,8 @@ def server_argv(args: argparse.Namespace) -> list[str]:
     for flag, value in (("--model", args.model), ("--draft", args.draft), ("--budget", args.budget),
                         ("--block-size", args.block_size),
                         ("--max-running-requests", getattr(args, "max_running_requests", None)),
-                        ("--max-queued-requests", getattr(args, "max_queued_requests", None))):
+                        ("--max-queued-requests", getattr(args, "max_queued_requests", None)),
+                        ("--threads", getattr(args, "threads", None))):
         if value is not None:
             argv += [flag, str(value)]
     return argv

@@ -368,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting beyond those; past this the server answers 503 (default: 64)")
     p.add_argument("--graceful-timeout", type=float, default=60.0,
                    help="seconds in-flight requests get to finish after SIGTERM (default: 60)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is often faster on a busy small machine)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -404,6 +406,12 @@ def main(argv: list[str] | None = None) -> int:
             raise BadRequest(f"--port must be in 0..65535, got {args.port}")
         if args.block_size is not None and args.block_size < 2:
             raise BadRequest(f"--block-size must be at least 2, got {args.block_size}")
+        if args.threads is not None:
+            if args.threads < 1:
+                raise BadRequest(f"--threads must be at least 1, got {args.threads}")
+            import torch
+
+            torch.set_num_threads(args.threads)
         engine, model_path, draft_path = _load(args)
         budget = args.budget if args.budget is not None else min(DEFAULT_BUDGET, engine.max_budget or DEFAULT_BUDGET)
         if engine.max_budget is not None and not 0 <= budget <= engine.max_budget:

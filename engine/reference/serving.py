@@ -412,6 +412,8 @@ class Run:
         self.ids.extend(update.new_ids)
         self.accepts.extend(update.new_accepts)
         self.verify_ct = max(self.verify_ct, update.verify_ct)
+        if not (self.req.stream or self.req.stops or update.done):
+            return  # nobody reads the text before the end: skip the O(length) decode per round
         full = self.api._decode(self.ids, self.req.skip_special_tokens)
         if self.req.stops and self._apply_stop(full, previous):
             self.ticket.cancel("stop")
