@@ -1,179 +1,480 @@
-"""The minimal Textual console: jobs and runs from the store, polled at a modest rate.
+"""The Textual cockpit: six panes over the store, every launch a job, every stop confirmed.
 
-The store is read in a thread worker (SQLite calls block); the worker posts a `Snapshot`
-message and the tables update from it on the UI thread. Nothing here writes to a job except
-the start-up reconcile, so closing or killing the console never affects running jobs.
+A `Poller` (console/poll.py) reads the store and the hardware on a thread worker and posts only
+what changed; the app keeps the latest value of each part in a `var` that the panes watch, so a
+pane redraws only when its data changed, at most twice a second. Everything the console starts is
+a detached job (jobs.submit), so closing the console or losing SSH leaves it running, and a new
+console shows it again. Blocking calls (submit, cancel, queries of the History pane) run on thread
+workers; their failures become a notification, never a traceback.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
+from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
-from textual.message import Message
-from textual.widgets import DataTable, Footer, Header, Static
+from textual.reactive import var
+from textual.widgets import ContentSwitcher, DataTable, Footer, Static, Tab, Tabs
 from textual.worker import Worker, WorkerState
 
 from ddtree.console import fmt
-from ddtree.jobs import supervisor
-from ddtree.store.db import open_db, resolve_db_path
-from ddtree.store.queries import list_jobs, list_runs
-from ddtree.store.records import Job, Run
+from ddtree.console.messages import (
+    DownloadsChanged,
+    EnginesChanged,
+    GpuSampled,
+    HardwareChanged,
+    PointsChanged,
+    RunsChanged,
+    Snapshot,
+    StoreFailed,
+)
+from ddtree.console.palette import PANES, system_commands
+from ddtree.console.poll import Poller, Sources
+from ddtree.console.screens.downloads import DownloadForm, DownloadsPane
+from ddtree.console.screens.engines import EngineForm, EnginesPane
+from ddtree.console.screens.hardware import HardwarePane
+from ddtree.console.screens.history import CompareScreen, ExportForm, HistoryPane, export_run
+from ddtree.console.screens.modals import ConfirmScreen, HelpScreen
+from ddtree.console.screens.overview import HISTORY, OverviewPane
+from ddtree.console.screens.sweeps import SweepForm, SweepsPane
+from ddtree.store.db import data_dir, open_db, resolve_db_path
+from ddtree.store.records import ACTIVE_STATES
 
-#: Seconds between store polls: modest, so a slow SSH link and a busy disk are not troubled.
-POLL_S = 1.0
+#: Seconds between polls of the store: at most two UI updates a second, fine over slow SSH.
+POLL_S = 0.5
 
-#: Rows shown per table (newest first).
-MAX_ROWS = 200
-
-JOB_COLUMNS = ("ID", "KIND", "NAME", "STATE", "PROGRESS", "TOOK", "INFO")
-RUN_COLUMNS = ("ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "CREATED")
-
-
-class Snapshot(Message):
-    """What one poll of the store found."""
-
-    def __init__(self, jobs: list[Job], runs: list[Run], at: float) -> None:
-        super().__init__()
-        self.jobs = jobs
-        self.runs = runs
-        self.at = at
-
-
-def job_cells(job: Job, now: float) -> tuple[str, ...]:
-    end = job.ended_at if job.ended_at is not None else now
-    took = None if job.started_at is None else end - job.started_at
-    info = job.error if job.state in ("failed", "lost", "cancelled") else job.progress_message
-    return (
-        str(job.id),
-        job.kind,
-        job.name or "-",
-        job.state,
-        fmt.progress(job.progress_done, job.progress_total),
-        fmt.duration(took),
-        fmt.one_line(info, 50),
-    )
-
-
-def run_cells(run: Run) -> tuple[str, ...]:
-    points = f"{run.points_done}/{run.points_total}" if run.points_total else str(run.points_done)
-    return (
-        str(run.id),
-        run.name or "-",
-        run.engine_kind or "-",
-        fmt.one_line(run.model, 32) or "-",
-        run.state or "-",
-        points,
-        fmt.stamp(run.created_at),
-    )
+PANE_CLASSES = {"overview": OverviewPane, "hardware": HardwarePane, "downloads": DownloadsPane,
+                "engines": EnginesPane, "sweeps": SweepsPane, "history": HistoryPane}
 
 
 class ConsoleApp(App[int]):
-    """ddtree-console: jobs and runs at a glance."""
+    """ddtree-console: downloads, hardware, engines, sweeps and their history."""
 
     CSS_PATH = "app.tcss"
     TITLE = "ddtree-console"
 
     BINDINGS = [
+        *(Binding(key, f"show_pane('{pane}')", title, id=f"pane_{pane}", show=False) for pane, key, title, _ in PANES),
+        Binding("m", "maximize_pane", "Max", id="maximize"),
+        Binding("question_mark", "help", "Help", id="help"),
+        Binding("t", "toggle_theme", "Theme", id="theme", show=False),
+        Binding("r", "refresh", "Refresh", id="refresh", show=False),
         Binding("q", "quit", "Quit", id="quit"),
-        Binding("r", "refresh", "Refresh", id="refresh"),
-        Binding("1", "focus_jobs", "Jobs", id="focus_jobs"),
-        Binding("2", "focus_runs", "Runs", id="focus_runs"),
     ]
 
-    def __init__(self, db_path: str | os.PathLike | None = None, *, poll_s: float = POLL_S) -> None:
+    snapshot = var(None, always_update=False)
+    """Jobs and recent runs (a `Snapshot`), from the last poll that saw them change."""
+    downloads: var[list] = var(list)
+    """Rows of the downloads table, newest first."""
+    engines = var(([], {}))
+    """(rows of the engines table, {engine id: healthy?})."""
+    points = var(None)
+    """(run id, points) of the run the Sweeps pane shows."""
+    runs_signature = var(None)
+    """Changes whenever a run or point changed; the History pane reloads on it."""
+    hardware = var(None)
+    """(GpuView, HostInfo) refreshed every few seconds."""
+    host = var(None)
+    """The HostInfo part of `hardware` (the Overview's disks)."""
+    gpu_tick = var(0)
+    """Counts GPU samples; `gpu_history` holds them."""
+    current_pane = var("overview")
+    """The pane on screen."""
+
+    def __init__(self, db_path: str | os.PathLike | None = None, *, poll_s: float = POLL_S,
+                 sources: Sources | None = None, demo: bool = False, clock: Callable[[], float] = time.time) -> None:
         super().__init__()
         self.db_path: Path = resolve_db_path(db_path)
         """The store this console reads."""
         self.poll_s = poll_s
-        """Seconds between polls of the store."""
+        self.sources = sources or Sources()
+        self.clock = clock
+        """Now, for ages and uptimes (tests freeze it)."""
+        self.demo = demo
         self.sub_title = str(self.db_path)
         self.last_snapshot: Snapshot | None = None
-        """The latest poll result (tests and later screens read it)."""
+        self.gpu_history: dict[int, deque] = {}
+        self.gpu_view = None
+        self.sweep_run_id: int | None = None
+        """The run the user picked in the Sweeps pane (None: follow the newest)."""
+        self._watched: int | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._reader = None
+        self._reader_lock = threading.Lock()
 
+    # -- layout --------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
-        yield Header()
-        with Vertical(id="main"):
-            yield Static("Jobs", classes="pane-title")
-            yield DataTable(id="jobs", cursor_type="row", zebra_stripes=True)
-            yield Static("Runs", classes="pane-title")
-            yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)
+        yield Tabs(*(Tab(f"{key} {title}", id=f"tab-{pane}") for pane, key, title, _ in PANES), id="pane-tabs")
+        with ContentSwitcher(initial="overview", id="panes"):
+            for pane, cls in PANE_CLASSES.items():
+                yield cls(id=pane, classes="pane")
         yield Static("loading…", id="status")
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#jobs", DataTable).add_columns(*JOB_COLUMNS)
-        self.query_one("#runs", DataTable).add_columns(*RUN_COLUMNS)
-        self.poll_store(reconcile=True)
-        self.set_interval(self.poll_s, self.poll_store)
+        self.poll_loop()
+        if self.demo:
+            self.start_demo()
 
+    def get_system_commands(self, screen):
+        yield from system_commands(self)
+        yield from super().get_system_commands(screen)
+
+    # -- polling -------------------------------------------------------------------------------
     @work(thread=True, exclusive=True, exit_on_error=False, group="poll")
-    def poll_store(self, reconcile: bool = False) -> None:
-        if reconcile:
-            supervisor.reconcile(self.db_path)
-        with open_db(self.db_path) as db:
-            jobs = list_jobs(db, limit=MAX_ROWS)
-            runs = list_runs(db, limit=MAX_ROWS)
-        self.post_message(Snapshot(jobs, runs, time.time()))
+    def poll_loop(self) -> None:
+        poller = Poller(self.db_path, self.sources, watched_run=lambda: self._watched)
+        poller.loop(self.post_message, self._stop, self.poll_s, self._wake)
 
-    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
-        if event.worker.group == "poll" and event.state == WorkerState.ERROR:
-            text = f"[b red]store error:[/] {fmt.one_line(str(event.worker.error), 120)}"
-            for status in self.query("#status").results(Static):  # absent while shutting down
-                status.update(text)
+    def _halt(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    async def action_quit(self) -> None:
+        self._halt()
+        self.exit(0)
+
+    def on_unmount(self) -> None:
+        self._halt()
+
+    def reader(self):
+        """A connection for queries made on thread workers (one at a time)."""
+        with self._reader_lock:
+            if self._reader is None:
+                self._reader = open_db(self.db_path)
+            return self._reader
 
     def on_snapshot(self, message: Snapshot) -> None:
         self.last_snapshot = message
-        _sync(self.query_one("#jobs", DataTable), [(str(j.id), job_cells(j, message.at)) for j in message.jobs])
-        _sync(self.query_one("#runs", DataTable), [(str(r.id), run_cells(r)) for r in message.runs])
+        self.snapshot = message
+        self._follow_run()
         active = sum(1 for j in message.jobs if not j.terminal)
-        self.query_one("#status", Static).update(
-            f"{len(message.jobs)} jobs ({active} active), {len(message.runs)} runs; "
-            f"updated {time.strftime('%H:%M:%S', time.localtime(message.at))}"
-        )
+        self._status(Text(f"{len(message.jobs)} jobs ({active} active), {len(message.runs)} runs; "
+                          f"updated {time.strftime('%H:%M:%S', time.localtime(message.at))}  {self.db_path}"))
+
+    def _status(self, text: Text) -> None:
+        self.query_one("#status", Static).update(text)
+
+    def on_store_failed(self, message: StoreFailed) -> None:
+        self._status(Text.assemble(("store error: ", "bold red"), fmt.one_line(message.error, 120)))
+
+    def on_downloads_changed(self, message: DownloadsChanged) -> None:
+        self.downloads = message.rows
+
+    def on_engines_changed(self, message: EnginesChanged) -> None:
+        self.engines = (message.rows, message.health)
+
+    def on_points_changed(self, message: PointsChanged) -> None:
+        if message.run_id == self._watched:
+            self.points = (message.run_id, message.points)
+
+    def on_runs_changed(self, message: RunsChanged) -> None:
+        self.runs_signature = message.signature
+
+    def on_gpu_sampled(self, message: GpuSampled) -> None:
+        sample = message.sample
+        if sample is None:
+            return
+        for g in sample.gpus:
+            self.gpu_history.setdefault(g.index, deque(maxlen=HISTORY)).append(g)
+        self.gpu_tick += 1
+
+    def on_hardware_changed(self, message: HardwareChanged) -> None:
+        self.gpu_view = message.view
+        self.hardware = (message.view, message.host)
+        self.host = message.host
+        self.gpu_tick += 1
+
+    def gpu_reason(self) -> str | None:
+        if self.gpu_view is not None and self.gpu_view.reason:
+            return self.gpu_view.reason
+        return None if self.gpu_history else "no GPU sample yet"
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.state != WorkerState.ERROR:
+            return
+        error = event.worker.error
+        if event.worker.group == "poll":
+            self._status(Text.assemble(("store error: ", "bold red"), fmt.one_line(str(error), 120)))
+        else:
+            self.notify(fmt.one_line(str(error), 200), title=f"{event.worker.group} failed", severity="error",
+                        timeout=10)
+
+    # -- the Sweeps pane's run -----------------------------------------------------------------
+    def runs(self) -> list:
+        return self.snapshot.runs if self.snapshot is not None else []
+
+    def shown_run(self):
+        runs = self.runs()
+        if self.sweep_run_id is not None:
+            found = next((r for r in runs if r.id == self.sweep_run_id), None)
+            if found is not None:
+                return found
+        live = [r for r in runs if r.state in ("running", "queued")]
+        return live[0] if live else (runs[0] if runs else None)
+
+    def _follow_run(self) -> None:
+        run = self.shown_run()
+        run_id = run.id if run is not None else None
+        if run_id != self._watched:
+            self._watched = run_id
+            self.points = (run_id, []) if run_id is not None else None
+            self._wake.set()
+
+    def _step_run(self, step: int) -> None:
+        runs = self.runs()
+        if not runs:
+            return
+        current = self.shown_run()
+        index = next((i for i, r in enumerate(runs) if current is not None and r.id == current.id), 0)
+        index = max(0, min(len(runs) - 1, index + step))
+        self.sweep_run_id = runs[index].id
+        self._follow_run()
+        self.query_one(SweepsPane).show_title(None)
+
+    # -- pane actions --------------------------------------------------------------------------
+    def action_show_pane(self, pane: str) -> None:
+        if pane not in PANE_CLASSES:
+            return
+        self.query_one("#panes", ContentSwitcher).current = pane
+        self.query_one("#pane-tabs", Tabs).active = f"tab-{pane}"
+        self.current_pane = pane
+        widget = self.query_one(f"#{pane}")
+        tables = widget.query(DataTable)
+        if tables:
+            tables.first().focus()
+
+    def on_tabs_tab_activated(self, event: Tabs.TabActivated) -> None:
+        pane = (event.tab.id or "").removeprefix("tab-")
+        if pane and pane != self.current_pane:
+            self.action_show_pane(pane)
+
+    def action_maximize_pane(self) -> None:
+        if self.screen.maximized is not None:
+            self.screen.minimize()
+        else:
+            self.screen.maximize(self.query_one(f"#{self.current_pane}"), container=False)
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_toggle_theme(self) -> None:
+        self.theme = "textual-light" if self.theme == "textual-dark" else "textual-dark"
 
     def action_refresh(self) -> None:
-        self.poll_store()
+        self._wake.set()
 
-    def action_focus_jobs(self) -> None:
-        self.query_one("#jobs", DataTable).focus()
+    def _pane(self, pane: str):
+        if self.current_pane != pane:
+            self.action_show_pane(pane)
+        return self.query_one(f"#{pane}")
 
-    def action_focus_runs(self) -> None:
-        self.query_one("#runs", DataTable).focus()
+    # -- jobs from the console -----------------------------------------------------------------
+    @work(thread=True, exit_on_error=False, group="submit")
+    def submit_job(self, kind: str, spec: dict, name: str | None = None) -> None:
+        from ddtree.jobs.supervisor import submit
+
+        job_id = submit(self.db_path, kind, spec, name=name, detach=True)
+        self.call_from_thread(self.notify, f"{kind} job {job_id} started", title="started")
+        self._wake.set()
+
+    @work(thread=True, exit_on_error=False, group="stop")
+    def cancel_job(self, job_id: int) -> None:
+        from ddtree.jobs.supervisor import cancel
+
+        job = cancel(self.db_path, job_id, grace_s=10.0)
+        self.call_from_thread(self.notify, f"job {job_id} {job.state}", title="stopped")
+        self._wake.set()
+
+    def confirm_stop(self, job_id: int | None, what: str) -> None:
+        if job_id is None:
+            self.notify("nothing selected to stop", severity="warning")
+            return
+        job = next((j for j in (self.snapshot.jobs if self.snapshot else []) if j.id == job_id), None)
+        if job is not None and job.terminal:
+            self.notify(f"job {job_id} already {job.state}", severity="warning")
+            return
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self.cancel_job(job_id)
+
+        self.push_screen(ConfirmScreen(f"Stop {what} (job {job_id})?"), answered)
+
+    def action_new_download(self) -> None:
+        self._pane("downloads")
+
+        def done(spec: dict | None) -> None:
+            if spec is not None:
+                self.submit_job("download", spec, spec["repo_id"])
+
+        self.push_screen(DownloadForm(), done)
+
+    def action_stop_download(self) -> None:
+        row = self._pane("downloads").selected()
+        self.confirm_stop(row.get("job_id") if row else None, f"the download of {row['repo_id']}" if row else "")
+
+    def action_new_engine(self) -> None:
+        self._pane("engines")
+
+        def done(spec: dict | None) -> None:
+            if spec is not None:
+                self.submit_job("engine", spec, f"engine-{spec.get('algorithm', 'ddtree')}")
+
+        self.push_screen(EngineForm(), done)
+
+    def action_stop_engine(self) -> None:
+        row = self._pane("engines").selected()
+        self.confirm_stop(row.get("job_id") if row else None, f"the engine on port {row.get('port')}" if row else "")
+
+    def action_engine_follow(self) -> None:
+        self._pane("engines").toggle_follow()
+
+    def action_engine_wrap(self) -> None:
+        self._pane("engines").toggle_wrap()
+
+    def action_engine_search(self) -> None:
+        self._pane("engines").start_search()
+
+    def action_new_sweep(self) -> None:
+        self._pane("sweeps")
+
+        def done(spec: dict | None) -> None:
+            if spec is not None:
+                self.start_sweep(spec)
+
+        self.push_screen(SweepForm(), done)
+
+    @work(thread=True, exit_on_error=False, group="sweep")
+    def start_sweep(self, spec: dict) -> None:
+        """As `ddtree-console sweep --detach`: the run row first (so the pane can show it), then the job."""
+        from ddtree.console.commands.sweep import git_revision
+        from ddtree.jobs.supervisor import submit
+        from ddtree.store import sweeps
+
+        recipe, path = spec["recipe"], spec.get("recipe_path")
+        engine = recipe.get("engine") or {}
+        db = open_db(self.db_path)
+        try:
+            run_id = sweeps.create_run(
+                db, job_id=None, name=recipe["name"], recipe=recipe, recipe_path=path,
+                recipe_git_rev=git_revision(path) if path else None, engine_kind=engine.get("kind", "builtin"),
+                model=engine.get("model"), draft_model=engine.get("draft_model"), points_total=spec["points_total"])
+            sweeps.update_run(db, run_id, state="queued")
+        finally:
+            db.close()
+        self.sweep_run_id = run_id
+        job_id = submit(self.db_path, "sweep", {"run_id": run_id}, name=recipe["name"], detach=True)
+        self.call_from_thread(self.notify, f"sweep run {run_id} started as job {job_id}", title="started")
+        self._wake.set()
+
+    def action_stop_sweep(self) -> None:
+        self._pane("sweeps")
+        run = self.shown_run()
+        if run is None or run.state not in ("running", "queued"):
+            self.notify("the shown run is not running", severity="warning")
+            return
+        self.confirm_stop(run.job_id, f"sweep run {run.id} (resume it later)")
+
+    def action_sweep_prev(self) -> None:
+        self._pane("sweeps")
+        self._step_run(+1)  # runs are newest first: "previous" is older
+
+    def action_sweep_next(self) -> None:
+        self._pane("sweeps")
+        self._step_run(-1)
+
+    def action_history_filter(self) -> None:
+        self._pane("history").focus_filter()
+
+    def action_history_mark(self) -> None:
+        self._pane("history").toggle_mark()
+
+    def action_history_sort(self) -> None:
+        self._pane("history").cycle_sort()
+
+    def action_history_compare(self) -> None:
+        pane = self._pane("history")
+        ids = sorted(pane.marked)
+        if len(ids) < 2:
+            self.notify("select two or more runs first (space marks a run)", severity="warning")
+            return
+        self.open_compare(ids)
+
+    @work(thread=True, exit_on_error=False, group="compare")
+    def open_compare(self, ids: list[int]) -> None:
+        from ddtree.store import sweeps
+
+        db = open_db(self.db_path)
+        try:
+            runs = [sweeps.get_run(db, run_id) for run_id in ids]
+            points = {run_id: sweeps.list_points(db, run_id) for run_id in ids}
+        finally:
+            db.close()
+        self.call_from_thread(self.push_screen, CompareScreen(runs, points))
+
+    def action_history_export(self) -> None:
+        pane = self._pane("history")
+        run_id = pane.current()
+        if run_id is None:
+            self.notify("no run selected", severity="warning")
+            return
+
+        def done(choice: tuple[str, str] | None) -> None:
+            if choice is not None:
+                self.export(run_id, *choice)
+
+        self.push_screen(ExportForm(run_id, data_dir(self.db_path) / "exports"), done)
+
+    @work(thread=True, exit_on_error=False, group="export")
+    def export(self, run_id: int, fmt_name: str, path: str) -> None:
+        db = open_db(self.db_path)
+        try:
+            written = export_run(db, run_id, fmt_name, Path(path))
+        finally:
+            db.close()
+        self.call_from_thread(self.notify, f"run {run_id} written to {written}", title="exported")
+
+    # -- the demo ------------------------------------------------------------------------------
+    @work(thread=True, exit_on_error=False, group="demo")
+    def start_demo(self) -> None:
+        """--demo: start the builtin engine on the demo pair unless one is already running."""
+        from ddtree.jobs.supervisor import submit
+        from ddtree.store.queries import list_jobs
+
+        db = open_db(self.db_path)
+        try:
+            running = [j for j in list_jobs(db, states=set(ACTIVE_STATES)) if j.kind == "engine"
+                       and (j.spec or {}).get("kind", "builtin") == "builtin"]
+        finally:
+            db.close()
+        if running:
+            return
+        job_id = submit(self.db_path, "engine", {"kind": "builtin", "demo": True}, name="demo-engine", detach=True)
+        self.call_from_thread(self.notify, f"demo engine starting (job {job_id})", title="demo")
+        self._wake.set()
 
 
-def _sync(table: DataTable, rows: list[tuple[str, tuple[str, ...]]]) -> None:
-    """Make `table` show `rows` (key, cells), keeping the cursor on the same key."""
-    keys = [key for key, _ in rows]
-    current = [row_key.value for row_key in table.rows]
-    if keys == current:
-        for key, cells in rows:
-            for column_key, value in zip(table.columns, cells):
-                if table.get_cell(key, column_key) != value:
-                    table.update_cell(key, column_key, value)
-        return
-    selected = None
-    if table.row_count and table.cursor_row is not None and 0 <= table.cursor_row < table.row_count:
-        selected = current[table.cursor_row]
-    table.clear()
-    for key, cells in rows:
-        table.add_row(*cells, key=key)
-    if selected in keys:
-        table.move_cursor(row=keys.index(selected))
+def make_app(db_path: str | os.PathLike | None = None, *, poll_s: float = POLL_S, sources: Sources | None = None,
+             demo: bool = False, clock: Callable[[], float] = time.time) -> ConsoleApp:
+    return ConsoleApp(db_path, poll_s=poll_s, sources=sources, demo=demo, clock=clock)
 
 
-def make_app(db_path: str | os.PathLike | None = None, *, poll_s: float = POLL_S) -> ConsoleApp:
-    return ConsoleApp(db_path, poll_s=poll_s)
-
-
-def run_app(db_path: str | os.PathLike | None = None) -> int:
+def run_app(db_path: str | os.PathLike | None = None, *, demo: bool = False) -> int:
     """Open the store (so a bad path fails before the screen changes), then run the console."""
     open_db(db_path).close()
-    app = make_app(db_path)
+    app = make_app(db_path, demo=demo)
     app.run()
     return app.return_code or 0

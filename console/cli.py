@@ -110,6 +110,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType | _Una
     parser.add_argument(
         "--db", metavar="PATH", default=None, help="the SQLite store (default: $DDTREE_DB, else under $XDG_DATA_HOME)"
     )
+    parser.add_argument(
+        "--demo", action="store_true",
+        help="with the console: start the builtin engine on the demo pair unless one is running",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     modules = {}
     for name in COMMANDS:
@@ -130,7 +134,7 @@ def _run_console(args: argparse.Namespace) -> int:
         return 2
     from ddtree.console.app import run_app
 
-    return run_app(args.db)
+    return run_app(args.db, demo=args.demo)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -137,7 +137,7 @@ def test_entry_point_opens_and_quits_in_a_terminal(db_path):
     screen = b""
     deadline = time.monotonic() + 30
     try:
-        while b"Runs" not in screen or b"updated" not in screen:
+        while b"Overview" not in screen or b"updated" not in screen:
             assert time.monotonic() < deadline, screen[-2000:]
             ready, _, _ = select.select([main], [], [], 0.2)
             if ready:

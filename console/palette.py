@@ -1,0 +1,60 @@
+"""Every action of the console, once: the command palette (ctrl+p) and the help screen read it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from textual.app import App, SystemCommand
+
+
+@dataclass(frozen=True)
+class Action:
+    key: str | None
+    action: str  # a Textual action string run on the app
+    title: str
+    help: str
+    pane: str | None = None  # the pane whose key it is (None: everywhere)
+
+
+PANES = (
+    ("overview", "1", "Overview", "running jobs, GPU strip, disk headroom"),
+    ("hardware", "2", "Hardware", "GPUs, links, NUMA nodes, suggested GPU sets"),
+    ("downloads", "3", "Downloads", "downloads with rate, ETA and disk headroom"),
+    ("engines", "4", "Engines", "running servers, their health and logs"),
+    ("sweeps", "5", "Sweeps", "live budget curves and the points of a sweep"),
+    ("history", "6", "History", "all runs: filter, sort, compare, export"),
+)
+
+ACTIONS: tuple[Action, ...] = (
+    *(Action(key, f"show_pane('{pane}')", f"Go to {title}", text) for pane, key, title, text in PANES),
+    Action("m", "maximize_pane", "Maximise / restore the pane", "the current pane fills the screen"),
+    Action("?", "help", "Help", "keys and what each pane shows"),
+    Action("t", "toggle_theme", "Dark / light theme", "switch between the dark and the light theme"),
+    Action("r", "refresh", "Refresh now", "read the store at once instead of at the next poll"),
+    Action("q", "quit", "Quit", "close the console; jobs keep running"),
+    Action("d", "new_download", "Start a download", "repo id, include globs and disk reserve", "downloads"),
+    Action("x", "stop_download", "Stop the selected download", "asks for confirmation", "downloads"),
+    Action("n", "new_engine", "Start an engine", "the builtin server on a model and drafter", "engines"),
+    Action("x", "stop_engine", "Stop the selected engine", "asks for confirmation", "engines"),
+    Action("f", "engine_follow", "Follow the engine log", "keep the log scrolled to its end", "engines"),
+    Action("w", "engine_wrap", "Wrap the engine log", "wrap long log lines", "engines"),
+    Action("/", "engine_search", "Search the engine log", "show only lines containing a text", "engines"),
+    Action("n", "new_sweep", "Start a sweep", "from a form or a recipe file, with the plan shown first", "sweeps"),
+    Action("x", "stop_sweep", "Stop the shown sweep", "asks for confirmation; resume later", "sweeps"),
+    Action("[", "sweep_prev", "Previous run", "show the previous run's curves", "sweeps"),
+    Action("]", "sweep_next", "Next run", "show the next run's curves", "sweeps"),
+    Action("/", "history_filter", "Filter runs", "name, model, engine, state or recipe text", "history"),
+    Action("space", "history_mark", "Select a run", "select two or more to compare", "history"),
+    Action("c", "history_compare", "Compare selected runs", "settings, metric deltas, overlaid curves", "history"),
+    Action("e", "history_export", "Export the run", "csv, json, md or recipe", "history"),
+    Action("s", "history_sort", "Sort runs", "cycle the sort column", "history"),
+)
+
+
+def system_commands(app: App) -> Iterator[SystemCommand]:
+    """The palette's entries: every action above, run through the app."""
+    for a in ACTIONS:
+        key = f" [{a.key}]" if a.key else ""
+        where = f" ({a.pane})" if a.pane else ""
+        yield SystemCommand(a.title + key, a.help + where, lambda a=a: app.run_action(a.action))

@@ -1,0 +1,234 @@
+"""Engines: running servers (kind, model, algorithm, budget, GPUs, port, health, uptime), their log
+(follow, search, wrap), and a form to start one; stopping asks first."""
+
+from __future__ import annotations
+
+import json
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, DataTable, Input, Label, Select, Static
+
+from ddtree.console import fmt
+from ddtree.console.widgets.logview import LogView
+from ddtree.console.widgets.tables import selected_key, sync_table
+
+COLUMNS = ("JOB", "KIND", "MODEL", "ALGO", "BUDGET", "GPUS", "PORT", "HEALTH", "UPTIME", "STATE")
+
+
+def short_model(name: str | None) -> str:
+    if not name:
+        return "-"
+    if "/" in name and name.startswith("/"):
+        parts = name.rstrip("/").split("/")
+        return "/".join(parts[-2:])
+    return name
+
+
+def engine_cells(row: dict, health: bool | None, now: float) -> tuple:
+    state = row.get("state") or "-"
+    if state != "running":
+        health_text = Text("-", style="dim")
+    elif health is None:
+        health_text = Text("?", style="yellow")
+    else:
+        health_text = Text("ok" if health else "down", style="green" if health else "red")
+    up = None
+    if state == "running" and row.get("ready_at"):
+        up = now - row["ready_at"]
+    gpus = ",".join(map(str, json.loads(row.get("gpus") or "[]"))) or "cpu"
+    return (str(row.get("job_id") or "-"), row.get("kind") or "-", fmt.one_line(short_model(row.get("model")), 28),
+            row.get("algorithm") or "-", "-" if row.get("budget") is None else str(row["budget"]), gpus,
+            str(row.get("port") or "-"), health_text, fmt.duration(up),
+            Text(state, style={"running": "green", "failed": "red", "starting": "yellow"}.get(state, "dim")))
+
+
+class EnginesPane(Vertical):
+    BINDINGS = [
+        Binding("n", "app.new_engine", "New engine", id="new_engine"),
+        Binding("x", "app.stop_engine", "Stop", id="stop_engine"),
+        Binding("f", "app.engine_follow", "Follow", id="engine_follow"),
+        Binding("w", "app.engine_wrap", "Wrap", id="engine_wrap"),
+        Binding("slash", "app.engine_search", "Search", id="engine_search"),
+    ]
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(classes="pane-bar"):
+            yield Static("Engines", classes="pane-title grow")
+            yield Button("New (n)", id="new-engine", compact=True)
+            yield Button("Stop (x)", id="stop-engine", compact=True, variant="error")
+        yield DataTable(id="engines", cursor_type="row", zebra_stripes=True)
+        with Horizontal(classes="pane-bar"):
+            yield Static("Log", id="log-title", classes="pane-title grow")
+            yield Input(placeholder="search the log", id="log-search", compact=True)
+        yield LogView(id="engine-log")
+
+    def on_mount(self) -> None:
+        self.query_one("#engines", DataTable).add_columns(*COLUMNS)
+        self.query_one("#log-search", Input).display = False
+        self.follow, self.wrap = True, False
+        self.watch(self.app, "engines", self.show)
+        self.set_interval(0.5, self._tail)
+
+    def show(self, engines) -> None:
+        rows, health = engines
+        now = self.app.clock()
+        table = self.query_one("#engines", DataTable)
+        sync_table(table, [(str(r["id"]), engine_cells(r, health.get(r["id"]), now)) for r in rows])
+        self._open_selected()
+
+    def selected(self) -> dict | None:
+        key = selected_key(self.query_one("#engines", DataTable))
+        return next((r for r in self.app.engines[0] if str(r["id"]) == key), None)
+
+    def _open_selected(self) -> None:
+        row = self.selected()
+        log = self.query_one("#engine-log", LogView)
+        title = self.query_one("#log-title", Static)
+        if row is None:
+            title.update("Log")
+            if not self.app.engines[0]:
+                log.open(None)
+                log.clear()
+                log.write(Text("No engines yet. Press n to start one (the builtin server; the demo pair by default).",
+                               style="dim"))
+            return
+        flags = " ".join(f for f, on_ in (("follow", self.follow), ("wrap", self.wrap)) if on_)
+        search = f" search {log.search!r}" if log.search else ""
+        title.update(Text(f"Log of job {row.get('job_id')}: {row.get('log_path') or '-'}  ({flags}){search}"))
+        log.open(row.get("log_path"))
+
+    def _tail(self) -> None:
+        if self.display and self.app.current_pane == "engines":
+            self.query_one("#engine-log", LogView).poll()
+
+    def on_data_table_row_highlighted(self, _event) -> None:
+        self._open_selected()
+
+    def toggle_follow(self) -> None:
+        self.follow = not self.follow
+        self.query_one("#engine-log", LogView).set_follow(self.follow)
+        self._open_selected()
+
+    def toggle_wrap(self) -> None:
+        self.wrap = not self.wrap
+        self.query_one("#engine-log", LogView).set_wrap(self.wrap)
+        self._open_selected()
+
+    def start_search(self) -> None:
+        field = self.query_one("#log-search", Input)
+        field.display = True
+        field.focus()
+
+    @on(Input.Changed, "#log-search")
+    def _search(self, event: Input.Changed) -> None:
+        self.query_one("#engine-log", LogView).set_search(event.value)
+        self._open_selected()
+
+    @on(Input.Submitted, "#log-search")
+    def _search_done(self, event: Input.Submitted) -> None:
+        if not event.value:
+            event.input.display = False
+        self.query_one("#engines", DataTable).focus()
+
+    @on(Button.Pressed, "#new-engine")
+    def _new(self) -> None:
+        self.app.action_new_engine()
+
+    @on(Button.Pressed, "#stop-engine")
+    def _stop(self) -> None:
+        self.app.action_stop_engine()
+
+
+class EngineForm(ModalScreen[dict | None]):
+    """The builtin server: model and drafter (empty = the demo pair), algorithm, budget, device."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel", id="form_cancel")]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog form"):
+            yield Static("Start an engine (builtin server)", classes="dialog-title")
+            with Horizontal(classes="form-row"):
+                yield Label("Model")
+                yield Input(placeholder="folder or hub id; empty: the demo pair", id="model")
+            with Horizontal(classes="form-row"):
+                yield Label("Drafter")
+                yield Input(placeholder="DFlash drafter folder or hub id", id="draft")
+            with Horizontal(classes="form-row"):
+                yield Label("Algorithm")
+                yield Select([(a, a) for a in ("ddtree", "dflash", "ar")], value="ddtree", allow_blank=False,
+                             id="algorithm", compact=True)
+            with Horizontal(classes="form-row"):
+                yield Label("Budget")
+                yield Input(placeholder="DDTree node budget (default: the server's)", id="budget", type="integer")
+            with Horizontal(classes="form-row"):
+                yield Label("Block size")
+                yield Input(placeholder="default: the drafter's", id="block", type="integer")
+            with Horizontal(classes="form-row"):
+                yield Label("Device")
+                yield Input("cpu", id="device", placeholder="cpu, cuda or cuda:N")
+            yield Static("", id="form-error", classes="form-error")
+            with Horizontal(classes="buttons"):
+                yield Button("Start", id="start", variant="primary")
+                yield Button("Cancel", id="cancel")
+
+    def on_mount(self) -> None:
+        self.query_one("#model", Input).focus()
+        self.validate_form()
+
+    def raw_spec(self) -> dict:
+        def text(field_id: str) -> str | None:
+            return self.query_one(f"#{field_id}", Input).value.strip() or None
+
+        spec: dict = {"kind": "builtin", "algorithm": self.query_one("#algorithm", Select).value,
+                      "device": text("device") or "cpu"}
+        if text("model"):
+            spec["model"] = text("model")
+        if text("draft"):
+            spec["draft_model"] = text("draft")
+        for key, field_id in (("budget", "budget"), ("block_size", "block")):
+            value = text(field_id)
+            if value is not None:
+                try:
+                    spec[key] = int(value)
+                except ValueError:
+                    spec[key] = value  # validate names it
+        return spec
+
+    def validate_form(self) -> dict | None:
+        """The normalised spec, or None with the reason shown; the same check the job runs at submit."""
+        from ddtree.jobs.errors import JobError
+        from ddtree.jobs.kinds.engine import validate
+
+        error = self.query_one("#form-error", Static)
+        try:
+            spec = validate(self.raw_spec())
+        except JobError as exc:
+            error.update(Text(str(exc), style="red"))
+            self.query_one("#start", Button).disabled = True
+            return None
+        error.update(Text(f"will run: {spec['model']}", style="dim"))
+        self.query_one("#start", Button).disabled = False
+        return spec
+
+    def on_input_changed(self, _event) -> None:
+        self.validate_form()
+
+    def on_select_changed(self, _event) -> None:
+        self.validate_form()
+
+    def on_input_submitted(self, _event) -> None:
+        self._start()
+
+    @on(Button.Pressed, "#start")
+    def _start(self) -> None:
+        if self.validate_form() is not None:
+            self.dismiss(self.raw_spec())
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,151 @@
+"""Hardware: the GPU table, the link matrix, NUMA nodes and their GPUs, GPU sets for a TP size."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal, VerticalScroll
+from textual.validation import Integer
+from textual.widgets import DataTable, Input, Label, Static
+
+from ddtree.console.widgets.tables import fmt_bytes, sync_table
+
+GPU_COLUMNS = ("GPU", "NAME", "MEMORY", "UTIL", "TEMP", "POWER", "PCIE", "NUMA", "PROCS")
+
+
+def _num(value, unit: str = "", spec: str = ".0f") -> str:
+    return "-" if value is None else f"{format(value, spec)}{unit}"
+
+
+def gpu_rows(view) -> list[tuple[str, tuple]]:
+    rows = []
+    for g in view.gpus:
+        mem = f"{fmt_bytes(g.memory_used)}/{fmt_bytes(g.memory_total)}" if g.memory_total else "-"
+        pcie = "-" if g.pcie_gen is None else f"gen{g.pcie_gen} x{g.pcie_width}"
+        if g.pcie_degraded:
+            pcie = Text(pcie + f" (<x{g.pcie_width_max})", style="red")
+        power = "-" if g.power_w is None else f"{g.power_w:.0f}/{_num(g.power_cap_w)}W"
+        rows.append((str(g.index), (str(g.index), (g.name or "-").replace("NVIDIA ", ""), mem, _num(g.util_gpu, "%"),
+                                    _num(g.temperature_c, "C"), power, pcie, _num(g.numa_node, "", "d"),
+                                    str(len(g.processes)))))
+    return rows
+
+
+def link_matrix(view) -> Text:
+    from ddtree.engine.hw import LINK_MEANING
+
+    n = len(view.links)
+    if not n:
+        return Text("link matrix: unavailable", style="dim")
+    out = Text()
+    out.append("      " + "".join(f"GPU{j:<3}" for j in range(n)) + "\n", style="bold")
+    for i, row in enumerate(view.links):
+        out.append(f"GPU{i:<3}", style="bold")
+        for level in row:
+            style = "green" if level.startswith("NV") else ("red" if level == "SYS" else "")
+            out.append(f"{level:<6}", style=style)
+        out.append("\n")
+    seen = sorted({lvl if not lvl.startswith("NV") else "NV#" for row in view.links for lvl in row} - {"X"})
+    for key in seen:
+        out.append(f"  {key:<5}", style="bold")
+        out.append(f"{LINK_MEANING.get(key, '')}\n", style="dim")
+    out.rstrip()
+    return out
+
+
+def numa_text(view, host) -> Text:
+    out = Text()
+    if host is None:
+        return Text("NUMA: reading…", style="dim")
+    from ddtree.engine.hw import format_cpulist
+
+    gpus_of: dict[int | None, list[int]] = {}
+    for g in (view.gpus if view is not None else []):
+        gpus_of.setdefault(g.numa_node, []).append(g.index)
+    out.append(f"{host.hostname}: {host.cpu_model or 'CPU'}, {host.cpus_logical} CPUs, "
+               f"{fmt_bytes(host.memory_total)} memory\n")
+    if not host.numa:
+        out.append("NUMA: not reported by this kernel (one node assumed)\n", style="dim")
+    for node in host.numa:
+        gpus = gpus_of.get(node.node, [])
+        out.append(f"node {node.node}", style="bold")
+        out.append(f": CPUs {format_cpulist(node.cpus)}, memory {fmt_bytes(node.memory_total)}, "
+                   f"GPUs {', '.join(map(str, gpus)) or 'none'}\n")
+    if gpus_of.get(None):
+        out.append(f"GPUs with unknown NUMA node: {', '.join(map(str, gpus_of[None]))}\n", style="yellow")
+    out.rstrip()
+    return out
+
+
+def suggestions(view, host, tp: int) -> Text:
+    from ddtree.engine.errors import EngineError
+    from ddtree.engine.placement import suggest
+
+    if view is None or not view.gpus:
+        return Text("no GPU to place a server on", style="dim")
+    try:
+        placements = suggest(view.gpus, view.links, tp, numa=host.numa if host is not None else None)
+    except EngineError as exc:
+        return Text(str(exc), style="red")
+    out = Text()
+    for rank, p in enumerate(placements, 1):
+        out.append(f"{rank}. GPUs {','.join(map(str, p.gpus))}", style="bold")
+        out.append(f"  NUMA {','.join(map(str, p.numa_nodes)) or '?'}  worst link {p.worst_link}  "
+                   f"{' '.join(p.numactl) or 'no pinning'}\n")
+        for note in p.notes:
+            out.append(f"   {note}\n", style="yellow")
+    out.rstrip()
+    return out
+
+
+class HardwarePane(VerticalScroll):
+    """Read-only: what NVML and /sys say about the machine."""
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="gpu-reason")
+        yield Static("GPUs", classes="pane-title")
+        yield DataTable(id="gpus", cursor_type="row", zebra_stripes=True)
+        yield Static("Links", classes="pane-title")
+        yield Static("", id="links")
+        yield Static("NUMA", classes="pane-title")
+        yield Static("", id="numa")
+        yield Static("GPU sets for a tensor-parallel size", classes="pane-title")
+        with Horizontal(classes="form-row"):
+            yield Label("TP size")
+            yield Input("2", id="tp", type="integer", validators=[Integer(minimum=1, maximum=64)],
+                        restrict=r"[0-9]*", max_length=2, compact=True)
+        yield Static("", id="placements")
+
+    def on_mount(self) -> None:
+        self.query_one("#gpus", DataTable).add_columns(*GPU_COLUMNS)
+        self.watch(self.app, "hardware", self.show)
+
+    def show(self, hardware) -> None:
+        view, host = hardware if hardware is not None else (None, None)
+        reason = self.query_one("#gpu-reason", Static)
+        if view is None:
+            reason.update(Text("reading the hardware…", style="dim"))
+        elif not view.gpus:
+            reason.update(Text.assemble(("No GPU: ", "bold yellow"), (view.reason or "NVML found no GPU", "yellow"),
+                                        ("\nEverything else works: the builtin engine runs on the CPU.", "dim")))
+        else:
+            reason.update(Text(f"driver {view.driver_version or '?'}, CUDA {view.cuda_driver_version or '?'}, "
+                               f"{len(view.gpus)} GPU(s)", style="dim"))
+        sync_table(self.query_one("#gpus", DataTable), gpu_rows(view) if view is not None else [])
+        self.query_one("#links", Static).update(link_matrix(view) if view is not None else "")
+        self.query_one("#numa", Static).update(numa_text(view, host))
+        self._place()
+
+    def _place(self) -> None:
+        field = self.query_one("#tp", Input)
+        hardware = self.app.hardware
+        if hardware is None:
+            return
+        if not field.is_valid or not field.value:
+            self.query_one("#placements", Static).update(Text("TP size must be an integer from 1 to 64", style="red"))
+            return
+        self.query_one("#placements", Static).update(suggestions(hardware[0], hardware[1], int(field.value)))
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id == "tp":
+            self._place()

@@ -1,0 +1,365 @@
+"""History: every run, filtered and sorted in SQL (a page at a time, so 10,000 runs stay fast);
+select two or more to compare (differing settings highlighted, metric deltas, overlaid curves,
+a warning when the hardware differs); export a run as csv, json, md or a recipe."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, DataTable, Input, Label, Select, Static
+
+from ddtree.console import fmt
+from ddtree.console.screens.sweeps import budget_curves, tau_of
+from ddtree.console.widgets.chart import COLORS, LineChart
+from ddtree.console.widgets.tables import fmt_num, selected_key, sync_table
+
+COLUMNS = ("ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "BEST TOK/S", "CREATED")
+#: Rows shown at once; the filter narrows the rest.
+PAGE = 500
+SORTS = (("newest", "r.id DESC"), ("oldest", "r.id ASC"), ("name", "lower(coalesce(r.name, '')), r.id DESC"),
+         ("model", "lower(coalesce(r.model, '')), r.id DESC"), ("best tok/s", "best DESC NULLS LAST, r.id DESC"))
+_FILTER_COLS = ("r.name", "r.model", "r.draft_model", "r.engine_kind", "r.state", "r.recipe")
+
+
+def load_runs(db, text: str = "", sort: int = 0, limit: int = PAGE) -> tuple[list[dict], int]:
+    """One page of runs matching `text` (case-insensitive, in name, models, engine, state or
+    recipe), sorted by SORTS[sort]; and how many match in all."""
+    where, params = "", []
+    if text.strip():
+        like = f"%{text.strip().lower()}%"
+        where = "WHERE " + " OR ".join(f"lower(coalesce({c}, '')) LIKE ?" for c in _FILTER_COLS)
+        params = [like] * len(_FILTER_COLS)
+    sql = ("SELECT r.id, r.name, r.engine_kind, r.model, r.state, r.points_total, r.created_at, "
+           "(SELECT count(*) FROM points p WHERE p.run_id = r.id AND p.state = 'done') AS points_done, "
+           "(SELECT max(p.output_tok_s) FROM points p WHERE p.run_id = r.id AND p.state = 'done') AS best "
+           f"FROM runs r {where} ORDER BY {SORTS[sort % len(SORTS)][1]} LIMIT ?")
+    cur = db.execute(sql, [*params, int(limit)])
+    names = [d[0] for d in cur.description]
+    rows = [dict(zip(names, row)) for row in cur.fetchall()]
+    total = db.execute(f"SELECT count(*) FROM runs r {where}", params).fetchone()[0]
+    return rows, total
+
+
+def run_cells(row: dict, marked: bool) -> tuple:
+    total = row.get("points_total")
+    points = f"{row['points_done']}/{total}" if total else str(row["points_done"])
+    ident = Text(f"✓{row['id']}", style="bold reverse") if marked else str(row["id"])
+    return (ident, fmt.one_line(row.get("name"), 24) or "-", row.get("engine_kind") or "-",
+            fmt.one_line(row.get("model"), 28) or "-", row.get("state") or "-", points, fmt_num(row.get("best"), ".1f"),
+            fmt.stamp(row.get("created_at")))
+
+
+class HistoryPane(Vertical):
+    BINDINGS = [
+        Binding("slash", "app.history_filter", "Filter", id="history_filter"),
+        Binding("space", "app.history_mark", "Select", id="history_mark"),
+        Binding("c", "app.history_compare", "Compare", id="history_compare"),
+        Binding("e", "app.history_export", "Export", id="history_export"),
+        Binding("s", "app.history_sort", "Sort", id="history_sort"),
+    ]
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(classes="pane-bar"):
+            yield Static("History", id="history-title", classes="pane-title grow")
+            yield Input(placeholder="filter: name, model, engine, state…", id="history-filter", compact=True)
+            yield Button("Compare (c)", id="compare", compact=True)
+            yield Button("Export (e)", id="export", compact=True)
+        yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)
+
+    def on_mount(self) -> None:
+        self.query_one("#runs", DataTable).add_columns(*COLUMNS)
+        self.sort = 0
+        self.marked: set[int] = set()
+        self.rows: list[dict] = []
+        self.total = 0
+        self.watch(self.app, "runs_signature", lambda _sig: self.reload())
+
+    def reload(self) -> None:
+        self._load(self.query_one("#history-filter", Input).value, self.sort)
+
+    @work(thread=True, exclusive=True, group="history", exit_on_error=False)
+    def _load(self, text: str, sort: int) -> None:
+        rows, total = load_runs(self.app.reader(), text, sort)
+        self.app.call_from_thread(self.show, rows, total)
+
+    def show(self, rows: list[dict], total: int) -> None:
+        self.rows, self.total = rows, total
+        sync_table(self.query_one("#runs", DataTable), [(str(r["id"]), run_cells(r, r["id"] in self.marked))
+                                                          for r in rows])
+        shown = f"{len(rows)} of {total}" if total > len(rows) else str(total)
+        sel = f", {len(self.marked)} selected" if self.marked else ""
+        self.query_one("#history-title", Static).update(
+            Text(f"History: {shown} runs, {SORTS[self.sort][0]} first{sel}"))
+
+    @on(Input.Changed, "#history-filter")
+    def _filter(self, _event) -> None:
+        self.reload()
+
+    @on(Input.Submitted, "#history-filter")
+    def _filter_done(self, _event) -> None:
+        self.query_one("#runs", DataTable).focus()
+
+    def focus_filter(self) -> None:
+        self.query_one("#history-filter", Input).focus()
+
+    def cycle_sort(self) -> None:
+        self.sort = (self.sort + 1) % len(SORTS)
+        self.reload()
+
+    def current(self) -> int | None:
+        key = selected_key(self.query_one("#runs", DataTable))
+        return int(key) if key is not None else None
+
+    def toggle_mark(self) -> None:
+        run_id = self.current()
+        if run_id is None:
+            return
+        self.marked ^= {run_id}
+        self.show(self.rows, self.total)
+        table = self.query_one("#runs", DataTable)
+        if table.cursor_row is not None and table.cursor_row < table.row_count - 1:
+            table.move_cursor(row=table.cursor_row + 1)
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        if event.data_table.id == "runs":
+            self.toggle_mark()
+
+    @on(Button.Pressed, "#compare")
+    def _compare(self) -> None:
+        self.app.action_history_compare()
+
+    @on(Button.Pressed, "#export")
+    def _export(self) -> None:
+        self.app.action_history_export()
+
+
+# -- comparing runs ------------------------------------------------------------------------------
+
+def _recipe_settings(run) -> dict[str, Any]:
+    recipe = run.recipe if isinstance(run.recipe, dict) else {}
+    engine, sweep = recipe.get("engine") or {}, recipe.get("sweep") or {}
+    return {
+        "engine": run.engine_kind or engine.get("kind", "builtin"),
+        "model": run.model or engine.get("model") or "demo",
+        "drafter": run.draft_model or engine.get("draft_model") or ("demo" if not engine.get("model") else "-"),
+        "device": engine.get("device", "cpu"),
+        "block size": engine.get("block_size", "default"),
+        "budgets": sweep.get("budget", engine.get("budget", "-")),
+        "concurrency": sweep.get("concurrency", 1),
+        "tp": sweep.get("tp", 1),
+        "dataset": sweep.get("dataset", "builtin:code"),
+        "prompts": sweep.get("num_prompts", 16),
+        "max tokens": sweep.get("max_new_tokens", 128),
+        "temperature": sweep.get("temperature", 0.0),
+        "baselines": sweep.get("baseline", []),
+    }
+
+
+def hardware_summary(hw: Any) -> str:
+    if not isinstance(hw, dict):
+        return "unknown"
+    gpus = hw.get("gpus") or []
+    names: dict[str, int] = {}
+    for g in gpus:
+        names[g.get("name") or "?"] = names.get(g.get("name") or "?", 0) + 1
+    gpu_text = ", ".join(f"{n}x {name}" for name, n in names.items()) or "no GPU"
+    host = hw.get("host") or {}
+    return f"{gpu_text}; {host.get('cpu_model') or 'CPU'} x{host.get('cpus_logical') or '?'}"
+
+
+def hardware_key(hw: Any) -> Any:
+    """What must match for two runs' figures to be comparable (the host name need not)."""
+    if not isinstance(hw, dict):
+        return None
+    host = hw.get("host") or {}
+    return (json.dumps([{k: g.get(k) for k in ("name", "memory_total", "nvlinks", "pcie_gen_max", "pcie_width_max")}
+                        for g in hw.get("gpus") or []], sort_keys=True),
+            json.dumps(hw.get("links"), sort_keys=True), hw.get("driver_version"), host.get("cpu_model"),
+            host.get("cpus_logical"), host.get("memory_total"))
+
+
+def _software(run) -> str:
+    sw = run.software if isinstance(run.software, dict) else {}
+    pk = sw.get("packages") or {}
+    return " ".join(f"{k}={pk[k]}" for k in ("torch", "transformers", "sglang", "vllm") if k in pk) or "-"
+
+
+def _best(points: list) -> dict:
+    done = [p for p in points if p.state == "done" and p.output_tok_s is not None and p.algorithm == "ddtree"]
+    if not done:
+        done = [p for p in points if p.state == "done" and p.output_tok_s is not None]
+    if not done:
+        return {}
+    p = max(done, key=lambda q: q.output_tok_s)
+    return {"best tok/s": p.output_tok_s, "best budget": p.budget, "tau at best": tau_of(p),
+            "x AR at best": p.speedup_vs_ar, "x DFlash at best": p.speedup_vs_dflash, "E2E p50 at best": p.e2e_p50,
+            "points done": len(done)}
+
+
+def compare_tables(runs: list, points: dict[int, list]) -> tuple[Text, Text, str | None]:
+    """(settings table, metrics with deltas against the first run, hardware warning or None)."""
+    settings = {run.id: _recipe_settings(run) for run in runs}
+    for run in runs:
+        settings[run.id]["hardware"] = hardware_summary(run.hardware)
+        settings[run.id]["software"] = _software(run)
+    width = max(14, min(30, (100 - 16) // max(1, len(runs))))
+    head = "".join(f"{'run ' + str(r.id):<{width}}" for r in runs)
+    out = Text()
+    out.append(f"{'setting':<17}{head}\n", style="bold")
+    for key in settings[runs[0].id]:
+        values = [settings[r.id].get(key) for r in runs]
+        differ = len({json.dumps(v, sort_keys=True, default=str) for v in values}) > 1
+        out.append(f"{key:<17}", style="bold yellow" if differ else "dim")
+        for v in values:
+            cell = fmt.one_line(", ".join(map(str, v)) if isinstance(v, list) else str(v), width - 1)
+            out.append(f"{cell:<{width}}", style="reverse yellow" if differ else "")
+        out.append("\n")
+    metrics = {run.id: _best(points.get(run.id, [])) for run in runs}
+    table = Text()
+    table.append(f"{'metric':<17}{head}\n", style="bold")
+    first = metrics[runs[0].id]
+    for key in ("best tok/s", "best budget", "tau at best", "x AR at best", "x DFlash at best", "E2E p50 at best",
+                "points done"):
+        table.append(f"{key:<17}", style="bold")
+        for n, run in enumerate(runs):
+            value = metrics[run.id].get(key)
+            cell = fmt_num(value) if isinstance(value, float) else ("-" if value is None else str(value))
+            style = ""
+            base = first.get(key)
+            if n and isinstance(value, (int, float)) and isinstance(base, (int, float)) and base and key != "best budget":
+                delta = (value - base) / abs(base) * 100
+                lower_better = key.startswith("E2E")
+                good = delta < 0 if lower_better else delta > 0
+                cell += f" ({delta:+.0f}%)"
+                style = "green" if good and abs(delta) >= 0.5 else ("red" if abs(delta) >= 0.5 else "")
+            table.append(f"{cell:<{width}}", style=style)
+        table.append("\n")
+    keys = {json.dumps(hardware_key(r.hardware), default=str) for r in runs}
+    warning = None
+    if len(keys) > 1:
+        warning = ("hardware differs between these runs (" + " | ".join(f"run {r.id}: {hardware_summary(r.hardware)}"
+                                                                     for r in runs) + "): compare with care")
+    return out, table, warning
+
+
+class CompareScreen(ModalScreen[None]):
+    """Two or more runs side by side."""
+
+    BINDINGS = [Binding("escape,q", "close", "Close", id="compare_close")]
+
+    def __init__(self, runs: list, points: dict[int, list]) -> None:
+        super().__init__()
+        self.runs, self.points = runs, points
+
+    def compose(self) -> ComposeResult:
+        settings, metrics, warning = compare_tables(self.runs, self.points)
+        with VerticalScroll(classes="dialog full", id="compare"):
+            yield Static(f"Compare runs {', '.join(str(r.id) for r in self.runs)}   (esc closes)",
+                         classes="dialog-title")
+            if warning:
+                yield Static(Text("⚠ " + warning, style="bold red"), id="hw-warning")
+            yield Static(settings, id="settings")
+            yield Static(metrics, id="metrics")
+            with Horizontal(id="compare-charts"):
+                yield LineChart("tau", x_label="budget", id="cmp-tau")
+                yield LineChart("output tok/s", x_label="budget", id="cmp-toks")
+
+    def on_mount(self) -> None:
+        tau, toks = [], []
+        for n, run in enumerate(self.runs):
+            color = COLORS[n % len(COLORS)]
+            t, k, _ = budget_curves(self.points.get(run.id, []), prefix=f"r{run.id} ", colors=(color,) * 8,
+                                    baselines=False)
+            tau += t
+            toks += k
+        self.query_one("#cmp-tau", LineChart).set_series(tau)
+        self.query_one("#cmp-toks", LineChart).set_series(toks)
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+# -- export --------------------------------------------------------------------------------------
+
+FORMATS = (("csv", "csv"), ("json", "json"), ("markdown", "md"), ("recipe (TOML)", "recipe"))
+EXTENSIONS = {"csv": "csv", "json": "json", "md": "md", "recipe": "toml"}
+
+
+def export_run(db, run_id: int, fmt_name: str, path: Path) -> Path:
+    """Write run `run_id` in `fmt_name` to `path` (folders created); the export command's renderer."""
+    from ddtree.console.commands.export import render
+    from ddtree.store import sweeps
+
+    run = sweeps.get_run(db, run_id)
+    text = render(run, sweeps.list_points(db, run_id), fmt_name)
+    path = path.expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+class ExportForm(ModalScreen[tuple[str, str] | None]):
+    BINDINGS = [Binding("escape", "cancel", "Cancel", id="form_cancel")]
+
+    def __init__(self, run_id: int, folder: Path) -> None:
+        super().__init__()
+        self.run_id, self.folder = run_id, folder
+
+    def default_path(self, fmt_name: str) -> str:
+        return str(self.folder / f"run-{self.run_id}-{time.strftime('%Y%m%d')}.{EXTENSIONS[fmt_name]}")
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog form"):
+            yield Static(f"Export run {self.run_id}", classes="dialog-title")
+            with Horizontal(classes="form-row"):
+                yield Label("Format")
+                yield Select(FORMATS, value="md", allow_blank=False, id="format", compact=True)
+            with Horizontal(classes="form-row"):
+                yield Label("File")
+                yield Input(self.default_path("md"), id="path")
+            yield Static("", id="form-error", classes="form-error")
+            with Horizontal(classes="buttons"):
+                yield Button("Export", id="start", variant="primary")
+                yield Button("Cancel", id="cancel")
+
+    def on_select_changed(self, event: Select.Changed) -> None:
+        field = self.query_one("#path", Input)
+        if Path(field.value).parent == self.folder:
+            field.value = self.default_path(str(event.value))
+
+    def _checked(self) -> tuple[str, str] | None:
+        text = self.query_one("#path", Input).value.strip()
+        error = self.query_one("#form-error", Static)
+        path = Path(text).expanduser() if text else None
+        if path is None or path.is_dir():
+            error.update(Text("give a file path", style="red"))
+            return None
+        error.update("")
+        return str(self.query_one("#format", Select).value), str(path)
+
+    def on_input_changed(self, _event) -> None:
+        self.query_one("#start", Button).disabled = self._checked() is None
+
+    def on_input_submitted(self, _event) -> None:
+        self._start()
+
+    @on(Button.Pressed, "#start")
+    def _start(self) -> None:
+        result = self._checked()
+        if result is not None:
+            self.dismiss(result)
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)

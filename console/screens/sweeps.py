@@ -1,0 +1,284 @@
+"""Sweeps: live budget curves (tau and output tok/s against the DDTree node budget, one line per
+concurrency/TP, error bars over repeats, AR/DFlash baselines as dotted reference lines, the best
+budget starred) above the table of points; start a sweep from a form or a recipe file."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from statistics import median
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, DataTable, Input, Label, Static
+
+from ddtree.console.widgets.chart import COLORS, LineChart, Series
+from ddtree.console.widgets.tables import fmt_num, sync_table
+
+POINT_COLUMNS = ("#", "ALGO", "BUDGET", "C", "TP", "STATE", "TOK/S", "TAU", "xAR", "xDFLASH", "E2E p50", "NOTE")
+BASELINE_COLORS = {"ar": "grey58", "dflash": "gold3"}
+BASELINE_NAMES = {"ar": "AR", "dflash": "DFlash"}
+
+
+def tau_of(p) -> float | None:
+    return p.tau_weighted if p.tau_weighted is not None else p.tau_mean
+
+
+def _series_key(p) -> tuple:
+    return (p.concurrency, p.tp, p.dataset, p.temperature)
+
+
+def _label(key: tuple, varying: set[int]) -> str:
+    names = ("c=", "tp=", "", "T=")
+    parts = [f"{names[i]}{key[i]:g}" if isinstance(key[i], float) else f"{names[i]}{key[i]}"
+             for i in sorted(varying)]
+    return " ".join(parts) or f"c={key[0]}"
+
+
+def budget_curves(points: list, *, prefix: str = "", colors: tuple[str, ...] = COLORS,
+                  baselines: bool = True) -> tuple[list[Series], list[Series], list[str]]:
+    """(tau series, tok/s series, best-budget lines) from a run's points (done ones count)."""
+    done = [p for p in points if p.state == "done" and p.output_tok_s is not None]
+    measured = [p for p in done if p.algorithm == "ddtree" and p.budget is not None]
+    keys = sorted({_series_key(p) for p in done}, key=lambda k: tuple(str(v) for v in k))
+    varying = {i for i in range(4) if len({k[i] for k in keys}) > 1} or {0}
+    tau_out, tok_out, best_lines = [], [], []
+    for n, key in enumerate(sorted({_series_key(p) for p in measured}, key=lambda k: tuple(str(v) for v in k))):
+        color = colors[n % len(colors)]
+        label = prefix + _label(key, varying)
+        cells: dict[int, list] = defaultdict(list)
+        for p in measured:
+            if _series_key(p) == key:
+                cells[p.budget].append(p)
+        taus, toks, tau_err, tok_err = [], [], [], []
+        for budget in sorted(cells):
+            group = cells[budget]
+            t_values = [tau_of(p) for p in group if tau_of(p) is not None]
+            k_values = [p.output_tok_s for p in group]
+            if t_values:
+                taus.append((float(budget), median(t_values)))
+                if len(t_values) > 1:
+                    tau_err.append((float(budget), min(t_values), max(t_values)))
+            toks.append((float(budget), median(k_values)))
+            if len(k_values) > 1:
+                tok_err.append((float(budget), min(k_values), max(k_values)))
+        best = max(toks, key=lambda xy: xy[1]) if toks else None
+        tau_out.append(Series(label, tuple(taus), color, tuple(tau_err)))
+        tok_out.append(Series(label, tuple(toks), color, tuple(tok_err), best=best))
+        if best is not None:
+            line = f"{label}: best budget {best[0]:g} at {best[1]:.1f} tok/s"
+            ratios = []
+            for alg in ("ar", "dflash"):
+                ref = [p.output_tok_s for p in done if p.algorithm == alg and _series_key(p) == key]
+                if ref:
+                    ratios.append(f"{best[1] / median(ref):.2f}x {BASELINE_NAMES[alg]}")
+            best_lines.append(line + (f" ({', '.join(ratios)})" if ratios else ""))
+    if baselines:
+        shown = sorted({_series_key(p) for p in measured}, key=lambda k: tuple(str(v) for v in k))
+        shown = shown[:2] if len(shown) <= 2 else shown[:1]
+        for alg in ("ar", "dflash"):
+            for key in shown or keys[:1]:
+                ref = [p for p in done if p.algorithm == alg and _series_key(p) == key]
+                if not ref:
+                    continue
+                label = prefix + BASELINE_NAMES[alg] + ("" if len(shown) <= 1 else " " + _label(key, varying))
+                tok_out.append(Series(label, ((0.0, median(p.output_tok_s for p in ref)),),
+                                      BASELINE_COLORS[alg], reference=True))
+                taus = [tau_of(p) for p in ref if tau_of(p) is not None]
+                if taus and alg != "ar":
+                    tau_out.append(Series(label, ((0.0, median(taus)),), BASELINE_COLORS[alg], reference=True))
+    return tau_out, tok_out, best_lines
+
+
+def point_cells(p) -> tuple:
+    state_style = {"done": "green", "failed": "red", "running": "yellow", "skipped": "dim", "pending": "dim"}
+    note = p.error or ("unstable repeats" if p.unstable else "") or ("baseline" if p.baseline else "")
+    return (str(p.idx + 1) if p.idx is not None else str(p.id), p.algorithm or "-",
+            "-" if p.budget is None else str(p.budget), str(p.concurrency or "-"), str(p.tp or "-"),
+            Text(p.state or "-", style=state_style.get(p.state, "")), fmt_num(p.output_tok_s, ".1f"),
+            fmt_num(tau_of(p)), fmt_num(p.speedup_vs_ar), fmt_num(p.speedup_vs_dflash), fmt_num(p.e2e_p50, ".2f"),
+            Text((note or "")[:60], style="red" if p.error else "dim"))
+
+
+class SweepsPane(Vertical):
+    BINDINGS = [
+        Binding("n", "app.new_sweep", "New sweep", id="new_sweep"),
+        Binding("x", "app.stop_sweep", "Stop", id="stop_sweep"),
+        Binding("left_square_bracket", "app.sweep_prev", "Prev run", id="sweep_prev"),
+        Binding("right_square_bracket", "app.sweep_next", "Next run", id="sweep_next"),
+    ]
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(classes="pane-bar"):
+            yield Static("Sweeps", id="sweep-title", classes="pane-title grow")
+            yield Button("New (n)", id="new-sweep", compact=True)
+            yield Button("Stop (x)", id="stop-sweep", compact=True, variant="error")
+        with Horizontal(id="charts"):
+            yield LineChart("tau", x_label="budget", id="tau-chart", empty="waiting for the first point…")
+            yield LineChart("output tok/s", x_label="budget", id="toks-chart", empty="waiting for the first point…")
+        yield Static("", id="best")
+        yield DataTable(id="points", cursor_type="row", zebra_stripes=True)
+
+    def on_mount(self) -> None:
+        self.query_one("#points", DataTable).add_columns(*POINT_COLUMNS)
+        self.watch(self.app, "points", self.show)
+        self.watch(self.app, "snapshot", self.show_title)
+
+    def show_title(self, _snapshot) -> None:
+        run = self.app.shown_run()
+        title = self.query_one("#sweep-title", Static)
+        if run is None:
+            title.update("Sweeps: no run yet. Press n to start one (the demo pair by default).")
+            return
+        total = run.points_total or 0
+        title.update(Text(f"Run {run.id} {run.name or ''} ({run.state or '-'}) {run.points_done}/{total} points"
+                          + (f", {run.points_failed} failed" if run.points_failed else "") + "   [ ] other runs"))
+
+    def show(self, points) -> None:
+        run_id, rows = points if points is not None else (None, [])
+        tau, toks, best = budget_curves(rows)
+        self.query_one("#tau-chart", LineChart).set_series(tau)
+        self.query_one("#toks-chart", LineChart).set_series(toks)
+        failed = [p for p in rows if p.state == "failed"]
+        text = Text("\n".join(best) if best else "", style="bold")
+        if failed:
+            text.append(("\n" if best else "") + f"{len(failed)} point(s) failed: {failed[-1].error or '?'}"[:200],
+                        style="red")
+        self.query_one("#best", Static).update(text)
+        sync_table(self.query_one("#points", DataTable), [(str(p.id), point_cells(p)) for p in rows])
+        self.show_title(None)
+
+    @on(Button.Pressed, "#new-sweep")
+    def _new(self) -> None:
+        self.app.action_new_sweep()
+
+    @on(Button.Pressed, "#stop-sweep")
+    def _stop(self) -> None:
+        self.app.action_stop_sweep()
+
+
+def _ints(text: str) -> list[int]:
+    out = []
+    for part in text.replace(";", ",").split(","):
+        part = part.strip()
+        if part:
+            out.append(int(part))
+    return out
+
+
+class SweepForm(ModalScreen[dict | None]):
+    """A sweep from a few fields or a recipe file; the dry-run plan is shown before anything starts."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel", id="form_cancel")]
+
+    FIELDS = (
+        ("recipe", "Recipe file", "a .toml recipe; when given, the fields below are ignored", ""),
+        ("name", "Name", "a name for the run", "demo-budgets"),
+        ("model", "Model", "folder or hub id; empty: the demo pair", ""),
+        ("draft", "Drafter", "DFlash drafter folder or hub id", ""),
+        ("budgets", "Budgets", "DDTree node budgets, e.g. 4, 8, 16", "4, 16"),
+        ("concurrency", "Concurrency", "e.g. 1, 2", "1"),
+        ("dataset", "Dataset", "builtin:code or a .jsonl file", "builtin:code"),
+        ("prompts", "Prompts", "prompts per point", "8"),
+        ("tokens", "Max tokens", "new tokens per request", "48"),
+        ("baseline", "Baselines", "ar, dflash (or empty)", "ar, dflash"),
+        ("device", "Device", "cpu or cuda", "cpu"),
+    )
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog form wide"):
+            yield Static("Start a sweep", classes="dialog-title")
+            with VerticalScroll(id="sweep-fields"):
+                for field_id, label, placeholder, value in self.FIELDS:
+                    with Horizontal(classes="form-row"):
+                        yield Label(label)
+                        yield Input(value, placeholder=placeholder, id=f"f-{field_id}", compact=True)
+                yield Static("", id="plan", classes="plan")
+            with Horizontal(classes="buttons"):
+                yield Button("Start", id="start", variant="primary")
+                yield Button("Cancel", id="cancel")
+
+    def on_mount(self) -> None:
+        self.query_one("#f-recipe", Input).focus()
+        self.check()
+
+    def value(self, field_id: str) -> str:
+        return self.query_one(f"#f-{field_id}", Input).value.strip()
+
+    def recipe_data(self) -> tuple[dict, str | None]:
+        """The recipe as a dict and the file it came from (None for the form)."""
+        from ddtree.jobs.recipe import load_recipe, recipe_to_dict
+
+        path = self.value("recipe")
+        if path:
+            return recipe_to_dict(load_recipe(Path(path).expanduser())), str(Path(path).expanduser().resolve())
+        engine: dict = {"kind": "builtin", "device": self.value("device") or "cpu"}
+        if self.value("model"):
+            engine["model"] = self.value("model")
+        if self.value("draft"):
+            engine["draft_model"] = self.value("draft")
+        sweep: dict = {"dataset": self.value("dataset") or "builtin:code", "warmup": 1}
+        for key, field_id in (("budget", "budgets"), ("concurrency", "concurrency")):
+            try:
+                values = _ints(self.value(field_id))
+            except ValueError:
+                raise _FormError(f"{key}: whole numbers separated by commas") from None
+            if values:
+                sweep[key] = values
+        for key, field_id in (("num_prompts", "prompts"), ("max_new_tokens", "tokens")):
+            text = self.value(field_id)
+            if text:
+                try:
+                    sweep[key] = int(text)
+                except ValueError:
+                    raise _FormError(f"{key}: a whole number") from None
+        baseline = [b.strip() for b in self.value("baseline").split(",") if b.strip()]
+        if baseline:
+            sweep["baseline"] = baseline
+        return {"name": self.value("name") or "sweep", "engine": engine, "sweep": sweep}, None
+
+    def check(self) -> dict | None:
+        """Validate as typed: the recipe, then the plan; returns the job spec or None."""
+        from ddtree.jobs.errors import JobError
+        from ddtree.jobs.kinds.sweep import check_supported
+        from ddtree.jobs.plan import format_plan, make_plan
+        from ddtree.jobs.recipe import recipe_from_dict
+
+        plan_view = self.query_one("#plan", Static)
+        start = self.query_one("#start", Button)
+        try:
+            data, path = self.recipe_data()
+            recipe = recipe_from_dict(data)
+            check_supported(recipe)
+            plan = make_plan(recipe)
+        except (JobError, _FormError) as exc:
+            plan_view.update(Text(f"not valid: {exc}", style="red"))
+            start.disabled = True
+            return None
+        plan_view.update(Text("Plan (dry run):\n" + format_plan(plan), style=""))
+        start.disabled = False
+        return {"recipe": data, "recipe_path": path, "points_total": len(plan.points)}
+
+    def on_input_changed(self, _event) -> None:
+        self.check()
+
+    def on_input_submitted(self, _event) -> None:
+        self._start()
+
+    @on(Button.Pressed, "#start")
+    def _start(self) -> None:
+        spec = self.check()
+        if spec is not None:
+            self.dismiss(spec)
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class _FormError(Exception):
+    pass

@@ -1,0 +1,1 @@
+"""Reusable widgets of the console (charts, log view, form fields)."""
