@@ -126,14 +126,20 @@ class Api:
         self.draining = False
         self.started_at = time.time()
         tokenizer = engine.tokenizer
-        self.vocab_size = len(tokenizer) if tokenizer is not None else None
+        # The model's embedding rows, which may exceed the tokenizer's size (padded vocabularies).
+        model_vocab = getattr(getattr(engine, "target", None), "vocab_size", None)
+        self.vocab_size = model_vocab or (len(tokenizer) if tokenizer is not None else None)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
 
     # -- request building ----------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
+        if self.engine.tokenizer is None:
+            raise BadRequest("this model has no tokenizer", hint="send input_ids instead of text")
         return list(self.engine.tokenizer.encode(text))
 
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.engine.tokenizer is None:
+            return ""
         return self.engine.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def _spec(self, body: dict) -> SpecParams:
@@ -423,9 +429,15 @@ class Run:
             if self.finish_reason == "stop" and self.ids:
                 self.matched = self.ids[-1]
             self.text = full
-        elif not full.endswith("\ufffd"):
+        else:
             # A trailing U+FFFD is half of a multi-byte character; hold it back until it completes.
-            self.text = full
+            # With stop strings, also hold back what could be the start of one, so text already
+            # streamed never has to be taken back when the stop string completes.
+            stable = full.rstrip("\ufffd")
+            if self.req.stops:
+                stable = stable[:max(0, len(stable) - (max(len(s) for s in self.req.stops) - 1))]
+            if len(stable) > len(self.text) and stable.startswith(self.text):
+                self.text = stable
         if self.done:
             self.e2e_latency = now - self.t0
 

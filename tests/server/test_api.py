@@ -148,6 +148,11 @@ def test_stop_string_trims_output(client):
     assert out["text"] == text[:text.find(stop)]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert out["output_ids"] == reference["output_ids"][:len(out["output_ids"])]
+    # Streamed deltas never run past the stop string, so they add up to the same text.
+    chunks = list(client.completions(PROMPTS[0], max_tokens=24, temperature=0, ignore_eos=True, stop=[stop],
+                                     stream=True))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == out["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_concurrent_clients_match_serial(client, server):
