@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddtree.engine.errors import EngineError
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.recipe import Recipe
 
@@ -127,14 +128,20 @@ class Plan:
 
 def demo_pair() -> tuple[str, str]:
     """The demo target and drafter folders (the engine helper's `demo_paths`, else the asset path)."""
+    import ddtree.assets
+
+    root = Path(ddtree.assets.__file__).resolve().parent / "demo"
+    fallback = (str(root / "target"), str(root / "drafter"))
     try:
         from ddtree.engine.demo import demo_paths
     except ImportError:
-        import ddtree.assets
-
-        root = Path(ddtree.assets.__file__).resolve().parent / "demo"
-        return str(root / "target"), str(root / "drafter")
-    target, drafter = demo_paths()
+        return fallback
+    try:
+        target, drafter = demo_paths()
+    except EngineError:
+        # Not installed yet: the plan still shows where it goes; the engine's own error says how to
+        # train it when a sweep actually starts it.
+        return fallback
     return str(target), str(drafter)
 
 
