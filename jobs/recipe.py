@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree.jobs.errors import JobError
+from ddtree.jobs.errors import BadSpec
 
 ENGINE_KINDS = ("builtin", "sglang", "vllm")
 ALGORITHMS = ("ar", "dflash", "ddtree")
@@ -26,7 +26,7 @@ DEVICES = ("cpu", "cuda")
 NUMA_BINDS = ("auto", "off")
 
 
-class RecipeError(JobError):
+class RecipeError(BadSpec):
     """A recipe that cannot be run as written: a typo'd key, a wrong type, an empty axis."""
 
     exit_code = 2
