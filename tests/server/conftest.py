@@ -45,26 +45,30 @@ def _build_tokenizer(directory: Path) -> int:
     return tok.get_vocab_size()
 
 
-def build_tiny_pair(root: Path) -> tuple[Path, Path]:
-    """A random 4-layer Qwen3 target (hidden 64) with a tokenizer, and a random 1-layer drafter (block 4)."""
+def build_tiny_pair(root: Path, *, hidden: int = 64, layers: int = 4, intermediate: int = 128, heads: int = 4,
+                    block_size: int = 4, model_vocab: int | None = None) -> tuple[Path, Path]:
+    """A random Qwen3 target with a tokenizer and a random 1-layer DFlash drafter (tests: hidden 64,
+    4 layers, block 4; bench/bench_server.py builds bigger shapes with the same code)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from ddtree.engine.reference.drafter import DFlashConfig, DFlashDrafter, save_drafter
 
     target_dir, drafter_dir = root / "target", root / "drafter"
-    vocab = _build_tokenizer(target_dir)
+    vocab = max(_build_tokenizer(target_dir), model_vocab or 0)
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    head_dim = hidden // heads
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim,
                       max_position_embeddings=CONTEXT_WINDOW, eos_token_id=0, tie_word_embeddings=False)
     model = Qwen3ForCausalLM(cfg)
     with torch.no_grad():  # sharper logits than the default init, so outputs are not near-ties
         model.lm_head.weight.mul_(20.0)
     model.save_pretrained(target_dir)
-    dcfg = DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=vocab, num_target_layers=4, target_layer_ids=(2,),
-                        mask_token_id=3, block_size=4, head_dim=16, max_position_embeddings=CONTEXT_WINDOW)
+    dcfg = DFlashConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
+                        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), vocab_size=vocab,
+                        num_target_layers=layers, target_layer_ids=(layers // 2,), mask_token_id=3,
+                        block_size=block_size, head_dim=head_dim, max_position_embeddings=CONTEXT_WINDOW)
     save_drafter(DFlashDrafter(dcfg), drafter_dir)
     return target_dir, drafter_dir
 

@@ -16,12 +16,7 @@ from ddtree.engine.client import EngineClient
 
 from .conftest import ServerProcess
 
-SERVE_VIA_COMMAND = (
-    "import argparse, sys\n"
-    "from ddtree.console.commands import serve\n"
-    "p = argparse.ArgumentParser(); serve.add_parser(p.add_subparsers())\n"
-    "sys.exit(serve.run(p.parse_args(sys.argv[1:])))\n"
-)
+CLI = [sys.executable, "-m", "ddtree.console.cli"]
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -45,9 +40,20 @@ def test_serve_rejects_bad_arguments(argv, capsys):
     assert info.value.code == 2
 
 
+def test_serve_help_documents_the_options():
+    import subprocess
+
+    out = subprocess.run([*CLI, "serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for flag in ("--model", "--draft", "--algorithm", "--budget", "--block-size", "--device", "--host", "--port"):
+        assert flag in out.stdout
+    bad = subprocess.run([*CLI, "serve", "--budget", "-1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--budget" in bad.stderr
+
+
 def test_sigterm_finishes_in_flight_requests_and_exits_zero(tiny_pair, tmp_path):
     target, drafter = tiny_pair
-    proc = ServerProcess([sys.executable, "-c", SERVE_VIA_COMMAND, "serve", "--model", str(target),
+    proc = ServerProcess([*CLI, "serve", "--model", str(target),
                           "--draft", str(drafter), "--budget", "8"], tmp_path / "serve.log")
     try:
         assert proc.announcement["host"] == "127.0.0.1" and proc.port > 0
