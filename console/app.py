@@ -162,7 +162,7 @@ class ConsoleApp(App[int]):
         self._follow_run()
         active = sum(1 for j in message.jobs if not j.terminal)
         self._status(Text(f"{len(message.jobs)} jobs ({active} active), {len(message.runs)} runs; "
-                          f"updated {time.strftime('%H:%M:%S', time.localtime(message.at))}  {self.db_path}"))
+                          f"updated {time.strftime('%H:%M:%S', time.localtime(message.at))}"))
 
     def _status(self, text: Text) -> None:
         self.query_one("#status", Static).update(text)

@@ -55,6 +55,6 @@ ACTIONS: tuple[Action, ...] = (
 def system_commands(app: App) -> Iterator[SystemCommand]:
     """The palette's entries: every action above, run through the app."""
     for a in ACTIONS:
-        key = f" [{a.key}]" if a.key else ""
+        key = f" ({a.key})" if a.key else ""
         where = f" ({a.pane})" if a.pane else ""
         yield SystemCommand(a.title + key, a.help + where, lambda a=a: app.run_action(a.action))

@@ -43,6 +43,8 @@ def download_cells(row: dict) -> tuple:
 
 
 class DownloadsPane(Vertical):
+    ALLOW_MAXIMIZE = True
+
     BINDINGS = [
         Binding("d", "app.new_download", "New download", id="new_download"),
         Binding("x", "app.stop_download", "Stop", id="stop_download"),
@@ -53,15 +55,15 @@ class DownloadsPane(Vertical):
             yield Static("Downloads", classes="pane-title grow")
             yield Button("New (d)", id="new-download", compact=True)
             yield Button("Stop (x)", id="stop-download", compact=True, variant="error")
-        yield DataTable(id="downloads", cursor_type="row", zebra_stripes=True)
+        yield DataTable(id="download-table", cursor_type="row", zebra_stripes=True)
         yield Static("", id="download-detail")
 
     def on_mount(self) -> None:
-        self.query_one("#downloads", DataTable).add_columns(*COLUMNS)
+        self.query_one("#download-table", DataTable).add_columns(*COLUMNS)
         self.watch(self.app, "downloads", self.show)
 
     def show(self, rows: list[dict]) -> None:
-        table = self.query_one("#downloads", DataTable)
+        table = self.query_one("#download-table", DataTable)
         sync_table(table, [(str(r["id"]), download_cells(r)) for r in rows])
         detail = self.query_one("#download-detail", Static)
         if not rows:
@@ -76,7 +78,7 @@ class DownloadsPane(Vertical):
             detail.update(Text(text, style="red" if row.get("error") else "dim"))
 
     def selected(self) -> dict | None:
-        table = self.query_one("#downloads", DataTable)
+        table = self.query_one("#download-table", DataTable)
         if not table.row_count or table.cursor_row is None:
             return None
         key = table.coordinate_to_cell_key((table.cursor_row, 0)).row_key.value

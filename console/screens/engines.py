@@ -48,6 +48,8 @@ def engine_cells(row: dict, health: bool | None, now: float) -> tuple:
 
 
 class EnginesPane(Vertical):
+    ALLOW_MAXIMIZE = True
+
     BINDINGS = [
         Binding("n", "app.new_engine", "New engine", id="new_engine"),
         Binding("x", "app.stop_engine", "Stop", id="stop_engine"),
@@ -61,14 +63,14 @@ class EnginesPane(Vertical):
             yield Static("Engines", classes="pane-title grow")
             yield Button("New (n)", id="new-engine", compact=True)
             yield Button("Stop (x)", id="stop-engine", compact=True, variant="error")
-        yield DataTable(id="engines", cursor_type="row", zebra_stripes=True)
+        yield DataTable(id="engine-table", cursor_type="row", zebra_stripes=True)
         with Horizontal(classes="pane-bar"):
             yield Static("Log", id="log-title", classes="pane-title grow")
             yield Input(placeholder="search the log", id="log-search", compact=True)
         yield LogView(id="engine-log")
 
     def on_mount(self) -> None:
-        self.query_one("#engines", DataTable).add_columns(*COLUMNS)
+        self.query_one("#engine-table", DataTable).add_columns(*COLUMNS)
         self.query_one("#log-search", Input).display = False
         self.follow, self.wrap = True, False
         self.watch(self.app, "engines", self.show)
@@ -77,12 +79,12 @@ class EnginesPane(Vertical):
     def show(self, engines) -> None:
         rows, health = engines
         now = self.app.clock()
-        table = self.query_one("#engines", DataTable)
+        table = self.query_one("#engine-table", DataTable)
         sync_table(table, [(str(r["id"]), engine_cells(r, health.get(r["id"]), now)) for r in rows])
         self._open_selected()
 
     def selected(self) -> dict | None:
-        key = selected_key(self.query_one("#engines", DataTable))
+        key = selected_key(self.query_one("#engine-table", DataTable))
         return next((r for r in self.app.engines[0] if str(r["id"]) == key), None)
 
     def _open_selected(self) -> None:
@@ -133,7 +135,7 @@ class EnginesPane(Vertical):
     def _search_done(self, event: Input.Submitted) -> None:
         if not event.value:
             event.input.display = False
-        self.query_one("#engines", DataTable).focus()
+        self.query_one("#engine-table", DataTable).focus()
 
     @on(Button.Pressed, "#new-engine")
     def _new(self) -> None:

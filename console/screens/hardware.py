@@ -101,6 +101,8 @@ def suggestions(view, host, tp: int) -> Text:
 class HardwarePane(VerticalScroll):
     """Read-only: what NVML and /sys say about the machine."""
 
+    ALLOW_MAXIMIZE = True
+
     def compose(self) -> ComposeResult:
         yield Static("", id="gpu-reason")
         yield Static("GPUs", classes="pane-title")

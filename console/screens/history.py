@@ -59,6 +59,8 @@ def run_cells(row: dict, marked: bool) -> tuple:
 
 
 class HistoryPane(Vertical):
+    ALLOW_MAXIMIZE = True
+
     BINDINGS = [
         Binding("slash", "app.history_filter", "Filter", id="history_filter"),
         Binding("space", "app.history_mark", "Select", id="history_mark"),

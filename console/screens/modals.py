@@ -42,10 +42,13 @@ class ConfirmScreen(ModalScreen[bool]):
         self.dismiss(answer)
 
 
-def help_text() -> Text:
+def help_text(db_path: str = "") -> Text:
     out = Text()
     out.append("ddtree-console", style="bold")
-    out.append(" — every key; ctrl+p opens the palette with all of them.\n\n")
+    out.append(" — every key; ctrl+p opens the palette with all of them.\n")
+    if db_path:
+        out.append(f"store: {db_path}\n", style="dim")
+    out.append("\n")
     out.append("Panes\n", style="bold underline")
     for pane, key, title, text in PANES:
         out.append(f"  {key:<6}", style="bold")
@@ -69,7 +72,7 @@ class HelpScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help", classes="dialog"):
-            yield Static(help_text())
+            yield Static(help_text(str(getattr(self.app, "db_path", ""))))
 
     def action_dismiss(self) -> None:  # type: ignore[override]
         self.dismiss(None)

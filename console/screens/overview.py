@@ -77,6 +77,8 @@ def disk_lines(host) -> Text:
 class OverviewPane(Vertical):
     """What is running and how the machine is doing."""
 
+    ALLOW_MAXIMIZE = True
+
     def compose(self) -> ComposeResult:
         yield Static("Jobs", classes="pane-title")
         yield DataTable(id="jobs", cursor_type="row", zebra_stripes=True)

@@ -105,6 +105,8 @@ def point_cells(p) -> tuple:
 
 
 class SweepsPane(Vertical):
+    ALLOW_MAXIMIZE = True
+
     BINDINGS = [
         Binding("n", "app.new_sweep", "New sweep", id="new_sweep"),
         Binding("x", "app.stop_sweep", "Stop", id="stop_sweep"),

@@ -113,8 +113,6 @@ def validate(spec: dict) -> dict:
             raise EngineSpecError(f"the demo pair is not here ({target_dir} is missing)",
                                   "give a model folder or hub id, or train the pair with the demo script")
         model, draft, demo = target_dir, draft or drafter_dir, True
-    if algorithm != "ar" and draft is None:
-        raise EngineSpecError(f"algorithm {algorithm} needs a drafter (draft_model)", "or choose algorithm ar")
     for key, value in (("model", model), ("draft_model", draft)):
         # A local path is made absolute now: the detached runner may not share our working folder.
         if value is not None and (value.startswith((".", "/", "~")) or Path(value).exists()):
@@ -125,6 +123,8 @@ def validate(spec: dict) -> dict:
                 model = str(path)
             else:
                 draft = str(path)
+    if algorithm != "ar" and draft is None:
+        raise EngineSpecError(f"algorithm {algorithm} needs a drafter (draft_model)", "or choose algorithm ar")
     python = _opt_str(spec, "python")
     timeout = spec.get("ready_timeout_s", 600.0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout <= 86400:

@@ -174,3 +174,35 @@ def fixed_sources(gpus: bool = True, healthy: bool = True):
     return Sources(gpu_view=lambda: view, host_info=lambda _folder: fixed_host(),
                    gpu_sample=lambda: fixed_sample(view), health=lambda _url: healthy, now=lambda: NOW,
                    sample_s=1e9, health_s=1e9, hardware_s=1e9)
+
+
+async def until(pilot, predicate, timeout: float = 10.0, what: str = "it"):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        await pilot.pause(0.05)
+        if predicate():
+            return
+    raise AssertionError(f"the console never showed {what}")
+
+
+def table_rows(app, table_id: str) -> list[list[str]]:
+    table = app.query_one(f"#{table_id}")
+    return [[str(c) for c in table.get_row_at(i)] for i in range(table.row_count)]
+
+
+def text_of(app, widget_id: str) -> str:
+    return str(app.query_one(f"#{widget_id}").render())
+
+
+def load_conftest_pair_builder():
+    """tests/sweep/conftest.py's tiny random Qwen3 + DFlash pair builder (torch in the test process only)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "sweep" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("cockpit_sweep_conftest", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build_tiny_pair

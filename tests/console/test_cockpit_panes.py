@@ -1,0 +1,366 @@
+"""Pilot tests of every pane and form, by keys and by mouse, on a real SQLite store seeded with a
+realistic sweep through the store's own write functions."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from cockpit_support import NOW, fixed_sources, seed_store, table_rows, text_of, until
+
+from ddtree.console.app import make_app
+from ddtree.console.screens.downloads import DownloadForm
+from ddtree.console.screens.engines import EngineForm
+from ddtree.console.screens.history import CompareScreen, ExportForm
+from ddtree.console.screens.modals import ConfirmScreen, HelpScreen
+from ddtree.console.screens.sweeps import SweepForm
+from ddtree.console.widgets.chart import LineChart
+from ddtree.store import open_db
+from ddtree.store.queries import get_job, update_row
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def seeded(tmp_path):
+    db_path = tmp_path / "ddtree.db"
+    ids = seed_store(db_path)
+    return db_path, ids
+
+
+def app_for(db_path, **kw):
+    kw.setdefault("sources", fixed_sources())
+    return make_app(db_path, poll_s=0.1, clock=lambda: NOW, **kw)
+
+
+async def test_overview_jobs_gpu_strip_disks(seeded):
+    db_path, ids = seeded
+    app = app_for(db_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: len(table_rows(app, "jobs")) == 3, what="the jobs")
+        rows = {r[0]: r for r in table_rows(app, "jobs")}
+        assert rows[str(ids["sweep_job"])][3:5] == ["running", "64%"]
+        assert rows[str(ids["sweep_job"])][6] == "point 10/14"
+        await until(pilot, lambda: "GPU0" in text_of(app, "gpu-strip"), what="the GPU strip")
+        assert "GPU7" in text_of(app, "gpu-strip")
+        await until(pilot, lambda: "models (HF cache)" in text_of(app, "disks"), what="the disks")
+        assert "1.7 TB free of 3.8 TB" in text_of(app, "disks")
+
+
+async def test_without_gpu_the_hardware_pane_says_so_and_why(seeded):
+    db_path, _ = seeded
+    app = app_for(db_path, sources=fixed_sources(gpus=False))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("2")
+        assert app.current_pane == "hardware"
+        await until(pilot, lambda: "No GPU" in text_of(app, "gpu-reason"), what="the no-GPU reason")
+        assert "no NVIDIA driver" in text_of(app, "gpu-reason")
+        assert "node 1: CPUs 96-191" in text_of(app, "numa")
+        assert "No GPU: NVML library not found" in text_of(app, "gpu-strip")
+
+
+async def test_hardware_pane_gpus_links_numa_and_placement(seeded):
+    db_path, _ = seeded
+    app = app_for(db_path)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await pilot.press("2")
+        await until(pilot, lambda: len(table_rows(app, "gpus")) == 8, what="the GPU table")
+        links = text_of(app, "links")
+        assert "GPU7" in links and "SYS" in links and "across NUMA nodes" in links
+        assert "GPUs 4, 5, 6, 7" in text_of(app, "numa")
+        assert "GPUs with unknown NUMA node: 3" in text_of(app, "numa")
+        await until(pilot, lambda: "1. GPUs" in text_of(app, "placements"), what="placements")
+        tp = app.query_one("#tp")
+        tp.value = ""
+        await pilot.pause(0.05)
+        assert "must be an integer" in text_of(app, "placements")
+        await pilot.click("#tp")
+        await pilot.press("4")
+        await until(pilot, lambda: "1. GPUs" in text_of(app, "placements"), what="TP 4 placements")
+        first = text_of(app, "placements").splitlines()[0]
+        assert first.startswith("1. GPUs") and first.split()[2].count(",") == 3
+        tp.value = "9"
+        await pilot.pause(0.05)
+        assert "needs 9 GPUs" in text_of(app, "placements")
+
+
+async def test_downloads_pane_form_validates_as_typed(seeded, monkeypatch):
+    db_path, ids = seeded
+    app = app_for(db_path)
+    submitted = []
+    monkeypatch.setattr(type(app), "submit_job", lambda self, kind, spec, name=None: submitted.append((kind, spec)))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("3")
+        await until(pilot, lambda: table_rows(app, "download-table"), what="the download")
+        row = table_rows(app, "download-table")[0]
+        assert row[1] == "Qwen/Qwen3-8B" and row[3].endswith("37%") and row[6] == "85.0 MB/s"
+        assert row[8] == "401.7 GB"  # free now minus what is still to come
+        await pilot.click("#new-download")  # the mouse opens the form too
+        assert isinstance(app.screen, DownloadForm)
+        form = app.screen
+        await pilot.press(*"not a repo")
+        assert form.query_one("#start").disabled
+        assert "not a Hugging Face repo id" in str(form.query_one("#form-error").render())
+        form.query_one("#repo").value = ""
+        await pilot.press(*"Qwen/Qwen3-0.6B", "tab", *"*.json, ../x")
+        assert form.query_one("#start").disabled and "bad glob" in str(form.query_one("#form-error").render())
+        form.query_one("#include").value = "*.json, *.safetensors"
+        form.query_one("#reserve").value = "-3"
+        await pilot.pause(0.05)
+        assert form.query_one("#start").disabled
+        form.query_one("#reserve").value = "20"
+        await pilot.pause(0.05)
+        assert not form.query_one("#start").disabled
+        await pilot.press("enter")
+        assert not isinstance(app.screen, DownloadForm)
+        assert submitted == [("download", {"repo_id": "Qwen/Qwen3-0.6B", "include": ["*.json", "*.safetensors"],
+                                           "reserve_bytes": 20_000_000_000})]
+        from ddtree.jobs.kinds.download import validate
+
+        validate(submitted[0][1])  # what the form hands over is a valid job spec
+
+
+async def test_stopping_asks_first_then_cancels_the_job(seeded):
+    db_path, ids = seeded
+    app = app_for(db_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("3")
+        await until(pilot, lambda: table_rows(app, "download-table"), what="the download")
+        await pilot.press("x")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("n")
+        assert not isinstance(app.screen, ConfirmScreen)
+        with open_db(db_path) as db:
+            assert get_job(db, ids["download_job"]).state == "running"
+        await pilot.click("#stop-download")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.click("#yes")
+
+        def cancelled():
+            with open_db(db_path) as db:
+                return get_job(db, ids["download_job"]).state == "cancelled"
+
+        await until(pilot, cancelled, what="the cancel")
+        await until(pilot, lambda: any(r[3] == "cancelled" for r in table_rows(app, "jobs")), what="the new state")
+
+
+async def test_engines_pane_health_and_log_follow_search_wrap(seeded, tmp_path):
+    db_path, ids = seeded
+    log = tmp_path / "server.log"
+    log.write_text("loading model\nwarm-up done\nERROR something odd\n")
+    with open_db(db_path) as db:
+        update_row(db, "engines", 1, {"log_path": str(log)})
+    app = app_for(db_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("4")
+        await until(pilot, lambda: table_rows(app, "engine-table"), what="the engine")
+        row = table_rows(app, "engine-table")[0]
+        assert row[1:8] == ["builtin", "demo", "ddtree", "32", "cpu", "40123", "ok"]
+        assert row[8] == "14m40s"
+        view = app.query_one("#engine-log")
+        await until(pilot, lambda: len(view.raw_lines) == 3, what="the log")
+        with log.open("a") as fh:
+            fh.write("request 1 done\n")
+        await until(pilot, lambda: view.raw_lines[-1] == "request 1 done", what="the new log line")
+        await pilot.press("slash", *"error", "enter")
+        assert view.search == "error"
+        assert len(view.lines) == 1  # one rendered line: only the match
+        await pilot.press("w")
+        assert view.wrap
+        await pilot.press("f")
+        assert not view.auto_scroll
+        assert "(wrap)" in text_of(app, "log-title") and "search 'error'" in text_of(app, "log-title")
+
+
+async def test_engine_form_validates_and_returns_a_job_spec(seeded, tmp_path, monkeypatch):
+    db_path, _ = seeded
+    app = app_for(db_path)
+    submitted = []
+    monkeypatch.setattr(type(app), "submit_job", lambda self, kind, spec, name=None: submitted.append((kind, spec)))
+    (tmp_path / "target").mkdir()
+    (tmp_path / "drafter").mkdir()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("4", "n")
+        assert isinstance(app.screen, EngineForm)
+        form = app.screen
+        await pilot.press(*str(tmp_path / "missing"))
+        assert form.query_one("#start").disabled
+        assert "not found" in str(form.query_one("#form-error").render())
+        form.query_one("#model").value = str(tmp_path / "target")
+        form.query_one("#draft").value = str(tmp_path / "drafter")
+        form.query_one("#budget").value = "16"
+        form.query_one("#device").value = "gpu0"
+        await pilot.pause(0.05)
+        assert form.query_one("#start").disabled and "device" in str(form.query_one("#form-error").render())
+        form.query_one("#device").value = "cpu"
+        await pilot.pause(0.05)
+        assert not form.query_one("#start").disabled
+        await pilot.click("#start")
+        assert submitted and submitted[0][0] == "engine"
+        assert submitted[0][1]["budget"] == 16 and submitted[0][1]["model"] == str(tmp_path / "target")
+
+
+async def test_sweeps_pane_curves_baselines_best_and_points(seeded):
+    db_path, ids = seeded
+    app = app_for(db_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("5")
+        await until(pilot, lambda: len(table_rows(app, "points")) == 14, what="the points")
+        tok = app.query_one("#toks-chart", LineChart)
+        await until(pilot, lambda: tok.series, what="the curves")
+        measured = [s for s in tok.series if not s.reference]
+        assert [s.label for s in measured] == ["c=1"]
+        assert measured[0].best == (32.0, 77.5)
+        assert {s.label for s in tok.series if s.reference} == {"AR", "DFlash"}
+        tau = app.query_one("#tau-chart", LineChart)
+        assert [p for p in tau.series[0].points][-1] == (64.0, pytest.approx(4.5 * 1.02))
+        assert "best budget 32 at 77.5 tok/s (3.52x AR, 1.41x DFlash)" in text_of(app, "best")
+        assert "Run 3 k26-ddtree (running) 9/14" in text_of(app, "sweep-title")
+        # a point lands: the table and the curve follow on the next poll
+        from cockpit_support import metrics_for
+
+        from ddtree.store import sweeps
+
+        with open_db(db_path) as db:
+            pending = [p for p in sweeps.list_points(db, ids["live_run"]) if p.state == "pending"][0]
+            sweeps.record_point(db, pending.id, state="done", metrics=metrics_for("ddtree", pending.budget, 4),
+                                requests=[])
+        await until(pilot, lambda: len([s for s in tok.series if not s.reference]) == 2, what="the c=4 line")
+        await pilot.press("left_square_bracket")
+        await until(pilot, lambda: "Run 2 yesterday" in text_of(app, "sweep-title"), what="the older run")
+        await until(pilot, lambda: len(table_rows(app, "points")) == 7, what="its points")
+        await pilot.press("right_square_bracket")
+        await until(pilot, lambda: "Run 3" in text_of(app, "sweep-title"), what="the newer run")
+
+
+async def test_sweep_form_shows_the_plan_and_refuses_bad_input(seeded, tmp_path, monkeypatch):
+    db_path, _ = seeded
+    app = app_for(db_path)
+    started = []
+    monkeypatch.setattr(type(app), "start_sweep", lambda self, spec: started.append(spec))
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n[sweep]\nbudgit = [4]\n')
+    good = tmp_path / "good.toml"
+    good.write_text('name = "from-file"\n[engine]\nkind = "builtin"\n[sweep]\nbudget = [8, 32]\nnum_prompts = 4\n')
+    async with app.run_test(size=(110, 40)) as pilot:
+        await pilot.press("5", "n")
+        assert isinstance(app.screen, SweepForm)
+        form = app.screen
+        plan = lambda: str(form.query_one("#plan").render())  # noqa: E731
+        assert "Plan (dry run)" in plan() and "sweep 'demo-budgets'" in plan()
+        form.query_one("#f-budgets").value = "4, x"
+        await pilot.pause(0.05)
+        assert "not valid" in plan() and form.query_one("#start").disabled
+        form.query_one("#f-budgets").value = "4, 8"
+        form.query_one("#f-concurrency").value = "0"
+        await pilot.pause(0.05)
+        assert "sweep.concurrency[0] must be >= 1" in plan()
+        form.query_one("#f-concurrency").value = "1"
+        form.query_one("#f-recipe").value = str(bad)
+        await pilot.pause(0.05)
+        assert "did you mean 'budget'" in plan() and form.query_one("#start").disabled
+        form.query_one("#f-recipe").value = str(good)
+        await pilot.pause(0.05)
+        assert "sweep 'from-file'" in plan() and not form.query_one("#start").disabled
+        await pilot.click("#start")
+        assert started and started[0]["recipe"]["name"] == "from-file"
+        assert started[0]["recipe_path"] == str(good.resolve()) and started[0]["points_total"] == 2
+
+
+async def test_history_filter_sort_compare_export(seeded, tmp_path):
+    db_path, ids = seeded
+    app = app_for(db_path)
+    async with app.run_test(size=(110, 40)) as pilot:
+        await pilot.press("6")
+        await until(pilot, lambda: len(table_rows(app, "runs")) == 3, what="the runs")
+        assert [r[1] for r in table_rows(app, "runs")] == ["k26-ddtree", "yesterday", "last-week"]
+        await pilot.press("slash", *"week")
+        await until(pilot, lambda: len(table_rows(app, "runs")) == 1, what="the filtered run")
+        app.query_one("#history-filter").value = ""
+        await until(pilot, lambda: len(table_rows(app, "runs")) == 3, what="all runs again")
+        await pilot.press("escape")
+        app.query_one("#runs").focus()
+        await pilot.press("s")  # oldest first
+        await until(pilot, lambda: table_rows(app, "runs")[0][1] == "last-week", what="the sorted runs")
+        await pilot.press("space", "space")  # marks last-week and yesterday
+        assert app.query_one("#history").marked == {ids["old_run"], ids["prev_run"]}
+        await pilot.press("c")
+        await until(pilot, lambda: isinstance(app.screen, CompareScreen), what="the comparison")
+        screen = app.screen
+        assert "hardware differs" in str(screen.query_one("#hw-warning").render())
+        metrics = str(screen.query_one("#metrics").render())
+        assert "77.50 (+25%)" in metrics  # yesterday vs last week's 0.8x figures
+        overlaid = screen.query_one("#cmp-toks", LineChart).series
+        assert {s.label for s in overlaid} == {f"r{ids['old_run']} c=1", f"r{ids['prev_run']} c=1"}
+        await pilot.press("escape")
+        await pilot.press("e")
+        assert isinstance(app.screen, ExportForm)
+        target = tmp_path / "out" / "run.csv"
+        app.screen.query_one("#format").value = "csv"
+        app.screen.query_one("#path").value = str(target)
+        await pilot.click("#start")
+        await until(pilot, target.exists, what="the export")
+        assert target.read_text().startswith("id,run_id")
+
+
+async def test_compare_needs_two_runs(seeded):
+    db_path, _ = seeded
+    app = app_for(db_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("6")
+        await until(pilot, lambda: len(table_rows(app, "runs")) == 3, what="the runs")
+        await pilot.press("c")
+        assert not isinstance(app.screen, CompareScreen)
+        assert any("select two or more" in n.message for n in app._notifications)
+
+
+async def test_keys_palette_help_maximise_theme_and_tabs_by_mouse(seeded):
+    db_path, _ = seeded
+    app = app_for(db_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        for key, pane in zip("123456", ("overview", "hardware", "downloads", "engines", "sweeps", "history")):
+            await pilot.press(key)
+            assert app.current_pane == pane
+            assert app.query_one("#panes").current == pane
+        await pilot.click("#tab-sweeps")
+        assert app.current_pane == "sweeps"
+        await pilot.press("m")
+        assert app.screen.maximized is app.query_one("#sweeps")
+        await pilot.press("m")
+        assert app.screen.maximized is None
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        dark = app.theme
+        await pilot.press("t")
+        assert app.theme != dark
+        await pilot.press("ctrl+p")
+        await pilot.press(*"Go to Downloads")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await until(pilot, lambda: app.current_pane == "downloads", what="the palette's pane")
+        await pilot.press("q")
+    assert app.return_code == 0
+
+
+def test_console_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, asyncio\n"
+            "from ddtree.console import cli\n"
+            "from ddtree.console.app import make_app\n"
+            "async def main():\n"
+            "    app = make_app(sys.argv[1], poll_s=0.1)\n"
+            "    async with app.run_test() as pilot:\n"
+            "        for key in '123456':\n"
+            "            await pilot.press(key)\n"
+            "            await pilot.pause(0.2)\n"
+            "asyncio.run(main())\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'safetensors', 'tokenizers'))\n"
+            "print(bad)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__import__("tempfile").mkdtemp()) / "x.db")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
