@@ -1,0 +1,113 @@
+import json
+
+import pytest
+import torch
+
+from ddtree.engine.demo import DemoMissing, demo_paths
+from ddtree.engine.reference.drafter import DFlashConfig, save_drafter
+from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
+from ddtree.engine.reference.errors import BadParams, ModelLoadError
+
+from .conftest import make_drafter, make_target
+
+
+def _tokenizer(vocab: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(vocab - 2)] + ["<eos>", "<|MASK|>"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="w0")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    model = make_target(21)
+    model.config.eos_token_id = 62
+    model.save_pretrained(root / "target")
+    _tokenizer(64).save_pretrained(root / "target")
+    drafter = make_drafter(model, block_size=8)
+    save_drafter(drafter, root / "drafter")
+    return root / "target", root / "drafter", model
+
+
+def test_load_from_directories_and_generate(pair):
+    target_dir, drafter_dir, model = pair
+    engine = Engine.load(target_dir, drafter_dir)
+    assert engine.block_size == 8 and engine.max_budget > 0 and engine.context_window == 512
+    assert engine.device == "cpu" and engine.eos_token_ids == (62,)
+    assert engine.tokenizer is not None and engine.draft_name == str(drafter_dir)
+    assert engine.model_name == str(target_dir) and engine.hybrid_warning is None
+    ids = engine.tokenizer("w1 w2 w3")["input_ids"]
+    assert ids == [1, 2, 3]
+    gen = GenParams(max_new_tokens=12, ignore_eos=True)
+    ar = engine.generate(ids, gen, SpecParams("ar"))
+    dd = engine.generate(ids, gen, SpecParams("ddtree", 16))
+    assert ar.output_ids == dd.output_ids
+    with torch.no_grad():  # the loaded target is the saved one
+        want = model(torch.tensor([ids])).logits[0, -1].argmax()
+    assert ar.output_ids[0] == int(want)
+
+
+def test_eager_attention_and_target_only(pair):
+    target_dir, _, _ = pair
+    engine = Engine.load(target_dir, attn_implementation="eager")
+    assert engine.drafter is None and engine.max_budget == 0 and engine.block_size == 1
+    assert engine.generate([1, 2], GenParams(max_new_tokens=3), SpecParams("ar")).output_ids
+
+
+def test_mask_token_resolved_from_the_tokenizer(pair, tmp_path):
+    target_dir, drafter_dir, _ = pair
+    raw = json.loads((drafter_dir / "config.json").read_text())
+    del raw["dflash_config"]["mask_token_id"]
+    raw["dflash_config"]["mask_token"] = "<|MASK|>"
+    out = tmp_path / "drafter"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(raw))
+    (out / "model.safetensors").write_bytes((drafter_dir / "model.safetensors").read_bytes())
+    assert DFlashConfig.from_dict(raw).mask_token_id is None
+    assert Engine.load(target_dir, out).mask_token_id == 63
+
+
+def test_mismatched_drafter_is_refused(pair, tmp_path):
+    target_dir, _, _ = pair
+    other = make_target(1, hidden=32)
+    save_drafter(make_drafter(other), tmp_path / "d")
+    with pytest.raises(ModelLoadError, match="hidden size"):
+        Engine.load(target_dir, tmp_path / "d")
+
+
+def test_missing_paths_and_bad_options(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        Engine.load(tmp_path / "nope")
+    with pytest.raises(ModelLoadError, match="config.json"):
+        Engine.load(tmp_path)
+    with pytest.raises(ModelLoadError, match="dtype"):
+        Engine.load(tmp_path, dtype="float8")
+    if not torch.cuda.is_available():
+        with pytest.raises(BadParams, match="CUDA"):
+            Engine.load(tmp_path, device="cuda")
+
+
+def test_unknown_hub_id_offline_is_a_clean_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True, raising=False)
+    with pytest.raises(ModelLoadError, match="cannot fetch"):
+        Engine.load("nobody-here/no-such-model")
+
+
+def test_demo_paths(monkeypatch, tmp_path):
+    from importlib import resources
+
+    monkeypatch.setattr(resources, "files", lambda pkg: tmp_path)
+    with pytest.raises(DemoMissing, match="demo model pair"):
+        demo_paths()
+    for name in ("target", "drafter"):
+        (tmp_path / "demo" / name).mkdir(parents=True)
+        (tmp_path / "demo" / name / "config.json").write_text("{}")
+    assert demo_paths() == (tmp_path / "demo" / "target", tmp_path / "demo" / "drafter")

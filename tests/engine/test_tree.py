@@ -1,0 +1,133 @@
+import itertools
+
+import pytest
+import torch
+
+from ddtree.engine.reference.tree import (
+    accepted_path,
+    ancestor_matrix,
+    build_tree,
+    chain_tree,
+    tree_attention_mask,
+    tree_scores,
+)
+
+
+def _random_logprobs(depth: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.log_softmax(torch.randn(depth, vocab, generator=g) * 2, dim=-1)
+
+
+def _brute_force_scores(logprobs: torch.Tensor) -> list[float]:
+    depth, vocab = logprobs.shape
+    scores = []
+    for d in range(1, depth + 1):
+        for path in itertools.product(range(vocab), repeat=d):
+            scores.append(float(sum(logprobs[i, t] for i, t in enumerate(path))))
+    return sorted(scores, reverse=True)
+
+
+def _paths(tree) -> list[tuple[int, ...]]:
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    out = []
+    for i in range(1, tree.size):
+        path, j = [], i
+        while j != 0:
+            path.append(tokens[j])
+            j = parents[j]
+        out.append(tuple(reversed(path)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("budget", [1, 2, 5, 13, 40])
+def test_tree_is_the_top_budget_prefixes(seed, budget):
+    logprobs = _random_logprobs(3, 4, seed)  # 4 + 16 + 64 = 84 prefixes
+    tree = build_tree(7, logprobs, budget)
+    assert tree.size == budget + 1
+    assert tree.tokens[0] == 7 and tree.depths[0] == 0
+    got = sorted(tree_scores(tree, logprobs)[1:].tolist(), reverse=True)
+    want = _brute_force_scores(logprobs)[:budget]
+    assert got == pytest.approx(want, abs=1e-5)
+    paths = _paths(tree)
+    assert len(set(paths)) == len(paths)
+    # ancestor-closed: every prefix of a path in the tree is in the tree
+    assert all(p[:-1] in set(paths) for p in paths if len(p) > 1)
+
+
+def test_parents_come_before_children_and_depths_agree():
+    tree = build_tree(0, _random_logprobs(6, 32, 3), 200)
+    parents, depths = tree.parents.tolist(), tree.depths.tolist()
+    for i in range(1, tree.size):
+        assert parents[i] < i
+        assert depths[i] == depths[parents[i]] + 1
+    assert tree.max_depth == max(depths)
+
+
+def test_budget_larger_than_the_prefix_space_takes_them_all():
+    tree = build_tree(0, _random_logprobs(2, 3, 0), 100)
+    assert tree.size == 1 + 3 + 9
+
+
+def test_chain_detection():
+    lp = torch.full((4, 10), -10.0)
+    lp[:, 2] = 0.0  # one dominant token per depth: best-first takes the chain first
+    tree = build_tree(5, torch.log_softmax(lp, -1), 4)
+    assert tree.is_chain and tree.tokens.tolist() == [5, 2, 2, 2, 2]
+    chain = chain_tree(5, torch.tensor([1, 2, 3]))
+    assert chain.is_chain and chain.parents.tolist() == [0, 0, 1, 2] and chain.depths.tolist() == [0, 1, 2, 3]
+
+
+def test_ancestor_matrix_and_mask_match_brute_force():
+    tree = build_tree(0, _random_logprobs(5, 6, 11), 60)
+    parents = tree.parents.tolist()
+    n = tree.size
+    anc = ancestor_matrix(tree.parents, tree.max_depth)
+    for i in range(n):
+        want, j = {i}, i
+        while j != 0:
+            j = parents[j]
+            want.add(j)
+        assert set(torch.nonzero(anc[i]).flatten().tolist()) == want
+    mask = tree_attention_mask(tree, 9, torch.float32)
+    assert mask.shape == (1, 1, n, 9 + n) and mask.dtype == torch.float32
+    assert (mask[0, 0, :, :9] == 0).all()
+    assert torch.equal(mask[0, 0, :, 9:] == 0, anc)
+    assert (mask[0, 0, :, 9:][~anc] == torch.finfo(torch.float32).min).all()
+
+
+def _python_walk(tree, posterior):
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    children = {}
+    for i in range(1, tree.size):
+        children.setdefault(parents[i], {})[tokens[i]] = i
+    node, path = 0, [0]
+    while posterior[node] in children.get(node, {}):
+        node = children[node][posterior[node]]
+        path.append(node)
+    return path
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_walk_matches_a_python_walk(seed):
+    vocab = 5
+    tree = build_tree(1, _random_logprobs(4, vocab, seed), 30)
+    g = torch.Generator().manual_seed(seed)
+    # Posteriors biased toward the tree's own tokens so that long paths occur.
+    posterior = torch.where(torch.rand(tree.size, generator=g) < 0.7,
+                            torch.zeros(tree.size, dtype=torch.long),
+                            torch.randint(0, vocab, (tree.size,), generator=g))
+    children_best = {}
+    for i in range(1, tree.size):
+        children_best.setdefault(int(tree.parents[i]), int(tree.tokens[i]))
+    for parent, tok in children_best.items():
+        if torch.rand(1, generator=g) < 0.8:
+            posterior[parent] = tok
+    assert accepted_path(tree, posterior).tolist() == _python_walk(tree, posterior.tolist())
+
+
+def test_chain_walk_stops_at_first_mismatch():
+    chain = chain_tree(9, torch.tensor([1, 2, 3, 4]))
+    assert accepted_path(chain, torch.tensor([1, 2, 0, 4, 0])).tolist() == [0, 1, 2]
+    assert accepted_path(chain, torch.tensor([0, 2, 3, 4, 0])).tolist() == [0]
+    assert accepted_path(chain, torch.tensor([1, 2, 3, 4, 7])).tolist() == [0, 1, 2, 3, 4]
