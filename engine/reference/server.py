@@ -387,13 +387,16 @@ def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
         import torch
 
         dtype = getattr(torch, args.dtype)
-    kwargs: dict[str, Any] = {"device": args.device, "dtype": dtype}
-    if args.block_size is not None:
-        kwargs["block_size"] = args.block_size
-    try:
-        engine = Engine.load(model, draft, **kwargs)
-    except TypeError:
-        raise BadRequest("--block-size is not supported by this engine build") from None
+    engine = Engine.load(model, draft, device=args.device, dtype=dtype)
+    if args.block_size is not None and args.block_size != engine.block_size:
+        # A shorter block drafts fewer positions per round (SGLang's --speculative-dflash-block-size);
+        # the drafter has no causal mask inside a block, so any length up to the trained one works.
+        if engine.draft_name is None:
+            raise BadRequest("--block-size needs a drafter (--draft)")
+        if args.block_size > engine.block_size:
+            raise BadRequest(f"--block-size {args.block_size} exceeds the drafter's block size {engine.block_size}",
+                             hint="the drafter was trained for blocks of at most that length")
+        engine.block_size = args.block_size
     return engine, str(model), None if draft is None else str(draft)
 
 

@@ -125,6 +125,6 @@ def start_server(tiny_pair, log_path: Path, *extra: str) -> ServerProcess:
 @pytest.fixture(scope="module")
 def server(tiny_pair, tmp_path_factory):
     proc = start_server(tiny_pair, tmp_path_factory.mktemp("server") / "server.log",
-                        "--max-running-requests", "4", "--max-queued-requests", "4")
+                        "--max-running-requests", "4", "--max-queued-requests", "4", "--block-size", "3")
     yield proc
     assert proc.stop() == 0, proc.log_path.read_text()[-3000:]
