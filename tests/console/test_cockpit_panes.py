@@ -103,7 +103,8 @@ async def test_downloads_pane_form_validates_as_typed(seeded, monkeypatch):
         assert form.query_one("#start").disabled
         assert "not a Hugging Face repo id" in str(form.query_one("#form-error").render())
         form.query_one("#repo").value = ""
-        await pilot.press(*"Qwen/Qwen3-0.6B", "tab", *"*.json, ../x")
+        form.query_one("#repo").value = "Qwen/Qwen3-0.6"
+        await pilot.press("B", "tab", *"../x")
         assert form.query_one("#start").disabled and "bad glob" in str(form.query_one("#form-error").render())
         form.query_one("#include").value = "*.json, *.safetensors"
         form.query_one("#reserve").value = "-3"
@@ -184,7 +185,8 @@ async def test_engine_form_validates_and_returns_a_job_spec(seeded, tmp_path, mo
         await pilot.press("4", "n")
         assert isinstance(app.screen, EngineForm)
         form = app.screen
-        await pilot.press(*str(tmp_path / "missing"))
+        form.query_one("#model").value = str(tmp_path / "missin")
+        await pilot.press("g")  # typed: validated on every change
         assert form.query_one("#start").disabled
         assert "not found" in str(form.query_one("#form-error").render())
         form.query_one("#model").value = str(tmp_path / "target")
@@ -336,7 +338,7 @@ async def test_keys_palette_help_maximise_theme_and_tabs_by_mouse(seeded):
         await pilot.press("t")
         assert app.theme != dark
         await pilot.press("ctrl+p")
-        await pilot.press(*"Go to Downloads")
+        await pilot.press(*"to Downl")
         await pilot.pause(0.3)
         await pilot.press("enter")
         await until(pilot, lambda: app.current_pane == "downloads", what="the palette's pane")
@@ -356,7 +358,7 @@ def test_console_never_imports_torch():
             "    async with app.run_test() as pilot:\n"
             "        for key in '123456':\n"
             "            await pilot.press(key)\n"
-            "            await pilot.pause(0.2)\n"
+            "            await pilot.pause(0.05)\n"
             "asyncio.run(main())\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'safetensors', 'tokenizers'))\n"
             "print(bad)\n")

@@ -1,0 +1,77 @@
+"""Snapshots of each pane on a store seeded with a realistic sweep (fixed clock, fixed hardware).
+
+Update after an intended change of the look: pytest tests/console/test_cockpit_snapshots.py --snapshot-update
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from cockpit_support import NOW, fixed_sources, seed_store, table_rows, text_of, until
+
+from ddtree.console.app import make_app
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def utc(monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.delenv("TZ")
+    time.tzset()
+
+
+@pytest.fixture
+def db_path(tmp_path):
+    path = tmp_path / "ddtree.db"
+    seed_store(path)
+    return path
+
+
+def ready(check, keys=()):
+    async def run_before(pilot) -> None:
+        await until(pilot, lambda: check(pilot.app), timeout=15)
+        await pilot.press(*keys)
+        await pilot.pause(0.1)
+
+    return run_before
+
+
+def loaded(app) -> bool:
+    return app.last_snapshot is not None and app.hardware is not None and "GPU0" in text_of(app, "gpu-strip")
+
+
+CASES = {
+    "overview": ([], loaded),
+    "hardware": (["2"], lambda app: loaded(app) and len(table_rows(app, "gpus")) == 8),
+    "downloads": (["3"], lambda app: loaded(app) and table_rows(app, "download-table")),
+    "engines": (["4"], lambda app: loaded(app) and table_rows(app, "engine-table")),
+    "sweeps": (["5"], lambda app: loaded(app) and len(table_rows(app, "points")) == 14
+               and app.query_one("#toks-chart").series),
+    "history": (["6"], lambda app: loaded(app) and len(table_rows(app, "runs")) == 3),
+}
+
+
+@pytest.mark.parametrize("pane", list(CASES))
+def test_pane_snapshot(pane, db_path, snap_compare):
+    keys, check = CASES[pane]
+    app = make_app(db_path, poll_s=0.1, sources=fixed_sources(), clock=lambda: NOW)
+    assert snap_compare(app, terminal_size=(100, 30), run_before=ready(check, keys))
+
+
+@pytest.mark.parametrize("pane", ["overview", "sweeps"])
+def test_small_terminal_snapshot(pane, db_path, snap_compare):
+    keys, check = CASES[pane]
+    app = make_app(db_path, poll_s=0.1, sources=fixed_sources(), clock=lambda: NOW)
+    assert snap_compare(app, terminal_size=(80, 24), run_before=ready(check, keys))
+
+
+def test_no_gpu_hardware_snapshot(db_path, snap_compare):
+    app = make_app(db_path, poll_s=0.1, sources=fixed_sources(gpus=False), clock=lambda: NOW)
+    assert snap_compare(app, terminal_size=(100, 30),
+                        run_before=ready(lambda app: app.hardware is not None and "No GPU" in text_of(app, "gpu-reason"),
+                                         ["2"]))
+
