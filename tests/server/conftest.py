@@ -115,16 +115,16 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(tiny_pair, log_path: Path, *extra: str) -> ServerProcess:
-    target, drafter = tiny_pair
-    argv = [sys.executable, "-m", "ddtree.engine.reference.server", "--model", str(target), "--draft", str(drafter),
-            "--port", "0", "--budget", "8", *extra]
-    return ServerProcess(argv, log_path)
+CLI = [sys.executable, "-m", "ddtree.console.cli"]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_pair, tmp_path_factory):
-    proc = start_server(tiny_pair, tmp_path_factory.mktemp("server") / "server.log",
-                        "--max-running-requests", "4", "--max-queued-requests", "4", "--block-size", "3")
+    """One server per module, started the way a user starts it: `ddtree-console serve` (which execs
+    the server module). The drafter was trained with blocks of 4; the server runs it with 3."""
+    target, drafter = tiny_pair
+    proc = ServerProcess([*CLI, "serve", "--model", str(target), "--draft", str(drafter), "--port", "0",
+                          "--budget", "8", "--block-size", "3", "--max-running-requests", "4",
+                          "--max-queued-requests", "4"], tmp_path_factory.mktemp("server") / "server.log")
     yield proc
     assert proc.stop() == 0, proc.log_path.read_text()[-3000:]

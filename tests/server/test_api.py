@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import threading
 import time
 
@@ -319,3 +320,27 @@ def test_client_errors(server):
         with pytest.raises(EngineUnreachable):
             c.server_info()
     assert issubclass(EngineOverloaded, EngineBadRequest.__mro__[1])
+
+
+# -- keep last: it stops the module's server -------------------------------------------------------
+
+def test_sigterm_finishes_in_flight_requests_and_exits_zero(server):
+    result = {}
+
+    def stream():
+        with EngineClient(server.url, timeout=120) as c:
+            result["chunks"] = list(c.generate_stream(PROMPTS[0], sampling_params=greedy(120, ignore_eos=True)))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # wait until the request is decoding
+        if httpx.get(server.url + "/server_info").json()["internal_states"][0]["num_running_reqs"] > 0:
+            break
+        time.sleep(0.01)
+    server.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert result["chunks"][-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 120}
+    assert server.proc.wait(30) == 0
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server.url + "/health", timeout=2)
