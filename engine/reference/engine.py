@@ -41,8 +41,13 @@ class Engine:
     def __init__(self, model: nn.Module, drafter: DFlashDrafter | None = None, tokenizer=None, *,
                  model_name: str = "target", draft_name: str | None = None,
                  eos_token_ids: tuple[int, ...] = (), mask_token_id: int | None = None,
-                 max_budget: int = DEFAULT_MAX_BUDGET, context_window: int | None = None) -> None:
-        """Wrap already-built modules (Engine.load builds them from checkpoints)."""
+                 max_budget: int = DEFAULT_MAX_BUDGET, context_window: int | None = None,
+                 block_size: int | None = None) -> None:
+        """Wrap already-built modules (Engine.load builds them from checkpoints).
+
+        block_size: draft blocks shorter than the drafter's own (2..drafter.block_size); the
+        attribute may also be reassigned later within that range.
+        """
         self.model = model.eval()
         self.drafter = drafter.eval() if drafter is not None else None
         self.tokenizer = tokenizer
@@ -68,7 +73,9 @@ class Engine:
             self.mask_token_id = None
             return
         self._check_drafter(drafter)
-        self.block_size = drafter.block_size
+        if block_size is not None and not (isinstance(block_size, int) and 2 <= block_size <= drafter.block_size):
+            raise BadParams(f"block size {block_size!r} must be between 2 and the drafter's {drafter.block_size}")
+        self.block_size = block_size or drafter.block_size
         self.max_budget = int(max_budget)
         mask = mask_token_id if mask_token_id is not None else drafter.mask_token_id
         if mask is None or not 0 <= mask < self.target.vocab_size:
@@ -97,7 +104,7 @@ class Engine:
     @classmethod
     def load(cls, model: str | Path, draft: str | Path | None = None, *, device: str = "cpu",
              dtype=None, attn_implementation: str = "sdpa",
-             max_budget: int = DEFAULT_MAX_BUDGET) -> Engine:
+             max_budget: int = DEFAULT_MAX_BUDGET, block_size: int | None = None) -> Engine:
         """Load a transformers target and (optionally) a DFlash drafter from dirs or hub ids."""
         device = str(device)
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -117,7 +124,7 @@ class Engine:
         return cls(target, drafter, tokenizer, model_name=str(model),
                    draft_name=str(draft) if draft is not None else None,
                    eos_token_ids=eos_token_ids(target_dir, target.config, tokenizer),
-                   mask_token_id=mask_id, max_budget=max_budget)
+                   mask_token_id=mask_id, max_budget=max_budget, block_size=block_size)
 
     def start(self, input_ids: list[int], gen: GenParams | None = None,
               spec: SpecParams | None = None) -> Session:

@@ -224,3 +224,26 @@ def test_result_statistics():
     assert len(hist) == 8 and sum(hist) == 1
     sess.close()
     assert sess.done and sess.finish_reason == "abort" and sess.step() == []
+
+
+def test_llama_target_and_shorter_block():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(40)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4)
+    engine = Engine(model, make_drafter(model, block_size=8), block_size=5)
+    assert engine.block_size == 5
+    gen = GenParams(max_new_tokens=16, ignore_eos=True)
+    for prompt in _prompts(2, 40):
+        ar = engine.generate(prompt, gen, SpecParams("ar")).output_ids
+        for spec in (SpecParams("dflash"), SpecParams("ddtree", 8), SpecParams("ddtree", 40)):
+            r = engine.generate(prompt, gen, spec)
+            assert r.output_ids == ar and max(r.accept_lengths) <= 5
+    with pytest.raises(BadParams):
+        Engine(model, make_drafter(model, block_size=8), block_size=9)
