@@ -81,12 +81,16 @@ def test_algorithms_agree_at_temperature_zero(client):
         assert out["meta_info"]["spec_algorithm"] == spec["algorithm"]
 
 
-def test_input_ids_equal_text(client):
+def test_input_ids_equal_text(client, tiny_pair):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(tiny_pair[0])).encode(PROMPTS[2])
     by_text = client.generate(PROMPTS[2], sampling_params=greedy(10))
-    prompt_ids = client.generate(PROMPTS[2], sampling_params=greedy(1))["meta_info"]["prompt_tokens"]
-    assert prompt_ids == by_text["meta_info"]["prompt_tokens"]
-    chat = client.completions(PROMPTS[2], max_tokens=10, temperature=0)
-    assert chat["choices"][0]["text"] == by_text["text"]
+    by_ids = client.generate(input_ids=ids, sampling_params=greedy(10))
+    assert by_ids["output_ids"] == by_text["output_ids"] and by_ids["text"] == by_text["text"]
+    assert by_ids["meta_info"]["prompt_tokens"] == len(ids)
+    assert client.completions(ids, max_tokens=10, temperature=0)["choices"][0]["text"] == by_text["text"]
+    assert client.completions(PROMPTS[2], max_tokens=10, temperature=0)["choices"][0]["text"] == by_text["text"]
 
 
 def test_stream_matches_non_stream(client):
@@ -170,6 +174,19 @@ def test_concurrent_clients_match_serial(client, server):
 
     results = asyncio.run(run_all())
     assert [r["output_ids"] for r in results] == serial
+
+
+def test_seeded_sampling_is_reproducible_under_concurrency(client, server):
+    params = {"max_new_tokens": 16, "temperature": 0.9, "seed": 7, "ignore_eos": True}
+    alone = client.generate(PROMPTS[4], sampling_params=params)["output_ids"]
+
+    async def pair():
+        async with AsyncEngineClient(server.url, timeout=120) as ac:
+            return await asyncio.gather(ac.generate(PROMPTS[4], sampling_params=params),
+                                        ac.generate(PROMPTS[0], sampling_params={**params, "seed": 8}))
+
+    together, _ = asyncio.run(pair())
+    assert together["output_ids"] == alone
 
 
 def test_short_request_is_not_starved(client, server):
