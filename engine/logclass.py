@@ -117,10 +117,12 @@ def classify(text: str) -> Verdict | None:
         return None
     lines = text.splitlines()
     for code, reason, patterns in _COMPILED:
-        # The last matching line is closest to the death and carries the most detail.
-        for line in reversed(lines):
-            if any(p.search(line) for p in patterns):
-                return Verdict(code, reason, _trim(line))
+        # Patterns go from specific to loose; for one pattern the last matching line is the one
+        # closest to the death.
+        for pattern in patterns:
+            for line in reversed(lines):
+                if pattern.search(line):
+                    return Verdict(code, reason, _trim(line))
     return None
 
 
