@@ -177,7 +177,9 @@ class Poller:
                 out.append(PointsChanged(watched, points))
             self._sent["watched"] = watched
         t = time.monotonic()
-        if self._due_now("health", self.sources.health_s, t):
+        running = tuple((r["id"], r.get("base_url")) for r in self._engines if r.get("state") == "running")
+        if self._due_now("health", self.sources.health_s, t) or running != self._sent.get("running_engines"):
+            self._sent["running_engines"] = running
             self._health = {row["id"]: (self.sources.health(row["base_url"])
                                         if row.get("state") == "running" and row.get("base_url") else None)
                             for row in self._engines}
