@@ -299,6 +299,10 @@ def test_client_disconnect_mid_stream_leaks_nothing(client, server):
         got = [line for line, _ in zip(lines, range(3)) if line.startswith("data:")]
         assert got
     wait_idle(client)
+    # A non-streaming client that gives up (read timeout) is noticed too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/generate", json={**body, "stream": False}, timeout=httpx.Timeout(30, read=0.5))
+    wait_idle(client)
     again = client.generate(PROMPTS[3], sampling_params=greedy(12, ignore_eos=True))
     assert again["output_ids"] == reference["output_ids"]
     families = {f.name: f for f in text_string_to_metric_families(client.metrics_text())}
