@@ -206,7 +206,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=None, help="torch threads, here and in the server")
     p.add_argument("--skip-serving", action="store_true")
-    p.add_argument("--out", default="bench_server.json")
+    p.add_argument("--out", default=None, help="JSON results (default: bench_server.json in a temp folder)")
     args = p.parse_args()
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-server-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -230,8 +230,9 @@ def main() -> int:
     print("batching verification across requests:", flush=True)
     report["batching"] = batching_bench(args, model, draft, best)
     report["load_avg_end"] = os.getloadavg()
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    out = Path(args.out) if args.out else workdir / "bench_server.json"
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
     return 0
 
 
