@@ -163,6 +163,7 @@ class Engine:
             prompt_tokens=sess.prompt_tokens,
             elapsed_s=time.perf_counter() - t0,
             timings=dict(sess.timings),
+            block_size=self.block_size,
         )
 
     def kv_bytes_per_token(self) -> int:

@@ -84,6 +84,17 @@ class GenResult:
     elapsed_s: float
     # Seconds per phase (prefill, draft, tree, verify, commit), summed over rounds.
     timings: dict[str, float] = field(default_factory=dict)
+    block_size: int = 1
+
+    @property
+    def accept_histogram(self) -> list[int]:
+        """Rounds per tau = 1..block_size (entry i counts tau = i + 1)."""
+        return accept_histogram(self.accept_lengths, self.block_size)
+
+    @property
+    def accepted_depths(self) -> list[int]:
+        """Draft tokens accepted per round (tau without the bonus)."""
+        return [t - 1 for t in self.accept_lengths]
 
     @property
     def tau_mean(self) -> float:

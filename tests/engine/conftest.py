@@ -97,7 +97,7 @@ def tiny_target():
     return make_target(0)
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     # Tiny models gain nothing from intra-op threads, and on a busy 2-core box OpenMP spinning
     # threads that get descheduled make forwards 10x slower.

@@ -216,6 +216,8 @@ def test_result_statistics():
     assert r.tau_mean == pytest.approx(sum(r.accept_lengths) / r.verify_ct)
     assert set(r.timings) == {"prefill", "draft", "tree", "verify", "commit"}
     assert all(v >= 0 for v in r.timings.values()) and r.timings["verify"] > 0
+    assert sum(r.accept_histogram) == r.verify_ct and len(r.accept_histogram) == 8
+    assert r.accepted_depths == [t - 1 for t in r.accept_lengths]
     sess = engine.start([5, 6, 7], GenParams(max_new_tokens=16, ignore_eos=True), SpecParams("ddtree", 64))
     sess.step()
     assert sess.kv_bytes() > 0
