@@ -24,7 +24,7 @@ from ddtree.console.widgets.tables import fmt_num, selected_key, sync_table
 
 COLUMNS = ("ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "BEST TOK/S", "CREATED")
 #: Rows shown at once; the filter narrows the rest.
-PAGE = 500
+PAGE = 200
 SORTS = (("newest", "r.id DESC"), ("oldest", "r.id ASC"), ("name", "lower(coalesce(r.name, '')), r.id DESC"),
          ("model", "lower(coalesce(r.model, '')), r.id DESC"), ("best tok/s", "best DESC NULLS LAST, r.id DESC"))
 _FILTER_COLS = ("r.name", "r.model", "r.draft_model", "r.engine_kind", "r.state", "r.recipe")
@@ -45,6 +45,8 @@ def load_runs(db, text: str = "", sort: int = 0, limit: int = PAGE) -> tuple[lis
     cur = db.execute(sql, [*params, int(limit)])
     names = [d[0] for d in cur.description]
     rows = [dict(zip(names, row)) for row in cur.fetchall()]
+    if len(rows) < limit:
+        return rows, len(rows)  # all of them: no second scan for the count
     total = db.execute(f"SELECT count(*) FROM runs r {where}", params).fetchone()[0]
     return rows, total
 
