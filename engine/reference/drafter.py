@@ -147,7 +147,7 @@ class DFlashConfig:
             hidden_act=config.get("hidden_act", "silu"),
             rope_scaling=rope_scaling,
             initializer_range=float(config.get("initializer_range", 0.02)),
-            extra={k: v for k, v in config.items() if k not in _OWN_KEYS},
+            extra=_extra_keys(config, dflash),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -168,6 +168,15 @@ class DFlashConfig:
     @property
     def num_context_layers(self) -> int:
         return len(self.target_layer_ids)
+
+
+def _extra_keys(config: dict, dflash: dict) -> dict:
+    extra = {k: v for k, v in config.items() if k not in _OWN_KEYS}
+    # dflash_config keys we do not interpret (SGLang's mask_token string, ...) survive a round trip.
+    rest = {k: v for k, v in dflash.items() if k not in ("target_layer_ids", "mask_token_id", "block_size")}
+    if rest:
+        extra["dflash_config"] = rest
+    return extra
 
 
 def _rope_type(scaling: dict | None) -> str:

@@ -61,6 +61,8 @@ def test_zlab_config_round_trips_with_its_keys():
         else:
             assert out[key] == value, key
     assert DFlashConfig.from_dict(out) == cfg
+    with_name = dict(ZLAB_STYLE, dflash_config=dict(ZLAB_STYLE["dflash_config"], mask_token="<|MASK|>"))
+    assert DFlashConfig.from_dict(with_name).to_dict()["dflash_config"]["mask_token"] == "<|MASK|>"
 
 
 def test_weight_names_are_the_zlab_layout():
