@@ -22,8 +22,8 @@ DTYPES = {
 
 
 def resolve_dtype(dtype, device: str) -> torch.dtype:
-    """None -> float32 on CPU, bfloat16 on CUDA; strings by name."""
-    if dtype is None:
+    """None or "auto" -> float32 on CPU, bfloat16 on CUDA; strings by name."""
+    if dtype is None or dtype == "auto":
         return torch.float32 if str(device).startswith("cpu") else torch.bfloat16
     if isinstance(dtype, torch.dtype):
         return dtype
