@@ -266,3 +266,12 @@ def m002_sweep_points(db: Database) -> None:
     db["requests"].add_column("finish_reason", str)
     db["requests"].add_column("detail", str)
     db["requests"].add_column("accept_hist", str)  # JSON list, index = accept length
+
+
+@migrations()
+def m003_point_counters(db: Database) -> None:
+    # SGLang/vLLM engines (issue 8): a point's acceptance from the difference of the server's
+    # Prometheus counters scraped just before and just after it (never the cumulative
+    # /server_info figure, which mixes every run since the server booted).
+    db["points"].add_column("tau_counters", float)  # tokens per verify round over the point
+    db["points"].add_column("accept_counters", str)  # JSON: engine.metrics.RunAcceptance.to_dict()
