@@ -104,7 +104,7 @@ async def test_downloads_pane_form_validates_as_typed(seeded, monkeypatch):
         assert "not a Hugging Face repo id" in str(form.query_one("#form-error").render())
         form.query_one("#repo").value = ""
         form.query_one("#repo").value = "Qwen/Qwen3-0.6"
-        await pilot.press("B", "tab", *"../x")
+        await pilot.press("end", "B", "tab", *"../x")
         assert form.query_one("#start").disabled and "bad glob" in str(form.query_one("#form-error").render())
         form.query_one("#include").value = "*.json, *.safetensors"
         form.query_one("#reserve").value = "-3"
@@ -186,7 +186,7 @@ async def test_engine_form_validates_and_returns_a_job_spec(seeded, tmp_path, mo
         assert isinstance(app.screen, EngineForm)
         form = app.screen
         form.query_one("#model").value = str(tmp_path / "missin")
-        await pilot.press("g")  # typed: validated on every change
+        await pilot.press("end", "g")  # typed: validated on every change
         assert form.query_one("#start").disabled
         assert "not found" in str(form.query_one("#form-error").render())
         form.query_one("#model").value = str(tmp_path / "target")
