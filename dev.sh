@@ -34,7 +34,7 @@ case "${1:-}" in
     console)
         setup
         shift
-        exec "$VENV/bin/ddtree-console" "$@"
+        exec "$VENV/bin/ddtree-console" --demo "$@"
         ;;
     test)
         setup
