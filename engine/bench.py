@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from ddtree.engine.errors import EngineError
+from ddtree.engine.metrics import MetricsError, request_acceptance
 from ddtree.engine.prompts import Prompt
 
 
@@ -211,41 +212,29 @@ def _finish_reason(value: Any) -> str | None:
     return str(value) if value is not None else None
 
 
-def _hist_list(value: Any) -> list[int] | None:
-    if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
-        return [int(v) for v in value]
-    if isinstance(value, dict):
-        try:
-            pairs = {int(k): int(v) for k, v in value.items()}
-        except (TypeError, ValueError):
-            return None
-        if not pairs:
-            return None
-        out = [0] * (max(pairs) + 1)
-        for k, v in pairs.items():
-            if k >= 0:
-                out[k] = v
-        return out
-    return None
-
-
 def _apply_meta(result: RequestResult, meta: dict) -> None:
-    """Read SGLang's meta_info: token counts, verify count, accept length and histogram."""
+    """Read SGLang's meta_info: token counts, verify count, accept length and histogram (through
+    engine/metrics.request_acceptance, the one reader of per-request acceptance)."""
     if isinstance(meta.get("prompt_tokens"), int):
         result.prompt_tokens = meta["prompt_tokens"]
     if isinstance(meta.get("completion_tokens"), int):
         result.completion_tokens = meta["completion_tokens"]
-    verify = meta.get("spec_verify_ct")
-    if isinstance(verify, int) and verify > 0:
-        result.verify_ct = verify
-        accept = meta.get("spec_accept_length")
-        result.accept_length = float(accept) if isinstance(accept, (int, float)) else (
-            result.completion_tokens / verify)
+    try:
+        acceptance = request_acceptance(meta)
+    except MetricsError:
+        # A histogram we cannot read must not cost the verify count; without a token count
+        # there is nothing to read at all.
+        try:
+            acceptance = request_acceptance({k: v for k, v in meta.items() if not k.endswith("_histogram")})
+        except MetricsError:
+            acceptance = None
+    if acceptance is not None and acceptance.verify_ct:
+        result.verify_ct = acceptance.verify_ct
+        result.accept_length = acceptance.accept_length
     # SGLang's histogram counts rounds by accepted drafts (bonus excluded); ours is indexed by
     # accept length (bonus included), so it shifts by one.
-    hist = _hist_list(meta.get("spec_accept_histogram"))
-    if hist is not None:
-        result.accept_hist = [0] + hist
+    if acceptance is not None and acceptance.histogram:
+        result.accept_hist = [0] + list(acceptance.histogram)
     if meta.get("finish_reason") is not None:
         result.finish_reason = _finish_reason(meta.get("finish_reason"))
 

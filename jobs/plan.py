@@ -6,7 +6,15 @@ The builtin engine takes the algorithm and budget per request, so for it those a
 Baselines (`sweep.baseline`) are measured at every server setting, before the measured algorithms,
 so each point's speedup compares like with like.
 
-`make_plan(recipe)` starts nothing; `Plan.to_dict()` is what `sweep --dry-run --json` prints.
+SGLang and vLLM launches are built by `ddtree.engine.launch.build_launch` from what the recipe's
+interpreter says it accepts (one probe per plan, cached on disk under `cache_dir`), with NUMA
+pinning from `ddtree.engine.placement` when `numa_bind = "auto"` and the hardware is known. A launch
+that cannot be built (no DDTREE in this SGLang, a flag the build lacks, tp that does not divide the
+GPUs, a model that does not fit) stays in the plan with `unsupported` set to the reason: the dry run
+shows it, `check_plan` refuses it before a real run.
+
+`make_plan(recipe)` starts nothing (it may run the engine's interpreter with `--help`, once);
+`Plan.to_dict()` is what `sweep --dry-run --json` prints.
 """
 
 from __future__ import annotations
@@ -19,8 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddtree.engine.errors import EngineError
+from ddtree.engine.launch import LaunchSpec, build_launch, free_port
+from ddtree.engine.placement import suggest
+from ddtree.engine.preflight import check_gpus, preflight
+from ddtree.engine.probe import Capabilities, probe
 from ddtree.jobs.errors import JobError
-from ddtree.jobs.recipe import Recipe
+from ddtree.jobs.recipe import EngineSpec, Recipe
 
 # Assumed decode speed per request stream and engine start-up time, for the estimate only: the
 # dry-run says they are assumptions, and the caller may pass a rate measured in an earlier run.
@@ -31,14 +43,38 @@ SERVER_MODULE = "ddtree.engine.reference.server"
 
 
 class UnsupportedEngine(JobError):
-    """The recipe names an engine whose launch spec this version cannot build yet."""
+    """A launch of the plan cannot be built as the recipe asks (the reason names why)."""
 
     exit_code = 2
 
 
 @dataclass(frozen=True)
+class Hardware:
+    """What the plan knows of this machine (NVML's GPUs and links, the NUMA nodes); empty: unknown."""
+
+    gpus: tuple = ()
+    links: tuple = ()
+    numa: tuple = ()
+    reason: str | None = None
+
+    @classmethod
+    def detect(cls) -> Hardware:
+        from ddtree.engine.host import numa_nodes
+        from ddtree.engine.hw import gpu_view
+
+        view = gpu_view()
+        return cls(gpus=tuple(view.gpus), links=tuple(tuple(row) for row in view.links),
+                   numa=tuple(numa_nodes()), reason=view.reason)
+
+
+@dataclass(frozen=True)
 class Launch:
-    """One engine process: started when its first point comes up, stopped after its last."""
+    """One engine process: started when its first point comes up, stopped after its last.
+
+    `argv`/`env` are what the dry run shows (for sglang/vllm with a port free at planning time;
+    the runner rebuilds the spec with a port free when it starts the engine). `numa_nodes` and
+    `numa_cpus` are the placement the spec was built with; `unsupported` the reason it could not
+    be built (then `argv` is None)."""
 
     index: int
     tp: int
@@ -49,11 +85,21 @@ class Launch:
     env: tuple[tuple[str, str], ...]
     est_start_s: float
     unsupported: str | None = None
+    kind: str = "builtin"
+    command: str | None = None
+    numa: str = "off"
+    numa_nodes: tuple[int, ...] = ()
+    numa_cpus: tuple[int, ...] = ()
+    cpu_affinity: tuple[int, ...] = ()
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
-        return {"index": self.index, "tp": self.tp, "gpus": list(self.gpus), "algorithm": self.algorithm,
-                "budget": self.budget, "argv": list(self.argv) if self.argv is not None else None,
-                "env": dict(self.env), "est_start_s": round(self.est_start_s, 1), "unsupported": self.unsupported}
+        return {"index": self.index, "kind": self.kind, "tp": self.tp, "gpus": list(self.gpus),
+                "algorithm": self.algorithm, "budget": self.budget,
+                "argv": list(self.argv) if self.argv is not None else None, "env": dict(self.env),
+                "command": self.command, "numa": self.numa, "cpu_affinity": list(self.cpu_affinity),
+                "notes": list(self.notes), "est_start_s": round(self.est_start_s, 1),
+                "unsupported": self.unsupported}
 
 
 @dataclass(frozen=True)
@@ -110,11 +156,18 @@ class Plan:
     warnings: tuple[str, ...] = ()
     assumed_stream_tok_s: float = 0.0
     est_total_s: float = field(default=0.0)
+    caps: Capabilities | None = None  # what the sglang/vllm interpreter accepts (None: builtin, or no answer)
+    cache_dir: str | None = None
 
     def to_dict(self) -> dict:
+        engine = None
+        if self.caps is not None:
+            engine = {"kind": self.caps.kind, "python": self.caps.python, "version": self.caps.version,
+                      "algorithms": sorted(self.caps.algorithms)}
         return {
             "name": self.recipe.name,
             "engine_kind": self.recipe.engine.kind,
+            "engine": engine,
             "launches": [launch.to_dict() for launch in self.launches],
             "points": [point.to_dict() for point in self.points],
             "warnings": list(self.warnings),
@@ -124,6 +177,31 @@ class Plan:
 
     def launch_of(self, point: PlanPoint) -> Launch:
         return self.launches[point.launch]
+
+    def launch_spec(self, launch: Launch, *, port: int | None = None) -> LaunchSpec:
+        """The spec to start `launch` now. sglang/vllm get a port free now (the one in the dry
+        run may be taken since) and the capabilities probed for the plan; raises EngineError
+        (LaunchConfigError, ProbeError) when it cannot be built."""
+        if launch.unsupported is not None:
+            raise UnsupportedEngine(f"launch {launch.index} cannot start: {launch.unsupported}")
+        if launch.kind == "builtin":
+            return LaunchSpec(kind="builtin", argv=launch.argv, env=dict(launch.env), port=0, announces_url=True,
+                              algorithm=launch.algorithm, budget=launch.budget, tp=launch.tp, gpus=launch.gpus)
+        return _engine_spec(self.recipe, launch.algorithm, launch.budget, launch.tp, launch.gpus,
+                            port=port or free_port(), caps=self.caps, cache_dir=self.cache_dir,
+                            numa_nodes=launch.numa_nodes, numa_cpus=launch.numa_cpus)
+
+
+def check_plan(plan: Plan) -> None:
+    """Refuse (exit 2) a plan with a launch that cannot be built; the first reason is the message."""
+    bad = [launch for launch in plan.launches if launch.unsupported is not None]
+    if bad:
+        first = bad[0]
+        more = f" ({len(bad)} of {len(plan.launches)} launches)" if len(bad) > 1 else ""
+        raise UnsupportedEngine(f"{plan.recipe.engine.kind} launch {first.index} ({first.algorithm}"
+                                + (f" budget {first.budget}" if first.budget is not None else "")
+                                + f", tp {first.tp}) cannot start{more}: {first.unsupported}",
+                                "`ddtree-console sweep RECIPE --dry-run` shows every launch")
 
 
 def demo_pair() -> tuple[str, str]:
@@ -175,11 +253,13 @@ def _specs(recipe: Recipe) -> list[tuple[str, int | None, bool]]:
     return baselines + measured
 
 
-def _gpu_sets(recipe: Recipe) -> list[tuple[int, tuple[int, ...]]]:
+def _gpu_sets(recipe: Recipe) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """(tp, the GPUs the server uses, the GPU set they are taken from) per server setting. A
+    server with tp N uses the first N GPUs of its set (what CUDA_VISIBLE_DEVICES gives it)."""
     sweep, engine = recipe.sweep, recipe.engine
     if sweep.gpus:
-        return [(tp, gpus) for gpus in sweep.gpus for tp in sweep.tp]
-    return [(tp, engine.gpus[:tp] if engine.gpus else ()) for tp in sweep.tp]
+        return [(tp, gpus[:tp], gpus) for gpus in sweep.gpus for tp in sweep.tp]
+    return [(tp, engine.gpus[:tp] if engine.gpus else (), engine.gpus) for tp in sweep.tp]
 
 
 def _env(recipe: Recipe, gpus: tuple[int, ...]) -> tuple[tuple[str, str], ...]:
@@ -189,34 +269,99 @@ def _env(recipe: Recipe, gpus: tuple[int, ...]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(env.items()))
 
 
-def make_plan(recipe: Recipe, *, stream_tok_s: float | None = None) -> Plan:
-    """The whole sweep in run order. `stream_tok_s` overrides the assumed decode speed."""
+def _engine_table(engine: EngineSpec, gpus: tuple[int, ...], numa_bind: str) -> dict:
+    """The [engine] table as build_launch reads it. GPU indices in recipes are the ones `hw` shows
+    (NVML numbers them in PCI bus order), so CUDA must count in that order too, unless the recipe's
+    env says otherwise."""
+    table = {name: getattr(engine, name) for name in EngineSpec.__dataclass_fields__}
+    env = dict(engine.env)
+    if gpus:
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    table.update(env=env, numa_bind=numa_bind)
+    return table
+
+
+def _engine_spec(recipe: Recipe, algorithm: str, budget: int | None, tp: int, gpus: tuple[int, ...], *, port: int,
+                 caps: Capabilities | None, cache_dir: str | None, numa_nodes: tuple[int, ...],
+                 numa_cpus: tuple[int, ...]) -> LaunchSpec:
+    # numa_bind "auto" with no placement to pin to (unknown topology, or a set spanning every node)
+    # is passed as "auto" only when there is something to pin; otherwise as off, with the reason
+    # in the launch's notes.
+    numa_bind = recipe.engine.numa_bind if (numa_nodes or numa_cpus) else "off"
+    return build_launch(_engine_table(recipe.engine, gpus, numa_bind), algorithm=algorithm,
+                        budget=budget if algorithm == "ddtree" else None, tp=tp, gpus=gpus, port=port,
+                        numa_node=list(numa_nodes) or None, numa_cpus=list(numa_cpus) or None, caps=caps,
+                        cache_dir=cache_dir)
+
+
+def _placement(recipe: Recipe, gpus: tuple[int, ...], hardware: Hardware | None
+               ) -> tuple[tuple[int, ...], tuple[int, ...], list[str]]:
+    """(NUMA nodes, local CPUs, notes) to pin a server on `gpus` to, for numa_bind = "auto"."""
+    if recipe.engine.numa_bind != "auto" or not gpus:
+        return (), (), []
+    if hardware is None or not hardware.gpus:
+        why = hardware.reason if hardware is not None and hardware.reason else "the GPUs' NUMA node is unknown"
+        return (), (), [f"numa_bind auto: nothing pinned ({why})"]
+    known = {g.index for g in hardware.gpus}
+    if not set(gpus) <= known:
+        return (), (), []  # check_gpus names the missing GPU
+    others = tuple(i for i in known if i not in gpus)
+    place = suggest(list(hardware.gpus), [list(row) for row in hardware.links], len(gpus), numa=list(hardware.numa),
+                    limit=1, exclude=others)[0]
+    if not place.numactl:
+        return (), (), [f"numa_bind auto: {note}" for note in place.notes] or ["numa_bind auto: nothing to pin"]
+    return place.numa_nodes, place.cpus, list(place.notes)
+
+
+def _fit(recipe: Recipe, tp: int, gpus: tuple[int, ...], hardware: Hardware | None) -> None:
+    """On a machine whose GPUs are known: the launch's GPUs exist and the weights fit on them."""
+    if hardware is None or not hardware.gpus or not gpus:
+        return
+    check_gpus(gpus, tp, visible=[g.index for g in hardware.gpus])
+    totals = [g.memory_total for g in hardware.gpus if g.index in gpus]
+    if any(t is None for t in totals):
+        return
+    preflight(recipe.engine.model, recipe.engine.draft_model, totals, tp)
+
+
+def make_plan(recipe: Recipe, *, stream_tok_s: float | None = None, hardware: Hardware | None = None,
+              caps: Capabilities | None = None, cache_dir: str | Path | None = None) -> Plan:
+    """The whole sweep in run order. `stream_tok_s` overrides the assumed decode speed.
+
+    For sglang/vllm: `caps` are the engine's capabilities (None: probe the recipe's python, cached
+    under `cache_dir`); `hardware` (None: not checked) places NUMA pinning and checks that the
+    launch's GPUs exist and the model fits on them."""
     engine, sweep = recipe.engine, recipe.sweep
     profile = f"builtin-{engine.device}" if engine.kind == "builtin" else engine.kind
     rate = stream_tok_s or ASSUMED_STREAM_TOK_S[profile]
     start_s = ASSUMED_START_S[profile]
     specs = _specs(recipe)
+    cache_dir = str(cache_dir) if cache_dir is not None else None
     warnings = []
     for c in sweep.concurrency:
         if sweep.num_prompts < 5 * c:
             warnings.append(f"num_prompts {sweep.num_prompts} < 5 x concurrency {c}: "
                             "too few requests to keep the server at that concurrency; figures will be noisy")
-    unsupported = None
-    if engine.kind != "builtin":
-        unsupported = (f"launching {engine.kind} engines is not supported yet (the launch spec comes with the "
-                       "SGLang/vLLM issue); use kind = \"builtin\"")
-        warnings.append(unsupported)
+    no_engine = None
+    if engine.kind != "builtin" and caps is None:
+        try:
+            caps = probe(engine.kind, engine.python or sys.executable, cache_dir=cache_dir)
+        except EngineError as exc:
+            no_engine = str(exc)
+            warnings.append(no_engine)
+    if engine.kind != "builtin" and engine.gpus and hardware is not None and not hardware.gpus:
+        warnings.append(f"GPUs not checked: {hardware.reason or 'none seen on this machine'}")
 
     # Server settings: (tp, gpus) always; the spec too when the engine fixes it at launch.
     settings = []
-    for tp, gpus in _gpu_sets(recipe):
+    for tp, gpus, pool in _gpu_sets(recipe):
         if engine.per_request_spec:
-            settings.append((tp, gpus, None))
+            settings.append((tp, gpus, pool, None))
         else:
-            settings.extend((tp, gpus, spec) for spec in specs)
+            settings.extend((tp, gpus, pool, spec) for spec in specs)
 
     launches, points = [], []
-    for tp, gpus, fixed in settings:
+    for tp, gpus, pool, fixed in settings:
         if fixed is None:
             algorithm = "ddtree" if "ddtree" in recipe.algorithms else recipe.algorithms[0]
             budgets = [b for b in recipe.budgets if b is not None]
@@ -225,9 +370,13 @@ def make_plan(recipe: Recipe, *, stream_tok_s: float | None = None) -> Plan:
         else:
             algorithm, budget = fixed[0], fixed[1]
             run_specs = [fixed]
-        argv = _builtin_argv(recipe, algorithm, budget) if engine.kind == "builtin" else None
-        launch = Launch(index=len(launches), tp=tp, gpus=gpus, algorithm=algorithm, budget=budget, argv=argv,
-                        env=_env(recipe, gpus), est_start_s=start_s, unsupported=unsupported)
+        if engine.kind == "builtin":
+            launch = Launch(index=len(launches), tp=tp, gpus=gpus, algorithm=algorithm, budget=budget,
+                            argv=_builtin_argv(recipe, algorithm, budget), env=_env(recipe, gpus),
+                            est_start_s=start_s)
+        else:
+            launch = _engine_launch(recipe, len(launches), tp, gpus, pool, algorithm, budget, start_s,
+                                    caps=caps, cache_dir=cache_dir, hardware=hardware, no_engine=no_engine)
         launches.append(launch)
         for dataset, temperature, concurrency in itertools.product(sweep.dataset, sweep.temperature,
                                                                   sorted(sweep.concurrency)):
@@ -240,9 +389,33 @@ def make_plan(recipe: Recipe, *, stream_tok_s: float | None = None) -> Plan:
                     index=len(points), launch=launch.index, engine_kind=engine.kind, algorithm=spec_alg,
                     budget=spec_budget, tp=tp, gpus=gpus, concurrency=concurrency, dataset=dataset,
                     temperature=float(temperature), repeat=repeat, baseline=is_baseline, est_s=est))
+    reasons = sorted({l.unsupported for l in launches if l.unsupported and l.unsupported != no_engine})
+    warnings.extend(f"unsupported launch: {r}" for r in reasons)
     total = sum(l.est_start_s for l in launches) + sum(p.est_s for p in points)
     return Plan(recipe=recipe, launches=tuple(launches), points=tuple(points), warnings=tuple(warnings),
-                assumed_stream_tok_s=rate, est_total_s=total)
+                assumed_stream_tok_s=rate, est_total_s=total, caps=caps, cache_dir=cache_dir)
+
+
+def _engine_launch(recipe: Recipe, index: int, tp: int, gpus: tuple[int, ...], pool: tuple[int, ...],
+                   algorithm: str, budget: int | None, start_s: float, *, caps: Capabilities | None,
+                   cache_dir: str | None, hardware: Hardware | None, no_engine: str | None) -> Launch:
+    """An sglang/vllm launch: built from the probed capabilities, or marked unsupported with why."""
+    budget = budget if algorithm == "ddtree" else None
+    base = dict(index=index, tp=tp, gpus=gpus, algorithm=algorithm, budget=budget, kind=recipe.engine.kind,
+                est_start_s=start_s)
+    if no_engine is not None:
+        return Launch(**base, argv=None, env=_env(recipe, gpus), unsupported=no_engine)
+    try:
+        check_gpus(pool, tp)
+        nodes, cpus, notes = _placement(recipe, gpus, hardware)
+        spec = _engine_spec(recipe, algorithm, budget, tp, gpus, port=free_port(), caps=caps, cache_dir=cache_dir,
+                            numa_nodes=nodes, numa_cpus=cpus)
+        _fit(recipe, tp, gpus, hardware)
+    except EngineError as exc:
+        return Launch(**base, argv=None, env=_env(recipe, gpus), unsupported=str(exc))
+    return Launch(**base, argv=spec.argv, env=tuple(sorted(spec.env.items())), command=spec.command_line(),
+                  numa=spec.numa, numa_nodes=tuple(nodes), numa_cpus=tuple(cpus), cpu_affinity=spec.cpu_affinity,
+                  notes=tuple(notes) + spec.notes)
 
 
 def format_plan(plan: Plan) -> str:
@@ -251,11 +424,19 @@ def format_plan(plan: Plan) -> str:
              f"about {_duration(plan.est_total_s)} (assuming {plan.assumed_stream_tok_s:g} tok/s per stream)"]
     for warning in plan.warnings:
         lines.append(f"warning: {warning}")
+    if plan.caps is not None:
+        lines.append(f"engine: {plan.caps.label} at {plan.caps.python}")
     for launch in plan.launches:
         lines.append("")
-        env = " ".join(f"{k}={v}" for k, v in launch.env)
-        argv = " ".join(launch.argv) if launch.argv is not None else f"<{launch.unsupported}>"
-        lines.append(f"launch {launch.index}: tp={launch.tp} gpus={list(launch.gpus) or '-'}  {env} {argv}".rstrip())
+        if launch.unsupported is not None:
+            command = f"<unsupported: {launch.unsupported}>"
+        elif launch.command is not None:
+            command = launch.command
+        else:
+            env = " ".join(f"{k}={v}" for k, v in launch.env)
+            command = f"{env} {' '.join(launch.argv)}".strip()
+        lines.append(f"launch {launch.index}: tp={launch.tp} gpus={list(launch.gpus) or '-'}  {command}".rstrip())
+        lines.extend(f"  note: {note}" for note in launch.notes)
         for p in plan.points:
             if p.launch != launch.index:
                 continue

@@ -91,7 +91,12 @@ def _axis(where: str, value: Any, check) -> tuple:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """The `[engine]` table: what to launch. `model`/`draft_model` None mean the demo pair (builtin)."""
+    """The `[engine]` table: what to launch. `model`/`draft_model` None mean the demo pair (builtin).
+
+    `draft_window` (sglang only): the drafter's attention window over the context, passed to
+    SGLang's draft-window flag (`--speculative-draft-window-size`; the name the installed build
+    accepts is used). Left out, SGLang's default applies.
+    """
 
     kind: str = "builtin"
     python: str | None = None
@@ -107,6 +112,7 @@ class EngineSpec:
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     ready_timeout_s: float = 600.0
+    draft_window: int | None = None
 
     def __post_init__(self) -> None:
         _want_str("engine.kind", self.kind, ENGINE_KINDS)
@@ -122,6 +128,14 @@ class EngineSpec:
             _want_int("engine.budget", self.budget, 0)
         if self.block_size is not None:
             _want_int("engine.block_size", self.block_size, 2)
+        if self.draft_window is not None:
+            _want_int("engine.draft_window", self.draft_window, 1)
+            if self.kind != "sglang":
+                raise RecipeError(f"engine.draft_window applies to kind = \"sglang\" only, not {self.kind!r}",
+                                  "leave it out")
+        if self.kind in ("sglang", "vllm") and self.model is None:
+            raise RecipeError(f"engine.model is required for kind = \"{self.kind}\"",
+                              "a local model directory or a hub repo id (the demo pair is for kind builtin)")
         for i, gpu in enumerate(self.gpus):
             _want_int(f"engine.gpus[{i}]", gpu, 0)
         if len(set(self.gpus)) != len(self.gpus):
@@ -279,7 +293,7 @@ def _engine_from_dict(data: Any) -> EngineSpec:
         if not isinstance(kw["env"], dict):
             raise RecipeError(f"engine.env must be a table of strings, got {_typename(kw['env'])}")
         kw["env"] = tuple(sorted(kw["env"].items()))
-    for key in ("budget", "block_size"):
+    for key in ("budget", "block_size", "draft_window"):
         if key in kw:
             _want_int(f"engine.{key}", kw[key], 0)
     if "ready_timeout_s" in kw:

@@ -3,6 +3,10 @@
     sweep RECIPE.toml [--detach] [--dry-run] [--json] [--name NAME]
     sweep --resume RUN_ID [--detach] [--json]
 
+For kind sglang/vllm the dry run shows each launch exactly as it will be typed (env, argv), built
+from the flags the recipe's interpreter accepts; a launch it cannot build is shown with the reason
+and makes a real run exit 2 before anything starts.
+
 The run row is created here (so its id is known at once, detached or not) and the job runs it;
 `--resume` submits a new job for the same run, which skips the points already finished.
 In the foreground a line is printed per finished point; Ctrl-C cancels the job (resume later).
@@ -19,10 +23,10 @@ from pathlib import Path
 
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.kinds.sweep import check_supported
-from ddtree.jobs.plan import format_plan, make_plan
+from ddtree.jobs.plan import Hardware, check_plan, format_plan, make_plan
 from ddtree.jobs.recipe import load_recipe, recipe_to_dict
 from ddtree.store import sweeps
-from ddtree.store.db import open_db, resolve_db_path
+from ddtree.store.db import data_dir, open_db, resolve_db_path
 from ddtree.store.records import ACTIVE_STATES
 
 
@@ -64,22 +68,27 @@ def run(args: argparse.Namespace) -> int:
             raise SweepUsageError("--dry-run applies to a recipe file, not to --resume")
         return _resume(args)
     recipe = load_recipe(args.recipe)
+    db_path = resolve_db_path(getattr(args, "db", None))
+    # SGLang/vLLM: the plan asks the recipe's interpreter what it accepts (cached beside the
+    # database) and places the launches on this machine's GPUs.
+    hardware = Hardware.detect() if recipe.engine.kind != "builtin" else None
     if args.dry_run:
-        plan = make_plan(recipe)
+        plan = make_plan(recipe, hardware=hardware, cache_dir=data_dir(db_path))
         if args.json:
             print(json.dumps(plan.to_dict(), indent=2))
         else:
             print(format_plan(plan))
         return 0
     check_supported(recipe)
-    db_path = resolve_db_path(getattr(args, "db", None))
+    plan = make_plan(recipe, hardware=hardware, cache_dir=data_dir(db_path))
+    check_plan(plan)
     db = open_db(db_path)
     try:
         run_id = sweeps.create_run(
             db, job_id=None, name=recipe.name, recipe=recipe_to_dict(recipe),
             recipe_path=str(Path(args.recipe).resolve()), recipe_git_rev=git_revision(args.recipe),
             engine_kind=recipe.engine.kind, model=recipe.engine.model, draft_model=recipe.engine.draft_model,
-            points_total=len(make_plan(recipe).points))
+            points_total=len(plan.points))
         sweeps.update_run(db, run_id, state="queued")
     finally:
         db.close()

@@ -102,13 +102,21 @@ def test_cli_resume_refusals(tmp_path, capsys):
     with pytest.raises(RecipeError) as info:
         cmd.run(argparse.Namespace(**{**ns, "recipe": str(bad)}))
     assert "did you mean 'budget'" in str(info.value)
+    # an SGLang recipe whose interpreter has no sglang: refused before anything starts, exit 2
     sglang = tmp_path / "sglang.toml"
-    sglang.write_text('name = "x"\n[engine]\nkind = "sglang"\n[sweep]\nbudget = [8, 16]\n')
+    sglang.write_text(f'name = "x"\n[engine]\nkind = "sglang"\nmodel = "/m/x"\npython = "{sys.executable}"\n'
+                      '[sweep]\nbudget = [8, 16]\n')
     from ddtree.jobs.plan import UnsupportedEngine
 
-    with pytest.raises(UnsupportedEngine):
+    with pytest.raises(UnsupportedEngine) as info:
         cmd.run(argparse.Namespace(**{**ns, "recipe": str(sglang)}))
-    # the dry run still shows the plan, with the launches marked unsupported
+    assert info.value.exit_code == 2 and "could not import sglang" in str(info.value)
+    missing = tmp_path / "missing.toml"
+    missing.write_text('name = "x"\n[engine]\nkind = "sglang"\nmodel = "/m/x"\npython = "/nonexistent/bin/python"\n')
+    with pytest.raises(UnsupportedEngine, match="does not exist"):
+        cmd.run(argparse.Namespace(**{**ns, "recipe": str(missing)}))
+    # the dry run still shows the plan, with the launches marked unsupported and why
     assert cmd.run(argparse.Namespace(**{**ns, "recipe": str(sglang), "dry_run": True, "json": True})) == 0
     plan = json.loads(capsys.readouterr().out)
     assert len(plan["launches"]) == 2 and plan["launches"][0]["argv"] is None
+    assert "could not import sglang" in plan["launches"][0]["unsupported"]

@@ -43,6 +43,8 @@ def test_server_side_axes_restart_the_engine_for_engines_that_fix_them():
 name = "s"
 [engine]
 kind = "sglang"
+model = "/m/target"
+python = "/nonexistent/python"
 gpus = [0, 1, 2, 3]
 [sweep]
 budget = [16, 32]
@@ -58,13 +60,15 @@ baseline = ["ar"]
     # client-side axes reuse the launch: both concurrencies under each
     for launch in plan.launches:
         assert [p.concurrency for p in plan.points if p.launch == launch.index] == [1, 8]
-    assert all(l.argv is None and "not supported yet" in l.unsupported for l in plan.launches)
+    # an interpreter that is not there: every launch says so instead of a command
+    assert all(l.argv is None and "/nonexistent/python does not exist" in l.unsupported for l in plan.launches)
 
 
 def test_plan_json_shape_and_estimate():
     plan = make_plan(parse_recipe(BUILTIN))
     data = json.loads(json.dumps(plan.to_dict()))
-    assert set(data) == {"name", "engine_kind", "launches", "points", "warnings", "estimate"}
+    assert set(data) == {"name", "engine_kind", "engine", "launches", "points", "warnings", "estimate"}
+    assert data["engine"] is None  # builtin: nothing probed
     assert set(data["launches"][0]) >= {"index", "argv", "env", "tp", "gpus", "algorithm", "budget", "est_start_s"}
     point = data["points"][0]
     assert set(point) >= {"index", "launch", "key", "algorithm", "budget", "concurrency", "dataset", "temperature",

@@ -37,6 +37,13 @@ def test_design_example_parses_and_scalars_become_axes():
     assert r.sweep.budget == (8, 16, 32, 64, 128) and r.sweep.dataset == ("builtin:code",)
     assert r.sweep.temperature == (0.0,) and r.engine.env == (("NCCL_DEBUG", "WARN"),)
     assert r.engine.request_api == "generate" and not r.engine.per_request_spec
+    assert r.engine.draft_window is None
+
+
+def test_draft_window_round_trips():
+    r = parse_recipe(GOOD.replace('numa_bind = "auto"', 'numa_bind = "auto"\ndraft_window = 2048'))
+    assert r.engine.draft_window == 2048
+    assert "draft_window = 2048" in recipe_to_toml(r) and parse_recipe(recipe_to_toml(r)) == r
 
 
 def test_toml_round_trip_is_equal():
@@ -61,7 +68,12 @@ def test_toml_round_trip_is_equal():
     ('name = "x"\n[engine]\nalgorithm = "eagle"', "allowed: ar, dflash, ddtree"),
     ('name = "x"\n[sweep]\nbaseline = ["ddtree"]', "allowed: ar, dflash"),
     ('name = "x"\n[sweep]\ntp = [2]', "builtin engine runs on one device"),
-    ('name = "x"\n[engine]\nkind = "sglang"\ngpus = [0, 1]\n[sweep]\ntp = [4]', "needs 4 GPUs"),
+    ('name = "x"\n[engine]\nkind = "sglang"\nmodel = "m"\ngpus = [0, 1]\n[sweep]\ntp = [4]', "needs 4 GPUs"),
+    ('name = "x"\n[engine]\nkind = "sglang"', 'engine.model is required for kind = "sglang"'),
+    ('name = "x"\n[engine]\nkind = "vllm"\nmodel = "m"\ndraft_window = 512', "draft_window applies to kind"),
+    ('name = "x"\n[engine]\ndraft_window = 512', "draft_window applies to kind"),
+    ('name = "x"\n[engine]\nkind = "sglang"\nmodel = "m"\ndraft_window = 0', "engine.draft_window must be >= 1"),
+    ('name = "x"\n[engine]\nkind = "sglang"\nmodel = "m"\ndraft_window = "big"', "engine.draft_window must be an"),
     ('name = "x"\n[sweep]\ntemperature = -1', "sweep.temperature must be a number >= 0"),
     ('name = "x"\n[sweep]\nnum_prompts = 2.5', "sweep.num_prompts must be an integer"),
     ('name = "x"\n[engine]\ngpus = 0', "engine.gpus must be a list"),
