@@ -193,17 +193,20 @@ def file_prompts(src: SourceFile, n_lines: int = 12) -> dict | None:
     return {"source": src.path, "line": 1, "function": None, "prompt": "".join(lines[:n_lines])}
 
 
-def build_prompts(sources: list[SourceFile], limit: int = 400) -> list[dict]:
-    held = [s for s in sources if s.split == "heldout"]
+def build_prompts(sources: list[SourceFile], limit: int | None = 400, split: str = "heldout") -> list[dict]:
+    held = [s for s in sources if s.split == split]
     per_file = [function_prompts(src) for src in held]
     # Round-robin over files, so a few big test modules cannot fill the whole set.
     fn_rows = [rows[k] for k in range(max(map(len, per_file), default=0)) for rows in per_file if k < len(rows)]
     file_rows = [r for r in (file_prompts(s) for s in held) if r]
     # Mostly functions (the benchmark's domain); some file openings for variety.
-    n_files = min(len(file_rows), limit // 8)
-    rows = fn_rows[: limit - n_files] + file_rows[:n_files]
+    if limit is None:
+        rows = fn_rows + file_rows
+    else:
+        n_files = min(len(file_rows), limit // 8)
+        rows = fn_rows[: limit - n_files] + file_rows[:n_files]
     py = platform.python_version()
-    return [{"id": i, "split": "heldout", "python": py, "kind": "function" if r["function"] else "file", **r}
+    return [{"id": i, "split": split, "python": py, "kind": "function" if r["function"] else "file", **r}
             for i, r in enumerate(rows)]
 
 
@@ -230,7 +233,17 @@ def prepare(out_dir: Path, *, vocab_size: int = 4096, heldout_percent: int = 5,
     chars = sum(map(len, train_docs))
     log(f"tokenizer: vocab {tok.get_vocab_size()}, train {len(train_ids)} tokens "
         f"({chars / max(1, len(train_ids)):.2f} chars/token), heldout {len(held_ids)} tokens")
+    # Prompt-shaped prefixes (a function's head, a file's opening) for the drafter's data: the
+    # train split's for training, the shipped prompt set's for monitoring.
+    prompt_sets = {}
+    for split, limit in (("train", None), ("heldout", 400)):
+        texts = [r["prompt"] for r in build_prompts(sources, limit=limit, split=split)]
+        encs = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+        prompt_sets[f"{split}_prompts"] = torch.tensor([t for e in encs for t in e], dtype=torch.int16)
+        prompt_sets[f"{split}_prompt_lens"] = torch.tensor([len(e) for e in encs], dtype=torch.int64)
+        log(f"{split} prompts: {len(encs)} ({sum(map(len, encs))} tokens)")
     torch.save({
+        **prompt_sets,
         "train": torch.tensor(train_ids, dtype=torch.int16),
         "train_starts": torch.tensor(train_starts, dtype=torch.int64),
         "heldout": torch.tensor(held_ids, dtype=torch.int16),

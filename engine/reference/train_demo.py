@@ -16,6 +16,7 @@ Deterministic given --seed on CPU (CUDA kernels may differ in the last bits betw
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import json
 import math
@@ -55,6 +56,8 @@ class GenRecipe:
     prefix_lens: tuple[int, ...] = (16, 48, 96, 160)
     gen_len: int = 256
     batch_size: int = 512
+    prompt_share: float = 0.5     # share of prefixes that are prompt-shaped (a function's head, a file's opening)
+    max_prompt_len: int = 160
 
 
 @dataclass(frozen=True)
@@ -288,33 +291,63 @@ class SeqSet:
     valid_end: torch.Tensor   # [n] one past the last position whose token is a target choice to learn
 
 
-def generate_set(model, stream, starts, n: int, g: GenRecipe, device, seed: int, eos: int, log: Log,
-                 name: str) -> SeqSet:
+def split_prompts(flat: torch.Tensor, lens: torch.Tensor, max_len: int) -> list[torch.Tensor]:
+    out, pos = [], 0
+    for n in lens.tolist():
+        if 4 <= n <= max_len:
+            out.append(flat[pos:pos + n].long())
+        pos += n
+    return out
+
+
+def generate_set(model, stream, starts, prompts: list[torch.Tensor], n: int, g: GenRecipe, device, seed: int,
+                 eos: int, log: Log, name: str) -> SeqSet:
+    """n greedy continuations: of prompt-shaped prefixes (share g.prompt_share) and of windows."""
     gen = torch.Generator().manual_seed(seed)
-    max_len = max(g.prefix_lens) + g.gen_len
+    max_len = max(max(g.prefix_lens), g.max_prompt_len) + g.gen_len
     tokens = torch.full((n, max_len), eos, dtype=torch.long)
     gen_start = torch.zeros(n, dtype=torch.long)
     valid_end = torch.zeros(n, dtype=torch.long)
     t0 = time.perf_counter()
-    done = 0
-    i = 0
+    n_prompt = int(round(n * g.prompt_share)) if prompts else 0
+    batches: list[tuple[torch.Tensor, torch.Tensor]] = []  # (left-padded prefixes, true lengths)
+    if n_prompt:
+        picks = torch.cat([torch.randperm(len(prompts), generator=gen)
+                           for _ in range(n_prompt // len(prompts) + 1)])[:n_prompt]
+        chosen = sorted((prompts[i] for i in picks.tolist()), key=len)
+        for i in range(0, n_prompt, g.batch_size):
+            group = chosen[i:i + g.batch_size]
+            width = max(map(len, group))
+            # Left padding with visible EOS tokens (a document boundary the model knows) keeps
+            # every attention row non-empty; sorting by length keeps the padding short.
+            pre = torch.full((len(group), width), eos, dtype=torch.long)
+            for j, p in enumerate(group):
+                pre[j, width - len(p):] = p
+            batches.append((pre, torch.tensor([len(p) for p in group])))
+    done, i = n_prompt, 0
     while done < n:
         p_len = g.prefix_lens[i % len(g.prefix_lens)]
         b = min(g.batch_size, n - done)
-        pre = make_prefixes(stream, starts, b, p_len, gen).to(device)
-        cont = greedy_continue(model, pre, g.gen_len).cpu()
-        seq = torch.cat((pre.cpu(), cont), dim=1)
-        tokens[done:done + b, :seq.shape[1]] = seq
-        gen_start[done:done + b] = p_len
-        # Learn up to and including the first EOS the target emits (decoding stops there).
-        is_eos = cont == eos
-        first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full((b,), g.gen_len))
-        valid_end[done:done + b] = p_len + torch.clamp(first + 1, max=g.gen_len)
+        batches.append((make_prefixes(stream, starts, b, p_len, gen), torch.full((b,), p_len)))
         done += b
         i += 1
+    row = 0
+    for pre, lens in batches:
+        cont = greedy_continue(model, pre.to(device), g.gen_len).cpu()
+        b, width = pre.shape
+        is_eos = cont == eos
+        # Learn up to and including the first EOS the target emits (decoding stops there).
+        first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full((b,), g.gen_len))
+        for j in range(b):
+            p = int(lens[j])
+            seq = torch.cat((pre[j, width - p:], cont[j]))
+            tokens[row, :seq.numel()] = seq
+            gen_start[row] = p
+            valid_end[row] = p + min(int(first[j]) + 1, g.gen_len)
+            row += 1
     gen_tokens = int((valid_end - gen_start).sum())
-    log(f"continuations ({name}): {n} sequences, {gen_tokens} generated tokens to learn, "
-        f"{time.perf_counter() - t0:.1f}s")
+    log(f"continuations ({name}): {n} sequences ({n_prompt} from prompts), {gen_tokens} generated tokens "
+        f"to learn, {time.perf_counter() - t0:.1f}s")
     return SeqSet(tokens, gen_start, valid_end)
 
 
@@ -430,7 +463,7 @@ def draft_config(r: DraftRecipe, target, mask_id: int) -> DFlashConfig:
 
 
 def train_drafter(r: DraftRecipe, target, train_set: SeqSet, held_set: SeqSet, mask_id: int, device,
-                  seed: int, log: Log, minutes: float | None, name: str):
+                  seed: int, log: Log, minutes: float | None, name: str, checkpoint: Path | None = None):
     torch.manual_seed(seed)
     cfg = draft_config(r, target, mask_id)
     drafter = DFlashDrafter(cfg).to(device)
@@ -476,6 +509,9 @@ def train_drafter(r: DraftRecipe, target, train_set: SeqSet, held_set: SeqSet, m
                 tau_train = accept_lengths(logits, labels)[ok & live.all(2)].float().mean().item()
             ev = eval_drafter(drafter, target, held_set, r, mask_id, device, ctx_dtype, seed + 7)
             curve.append({"step": step, "loss": loss.item(), "tau_train_batch": tau_train, **ev})
+            if checkpoint is not None:
+                # A run cut short by its machine's time limit still leaves its latest drafter.
+                save_drafter(copy.deepcopy(drafter).to(torch.bfloat16), checkpoint)
             log(f"drafter {name} step {step:5d} loss {loss.item():.3f} heldout loss {ev['loss']:.3f} "
                 f"teacher-forced tau: heldout {ev['tau']:.2f} train-batch {tau_train:.2f} "
                 f"({(step + 1) / elapsed:.1f} steps/s)")
@@ -524,7 +560,8 @@ def cmd_train(args) -> int:
                       seq_len=args.seq_len, batch_size=args.batch, steps=args.target_steps, lr=args.target_lr,
                       eval_every=args.eval_every)
     gr = GenRecipe(num_train=args.gen_train, num_heldout=args.gen_heldout, gen_len=args.gen_len,
-                   batch_size=args.gen_batch, prefix_lens=tuple(int(x) for x in args.prefix_lens.split(",")))
+                   batch_size=args.gen_batch, prefix_lens=tuple(int(x) for x in args.prefix_lens.split(",")),
+                   prompt_share=args.prompt_share, max_prompt_len=args.max_prompt_len)
     metrics: dict = {"target_recipe": asdict(tr), "gen_recipe": asdict(gr), "seed": args.seed}
     if args.target_from:
         from transformers import AutoModelForCausalLM
@@ -540,10 +577,12 @@ def cmd_train(args) -> int:
     for p in target.parameters():
         p.requires_grad_(False)
     eos, mask_id = special["<|endoftext|>"], special["<|mask|>"]
-    train_set = generate_set(target, data["train"].long(), data["train_starts"], gr.num_train, gr, device,
-                             args.seed + 11, eos, log, "train split")
-    held_set = generate_set(target, data["heldout"].long(), data["heldout_starts"], gr.num_heldout, gr, device,
-                            args.seed + 13, eos, log, "heldout split")
+    train_prompts = split_prompts(data["train_prompts"], data["train_prompt_lens"], gr.max_prompt_len)
+    held_prompts = split_prompts(data["heldout_prompts"], data["heldout_prompt_lens"], gr.max_prompt_len)
+    train_set = generate_set(target, data["train"].long(), data["train_starts"], train_prompts, gr.num_train, gr,
+                             device, args.seed + 11, eos, log, "train split")
+    held_set = generate_set(target, data["heldout"].long(), data["heldout_starts"], held_prompts, gr.num_heldout,
+                            gr, device, args.seed + 13, eos, log, "heldout split")
     best = None
     metrics["drafters"] = {}
     for variant in args.variants:
@@ -552,7 +591,8 @@ def cmd_train(args) -> int:
                          batch_size=args.draft_batch, steps=args.draft_steps, lr=args.draft_lr,
                          gamma=args.gamma, eval_every=args.draft_eval_every)
         drafter, curve = train_drafter(dr, target, train_set, held_set, mask_id, device, args.seed + 17, log,
-                                       args.drafter_minutes, variant)
+                                       args.drafter_minutes, variant,
+                                       out / "drafter" if len(args.variants) == 1 else None)
         tau = curve[-1]["tau"]
         metrics["drafters"][variant] = {"recipe": asdict(dr), "curve": curve, "heldout_tau": tau}
         # Deeper drafters cost more per round on the CPU: prefer the smaller one unless clearly better.
@@ -606,6 +646,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--gen-len", type=int, default=g.gen_len)
     t.add_argument("--gen-batch", type=int, default=g.batch_size)
     t.add_argument("--prefix-lens", default=",".join(map(str, g.prefix_lens)))
+    t.add_argument("--prompt-share", type=float, default=g.prompt_share)
+    t.add_argument("--max-prompt-len", type=int, default=g.max_prompt_len)
     r = DraftRecipe()
     t.add_argument("--variants", nargs="+", default=["2"], help="drafter variants: LAYERS[:TARGET_IDS], e.g. 2:1,5")
     t.add_argument("--block-size", type=int, default=r.block_size)
