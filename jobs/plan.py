@@ -314,10 +314,9 @@ def _placement(recipe: Recipe, gpus: tuple[int, ...], hardware: Hardware | None
 
 
 def _fit(recipe: Recipe, tp: int, gpus: tuple[int, ...], hardware: Hardware | None) -> None:
-    """On a machine whose GPUs are known: the launch's GPUs exist and the weights fit on them."""
+    """On a machine whose GPUs are known: the weights fit on the launch's GPUs."""
     if hardware is None or not hardware.gpus or not gpus:
         return
-    check_gpus(gpus, tp, visible=[g.index for g in hardware.gpus])
     totals = [g.memory_total for g in hardware.gpus if g.index in gpus]
     if any(t is None for t in totals):
         return
@@ -406,7 +405,8 @@ def _engine_launch(recipe: Recipe, index: int, tp: int, gpus: tuple[int, ...], p
     if no_engine is not None:
         return Launch(**base, argv=None, env=_env(recipe, gpus), unsupported=no_engine)
     try:
-        check_gpus(pool, tp)
+        known = [g.index for g in hardware.gpus] if hardware is not None and hardware.gpus else None
+        check_gpus(pool, tp, visible=known)
         nodes, cpus, notes = _placement(recipe, gpus, hardware)
         spec = _engine_spec(recipe, algorithm, budget, tp, gpus, port=free_port(), caps=caps, cache_dir=cache_dir,
                             numa_nodes=nodes, numa_cpus=cpus)
