@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from ddtree.engine.reference.params import TIMING_KEYS, GenParams, SpecParams, accept_histogram
-from ddtree.engine.reference.tree import accepted_path, build_tree, chain_tree, tree_attention_mask
+from ddtree.engine.reference.tree import (
+    Tree,
+    accepted_path,
+    build_tree,
+    chain_tree,
+    root_tree,
+    tree_attention_mask,
+)
 
 if TYPE_CHECKING:
     from ddtree.engine.reference.engine import Engine
@@ -152,32 +159,49 @@ class Session:
         t0 = self._clock()
         draft_logits = self._draft(depth)
         t1 = self._clock()
-        if self.mode == "chain":
-            tree = chain_tree(self._bonus, draft_logits.argmax(dim=-1))
-        else:
-            tree = build_tree(self._bonus, torch.log_softmax(draft_logits, dim=-1), self.spec.budget)
+        tree = self._tree(draft_logits)
         mask = None if tree.is_chain else tree_attention_mask(tree, self._start, target.dtype)
         t2 = self._clock()
         out = target.forward(tree.tokens, tree.depths + self._start, self._cache, mask, features=True)
         t3 = self._clock()
-        posterior = self._choose(out.logits)
-        path = accepted_path(tree, posterior)
-        new = torch.cat((tree.tokens[path[1:]], posterior[path[-1:]])).tolist()
-        path_list = path.tolist()
+        path, path_list, new = self._walk(tree, out.logits)
         self._cache.compact(self._start, path, path_list)
-        self._pending = out.features.index_select(0, path)
-        tau = len(path_list)
-        self._start += tau
-        self._bonus = new[-1]
-        self.accept_lengths.append(tau)
-        self.verify_ct += 1
-        committed = self._commit(new)
+        committed = self._advance(path_list, new, out.features.index_select(0, path), drafted=True)
         t4 = self._clock()
         self.timings["draft"] += t1 - t0
         self.timings["tree"] += t2 - t1
         self.timings["verify"] += t3 - t2
         self.timings["commit"] += t4 - t3
         return committed
+
+    # ---- round pieces shared with the batched step (batch.py) -------------------------------
+    def _walk(self, tree: Tree, logits: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The target's choice at every node (logits [n, V]), the accepted path and the new tokens."""
+        posterior = self._choose(logits)
+        path = accepted_path(tree, posterior)
+        new = torch.cat((tree.tokens[path[1:]], posterior[path[-1:]])).tolist()
+        return path, path.tolist(), new
+
+    def _advance(self, path_list: list[int], new: list[int], features: torch.Tensor | None, *,
+                 drafted: bool) -> list[int]:
+        """Book a verified round whose accepted KV rows already sit at start.. in the cache."""
+        if features is not None:
+            # A draft consumed the pending features; a round without one must keep them.
+            self._pending = features if drafted else torch.cat((self._pending, features), dim=0)
+        tau = len(path_list)
+        self._start += tau
+        self._bonus = new[-1]
+        self.accept_lengths.append(tau)
+        self.verify_ct += 1
+        return self._commit(new)
+
+    def _tree(self, draft_logits: torch.Tensor | None) -> Tree:
+        """What one verify checks: the bonus alone (no draft), a chain (DFlash) or a tree (DDTree)."""
+        if draft_logits is None:
+            return root_tree(self._bonus, self.engine.target.device)
+        if self.mode == "chain":
+            return chain_tree(self._bonus, draft_logits.argmax(dim=-1))
+        return build_tree(self._bonus, torch.log_softmax(draft_logits, dim=-1), self.spec.budget)
 
     # ---- helpers ----------------------------------------------------------------------------
     def _depth_cap(self) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ddtree.engine.reference.batch import step_many
 from ddtree.engine.reference.decode import Session
 from ddtree.engine.reference.drafter import DFlashDrafter, load_drafter
 from ddtree.engine.reference.errors import BadParams, ModelLoadError
@@ -145,6 +146,17 @@ class Engine:
             if spec.algorithm == "ddtree" and spec.budget > self.max_budget:
                 raise BadParams(f"budget {spec.budget} exceeds this engine's maximum {self.max_budget}")
         return Session(self, ids, gen, spec)
+
+    def step_many(self, sessions: list[Session]) -> list[list[int]]:
+        """One round of each session, batched: every draft in one drafter forward and every verify
+        in one target forward (on a CPU, verifies of very different sizes go in separate forwards).
+
+        Returns each session's newly committed tokens, as `Session.step()` would; a session that
+        is done gets [], one not yet prefilled gets its prefill. Outputs equal stepping the
+        sessions one by one (at temperature 0 token for token; seeded sampling draws the same).
+        If a forward raises, no session has changed.
+        """
+        return step_many(self, list(sessions))
 
     def generate(self, input_ids: list[int], gen: GenParams | None = None,
                  spec: SpecParams | None = None) -> GenResult:

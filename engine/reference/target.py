@@ -102,6 +102,28 @@ class KVCache:
                 v[..., start:start + n, :] = v.index_select(-2, rows)
             self._set(entry, k[..., :start + n, :], v[..., :start + n, :])
 
+    def tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's (keys, values), [b, heads, rows, head_dim] each."""
+        return [self._get(entry) for entry in self._pairs()]
+
+    def assign(self, tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Replace every layer's keys/values (the layers must already exist, e.g. after a prefill)."""
+        entries = self._pairs()
+        if len(entries) != len(tensors):
+            raise ValueError(f"cache has {len(entries)} layers, got {len(tensors)}")
+        for entry, (k, v) in zip(entries, tensors):
+            self._set(entry, k, v)
+
+    @classmethod
+    def of(cls, model: nn.Module, tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> KVCache:
+        """A new cache holding these tensors as its layers (no copy)."""
+        cache = cls.new(model)
+        for i, (k, v) in enumerate(tensors):
+            # An empty update creates and initialises layer i the way this transformers version does it.
+            cache.cache.update(k[..., :0, :], v[..., :0, :], i)
+        cache.assign(tensors)
+        return cache
+
     def nbytes(self) -> int:
         total = 0
         for entry in self._pairs():
@@ -167,3 +189,24 @@ class Target:
         if features:
             feats = torch.cat([out.hidden_states[i + 1][0] for i in self.feature_layers], dim=-1)
         return ForwardOut(logits=logits.float(), features=feats)
+
+    def forward_batch(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+                      attention_mask: torch.Tensor, *, features: bool = False) -> ForwardOut:
+        """input_ids/position_ids [b, q], additive mask [b, 1, q, kv] -> logits [b, q, V] (model dtype).
+
+        Logits stay in the model dtype: callers convert only the rows they read, which matters
+        with a 150k vocabulary and padded rows.
+        """
+        kwargs = {
+            "input_ids": input_ids,
+            "position_ids": position_ids,
+            self.cache_kwarg: cache.cache,
+            "use_cache": True,
+            "output_hidden_states": features,
+            "attention_mask": attention_mask,
+        }
+        out = self.model(**kwargs)
+        feats = None
+        if features:
+            feats = torch.cat([out.hidden_states[i + 1] for i in self.feature_layers], dim=-1)
+        return ForwardOut(logits=out.logits, features=feats)

@@ -84,6 +84,12 @@ def chain_tree(root: int, draft_tokens: torch.Tensor) -> Tree:
     return Tree(tokens, steps, (steps - 1).clamp(min=0), True, n - 1)
 
 
+def root_tree(root: int, device: torch.device | str) -> Tree:
+    """The bonus token alone: a round without a draft (AR, or no room left to draft)."""
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    return Tree(torch.tensor([root], dtype=torch.long, device=device), zero, zero, True, 0)
+
+
 def tree_scores(tree: Tree, logprobs: torch.Tensor) -> torch.Tensor:
     """Cumulative log-prob of each node's path (root 0); for tests and diagnostics."""
     anc = tree.ancestors()
