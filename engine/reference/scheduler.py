@@ -1,9 +1,14 @@
 """Round-robin scheduling of decoding sessions on one engine thread, and the server's counters.
 
-One thread owns the engine. Each turn it admits waiting requests (prefill happens in
-`engine.start`), then advances every running session by exactly one round (`Session.step()`: one
-token for AR, one draft + one verify for DFlash/DDTree). A long request therefore delays a new one
-by at most one round of each other running request, never by its whole generation.
+One thread owns the engine. Each turn it admits waiting requests, then advances every running
+session by exactly one round (one token for AR, one draft + one verify for DFlash/DDTree; a new
+session's first round is its prefill). A long request therefore delays a new one by at most one
+round of each other running request, never by its whole generation.
+
+With `batch=True` and an engine that has `step_many`, the turn is one batched round over all
+running sessions (at most max_running): every draft in one drafter forward, every verify in one
+target forward. Otherwise each session steps alone (`Session.step()`), in turn. If a batched round
+fails, the turn falls back to stepping each session alone, so one bad request fails by itself.
 
 Nothing here imports torch: the scheduler only sees the Session API, so it is testable with a
 double and reusable by any engine with that API.
@@ -119,6 +124,8 @@ class Stats:
         self.accepted_tokens_total = 0  # sum of tau over all verify rounds
         self.correct_drafts_total = 0
         self.proposed_drafts_total = 0
+        self.batched_rounds_total = 0   # turns that stepped several requests in one batched round
+        self.batched_requests_total = 0  # request-rounds inside those
         self._recent_rounds: deque[tuple[int, int]] = deque(maxlen=self.WINDOW_ROUNDS)  # (tau, proposed)
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self.ttft = Histogram()
@@ -133,6 +140,15 @@ class Stats:
                 self.correct_drafts_total += max(tau - 1, 0)
                 self.proposed_drafts_total += proposed_per_round
                 self._recent_rounds.append((tau, proposed_per_round))
+
+    def add_batch(self, size: int) -> None:
+        with self._lock:
+            self.batched_rounds_total += 1
+            self.batched_requests_total += size
+
+    def avg_batch_size(self) -> float | None:
+        with self._lock:
+            return self.batched_requests_total / self.batched_rounds_total if self.batched_rounds_total else None
 
     def add_tokens(self, n: int, now: float) -> None:
         with self._lock:
@@ -196,10 +212,12 @@ def proposed_per_round(algorithm: str, budget: int, block_size: int) -> int:
 class Scheduler:
     """Runs sessions of `engine` (the `Engine.start -> Session` API) round by round on one thread."""
 
-    def __init__(self, engine: Any, *, max_running: int = 8, max_queued: int = 64, stats: Stats | None = None) -> None:
+    def __init__(self, engine: Any, *, max_running: int = 8, max_queued: int = 64, stats: Stats | None = None,
+                 batch: bool = False) -> None:
         if max_running < 1 or max_queued < 0:
             raise ValueError("max_running must be >= 1 and max_queued >= 0")
         self.engine = engine
+        self.batch = bool(batch) and hasattr(engine, "step_many")
         self.max_running = max_running
         self.max_queued = max_queued
         self.stats = stats or Stats()
@@ -268,8 +286,11 @@ class Scheduler:
                 self._admit(ticket)
             with self._cond:
                 turn = list(self._running)
-            for active in turn:
-                self._advance(active)
+            if self.batch and len(turn) > 1:
+                self._advance_batch(turn)
+            else:
+                for active in turn:
+                    self._advance(active)
 
     def _admit(self, ticket: Ticket) -> None:
         if ticket.cancelled:
@@ -309,6 +330,28 @@ class Scheduler:
                              aborted=True)
                 return
         self._publish(active)
+
+    def _advance_batch(self, turn: list[_Active]) -> None:
+        live = []
+        for active in turn:
+            if active.ticket.cancelled or active.session.done:
+                self._advance(active)  # retires it
+            else:
+                live.append(active)
+        if len(live) < 2:
+            for active in live:
+                self._advance(active)
+            return
+        try:
+            self.engine.step_many([a.session for a in live])
+        except Exception as exc:  # boundary: find the culprit by stepping each request alone
+            log.warning("batched round failed (%s: %s); stepping the requests one by one", type(exc).__name__, exc)
+            for active in live:
+                self._advance(active)
+            return
+        self.stats.add_batch(len(live))
+        for active in live:
+            self._publish(active)
 
     def _publish(self, active: _Active) -> None:
         """Send the tokens and rounds committed since the last update; retire a finished session."""

@@ -11,7 +11,8 @@ accepting, let in-flight requests finish (up to --graceful-timeout), exit 0.
 
 Endpoints: /health, /server_info (= /get_server_info), /generate, /v1/completions,
 /v1/chat/completions, /v1/models, /metrics. Requests run on one engine thread, interleaved round by
-round (scheduler.py). Bad requests get 400 with SGLang's JSON error shape; a full queue gets 503.
+round (scheduler.py); with --batch (the default) each round drafts and verifies all running
+requests in one forward each (batch.py). Bad requests get 400 with SGLang's JSON error shape; a full queue gets 503.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ def build_app(api: Api) -> Starlette:
             "speculative_num_draft_tokens": engine.block_size,
             "context_length": engine.context_window,
             "max_running_requests": config.max_running, "max_queued_requests": config.max_queued,
+            "batch": config.batch,
             "chat_template": "model" if api.has_chat_template else "fallback",
             "uptime_s": time.time() - api.started_at,
             "internal_states": [{
@@ -140,6 +142,8 @@ def build_app(api: Api) -> Starlette:
                 "num_running_reqs": running, "num_queue_reqs": queued,
                 "spec_verify_calls_total": api.stats.verify_calls_total,
                 "generation_tokens_total": api.stats.generation_tokens_total,
+                "batched_rounds_total": api.stats.batched_rounds_total,
+                "avg_batch_size": api.stats.avg_batch_size(),
             }],
         })
 
@@ -306,11 +310,31 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def default_batch(device: str) -> bool:
+    """Batch rounds across requests unless told otherwise.
+
+    On CUDA a forward over k requests costs about one request's (weight streaming dominates). On
+    this project's 2-core CPU box, bench/bench_server.py measured batched rounds ahead too (see
+    its docstring for the figures), so the default is on everywhere.
+    """
+    return True
+
+
 def warm_up(engine: Engine, config: ServerConfig) -> None:
-    """One short generation, so the first real request does not pay for lazy initialisation."""
+    """Short generations (alone, and two batched), so the first real requests do not pay for lazy
+    initialisation."""
     ids = list(engine.tokenizer.encode("def main():\n    ")) or list(engine.eos_token_ids or [0])
-    engine.generate(ids, GenParams(max_new_tokens=8, temperature=0.0),
-                    SpecParams(algorithm=config.algorithm, budget=config.budget))
+    gen = GenParams(max_new_tokens=8, temperature=0.0)
+    spec = SpecParams(algorithm=config.algorithm, budget=config.budget)
+    engine.generate(ids, gen, spec)
+    if config.batch:
+        sessions = [engine.start(ids, gen, spec), engine.start(ids[:1] + ids, gen, spec)]
+        try:
+            while not all(s.done for s in sessions):
+                engine.step_many([s for s in sessions if not s.done])
+        finally:
+            for s in sessions:
+                s.close()
 
 
 def _uvicorn_server(app: Starlette, api: Api, announce: Any, graceful_timeout_s: float) -> Any:
@@ -364,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model name the OpenAI endpoints report")
     p.add_argument("--max-running-requests", type=int, default=8,
                    help="requests decoded at once, interleaved round by round (default: 8)")
+    p.add_argument("--batch", action=argparse.BooleanOptionalAction, default=None,
+                   help="verify (and draft) all running requests in one forward per round "
+                        "(default: on; --no-batch steps them one by one)")
     p.add_argument("--max-queued-requests", type=int, default=64,
                    help="requests waiting beyond those; past this the server answers 503 (default: 64)")
     p.add_argument("--graceful-timeout", type=float, default=60.0,
@@ -426,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                               served_model_name=args.served_model_name or engine.model_name or model_path,
                               model_path=model_path, draft_path=draft_path,
                               max_running=args.max_running_requests, max_queued=args.max_queued_requests,
-                              graceful_timeout_s=args.graceful_timeout)
+                              graceful_timeout_s=args.graceful_timeout,
+                              batch=default_batch(engine.device) if args.batch is None else args.batch)
         warm_up(engine, config)
         sock = bind_socket(args.host, args.port)
     except EngineError as exc:

@@ -40,6 +40,9 @@ class ServerConfig:
     max_running: int = 8
     max_queued: int = 64
     graceful_timeout_s: float = 60.0
+    #: One batched round over all running requests per turn (Engine.step_many) instead of one
+    #: Session.step() per request.
+    batch: bool = False
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -121,7 +124,8 @@ class Api:
     def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.scheduler = Scheduler(engine, max_running=config.max_running, max_queued=config.max_queued)
+        self.scheduler = Scheduler(engine, max_running=config.max_running, max_queued=config.max_queued,
+                                   batch=config.batch)
         self.stats = self.scheduler.stats
         self.draining = False
         self.started_at = time.time()

@@ -55,6 +55,7 @@ def test_announcement_and_health(server, client):
     # The drafter was trained with blocks of 4; the server runs it with --block-size 3.
     assert info["algorithm"] == "ddtree" and info["budget"] == 8 and info["block_size"] == 3
     assert info["context_length"] == CONTEXT_WINDOW
+    assert info["batch"] is True  # batched rounds are the default
     assert "avg_spec_accept_length" in info["internal_states"][0]
     assert httpx.get(server.url + "/get_server_info").json()["model"] == info["model"]
 
@@ -162,18 +163,24 @@ def test_stop_string_trims_output(client):
 
 
 def test_concurrent_clients_match_serial(client, server):
-    """Round-robin interleaving changes nothing: concurrent results equal serial ones at T=0."""
-    jobs = [(p, spec) for p in PROMPTS for spec in ({"algorithm": "ddtree", "budget": 8}, {"algorithm": "ar"})][:8]
-    serial = [client.generate(p, sampling_params=greedy(16, ignore_eos=True), speculative=s)["output_ids"]
-              for p, s in jobs]
+    """Batched rounds change nothing: concurrent results equal serial ones at T=0, with prompts of
+    different lengths and mixed algorithms joining and leaving the batch."""
+    specs = ({"algorithm": "ddtree", "budget": 8}, {"algorithm": "ar"}, {"algorithm": "dflash"},
+             {"algorithm": "ddtree", "budget": 2})
+    jobs = [(p, specs[i % len(specs)], 6 + 4 * i) for i, p in enumerate(PROMPTS)] + [(PROMPTS[0], specs[0], 16)]
+    before = client.server_info()["internal_states"][0]["batched_rounds_total"]
+    serial = [client.generate(p, sampling_params=greedy(n, ignore_eos=True), speculative=s)["output_ids"]
+              for p, s, n in jobs]
 
     async def run_all():
         async with AsyncEngineClient(server.url, timeout=120) as ac:
-            return await asyncio.gather(*(ac.generate(p, sampling_params=greedy(16, ignore_eos=True), speculative=s)
-                                          for p, s in jobs))
+            return await asyncio.gather(*(ac.generate(p, sampling_params=greedy(n, ignore_eos=True), speculative=s)
+                                          for p, s, n in jobs))
 
     results = asyncio.run(run_all())
     assert [r["output_ids"] for r in results] == serial
+    states = client.server_info()["internal_states"][0]
+    assert states["batched_rounds_total"] > before and states["avg_batch_size"] > 1
 
 
 def test_seeded_sampling_is_reproducible_under_concurrency(client, server):

@@ -53,3 +53,13 @@ def test_bad_model_directory_is_a_clean_error(tmp_path):
     assert out.stdout == ""
     assert out.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "Traceback" not in out.stderr
+
+
+def test_batch_flag():
+    from ddtree.engine.reference.server import build_parser, default_batch
+
+    parser = build_parser()
+    assert parser.parse_args([]).batch is None
+    assert parser.parse_args(["--batch"]).batch is True
+    assert parser.parse_args(["--no-batch"]).batch is False
+    assert default_batch("cuda:0") is True

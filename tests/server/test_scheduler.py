@@ -177,3 +177,58 @@ def test_render_metrics_parses(engine_and_sched):
     assert families["sglang:num_running_reqs"].samples[0].labels["model_name"] == 'a "quoted"\\name'
     buckets = [s for s in families["sglang:time_to_first_token_seconds"].samples if s.name.endswith("_bucket")]
     assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == 1
+
+
+class BatchingEngine(FakeEngine):
+    """FakeEngine with step_many: records each batch; a batch holding tag 666 fails as a whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches = []
+
+    def step_many(self, sessions):
+        self.batches.append(sorted(s.tag for s in sessions))
+        if any(s.tag == 666 for s in sessions):
+            raise RuntimeError("batched forward failed")
+        return [s.step() for s in sessions]
+
+
+def test_batched_turns_step_all_running_sessions_at_once():
+    engine = BatchingEngine()
+    engine.gate = threading.Event()
+    sched = Scheduler(engine, max_running=3, max_queued=4, batch=True)
+    queues = [collect(sched, tag, n)[1] for tag, n in ((1, 6), (2, 2), (3, 4), (4, 4))]
+    sched.start()
+    engine.gate.set()
+    try:
+        outs = [[i for u in drain(q) for i in u.new_ids] for q in queues]
+    finally:
+        sched.stop(timeout=5)
+    assert outs == [[1000 + i for i in range(6)], [2000, 2001], [3000 + i for i in range(4)],
+                    [4000 + i for i in range(4)]]
+    assert engine.batches[0] == [1, 2, 3]  # capped by max_running; 4 waits for a free slot
+    assert all(len(b) <= 3 for b in engine.batches) and any(4 in b for b in engine.batches)
+    assert not engine.open_sessions
+
+
+def test_a_failing_batch_falls_back_to_single_steps():
+    engine = BatchingEngine()
+    sched = Scheduler(engine, max_running=3, max_queued=2, batch=True)
+    _, bad = collect(sched, 666, 4)
+    _, good = collect(sched, 5, 6)
+    sched.start()
+    try:
+        assert "boom" in str(drain(bad)[-1].error)
+        updates = drain(good)
+    finally:
+        sched.stop(timeout=5)
+    assert [i for u in updates for i in u.new_ids] == [5000 + i for i in range(6)]
+    assert updates[-1].finish_reason == "length"
+    assert [666, 5] in [sorted(b, reverse=True) for b in engine.batches]
+    assert not engine.open_sessions
+
+
+def test_batching_needs_an_engine_with_step_many():
+    assert not Scheduler(FakeEngine(), batch=True).batch
+    assert Scheduler(BatchingEngine(), batch=True).batch
+    assert not Scheduler(BatchingEngine()).batch
