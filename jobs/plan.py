@@ -434,7 +434,7 @@ def format_plan(plan: Plan) -> str:
             command = launch.command
         else:
             env = " ".join(f"{k}={v}" for k, v in launch.env)
-            command = f"{env} {' '.join(launch.argv)}".strip()
+            command = f"{env} {' '.join(launch.argv)}"
         lines.append(f"launch {launch.index}: tp={launch.tp} gpus={list(launch.gpus) or '-'}  {command}".rstrip())
         lines.extend(f"  note: {note}" for note in launch.notes)
         for p in plan.points:

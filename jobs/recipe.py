@@ -4,6 +4,11 @@
 and `recipe_to_toml` write the canonical form that `export --format recipe` prints and that parses
 back to an equal `Recipe`. Every axis of `[sweep]` accepts a scalar or a list; lists become tuples.
 Errors name the key (as `section.key`) and the allowed values, and exit with code 2.
+
+Beyond DESIGN.md's example, `[engine]` takes `budget`, `device`, `api` ("generate" | "openai"),
+`ready_timeout_s` (SGLang loads take minutes: default 600) and, for kind sglang, `draft_window`
+(SGLang's drafter attention window, `--speculative-draft-window-size`). kind sglang/vllm needs
+`model`; `python` is the interpreter that has the engine installed (default: this one).
 """
 
 from __future__ import annotations

@@ -193,9 +193,10 @@ class EngineProcess:
         for note in self.spec.notes:
             self.ctx.log(f"engine {self.name}: note: {note}")
         self.proc = self.ctx.spawn(list(self.spec.argv), env=self.spec.spawn_env(), name=self.name)
-        self._record_start()
         if self.spec.numa == "runner" and self.spec.cpu_affinity:
+            # At once: the interpreter is still starting, long before SGLang spawns its workers.
             self.ctx.log(f"engine {self.name}: {_pin_cpus(self.proc.pid, self.spec.cpu_affinity)}")
+        self._record_start()
         t0 = time.monotonic()
         try:
             self.url = self._locate(t0) if self.spec.announces_url else self.spec.base_url

@@ -60,3 +60,25 @@ def test_built_commands_parse(python, tmp_path):
     if "DDTREE" not in caps.algorithms:
         with pytest.raises(UnsupportedAlgorithmError):
             build_launch(table, algorithm="ddtree", budget=64, tp=1, gpus=[0], port=30123, caps=caps)
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_sweep_plan_commands_parse(python, tmp_path):
+    """What `sweep --dry-run` prints for an sglang recipe is accepted by that SGLang's parser."""
+    from ddtree.jobs.plan import make_plan
+    from ddtree.jobs.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict({
+        "name": "parse", "engine": {"kind": "sglang", "python": python, "model": "Qwen/Qwen3-8B",
+                                    "draft_model": "z-lab/Qwen3-8B-DFlash-b16", "algorithm": "dflash",
+                                    "block_size": 16, "draft_window": 4096, "gpus": list(range(8)),
+                                    "extra_args": ["--attention-backend", "fa3"]},
+        "sweep": {"tp": [1, 8], "baseline": ["ar"]}})
+    plan = make_plan(recipe, cache_dir=tmp_path)
+    assert len(plan.launches) == 4
+    for launch in plan.launches:
+        assert launch.unsupported is None, launch.unsupported
+        argv = list(launch.argv)
+        ns = parse(python, argv[argv.index("sglang.launch_server") + 1:])
+        assert (ns["tp_size"] or ns["tensor_parallel_size"]) == launch.tp and ns["enable_metrics"] is True
+        assert ns["speculative_algorithm"] == (None if launch.algorithm == "ar" else "DFLASH")

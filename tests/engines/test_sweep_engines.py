@@ -379,3 +379,83 @@ def test_runner_pins_cpus_when_neither_numactl_nor_taskset_exists(fake_python, t
     log = open(engines[0]["log_path"]).read()
     assert f"affinity=[{cpu}]" in log and "cuda_visible_devices=1" in log
     assert "by the runner (no numactl or taskset)" in open(job.log_path).read()
+
+
+# vLLM's OpenAI server, as far as the runner and the bench client use it: streamed completions
+# with usage, and the spec-decode counters (each draft round proposes 7 tokens and accepts 3 here).
+VLLM_HELP = ("usage: vllm serve [model_tag] [options]\n\noptions:\n  --tensor-parallel-size TENSOR_PARALLEL_SIZE, -tp "
+             "TENSOR_PARALLEL_SIZE\n  --host HOST\n  --port PORT\n  --speculative-config SPECULATIVE_CONFIG, -sc "
+             "SPECULATIVE_CONFIG\n")
+VLLM_STANDIN = r'''
+import argparse, json, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+p = argparse.ArgumentParser()
+p.add_argument("command", choices=["serve"]); p.add_argument("model")
+p.add_argument("--tensor-parallel-size", type=int); p.add_argument("--host"); p.add_argument("--port", type=int)
+p.add_argument("--speculative-config", type=json.loads)
+args = p.parse_args()
+print("server_args=" + json.dumps(vars(args)), flush=True)
+k = (args.speculative_config or {}).get("num_speculative_tokens", 0)
+state = {"drafts": 30, "draft_tokens": 30 * k, "accepted": 0, "tokens": 500}
+lock = threading.Lock()
+
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a): pass
+    def do_GET(self):
+        if self.path == "/health":
+            body, ctype = b"", "application/json"
+        elif self.path == "/metrics":
+            with lock:
+                body = "".join(f"vllm:{name}{{model_name=\"m\"}} {value}.0\n" for name, value in (
+                    ("spec_decode_num_drafts_total", state["drafts"]),
+                    ("spec_decode_num_draft_tokens_total", state["draft_tokens"]),
+                    ("spec_decode_num_accepted_tokens_total", state["accepted"]),
+                    ("generation_tokens_total", state["tokens"]))).encode()
+            ctype = "text/plain"
+        else:
+            self.send_response(404); self.send_header("Content-Length", "0"); self.end_headers(); return
+        self.send_response(200); self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert self.path == "/v1/completions" and body["model"] == args.model and body["stream"]
+        n = body["max_tokens"]
+        rounds = -(-n // 4) if k else 0
+        with lock:
+            state["drafts"] += rounds; state["draft_tokens"] += rounds * k
+            state["accepted"] += rounds * 3; state["tokens"] += n
+        self.send_response(200); self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close"); self.end_headers()
+        for i in range(n):
+            chunk = {"choices": [{"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": n + 5}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        self.wfile.flush()
+        self.close_connection = True
+
+ThreadingHTTPServer((args.host, args.port), H).serve_forever()
+'''
+
+
+def test_sweep_on_a_standin_vllm_measures_tau_from_its_spec_decode_counters(fake_python, tmp_path, prompts):
+    python = fake_python("vllm", help_text=VLLM_HELP, version="0.33.0", server_body=VLLM_STANDIN)
+    recipe = _standin_recipe(python, prompts, kind="vllm")
+    del recipe["engine"]["draft_window"]
+    job, points, extra, engines = _run(tmp_path, recipe)
+    assert job.state == "succeeded", job.error
+    assert [(p.algorithm, p.concurrency, p.state) for p in points] == [
+        ("ar", 1, "done"), ("ar", 2, "done"), ("dflash", 1, "done"), ("dflash", 2, "done")]
+    for p in points:
+        tau, counters = extra[p.id]
+        assert p.requests_ok == 4 and p.output_tok_s > 0 and p.ttft_p50 is not None
+        if p.algorithm == "dflash":
+            # 4 requests x 4 rounds, 3 of 7 drafts accepted per round: tau = 1 + 48/16
+            assert tau == pytest.approx(4.0) and counters["verify_calls"] == 16
+            assert counters["accept_rate"] == pytest.approx(3 / 7)
+        else:
+            assert tau is None
+    args = json.loads(next(line for line in open(engines[1]["log_path"]) if line.startswith("server_args="))[12:])
+    assert args["speculative_config"] == {"method": "dflash", "model": "/models/demo-dflash",
+                                          "num_speculative_tokens": 7}
