@@ -10,11 +10,14 @@ workers; their failures become a notification, never a traceback.
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.text import Text
@@ -22,7 +25,8 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.reactive import var
-from textual.widgets import ContentSwitcher, DataTable, Footer, Static, Tab, Tabs
+from textual.widget import Widget
+from textual.widgets import ContentSwitcher, Footer, Static, Tab, Tabs
 from textual.worker import Worker, WorkerState
 
 from ddtree.console import fmt
@@ -37,22 +41,22 @@ from ddtree.console.messages import (
     StoreFailed,
 )
 from ddtree.console.palette import PANES, system_commands
-from ddtree.console.poll import Poller, Sources
-from ddtree.console.screens.downloads import DownloadForm, DownloadsPane
-from ddtree.console.screens.engines import EngineForm, EnginesPane
-from ddtree.console.screens.hardware import HardwarePane
-from ddtree.console.screens.history import CompareScreen, ExportForm, HistoryPane, export_run
-from ddtree.console.screens.modals import ConfirmScreen, HelpScreen
+from ddtree.console.poll import Sources
 from ddtree.console.screens.overview import HISTORY, OverviewPane
-from ddtree.console.screens.sweeps import SweepForm, SweepsPane
-from ddtree.store.db import data_dir, open_db, resolve_db_path
-from ddtree.store.records import ACTIVE_STATES
 
 #: Seconds between polls of the store: at most two UI updates a second, fine over slow SSH.
 POLL_S = 0.5
 
-PANE_CLASSES = {"overview": OverviewPane, "hardware": HardwarePane, "downloads": DownloadsPane,
-                "engines": EnginesPane, "sweeps": SweepsPane, "history": HistoryPane}
+#: Where each pane's class lives. Only the Overview is built at start; the others are imported
+#: and composed on their first visit, so the first frame pays for one pane, not six.
+PANE_CLASSES = {"overview": "overview:OverviewPane", "hardware": "hardware:HardwarePane",
+                "downloads": "downloads:DownloadsPane", "engines": "engines:EnginesPane",
+                "sweeps": "sweeps:SweepsPane", "history": "history:HistoryPane"}
+
+
+def pane_class(pane: str) -> type[Widget]:
+    module, name = PANE_CLASSES[pane].split(":")
+    return getattr(importlib.import_module(f"ddtree.console.screens.{module}"), name)
 
 
 class ConsoleApp(App[int]):
@@ -92,14 +96,13 @@ class ConsoleApp(App[int]):
     def __init__(self, db_path: str | os.PathLike | None = None, *, poll_s: float = POLL_S,
                  sources: Sources | None = None, demo: bool = False, clock: Callable[[], float] = time.time) -> None:
         super().__init__()
-        self.db_path: Path = resolve_db_path(db_path)
-        """The store this console reads."""
+        self._db_arg = db_path
+        self._db_path: Path | None = None
         self.poll_s = poll_s
         self.sources = sources or Sources()
         self.clock = clock
         """Now, for ages and uptimes (tests freeze it)."""
         self.demo = demo
-        self.sub_title = str(self.db_path)
         self.last_snapshot: Snapshot | None = None
         self.gpu_history: dict[int, deque] = {}
         self.gpu_view = None
@@ -110,17 +113,33 @@ class ConsoleApp(App[int]):
         self._wake = threading.Event()
         self._reader = None
         self._reader_lock = threading.Lock()
+        self.check_store = False
+        """Close the console if the store cannot be opened (the CLI sets it; tests show the error)."""
+        self.store_error: Exception | None = None
+
+    @property
+    def db_path(self) -> Path:
+        """The store this console reads (resolved on first use: the store package imports
+        sqlite-utils, which is not needed for the first frame)."""
+        if self._db_path is None:
+            from ddtree.store.db import resolve_db_path
+
+            self._db_path = resolve_db_path(self._db_arg)
+        return self._db_path
 
     # -- layout --------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Tabs(*(Tab(f"{key} {title}", id=f"tab-{pane}") for pane, key, title, _ in PANES), id="pane-tabs")
         with ContentSwitcher(initial="overview", id="panes"):
-            for pane, cls in PANE_CLASSES.items():
-                yield cls(id=pane, classes="pane")
+            yield OverviewPane(id="overview", classes="pane")
         yield Static("loading…", id="status")
         yield Footer()
 
     def on_mount(self) -> None:
+        # The store, the hardware and their imports come after the first frame is on screen.
+        self.call_after_refresh(self._start)
+
+    def _start(self) -> None:
         self.poll_loop()
         if self.demo:
             self.start_demo()
@@ -132,7 +151,19 @@ class ConsoleApp(App[int]):
     # -- polling -------------------------------------------------------------------------------
     @work(thread=True, exclusive=True, exit_on_error=False, group="poll")
     def poll_loop(self) -> None:
+        from ddtree.console.poll import Poller
+        from ddtree.store.db import open_db
+        from ddtree.store.errors import StoreError
+
+        if self.check_store:
+            try:
+                open_db(self.db_path).close()
+            except StoreError as exc:
+                self.store_error = exc
+                self.call_from_thread(self.exit, exc.exit_code)
+                return
         poller = Poller(self.db_path, self.sources, watched_run=lambda: self._watched)
+        self.call_from_thread(setattr, self, "sub_title", str(self.db_path))
         poller.loop(self.post_message, self._stop, self.poll_s, self._wake)
 
     def _halt(self) -> None:
@@ -149,12 +180,15 @@ class ConsoleApp(App[int]):
     def on_unmount(self) -> None:
         self._halt()
 
-    def reader(self):
-        """A connection for queries made on thread workers (one at a time)."""
+    @contextmanager
+    def reading(self):
+        """The connection for queries made on thread workers, held by one of them at a time."""
         with self._reader_lock:
             if self._reader is None:
+                from ddtree.store.db import open_db
+
                 self._reader = open_db(self.db_path)
-            return self._reader
+            yield self._reader
 
     def on_snapshot(self, message: Snapshot) -> None:
         self.last_snapshot = message
@@ -242,24 +276,26 @@ class ConsoleApp(App[int]):
         index = max(0, min(len(runs) - 1, index + step))
         self.sweep_run_id = runs[index].id
         self._follow_run()
-        self.query_one(SweepsPane).show_title(None)
+        self.query_one("#sweeps").show_title(None)
 
     # -- pane actions --------------------------------------------------------------------------
-    def action_show_pane(self, pane: str) -> None:
+    async def action_show_pane(self, pane: str) -> None:
         if pane not in PANE_CLASSES:
             return
-        self.query_one("#panes", ContentSwitcher).current = pane
+        switcher = self.query_one("#panes", ContentSwitcher)
+        if not switcher.query_children(f"#{pane}"):
+            await switcher.add_content(pane_class(pane)(id=pane, classes="pane"), set_current=True)
+        switcher.current = pane
         self.query_one("#pane-tabs", Tabs).active = f"tab-{pane}"
         self.current_pane = pane
-        widget = self.query_one(f"#{pane}")
-        tables = widget.query(DataTable)
+        tables = switcher.get_child_by_id(pane).query("RowTable")
         if tables:
             tables.first().focus()
 
-    def on_tabs_tab_activated(self, event: Tabs.TabActivated) -> None:
+    async def on_tabs_tab_activated(self, event: Tabs.TabActivated) -> None:
         pane = (event.tab.id or "").removeprefix("tab-")
         if pane and pane != self.current_pane:
-            self.action_show_pane(pane)
+            await self.action_show_pane(pane)
 
     def action_maximize_pane(self) -> None:
         if self.screen.maximized is not None:
@@ -268,6 +304,8 @@ class ConsoleApp(App[int]):
             self.screen.maximize(self.query_one(f"#{self.current_pane}"), container=False)
 
     def action_help(self) -> None:
+        from ddtree.console.screens.modals import HelpScreen
+
         self.push_screen(HelpScreen())
 
     def action_toggle_theme(self) -> None:
@@ -276,9 +314,10 @@ class ConsoleApp(App[int]):
     def action_refresh(self) -> None:
         self._wake.set()
 
-    def _pane(self, pane: str):
+    async def _pane(self, pane: str):
+        """The pane, shown (and built, on its first visit)."""
         if self.current_pane != pane:
-            self.action_show_pane(pane)
+            await self.action_show_pane(pane)
         return self.query_one(f"#{pane}")
 
     # -- jobs from the console -----------------------------------------------------------------
@@ -311,10 +350,13 @@ class ConsoleApp(App[int]):
             if yes:
                 self.cancel_job(job_id)
 
+        from ddtree.console.screens.modals import ConfirmScreen
+
         self.push_screen(ConfirmScreen(f"Stop {what} (job {job_id})?"), answered)
 
-    def action_new_download(self) -> None:
-        self._pane("downloads")
+    async def action_new_download(self) -> None:
+        await self._pane("downloads")
+        from ddtree.console.screens.downloads import DownloadForm
 
         def done(spec: dict | None) -> None:
             if spec is not None:
@@ -322,12 +364,13 @@ class ConsoleApp(App[int]):
 
         self.push_screen(DownloadForm(), done)
 
-    def action_stop_download(self) -> None:
-        row = self._pane("downloads").selected()
+    async def action_stop_download(self) -> None:
+        row = (await self._pane("downloads")).selected()
         self.confirm_stop(row.get("job_id") if row else None, f"the download of {row['repo_id']}" if row else "")
 
-    def action_new_engine(self) -> None:
-        self._pane("engines")
+    async def action_new_engine(self) -> None:
+        await self._pane("engines")
+        from ddtree.console.screens.engines import EngineForm
 
         def done(spec: dict | None) -> None:
             if spec is not None:
@@ -335,21 +378,22 @@ class ConsoleApp(App[int]):
 
         self.push_screen(EngineForm(), done)
 
-    def action_stop_engine(self) -> None:
-        row = self._pane("engines").selected()
+    async def action_stop_engine(self) -> None:
+        row = (await self._pane("engines")).selected()
         self.confirm_stop(row.get("job_id") if row else None, f"the engine on port {row.get('port')}" if row else "")
 
-    def action_engine_follow(self) -> None:
-        self._pane("engines").toggle_follow()
+    async def action_engine_follow(self) -> None:
+        (await self._pane("engines")).toggle_follow()
 
-    def action_engine_wrap(self) -> None:
-        self._pane("engines").toggle_wrap()
+    async def action_engine_wrap(self) -> None:
+        (await self._pane("engines")).toggle_wrap()
 
-    def action_engine_search(self) -> None:
-        self._pane("engines").start_search()
+    async def action_engine_search(self) -> None:
+        (await self._pane("engines")).start_search()
 
-    def action_new_sweep(self) -> None:
-        self._pane("sweeps")
+    async def action_new_sweep(self) -> None:
+        await self._pane("sweeps")
+        from ddtree.console.screens.sweeps import SweepForm
 
         def done(spec: dict | None) -> None:
             if spec is not None:
@@ -363,6 +407,7 @@ class ConsoleApp(App[int]):
         from ddtree.console.commands.sweep import git_revision
         from ddtree.jobs.supervisor import submit
         from ddtree.store import sweeps
+        from ddtree.store.db import open_db
 
         recipe, path = spec["recipe"], spec.get("recipe_path")
         engine = recipe.get("engine") or {}
@@ -380,33 +425,33 @@ class ConsoleApp(App[int]):
         self.call_from_thread(self.notify, f"sweep run {run_id} started as job {job_id}", title="started")
         self._wake.set()
 
-    def action_stop_sweep(self) -> None:
-        self._pane("sweeps")
+    async def action_stop_sweep(self) -> None:
+        await self._pane("sweeps")
         run = self.shown_run()
         if run is None or run.state not in ("running", "queued"):
             self.notify("the shown run is not running", severity="warning")
             return
         self.confirm_stop(run.job_id, f"sweep run {run.id} (resume it later)")
 
-    def action_sweep_prev(self) -> None:
-        self._pane("sweeps")
+    async def action_sweep_prev(self) -> None:
+        await self._pane("sweeps")
         self._step_run(+1)  # runs are newest first: "previous" is older
 
-    def action_sweep_next(self) -> None:
-        self._pane("sweeps")
+    async def action_sweep_next(self) -> None:
+        await self._pane("sweeps")
         self._step_run(-1)
 
-    def action_history_filter(self) -> None:
-        self._pane("history").focus_filter()
+    async def action_history_filter(self) -> None:
+        (await self._pane("history")).focus_filter()
 
-    def action_history_mark(self) -> None:
-        self._pane("history").toggle_mark()
+    async def action_history_mark(self) -> None:
+        (await self._pane("history")).toggle_mark()
 
-    def action_history_sort(self) -> None:
-        self._pane("history").cycle_sort()
+    async def action_history_sort(self) -> None:
+        (await self._pane("history")).cycle_sort()
 
-    def action_history_compare(self) -> None:
-        pane = self._pane("history")
+    async def action_history_compare(self) -> None:
+        pane = await self._pane("history")
         ids = sorted(pane.marked)
         if len(ids) < 2:
             self.notify("select two or more runs first (space marks a run)", severity="warning")
@@ -415,36 +460,34 @@ class ConsoleApp(App[int]):
 
     @work(thread=True, exit_on_error=False, group="compare")
     def open_compare(self, ids: list[int]) -> None:
+        from ddtree.console.screens.history import CompareScreen
         from ddtree.store import sweeps
 
-        db = open_db(self.db_path)
-        try:
+        with self.reading() as db:
             runs = [sweeps.get_run(db, run_id) for run_id in ids]
             points = {run_id: sweeps.list_points(db, run_id) for run_id in ids}
-        finally:
-            db.close()
         self.call_from_thread(self.push_screen, CompareScreen(runs, points))
 
-    def action_history_export(self) -> None:
-        pane = self._pane("history")
+    async def action_history_export(self) -> None:
+        pane = await self._pane("history")
         run_id = pane.current()
         if run_id is None:
             self.notify("no run selected", severity="warning")
             return
+        from ddtree.console.screens.history import ExportForm
 
         def done(choice: tuple[str, str] | None) -> None:
             if choice is not None:
                 self.export(run_id, *choice)
 
-        self.push_screen(ExportForm(run_id, data_dir(self.db_path) / "exports"), done)
+        self.push_screen(ExportForm(run_id, self.db_path.parent / "exports"), done)
 
     @work(thread=True, exit_on_error=False, group="export")
     def export(self, run_id: int, fmt_name: str, path: str) -> None:
-        db = open_db(self.db_path)
-        try:
+        from ddtree.console.screens.history import export_run
+
+        with self.reading() as db:
             written = export_run(db, run_id, fmt_name, Path(path))
-        finally:
-            db.close()
         self.call_from_thread(self.notify, f"run {run_id} written to {written}", title="exported")
 
     # -- the demo ------------------------------------------------------------------------------
@@ -453,13 +496,11 @@ class ConsoleApp(App[int]):
         """--demo: start the builtin engine on the demo pair unless one is already running."""
         from ddtree.jobs.supervisor import submit
         from ddtree.store.queries import list_jobs
+        from ddtree.store.records import ACTIVE_STATES
 
-        db = open_db(self.db_path)
-        try:
+        with self.reading() as db:
             running = [j for j in list_jobs(db, states=set(ACTIVE_STATES)) if j.kind == "engine"
                        and (j.spec or {}).get("kind", "builtin") == "builtin"]
-        finally:
-            db.close()
         if running:
             return
         job_id = submit(self.db_path, "engine", {"kind": "builtin", "demo": True}, name="demo-engine", detach=True)
@@ -473,8 +514,13 @@ def make_app(db_path: str | os.PathLike | None = None, *, poll_s: float = POLL_S
 
 
 def run_app(db_path: str | os.PathLike | None = None, *, demo: bool = False) -> int:
-    """Open the store (so a bad path fails before the screen changes), then run the console."""
-    open_db(db_path).close()
+    """Run the console; its exit code. The store is opened right after the first frame; if it
+    cannot be (a damaged or foreign file, an unwritable folder), the console closes and the
+    error is printed as the CLI prints errors: one line, with the StoreError's exit code."""
     app = make_app(db_path, demo=demo)
+    app.check_store = True
     app.run()
+    if app.store_error is not None:
+        print(f"error: {app.store_error}", file=sys.stderr)
+        return app.store_error.exit_code
     return app.return_code or 0

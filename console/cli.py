@@ -128,6 +128,23 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType | _Una
     return parser, modules
 
 
+def _console_only(argv: list[str]) -> argparse.Namespace | None:
+    """The options, when `argv` opens the console (no command, no help): parsed without
+    importing the command modules, which the console's first frame has no use for."""
+    db, demo, rest = None, False, list(argv)
+    while rest:
+        token = rest.pop(0)
+        if token == "--demo":
+            demo = True
+        elif token == "--db" and rest and not rest[0].startswith("-"):
+            db = rest.pop(0)
+        elif token.startswith("--db=") and len(token) > len("--db="):
+            db = token[len("--db="):]
+        else:
+            return None  # a command, --help, or something for argparse to explain
+    return argparse.Namespace(db=db, demo=demo, command=None)
+
+
 def _run_console(args: argparse.Namespace) -> int:
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         print("error: the console needs a terminal (run it in one, or use a command; see --help)", file=sys.stderr)
@@ -142,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     if _wants_version(argv):
         print(f"ddtree-console {distribution_version()}")
         return 0
+    console_args = _console_only(argv)
+    if console_args is not None:
+        return _console_main(console_args)
     from ddtree.engine.errors import EngineError
     from ddtree.jobs.errors import JobError
     from ddtree.store.errors import StoreError
@@ -162,6 +182,14 @@ def main(argv: list[str] | None = None) -> int:
         # `ddtree-console jobs | head`: the reader left; not an error worth a traceback.
         sys.stderr.close()
         return 0
+
+
+def _console_main(args: argparse.Namespace) -> int:
+    try:
+        return _run_console(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

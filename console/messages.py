@@ -7,11 +7,12 @@ thread, where the app keeps the latest value of each in a `var` that panes watch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual.message import Message
 
-from ddtree.store.records import Job, Run
+if TYPE_CHECKING:  # the store imports sqlite-utils, which the first frame does without
+    from ddtree.store.records import Job, Run
 
 
 @dataclass

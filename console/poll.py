@@ -6,6 +6,8 @@ changed, the poller reads jobs, recent runs, downloads, engines and the points o
 Sweeps pane watches, and emits a message for each part that differs from what it sent before.
 GPU samples, engine health and host facts come at their own, slower rates. The app runs `loop`
 in a thread worker at `interval_s` (0.5 s: at most two UI updates a second, fine over slow SSH).
+The store modules are imported by the poller's thread, not with this module: sqlite-utils (and
+the numpy it loads) would otherwise delay the console's first frame.
 """
 
 from __future__ import annotations
@@ -30,10 +32,6 @@ from ddtree.console.messages import (
     Snapshot,
     StoreFailed,
 )
-from ddtree.store.db import data_dir, open_db
-from ddtree.store.queries import list_jobs, list_runs
-from ddtree.store.sweeps import list_points
-
 #: Rows of each table the console keeps (newest first).
 MAX_ROWS = 200
 
@@ -117,6 +115,8 @@ class Poller:
 
     def _open(self) -> None:
         if self.db is None:
+            from ddtree.store.db import open_db
+
             if self.reconcile:
                 from ddtree.jobs.supervisor import reconcile
 
@@ -150,6 +150,9 @@ class Poller:
         return out
 
     def _store(self, force: bool) -> list[Message]:
+        from ddtree.store.queries import list_jobs, list_runs
+        from ddtree.store.sweeps import list_points
+
         db = self.db
         out: list[Message] = []
         version = db.execute("PRAGMA data_version").fetchone()[0]
@@ -199,6 +202,8 @@ class Poller:
         if self._due_now("hardware", self.sources.hardware_s, t):
             try:
                 view = self.sources.gpu_view()
+                from ddtree.store.db import data_dir
+
                 host = self.sources.host_info(data_dir(self.db_path))
             except Exception as exc:  # noqa: BLE001 - same: shown as unavailable, retried later
                 view, host = None, None

@@ -11,9 +11,10 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.validation import Function, Number, ValidationResult, Validator
-from textual.widgets import Button, DataTable, Input, Label, Static
+from textual.widgets import Button, Input, Label, Static
 
 from ddtree.console import fmt
+from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.tables import bar, fmt_bytes, fmt_rate, sync_table
 
 COLUMNS = ("JOB", "REPO", "STATE", "PROGRESS", "BYTES", "FILES", "RATE", "ETA", "FREE AFTER")
@@ -55,15 +56,14 @@ class DownloadsPane(Vertical):
             yield Static("Downloads", classes="pane-title grow")
             yield Button("New (d)", id="new-download", compact=True)
             yield Button("Stop (x)", id="stop-download", compact=True, variant="error")
-        yield DataTable(id="download-table", cursor_type="row", zebra_stripes=True)
+        yield RowTable(*COLUMNS, id="download-table")
         yield Static("", id="download-detail")
 
     def on_mount(self) -> None:
-        self.query_one("#download-table", DataTable).add_columns(*COLUMNS)
         self.watch(self.app, "downloads", self.show)
 
     def show(self, rows: list[dict]) -> None:
-        table = self.query_one("#download-table", DataTable)
+        table = self.query_one("#download-table", RowTable)
         sync_table(table, [(str(r["id"]), download_cells(r)) for r in rows])
         detail = self.query_one("#download-detail", Static)
         if not rows:
@@ -78,22 +78,19 @@ class DownloadsPane(Vertical):
             detail.update(Text(text, style="red" if row.get("error") else "dim"))
 
     def selected(self) -> dict | None:
-        table = self.query_one("#download-table", DataTable)
-        if not table.row_count or table.cursor_row is None:
-            return None
-        key = table.coordinate_to_cell_key((table.cursor_row, 0)).row_key.value
+        key = self.query_one("#download-table", RowTable).cursor_key
         return next((r for r in self.app.downloads if str(r["id"]) == key), None)
 
-    def on_data_table_row_highlighted(self, _event) -> None:
+    def on_row_table_row_highlighted(self, _event) -> None:
         self.show(self.app.downloads)
 
     @on(Button.Pressed, "#new-download")
-    def _new(self) -> None:
-        self.app.action_new_download()
+    async def _new(self) -> None:
+        await self.app.run_action("new_download")
 
     @on(Button.Pressed, "#stop-download")
-    def _stop(self) -> None:
-        self.app.action_stop_download()
+    async def _stop(self) -> None:
+        await self.app.run_action("stop_download")
 
 
 class RepoId(Validator):

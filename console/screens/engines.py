@@ -11,11 +11,12 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, DataTable, Input, Label, Select, Static
+from textual.widgets import Button, Input, Label, Select, Static
 
 from ddtree.console import fmt
 from ddtree.console.widgets.logview import LogView
-from ddtree.console.widgets.tables import selected_key, sync_table
+from ddtree.console.widgets.rowtable import RowTable
+from ddtree.console.widgets.tables import sync_table
 
 COLUMNS = ("JOB", "KIND", "MODEL", "ALGO", "BUDGET", "GPUS", "PORT", "HEALTH", "UPTIME", "STATE")
 
@@ -63,14 +64,13 @@ class EnginesPane(Vertical):
             yield Static("Engines", classes="pane-title grow")
             yield Button("New (n)", id="new-engine", compact=True)
             yield Button("Stop (x)", id="stop-engine", compact=True, variant="error")
-        yield DataTable(id="engine-table", cursor_type="row", zebra_stripes=True)
+        yield RowTable(*COLUMNS, id="engine-table")
         with Horizontal(classes="pane-bar"):
             yield Static("Log", id="log-title", classes="pane-title grow")
             yield Input(placeholder="search the log", id="log-search", compact=True)
         yield LogView(id="engine-log")
 
     def on_mount(self) -> None:
-        self.query_one("#engine-table", DataTable).add_columns(*COLUMNS)
         self.query_one("#log-search", Input).display = False
         self.follow, self.wrap = True, False
         self.watch(self.app, "engines", self.show)
@@ -79,12 +79,12 @@ class EnginesPane(Vertical):
     def show(self, engines) -> None:
         rows, health = engines
         now = self.app.clock()
-        table = self.query_one("#engine-table", DataTable)
+        table = self.query_one("#engine-table", RowTable)
         sync_table(table, [(str(r["id"]), engine_cells(r, health.get(r["id"]), now)) for r in rows])
         self._open_selected()
 
     def selected(self) -> dict | None:
-        key = selected_key(self.query_one("#engine-table", DataTable))
+        key = self.query_one("#engine-table", RowTable).cursor_key
         return next((r for r in self.app.engines[0] if str(r["id"]) == key), None)
 
     def _open_selected(self) -> None:
@@ -108,7 +108,7 @@ class EnginesPane(Vertical):
         if self.display and self.app.current_pane == "engines":
             self.query_one("#engine-log", LogView).poll()
 
-    def on_data_table_row_highlighted(self, _event) -> None:
+    def on_row_table_row_highlighted(self, _event) -> None:
         self._open_selected()
 
     def toggle_follow(self) -> None:
@@ -135,15 +135,15 @@ class EnginesPane(Vertical):
     def _search_done(self, event: Input.Submitted) -> None:
         if not event.value:
             event.input.display = False
-        self.query_one("#engine-table", DataTable).focus()
+        self.query_one("#engine-table", RowTable).focus()
 
     @on(Button.Pressed, "#new-engine")
-    def _new(self) -> None:
-        self.app.action_new_engine()
+    async def _new(self) -> None:
+        await self.app.run_action("new_engine")
 
     @on(Button.Pressed, "#stop-engine")
-    def _stop(self) -> None:
-        self.app.action_stop_engine()
+    async def _stop(self) -> None:
+        await self.app.run_action("stop_engine")
 
 
 class EngineForm(ModalScreen[dict | None]):

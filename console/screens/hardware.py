@@ -6,8 +6,9 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.validation import Integer
-from textual.widgets import DataTable, Input, Label, Static
+from textual.widgets import Input, Label, Static
 
+from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.tables import fmt_bytes, sync_table
 
 GPU_COLUMNS = ("GPU", "NAME", "MEMORY", "UTIL", "TEMP", "POWER", "PCIE", "NUMA", "PROCS")
@@ -106,7 +107,7 @@ class HardwarePane(VerticalScroll):
     def compose(self) -> ComposeResult:
         yield Static("", id="gpu-reason")
         yield Static("GPUs", classes="pane-title")
-        yield DataTable(id="gpus", cursor_type="row", zebra_stripes=True)
+        yield RowTable(*GPU_COLUMNS, id="gpus")
         yield Static("Links", classes="pane-title")
         yield Static("", id="links")
         yield Static("NUMA", classes="pane-title")
@@ -119,7 +120,6 @@ class HardwarePane(VerticalScroll):
         yield Static("", id="placements")
 
     def on_mount(self) -> None:
-        self.query_one("#gpus", DataTable).add_columns(*GPU_COLUMNS)
         self.watch(self.app, "hardware", self.show)
 
     def show(self, hardware) -> None:
@@ -133,7 +133,7 @@ class HardwarePane(VerticalScroll):
         else:
             reason.update(Text(f"driver {view.driver_version or '?'}, CUDA {view.cuda_driver_version or '?'}, "
                                f"{len(view.gpus)} GPU(s)", style="dim"))
-        sync_table(self.query_one("#gpus", DataTable), gpu_rows(view) if view is not None else [])
+        sync_table(self.query_one("#gpus", RowTable), gpu_rows(view) if view is not None else [])
         self.query_one("#links", Static).update(link_matrix(view) if view is not None else "")
         self.query_one("#numa", Static).update(numa_text(view, host))
         self._place()

@@ -15,12 +15,14 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, DataTable, Input, Label, Select, Static
+from textual.widgets import Button, Input, Label, Select, Static
+from textual.worker import get_current_worker
 
 from ddtree.console import fmt
 from ddtree.console.screens.sweeps import budget_curves, tau_of
 from ddtree.console.widgets.chart import COLORS, LineChart
-from ddtree.console.widgets.tables import fmt_num, selected_key, sync_table
+from ddtree.console.widgets.rowtable import RowTable
+from ddtree.console.widgets.tables import fmt_num
 
 COLUMNS = ("ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "BEST TOK/S", "CREATED")
 #: Rows shown at once; the filter narrows the rest.
@@ -35,8 +37,10 @@ def load_runs(db, text: str = "", sort: int = 0, limit: int = PAGE) -> tuple[lis
     recipe), sorted by SORTS[sort]; and how many match in all."""
     where, params = "", []
     if text.strip():
-        like = f"%{text.strip().lower()}%"
-        where = "WHERE " + " OR ".join(f"lower(coalesce({c}, '')) LIKE ?" for c in _FILTER_COLS)
+        # LIKE folds ASCII case itself (as lower() does: neither folds other letters) and a NULL
+        # column simply does not match, so the columns go to LIKE bare: half the work per row.
+        like = "%" + text.strip().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        where = "WHERE " + " OR ".join(f"{c} LIKE ? ESCAPE '\\'" for c in _FILTER_COLS)
         params = [like] * len(_FILTER_COLS)
     sql = ("SELECT r.id, r.name, r.engine_kind, r.model, r.state, r.points_total, r.created_at, "
            "(SELECT count(*) FROM points p WHERE p.run_id = r.id AND p.state = 'done') AS points_done, "
@@ -77,28 +81,38 @@ class HistoryPane(Vertical):
             yield Input(placeholder="filter: name, model, engine, state…", id="history-filter", compact=True)
             yield Button("Compare (c)", id="compare", compact=True)
             yield Button("Export (e)", id="export", compact=True)
-        yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)
+        yield RowTable(*COLUMNS, id="runs")
 
     def on_mount(self) -> None:
-        self.query_one("#runs", DataTable).add_columns(*COLUMNS)
         self.sort = 0
         self.marked: set[int] = set()
         self.rows: list[dict] = []
         self.total = 0
+        self._asked = 0  # the newest request; older answers are dropped
         self.watch(self.app, "runs_signature", lambda _sig: self.reload())
 
     def reload(self) -> None:
-        self._load(self.query_one("#history-filter", Input).value, self.sort)
+        self._asked += 1
+        self._load(self._asked, self.query_one("#history-filter", Input).value, self.sort)
 
     @work(thread=True, exclusive=True, group="history", exit_on_error=False)
-    def _load(self, text: str, sort: int) -> None:
-        rows, total = load_runs(self.app.reader(), text, sort)
-        self.app.call_from_thread(self.show, rows, total)
+    def _load(self, request: int, text: str, sort: int) -> None:
+        with self.app.reading() as db:
+            # Typing queues one request per key; only the newest is worth a scan.
+            if request != self._asked or get_current_worker().is_cancelled:
+                return
+            rows, total = load_runs(db, text, sort)
+        if request == self._asked:
+            self.app.call_from_thread(self._answer, request, rows, total)
+
+    def _answer(self, request: int, rows: list[dict], total: int) -> None:
+        if request == self._asked:
+            self.show(rows, total)
 
     def show(self, rows: list[dict], total: int) -> None:
         self.rows, self.total = rows, total
-        sync_table(self.query_one("#runs", DataTable), [(str(r["id"]), run_cells(r, r["id"] in self.marked))
-                                                          for r in rows])
+        self.query_one("#runs", RowTable).set_rows([(str(r["id"]), run_cells(r, r["id"] in self.marked))
+                                                    for r in rows])
         shown = f"{len(rows)} of {total}" if total > len(rows) else str(total)
         sel = f", {len(self.marked)} selected" if self.marked else ""
         self.query_one("#history-title", Static).update(
@@ -110,7 +124,7 @@ class HistoryPane(Vertical):
 
     @on(Input.Submitted, "#history-filter")
     def _filter_done(self, _event) -> None:
-        self.query_one("#runs", DataTable).focus()
+        self.query_one("#runs", RowTable).focus()
 
     def focus_filter(self) -> None:
         self.query_one("#history-filter", Input).focus()
@@ -120,7 +134,7 @@ class HistoryPane(Vertical):
         self.reload()
 
     def current(self) -> int | None:
-        key = selected_key(self.query_one("#runs", DataTable))
+        key = self.query_one("#runs", RowTable).cursor_key
         return int(key) if key is not None else None
 
     def toggle_mark(self) -> None:
@@ -129,21 +143,21 @@ class HistoryPane(Vertical):
             return
         self.marked ^= {run_id}
         self.show(self.rows, self.total)
-        table = self.query_one("#runs", DataTable)
-        if table.cursor_row is not None and table.cursor_row < table.row_count - 1:
+        table = self.query_one("#runs", RowTable)
+        if table.cursor_row < table.row_count - 1:
             table.move_cursor(row=table.cursor_row + 1)
 
-    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        if event.data_table.id == "runs":
-            self.toggle_mark()
+    @on(RowTable.RowSelected, "#runs")
+    def _selected(self) -> None:
+        self.toggle_mark()
 
     @on(Button.Pressed, "#compare")
-    def _compare(self) -> None:
-        self.app.action_history_compare()
+    async def _compare(self) -> None:
+        await self.app.run_action("history_compare")
 
     @on(Button.Pressed, "#export")
-    def _export(self) -> None:
-        self.app.action_history_export()
+    async def _export(self) -> None:
+        await self.app.run_action("history_export")
 
 
 # -- comparing runs ------------------------------------------------------------------------------
@@ -257,6 +271,14 @@ def compare_tables(runs: list, points: dict[int, list]) -> tuple[Text, Text, str
 
 class CompareScreen(ModalScreen[None]):
     """Two or more runs side by side."""
+
+    # Opaque: behind a translucent backdrop Textual draws the whole screen below again, at every
+    # refresh, for a dialog that covers it all anyway.
+    DEFAULT_CSS = """
+    CompareScreen {
+        background: $background;
+    }
+    """
 
     BINDINGS = [Binding("escape,q", "close", "Close", id="compare_close")]
 

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.widgets import DataTable, Static
+from textual.widgets import Static
 
 from ddtree.console import fmt
+from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.tables import bar, fmt_bytes, sparkline, sync_table
-from ddtree.store.records import Job
+
+if TYPE_CHECKING:  # the store imports sqlite-utils, which the first frame does without
+    from ddtree.store.records import Job
 
 JOB_COLUMNS = ("ID", "KIND", "NAME", "STATE", "PROGRESS", "TOOK", "INFO")
 STATE_STYLE = {"running": "green", "starting": "yellow", "queued": "yellow", "failed": "red", "lost": "red",
@@ -81,14 +85,13 @@ class OverviewPane(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static("Jobs", classes="pane-title")
-        yield DataTable(id="jobs", cursor_type="row", zebra_stripes=True)
+        yield RowTable(*JOB_COLUMNS, id="jobs")
         yield Static("GPUs", classes="pane-title")
         yield Static("No GPU: no sample yet", id="gpu-strip")
         yield Static("Disks", classes="pane-title")
         yield Static("disks: reading…", id="disks")
 
     def on_mount(self) -> None:
-        self.query_one("#jobs", DataTable).add_columns(*JOB_COLUMNS)
         self.watch(self.app, "snapshot", self.show_jobs)
         self.watch(self.app, "gpu_tick", self.show_gpus)
         self.watch(self.app, "host", self.show_disks)
@@ -101,7 +104,7 @@ class OverviewPane(Vertical):
         for job in snapshot.jobs:
             cells = job_cells(job, now)
             rows.append((str(job.id), cells[:3] + (Text(cells[3], style=STATE_STYLE.get(job.state, "")),) + cells[4:]))
-        sync_table(self.query_one("#jobs", DataTable), rows)
+        sync_table(self.query_one("#jobs", RowTable), rows)
 
     def show_gpus(self, _tick: int) -> None:
         app = self.app

@@ -14,9 +14,10 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, DataTable, Input, Label, Static
+from textual.widgets import Button, Input, Label, Static
 
 from ddtree.console.widgets.chart import COLORS, LineChart, Series
+from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.tables import fmt_num, sync_table
 
 POINT_COLUMNS = ("#", "ALGO", "BUDGET", "C", "TP", "STATE", "TOK/S", "TAU", "xAR", "xDFLASH", "E2E p50", "NOTE")
@@ -123,10 +124,9 @@ class SweepsPane(Vertical):
             yield LineChart("tau", x_label="budget", id="tau-chart", empty="waiting for the first point…")
             yield LineChart("output tok/s", x_label="budget", id="toks-chart", empty="waiting for the first point…")
         yield Static("", id="best")
-        yield DataTable(id="points", cursor_type="row", zebra_stripes=True)
+        yield RowTable(*POINT_COLUMNS, id="points")
 
     def on_mount(self) -> None:
-        self.query_one("#points", DataTable).add_columns(*POINT_COLUMNS)
         self.watch(self.app, "points", self.show)
         self.watch(self.app, "snapshot", self.show_title)
 
@@ -151,16 +151,16 @@ class SweepsPane(Vertical):
             text.append(("\n" if best else "") + f"{len(failed)} point(s) failed: {failed[-1].error or '?'}"[:200],
                         style="red")
         self.query_one("#best", Static).update(text)
-        sync_table(self.query_one("#points", DataTable), [(str(p.id), point_cells(p)) for p in rows])
+        sync_table(self.query_one("#points", RowTable), [(str(p.id), point_cells(p)) for p in rows])
         self.show_title(None)
 
     @on(Button.Pressed, "#new-sweep")
-    def _new(self) -> None:
-        self.app.action_new_sweep()
+    async def _new(self) -> None:
+        await self.app.run_action("new_sweep")
 
     @on(Button.Pressed, "#stop-sweep")
-    def _stop(self) -> None:
-        self.app.action_stop_sweep()
+    async def _stop(self) -> None:
+        await self.app.run_action("stop_sweep")
 
 
 def _ints(text: str) -> list[int]:

@@ -3,36 +3,20 @@
 from __future__ import annotations
 
 from rich.text import Text
-from textual.widgets import DataTable
+
+from ddtree.console.widgets.rowtable import RowTable
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
 
-def sync_table(table: DataTable, rows: list[tuple[str, tuple]]) -> None:
-    """Make `table` show `rows` (key, cells), changing only cells that differ and keeping the
+def sync_table(table: RowTable, rows: list[tuple[str, tuple]]) -> None:
+    """Make `table` show `rows` (key, cells), redrawing only rows that changed and keeping the
     cursor on the same key, so a poll does not redraw the whole table."""
-    keys = [key for key, _ in rows]
-    current = [row_key.value for row_key in table.rows]
-    if keys == current:
-        for key, cells in rows:
-            for column_key, value in zip(table.columns, cells):
-                if table.get_cell(key, column_key) != value:
-                    table.update_cell(key, column_key, value)
-        return
-    selected = None
-    if table.row_count and table.cursor_row is not None and 0 <= table.cursor_row < table.row_count:
-        selected = current[table.cursor_row]
-    table.clear()
-    for key, cells in rows:
-        table.add_row(*cells, key=key)
-    if selected in keys:
-        table.move_cursor(row=keys.index(selected))
+    table.set_rows(rows)
 
 
-def selected_key(table: DataTable) -> str | None:
-    if not table.row_count or table.cursor_row is None or not 0 <= table.cursor_row < table.row_count:
-        return None
-    return table.coordinate_to_cell_key((table.cursor_row, 0)).row_key.value
+def selected_key(table: RowTable) -> str | None:
+    return table.cursor_key
 
 
 def bar(fraction: float | None, width: int = 12) -> Text:

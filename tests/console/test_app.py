@@ -55,6 +55,8 @@ async def test_shows_jobs_and_runs_and_follows_changes(db_path):
     async with app.run_test(size=(140, 40)) as pilot:
         await until(pilot, lambda: app.last_snapshot is not None)
         assert rows(app, "jobs") == [[str(done), "sleep", "nap", "failed", "-", "0s", "it broke"]]
+        await pilot.press("6")  # panes are built on their first visit
+        await until(pilot, lambda: rows(app, "runs"))
         (run_row,) = rows(app, "runs")
         assert run_row[:6] == [str(run_id), "k26-sweep", "sglang", "moonshotai/Kimi-K2.6", "running", "1/4"]
         assert "1 jobs (0 active), 1 runs" in status(app)
@@ -63,6 +65,7 @@ async def test_shows_jobs_and_runs_and_follows_changes(db_path):
             new = create_job(db, "shell", {"argv": ["true"]})
             update_row(db, "jobs", new, {"progress_done": 1, "progress_total": 4, "progress_message": "warming up"})
             insert_row(db, "points", {"run_id": run_id, "state": "done"})
+        await pilot.press("1")
         await until(pilot, lambda: len(rows(app, "jobs")) == 2)
         assert rows(app, "jobs")[0][:5] == [str(new), "shell", "-", "queued", "25%"]
         assert rows(app, "jobs")[0][6] == "warming up"
