@@ -1,17 +1,23 @@
-"""Benchmark the builtin server: throughput and TTFT at several concurrencies, ar vs dflash vs ddtree.
+"""Benchmark the builtin server: throughput and TTFT at several concurrencies, ar vs dflash vs
+ddtree, with batched rounds (--batch) against one request per forward (--no-batch).
 
     .venv/bin/python bench/bench_server.py [--model DIR --draft DIR] [--concurrency 1,4,8]
-        [--budgets 4,8,16,32] [--num-prompts 16] [--max-new-tokens 64] [--out FILE.json]
+        [--budgets 4,8,16,32] [--num-prompts 16] [--max-new-tokens 64] [--threads 1] [--out FILE.json]
 
-1. Starts `python -m ddtree.engine.reference.server` (the demo pair by default; a tiny random pair
-   when the demo pair is not there yet) on a free port.
-2. At concurrency 1 sweeps the DDTree budget and keeps the best by output tokens/s.
-3. At each concurrency runs ar, dflash and ddtree@best side by side (same prompts, same server,
-   warm-up left out): output tok/s, TTFT p50/p99, tau, and the ratio to ar at that concurrency.
-4. Stops the server, then measures in-process whether batching verification across requests would
-   pay on this device: one target forward over k sequences of (budget+1) tokens against k forwards
-   of one sequence, with a context of --context tokens each; and what share of a DDTree round the
-   verify forward is (the most batching it could save).
+1. Starts two `python -m ddtree.engine.reference.server` processes on free ports, one with
+   --batch and one with --no-batch (the demo pair by default; when it is not there yet, a random
+   pair of the demo's shape: Qwen3 hidden 256, 8 layers, vocab 4096, 2-layer drafter, block 16).
+   Only one of them works at a time.
+2. At concurrency 1 sweeps the DDTree budget (on the batching server) and keeps the best by
+   output tokens/s.
+3. At each concurrency runs ar, dflash and ddtree@best on both servers, back to back in an order
+   that alternates (same prompts, warm-up left out): output tok/s, TTFT p50/p99, tau, the ratio to
+   ar at that concurrency, and the ratio batched / not batched.
+4. Stops the servers, then measures in-process (a) one target forward over k sequences of
+   (budget+1) tokens against k forwards of one sequence, with a context of --context tokens each;
+   (b) whole generations of k sessions stepped with Engine.step_many against the same k sessions
+   stepped one by one, interleaved, medians of --repeats/3 (at least 3); (c) what share of a DDTree round the
+   verify forward is.
 
 Results print as tables and go to --out as JSON. Numbers are medians of --repeats timings.
 """
@@ -42,18 +48,22 @@ def resolve_pair(args: argparse.Namespace, workdir: Path) -> tuple[str, str, str
         if Path(target).is_dir() and Path(drafter).is_dir():
             return str(target), str(drafter), "demo"
     except Exception as exc:  # the demo pair may not exist yet on this checkout
-        print(f"demo pair unavailable ({type(exc).__name__}: {exc}); using a tiny random pair", file=sys.stderr)
+        print(f"demo pair unavailable ({type(exc).__name__}: {exc}); using a random pair of its shape",
+              file=sys.stderr)
     sys.path.insert(0, str(ROOT))
     from tests.server.conftest import build_tiny_pair
 
-    target, drafter = build_tiny_pair(workdir / "tiny-pair")
-    return str(target), str(drafter), "tiny-random"
+    # The demo recipe's shapes (engine/reference/train_demo.py), random weights.
+    target, drafter = build_tiny_pair(workdir / "demo-shaped-pair", hidden=256, layers=8, intermediate=768,
+                                      heads=4, block_size=16, model_vocab=4096, draft_layers=2)
+    return str(target), str(drafter), "random, demo-shaped"
 
 
 def start_server(model: str, draft: str, max_running: int, log_path: Path,
-                 threads: int | None) -> tuple[subprocess.Popen, str]:
+                 threads: int | None, batch: bool = True) -> tuple[subprocess.Popen, str]:
     argv = [sys.executable, "-m", "ddtree.engine.reference.server", "--model", model, "--draft", draft,
-            "--port", "0", "--max-running-requests", str(max_running), "--max-queued-requests", str(4 * max_running)]
+            "--port", "0", "--max-running-requests", str(max_running), "--max-queued-requests", str(4 * max_running),
+            "--batch" if batch else "--no-batch"]
     if threads:
         argv += ["--threads", str(threads)]
     log = open(log_path, "wb")
@@ -91,7 +101,8 @@ def point(url: str, prompts, warm, concurrency: int, max_new_tokens: int, specul
                                   "itl_p50", "e2e_p50", "tau_mean", "tau_weighted")}
 
 
-def serving_bench(args: argparse.Namespace, url: str) -> dict:
+def serving_bench(args: argparse.Namespace, urls: dict[str, str]) -> dict:
+    """urls: {"batch": URL, "no-batch": URL}."""
     from ddtree.engine.prompts import load_prompts
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -100,26 +111,40 @@ def serving_bench(args: argparse.Namespace, url: str) -> dict:
     sweep_prompts = load_prompts(args.dataset, args.num_prompts // 2 or 1, seed=1)
     warm = load_prompts(args.dataset, 2, seed=1, offset=1000)
     for budget in budgets:
-        out["budget_sweep"][budget] = point(url, sweep_prompts, warm, 1, args.max_new_tokens,
+        out["budget_sweep"][budget] = point(urls["batch"], sweep_prompts, warm, 1, args.max_new_tokens,
                                             {"algorithm": "ddtree", "budget": budget})
         print(f"  budget {budget:4d}: {out['budget_sweep'][budget]['output_tok_s']:.1f} tok/s, "
               f"tau {out['budget_sweep'][budget]['tau_weighted']}", flush=True)
     best = max(budgets, key=lambda b: out["budget_sweep"][b]["output_tok_s"] or 0.0)
     out["best_budget"] = best
+    modes = list(urls)
+    flip = 0
     for c in concurrencies:
         prompts = load_prompts(args.dataset, max(args.num_prompts, 2 * c), seed=0)
         warm = load_prompts(args.dataset, min(c, 4), seed=0, offset=1000)
-        row = {}
+        row: dict[str, dict] = {}
         for name, spec in (("ar", {"algorithm": "ar"}), ("dflash", {"algorithm": "dflash"}),
                            (f"ddtree@{best}", {"algorithm": "ddtree", "budget": best})):
-            row[name] = point(url, prompts, warm, c, args.max_new_tokens, spec)
-        ar = row["ar"]["output_tok_s"] or float("nan")
-        for name, m in row.items():
-            m["speedup_vs_ar"] = (m["output_tok_s"] or 0.0) / ar
-            out["points"].append({"concurrency": c, "algorithm": name, **m})
-            print(f"  c={c:3d} {name:12s} {m['output_tok_s']:8.1f} tok/s  x{m['speedup_vs_ar']:.2f} vs ar  "
-                  f"ttft p50 {1000 * (m['ttft_p50'] or 0):7.1f} ms  p99 {1000 * (m['ttft_p99'] or 0):7.1f} ms  "
-                  f"tau {m['tau_weighted']}", flush=True)
+            # Alternate which server goes first, so drift in machine load hits both alike.
+            order = modes if flip % 2 == 0 else modes[::-1]
+            flip += 1
+            for mode in order:
+                row[(name, mode)] = point(urls[mode], prompts, warm, c, args.max_new_tokens, spec)
+        for mode in modes:
+            ar = row[("ar", mode)]["output_tok_s"] or float("nan")
+            for name in ("ar", "dflash", f"ddtree@{best}"):
+                row[(name, mode)]["speedup_vs_ar"] = (row[(name, mode)]["output_tok_s"] or 0.0) / ar
+        for name in ("ar", "dflash", f"ddtree@{best}"):
+            on, off = row[(name, "batch")], row[(name, "no-batch")]
+            gain = (on["output_tok_s"] or 0.0) / (off["output_tok_s"] or float("nan"))
+            for mode in modes:
+                out["points"].append({"concurrency": c, "algorithm": name, "batch": mode == "batch",
+                                      **row[(name, mode)], "batch_gain": gain})
+            print(f"  c={c:3d} {name:12s} batch {on['output_tok_s']:8.1f} tok/s  no-batch {off['output_tok_s']:8.1f}"
+                  f" tok/s  -> x{gain:.2f}   ttft p50 {1000 * (on['ttft_p50'] or 0):7.1f} / "
+                  f"{1000 * (off['ttft_p50'] or 0):7.1f} ms  p99 {1000 * (on['ttft_p99'] or 0):7.1f} / "
+                  f"{1000 * (off['ttft_p99'] or 0):7.1f} ms  x{on['speedup_vs_ar']:.2f} vs ar (batched)  "
+                  f"tau {on['tau_weighted']}", flush=True)
     return out
 
 
@@ -179,6 +204,9 @@ def batching_bench(args: argparse.Namespace, model: str, draft: str, budget: int
         rows.append(row)
         print(f"  verify k={k}: one batched forward {row['batched_ms']:7.2f} ms vs {k} single forwards "
               f"{row['k_singles_ms']:7.2f} ms -> x{row['gain']:.2f} (median of {args.repeats})", flush=True)
+    rounds = []
+    for k in (2, 4, 8):
+        rounds.append(step_many_bench(engine, args, budget, k))
     prompt = load_prompts(args.dataset, 1, seed=0)[0].text
     ids = list(engine.tokenizer.encode(prompt))
     engine.generate(ids, GenParams(max_new_tokens=8), SpecParams("ddtree", budget))
@@ -188,8 +216,50 @@ def batching_bench(args: argparse.Namespace, model: str, draft: str, budget: int
     total = sum(res.timings.values()) or 1.0
     shares = {k: v / total for k, v in res.timings.items()}
     print("  DDTree round time shares: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items()), flush=True)
-    return {"context": ctx, "tokens_per_request": q, "verify": rows, "round_shares": shares,
+    return {"context": ctx, "tokens_per_request": q, "verify": rows, "step_many": rounds, "round_shares": shares,
             "torch_threads": torch.get_num_threads()}
+
+
+def step_many_bench(engine, args: argparse.Namespace, budget: int, k: int) -> dict:
+    """k requests of different prompts decoded to the end: Engine.step_many vs one step at a time."""
+    from ddtree.engine.prompts import load_prompts
+    from ddtree.engine.reference.engine import GenParams, SpecParams
+
+    prompts = [list(engine.tokenizer.encode(p.text)) for p in load_prompts(args.dataset, k, seed=k)]
+    gen = GenParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    out: dict = {"k": k}
+    for name, spec in (("ar", SpecParams("ar")), (f"ddtree@{budget}", SpecParams("ddtree", budget))):
+
+        def run(batched: bool) -> tuple[float, list[list[int]]]:
+            sessions = [engine.start(p, gen, spec) for p in prompts]
+            t0 = time.perf_counter()
+            while not all(s.done for s in sessions):
+                live = [s for s in sessions if not s.done]
+                if batched:
+                    engine.step_many(live)
+                else:
+                    for s in live:
+                        s.step()
+            return time.perf_counter() - t0, [s.output_ids for s in sessions]
+
+        run(True), run(False)  # warm-up
+        ratios, on_t, off_t, same = [], [], [], True
+        for i in range(max(3, args.repeats // 3)):
+            first = i % 2 == 0
+            a_t, a_ids = run(first)
+            b_t, b_ids = run(not first)
+            on, off = (a_t, b_t) if first else (b_t, a_t)
+            same &= a_ids == b_ids
+            on_t.append(on)
+            off_t.append(off)
+            ratios.append(off / on)
+        tokens = k * args.max_new_tokens
+        row = {"batched_tok_s": tokens / statistics.median(on_t), "serial_tok_s": tokens / statistics.median(off_t),
+               "gain": statistics.median(ratios), "identical_outputs": same}
+        out[name] = row
+        print(f"  step_many k={k} {name:10s}: {row['batched_tok_s']:7.1f} tok/s batched vs {row['serial_tok_s']:7.1f} "
+              f"one by one -> x{row['gain']:.2f} (median of {len(ratios)}; outputs identical: {same})", flush=True)
+    return out
 
 
 def main() -> int:
@@ -220,13 +290,19 @@ def main() -> int:
     print(f"pair: {kind} ({model}, {draft})", flush=True)
     best = int(args.budgets.split(",")[0])
     if not args.skip_serving:
-        proc, url = start_server(model, draft, max(int(c) for c in args.concurrency.split(",")),
-                                 workdir / "server.log", args.threads)
+        max_running = max(int(c) for c in args.concurrency.split(","))
+        procs = []
         try:
-            report["serving"] = serving_bench(args, url)
+            urls = {}
+            for mode in ("batch", "no-batch"):
+                proc, urls[mode] = start_server(model, draft, max_running, workdir / f"server-{mode}.log",
+                                                args.threads, batch=mode == "batch")
+                procs.append(proc)
+            report["serving"] = serving_bench(args, urls)
             best = report["serving"]["best_budget"]
         finally:
-            stop_server(proc)
+            for proc in procs:
+                stop_server(proc)
     print("batching verification across requests:", flush=True)
     report["batching"] = batching_bench(args, model, draft, best)
     report["load_avg_end"] = os.getloadavg()

@@ -3,7 +3,9 @@
     engine = Engine.load("assets/demo/target", "assets/demo/drafter")
     result = engine.generate(ids, GenParams(max_new_tokens=64), SpecParams("ddtree", budget=32))
 
-A server interleaves requests by calling `Session.step()` on each in turn from one thread.
+A server interleaves requests round by round from one thread: `Session.step()` on each in turn, or
+`engine.step_many(sessions)`, which runs the same rounds with one drafter and one target forward
+for all of them (batch.py).
 """
 
 from __future__ import annotations

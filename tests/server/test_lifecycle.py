@@ -56,10 +56,10 @@ def test_bad_model_directory_is_a_clean_error(tmp_path):
 
 
 def test_batch_flag():
-    from ddtree.engine.reference.server import build_parser, default_batch
+    from ddtree.engine.reference.server import DEFAULT_BATCH, build_parser
 
     parser = build_parser()
     assert parser.parse_args([]).batch is None
     assert parser.parse_args(["--batch"]).batch is True
     assert parser.parse_args(["--no-batch"]).batch is False
-    assert default_batch("cuda:0") is True
+    assert DEFAULT_BATCH is True
