@@ -95,6 +95,27 @@ def test_batched_against_plain_ar_with_a_branching_oracle():
     assert oracle.batched_calls > 0
 
 
+def test_steady_batches_reuse_the_previous_batched_cache(monkeypatch):
+    """Same sessions in the same order: the stacked caches are the last round's tensors, no copy."""
+    model = make_target(15)
+    engine = Engine(model, make_drafter(model, block_size=8))
+    jobs = [(p, GenParams(max_new_tokens=30, ignore_eos=True), s)
+            for p, s in zip(_prompts([6, 21, 13], 15), (SpecParams("ddtree", 16), SpecParams("dflash"), SpecParams("ar")))]
+    serial = [engine.generate(*job).output_ids for job in jobs]
+    hits = []
+    shared = batch._shared_base
+
+    def recording(tensors, width):
+        base = shared(tensors, width)
+        hits.append(base is not None)
+        return base
+
+    monkeypatch.setattr(batch, "_shared_base", recording)
+    sessions = _run_batched(engine, jobs, join_every=1)
+    assert [s.output_ids for s in sessions] == serial
+    assert any(hits) and not all(hits)
+
+
 def test_seeded_sampling_is_the_same_batched_or_alone():
     model = make_target(11)
     engine = Engine(model, make_drafter(model, block_size=8))
