@@ -35,6 +35,7 @@ LINK_MEANING = {
 }
 _NVML_MAX_LINKS = 18  # probing stops at the first link index NVML rejects
 _CLOCK_SM, _CLOCK_MEM, _TEMPERATURE_GPU = 1, 2, 0
+_P2P_CAPS_INDEX_NVLINK, _P2P_STATUS_OK = 2, 0  # pynvml NVML_P2P_CAPS_INDEX_NVLINK, NVML_P2P_STATUS_OK
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,38 @@ class GpuView:
             reason=data.get("reason"),
             at=float(data.get("at") or 0.0),
         )
+
+
+def nvlink_counts(gpus: list[GpuInfo], p2p: Any = None) -> list[list[int]]:
+    """Active NVLinks between each pair of GPUs (symmetric, 0 where none).
+
+    A link whose far end is another GPU counts for that pair. A link whose far end is not a GPU
+    (an NVSwitch: NVML reports its bus id as FFFFFFFF:FF:FF.0 on HGX boards) joins every GPU with
+    such links, as `nvidia-smi topo -m` shows them (NV18 between any two H200s of one HGX board);
+    `p2p(i, j)`, when given and answering, vetoes pairs whose NVLink peer access is not OK.
+    """
+    n = len(gpus)
+    by_bus = {(g.bus_id or "").upper(): k for k, g in enumerate(gpus)}
+    direct = [[0] * n for _ in range(n)]
+    switched = [0] * n
+    for k, g in enumerate(gpus):
+        for link in g.nvlinks:
+            if not link.active:
+                continue
+            peer = by_bus.get((link.remote_bus_id or "").upper())
+            if peer is None:
+                switched[k] += 1
+            elif peer != k:
+                direct[k][peer] += 1
+    counts = [[0] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1, n):
+            count = max(direct[i][j], direct[j][i])
+            if not count and switched[i] and switched[j]:
+                ok = p2p(i, j) if p2p is not None else None
+                count = min(switched[i], switched[j]) if ok is not False else 0
+            counts[i][j] = counts[j][i] = count
+    return counts
 
 
 def link_rank(level: str) -> tuple[int, int]:
@@ -331,11 +364,27 @@ class Nvml:
                     pass
         if node is not None and node < 0:
             node, node_reason = None, "the platform reports no NUMA node"
+        if node is None and cpus:
+            # VMs often hide the device's node (-1) while its CPUs all sit in one node; that node is
+            # what `nvidia-smi topo -m` prints as the GPU's NUMA affinity.
+            inferred = self._node_holding(cpus)
+            if inferred is not None:
+                node, node_reason = inferred, None
         if node_reason:
             gpu.unavailable["numa_node"] = node_reason
         if mask_reason:
             gpu.unavailable["cpu_affinity"] = mask_reason
         return node, cpus
+
+    def _node_holding(self, cpus: list[int]) -> int | None:
+        wanted = set(cpus)
+        for entry in sorted((self._sys_root / "devices/system/node").glob("node[0-9]*")):
+            try:
+                if wanted <= set(parse_cpulist((entry / "cpulist").read_text())):
+                    return int(entry.name[4:])
+            except (OSError, ValueError):
+                continue
+        return None
 
     def _nvlinks(self, handle: Any) -> list[NvLink]:
         links = []
@@ -356,19 +405,19 @@ class Nvml:
             return self._links
         n = self.count
         static = [self.static_info(i) for i in range(n)]
-        by_bus = {(g.bus_id or "").upper(): g.index for g in static}
-        nv_count = [[0] * n for _ in range(n)]
-        for g in static:
-            for link in g.nvlinks:
-                peer = by_bus.get((link.remote_bus_id or "").upper())
-                if link.active and peer is not None and peer != g.index:
-                    nv_count[g.index][peer] += 1
+
+        def nvlink_p2p(i: int, j: int) -> bool | None:
+            value, reason = self.query(
+                "nvmlDeviceGetP2PStatus", self._handles[i], self._handles[j], _P2P_CAPS_INDEX_NVLINK
+            )
+            return None if reason else value == _P2P_STATUS_OK
+
+        nv = nvlink_counts(static, nvlink_p2p)
         matrix = [["X"] * n for _ in range(n)]
         for i in range(n):
             for j in range(i + 1, n):
-                nv = max(nv_count[i][j], nv_count[j][i])
-                if nv:
-                    level = f"NV{nv}"
+                if nv[i][j]:
+                    level = f"NV{nv[i][j]}"
                 else:
                     value, reason = self.query(
                         "nvmlDeviceGetTopologyCommonAncestor", self._handles[i], self._handles[j]
