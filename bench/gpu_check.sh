@@ -32,6 +32,8 @@ python3 "$src/bench/bench_sampler.py" --seconds 60 --rate 1 --db
 log "engine cuda tests"
 cd "$src" && python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | tail -15; cd /tmp
 log "engine forward cost on cuda"
-timeout 240 python3 "$src/bench/bench_engine.py" forward --device cuda --shapes 8b,1.7b --out "$OUT/bench-forward.json" 2>&1 | tail -40
+timeout 150 python3 "$src/bench/bench_engine.py" forward --device cuda --shapes 8b,1.7b --out "$OUT/bench-forward.json" 2>&1 | tail -40
+log "builtin server on cuda, demo pair: batched rounds vs one request per forward"
+timeout 170 python3 "$src/bench/bench_server.py" --device cuda --concurrency 1,4,8 --budgets 16,64 --num-prompts 16 --max-new-tokens 64 --repeats 1 --out "$OUT/bench-server-cuda.json" 2>&1 | tail -40
 } > "$OUT/gpu.txt" 2>&1
 echo "outputs in $OUT"; ls -la "$OUT"
