@@ -26,7 +26,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.reactive import var
 from textual.widget import Widget
-from textual.widgets import ContentSwitcher, Footer, Static, Tab, Tabs
+from textual.widgets import ContentSwitcher, Static, Tab, Tabs
 from textual.worker import Worker, WorkerState
 
 from ddtree.console import fmt
@@ -43,6 +43,7 @@ from ddtree.console.messages import (
 from ddtree.console.palette import PANES, system_commands
 from ddtree.console.poll import Sources
 from ddtree.console.screens.overview import HISTORY, OverviewPane
+from ddtree.console.widgets.keybar import KeyBar
 
 #: Seconds between polls of the store: at most two UI updates a second, fine over slow SSH.
 POLL_S = 0.5
@@ -84,6 +85,8 @@ class ConsoleApp(App[int]):
     """(run id, points) of the run the Sweeps pane shows."""
     runs_signature = var(None)
     """Changes whenever a run or point changed; the History pane reloads on it."""
+    runs_page = None
+    """The History pane's default page as of `runs_signature`: (rows, total)."""
     hardware = var(None)
     """(GpuView, HostInfo) refreshed every few seconds."""
     host = var(None)
@@ -96,6 +99,10 @@ class ConsoleApp(App[int]):
     def __init__(self, db_path: str | os.PathLike | None = None, *, poll_s: float = POLL_S,
                  sources: Sources | None = None, demo: bool = False, clock: Callable[[], float] = time.time) -> None:
         super().__init__()
+        # No animations unless asked for (TEXTUAL_ANIMATIONS): the tab underline's slide redraws
+        # sixty times a second while a pane is being built, and costs bandwidth over slow SSH.
+        if "TEXTUAL_ANIMATIONS" not in os.environ:
+            self.animation_level = "none"
         self._db_arg = db_path
         self._db_path: Path | None = None
         self.poll_s = poll_s
@@ -133,7 +140,7 @@ class ConsoleApp(App[int]):
         with ContentSwitcher(initial="overview", id="panes"):
             yield OverviewPane(id="overview", classes="pane")
         yield Static("loading…", id="status")
-        yield Footer()
+        yield KeyBar(id="footer")
 
     def on_mount(self) -> None:
         # The store, the hardware and their imports come after the first frame is on screen.
@@ -215,6 +222,7 @@ class ConsoleApp(App[int]):
             self.points = (message.run_id, message.points)
 
     def on_runs_changed(self, message: RunsChanged) -> None:
+        self.runs_page = message.page
         self.runs_signature = message.signature
 
     def on_gpu_sampled(self, message: GpuSampled) -> None:

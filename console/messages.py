@@ -49,6 +49,8 @@ class RunsChanged(Message):
     """Some run was added or changed; the History pane reloads its (filtered) page."""
 
     signature: tuple
+    #: The History pane's default page (newest first, no filter) as of this change: (rows, total).
+    page: tuple[list[dict], int] | None = None
 
 
 @dataclass

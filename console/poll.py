@@ -34,6 +34,8 @@ from ddtree.console.messages import (
 )
 #: Rows of each table the console keeps (newest first).
 MAX_ROWS = 200
+#: Runs on the History pane's first page.
+HISTORY_PAGE = 200
 
 
 def _gpu_view() -> Any:
@@ -150,7 +152,7 @@ class Poller:
         return out
 
     def _store(self, force: bool) -> list[Message]:
-        from ddtree.store.queries import list_jobs, list_runs
+        from ddtree.store.queries import list_jobs, list_runs, runs_page
         from ddtree.store.sweeps import list_points
 
         db = self.db
@@ -173,7 +175,9 @@ class Poller:
                                    "FROM runs").fetchone())
             points_sig = tuple(db.execute("SELECT max(id), max(coalesce(ended_at, 0)) FROM points").fetchone())
             if self._changed("runs_sig", (sig, points_sig)):
-                out.append(RunsChanged((sig, points_sig)))
+                # The History pane's first page comes along (a few ms here), so opening the pane
+                # draws it at once instead of after a query of its own.
+                out.append(RunsChanged((sig, points_sig), runs_page(db, limit=HISTORY_PAGE)))
         if watched is not None and (stale or self._sent.get("watched") != watched):
             points = list_points(db, watched)
             if self._changed("points", (watched, points)) or self._sent.get("watched") != watched:

@@ -93,6 +93,38 @@ def list_runs(db: Database, *, text: str | None = None, limit: int | None = None
     return _runs(db, where, params, suffix)
 
 
+#: Orders of `runs_page`, by name.
+RUN_ORDERS = {
+    "newest": "r.id DESC",
+    "oldest": "r.id ASC",
+    "name": "lower(coalesce(r.name, '')), r.id DESC",
+    "model": "lower(coalesce(r.model, '')), r.id DESC",
+    "best tok/s": "best DESC NULLS LAST, r.id DESC",
+}
+_PAGE_TEXT_COLUMNS = ("r.name", "r.model", "r.draft_model", "r.engine_kind", "r.state", "r.recipe")
+
+
+def runs_page(db: Database, text: str = "", *, order: str = "newest", limit: int = 200) -> tuple[list[dict], int]:
+    """A page of run summaries for a table (id, name, engine_kind, model, state, points_total,
+    created_at, points_done, best output tok/s), matching `text` as a substring (ASCII case
+    folded) of name, models, engine, state or recipe; and how many runs match in all."""
+    where, params = "", []
+    if text.strip():
+        # LIKE folds ASCII case as lower() does, and a NULL column just does not match, so the
+        # columns go to LIKE bare (half the work per row); the text is literal, not a pattern.
+        like = "%" + text.strip().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        where = "WHERE " + " OR ".join(f"{c} LIKE ? ESCAPE '\\'" for c in _PAGE_TEXT_COLUMNS)
+        params = [like] * len(_PAGE_TEXT_COLUMNS)
+    sql = ("SELECT r.id, r.name, r.engine_kind, r.model, r.state, r.points_total, r.created_at, "
+           "(SELECT count(*) FROM points p WHERE p.run_id = r.id AND p.state = 'done') AS points_done, "
+           "(SELECT max(p.output_tok_s) FROM points p WHERE p.run_id = r.id AND p.state = 'done') AS best "
+           f"FROM runs r {where} ORDER BY {RUN_ORDERS[order]} LIMIT ?")
+    rows = _rows(db, sql, [*params, int(limit)])
+    if len(rows) < limit:
+        return rows, len(rows)  # all of them: no second scan for the count
+    return rows, db.execute(f"SELECT count(*) FROM runs r {where}", params).fetchone()[0]
+
+
 def _runs(db: Database, where: str, params: list[Any], suffix: str = "") -> list[Run]:
     sql = (
         "SELECT r.*, "

@@ -19,40 +19,24 @@ from textual.widgets import Button, Input, Label, Select, Static
 from textual.worker import get_current_worker
 
 from ddtree.console import fmt
+from ddtree.console.poll import HISTORY_PAGE
 from ddtree.console.screens.sweeps import budget_curves, tau_of
 from ddtree.console.widgets.chart import COLORS, LineChart
 from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.tables import fmt_num
 
 COLUMNS = ("ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "BEST TOK/S", "CREATED")
-#: Rows shown at once; the filter narrows the rest.
-PAGE = 200
-SORTS = (("newest", "r.id DESC"), ("oldest", "r.id ASC"), ("name", "lower(coalesce(r.name, '')), r.id DESC"),
-         ("model", "lower(coalesce(r.model, '')), r.id DESC"), ("best tok/s", "best DESC NULLS LAST, r.id DESC"))
-_FILTER_COLS = ("r.name", "r.model", "r.draft_model", "r.engine_kind", "r.state", "r.recipe")
+#: Rows shown at once; the filter narrows the rest (the poller reads the default page: same size).
+PAGE = HISTORY_PAGE
+SORTS = ("newest", "oldest", "name", "model", "best tok/s")  # store.queries.RUN_ORDERS
 
 
 def load_runs(db, text: str = "", sort: int = 0, limit: int = PAGE) -> tuple[list[dict], int]:
     """One page of runs matching `text` (case-insensitive, in name, models, engine, state or
     recipe), sorted by SORTS[sort]; and how many match in all."""
-    where, params = "", []
-    if text.strip():
-        # LIKE folds ASCII case itself (as lower() does: neither folds other letters) and a NULL
-        # column simply does not match, so the columns go to LIKE bare: half the work per row.
-        like = "%" + text.strip().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-        where = "WHERE " + " OR ".join(f"{c} LIKE ? ESCAPE '\\'" for c in _FILTER_COLS)
-        params = [like] * len(_FILTER_COLS)
-    sql = ("SELECT r.id, r.name, r.engine_kind, r.model, r.state, r.points_total, r.created_at, "
-           "(SELECT count(*) FROM points p WHERE p.run_id = r.id AND p.state = 'done') AS points_done, "
-           "(SELECT max(p.output_tok_s) FROM points p WHERE p.run_id = r.id AND p.state = 'done') AS best "
-           f"FROM runs r {where} ORDER BY {SORTS[sort % len(SORTS)][1]} LIMIT ?")
-    cur = db.execute(sql, [*params, int(limit)])
-    names = [d[0] for d in cur.description]
-    rows = [dict(zip(names, row)) for row in cur.fetchall()]
-    if len(rows) < limit:
-        return rows, len(rows)  # all of them: no second scan for the count
-    total = db.execute(f"SELECT count(*) FROM runs r {where}", params).fetchone()[0]
-    return rows, total
+    from ddtree.store.queries import runs_page
+
+    return runs_page(db, text, order=SORTS[sort % len(SORTS)], limit=limit)
 
 
 def run_cells(row: dict, marked: bool) -> tuple:
@@ -93,7 +77,12 @@ class HistoryPane(Vertical):
 
     def reload(self) -> None:
         self._asked += 1
-        self._load(self._asked, self.query_one("#history-filter", Input).value, self.sort)
+        text = self.query_one("#history-filter", Input).value
+        page = self.app.runs_page
+        if not text.strip() and self.sort == 0 and page is not None:
+            self.show(*page)  # the default view: the poller read it with the change it reports
+            return
+        self._load(self._asked, text, self.sort)
 
     @work(thread=True, exclusive=True, group="history", exit_on_error=False)
     def _load(self, request: int, text: str, sort: int) -> None:
@@ -116,7 +105,7 @@ class HistoryPane(Vertical):
         shown = f"{len(rows)} of {total}" if total > len(rows) else str(total)
         sel = f", {len(self.marked)} selected" if self.marked else ""
         self.query_one("#history-title", Static).update(
-            Text(f"History: {shown} runs, {SORTS[self.sort][0]} first{sel}"))
+            Text(f"History: {shown} runs, {SORTS[self.sort]} first{sel}"))
 
     @on(Input.Changed, "#history-filter")
     def _filter(self, _event) -> None:

@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass
 
 from rich.text import Text
+from textual.geometry import Region
 from textual.reactive import reactive
+from textual.strip import Strip
 from textual.widget import Widget
 
 #: Colours that read on both dark and light backgrounds, in series order.
@@ -98,15 +100,27 @@ class Canvas:
             self.glyph[row][col] = (char, style)
 
     def row_text(self, row: int) -> Text:
+        # One span per run of cells in the same style, not one per cell: the spans are what
+        # drawing the chart costs.
         out = Text()
+        run: list[str] = []
+        run_style = ""
+        bits, colors, glyphs = self.bits[row], self.color[row], self.glyph[row]
         for col in range(self.cols):
-            glyph = self.glyph[row][col]
+            glyph = glyphs[col]
             if glyph is not None:
-                out.append(glyph[0], style=glyph[1])
-            elif self.bits[row][col]:
-                out.append(chr(0x2800 + self.bits[row][col]), style=self.color[row][col] or "")
+                char, style = glyph
+            elif bits[col]:
+                char, style = chr(0x2800 + bits[col]), colors[col] or ""
             else:
-                out.append(" ")
+                char, style = " ", ""
+            if style != run_style and run:
+                out.append("".join(run), style=run_style or None)
+                run = []
+            run_style = style
+            run.append(char)
+        if run:
+            out.append("".join(run), style=run_style or None)
         return out
 
 
@@ -127,6 +141,7 @@ class LineChart(Widget):
     def __init__(self, title: str = "", *, x_label: str = "", log_x: bool = True, empty: str = "no data yet",
                  name: str | None = None, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(name=name, id=id, classes=classes)
+        self._drawn: tuple | None = None
         self.title = title
         self.x_label = x_label
         self.log_x = log_x
@@ -167,7 +182,25 @@ class LineChart(Widget):
         y1 += (y1 - y0) * 0.08
         return x0, x1, y0, y1
 
-    def render(self) -> Text:
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # Drawn once per size, data and style, then served from the cache: Textual asks again for
+        # every full refresh of the screen (opening a comparison asks twice before it shows).
+        width = self.size.width
+        base = self.rich_style
+        key = (self.size, self.series, self.title, self.x_label, self.empty, base)
+        if self._drawn is None or self._drawn[0] != key:
+            console = self.app.console
+            lines = self.as_text().split("\n", allow_blank=True)
+            self._drawn = (key, [Strip(list(line.render(console)), line.cell_len).apply_style(base)
+                                 .crop_extend(0, width, base) for line in lines], Strip.blank(width, base))
+        return super().render_lines(crop)
+
+    def render_line(self, y: int) -> Strip:
+        _, strips, blank = self._drawn
+        return strips[y] if y < len(strips) else blank
+
+    def as_text(self) -> Text:
+        """The chart at the widget's size, as text."""
         width, height = self.size.width, self.size.height
         title = Text(self.title, style="bold")
         drawable = [s for s in self.series if s.points]

@@ -132,6 +132,7 @@ class RowTable(ScrollView, can_focus=True):
         self._widths: list[int] = [cell_len(label) for label in self._labels]
         self._strips: dict[tuple, Strip] = {}
         self._look: tuple | None = None
+        self._now: tuple | None = None
 
     # -- data ------------------------------------------------------------------------------------
     def set_columns(self, *labels: str) -> None:
@@ -284,6 +285,10 @@ class RowTable(ScrollView, can_focus=True):
         self._look = None
 
     # -- drawing ---------------------------------------------------------------------------------
+    def render_lines(self, crop: Region) -> list[Strip]:
+        self._now = self._styles_now()  # once per pass: the widget's style walks its ancestors
+        return super().render_lines(crop)
+
     def _styles_now(self) -> tuple:
         """(base, header, even row, odd row, cursor, cursor post-style), per style generation."""
         key = (self.rich_style, self.has_focus, self.app.current_theme.name)
@@ -300,7 +305,7 @@ class RowTable(ScrollView, can_focus=True):
     def render_line(self, y: int) -> Strip:
         width = self.size.width
         scroll_x, scroll_y = self.scroll_offset
-        base, header, even, odd, cursor, post = self._styles_now()
+        base, header, even, odd, cursor, post = self._now or self._styles_now()
         if y == 0:
             strip = self._strip(-1, header, Style(), Style(), self._labels, width)
         else:
