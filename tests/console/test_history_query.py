@@ -1,0 +1,80 @@
+"""The History pane's query (store.queries.runs_page) and its use by the pane."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cockpit_support import NOW, fixed_sources, table_rows, until
+
+from ddtree.console.app import make_app
+from ddtree.store import open_db, transaction
+from ddtree.store.queries import RUN_ORDERS, runs_page
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def db(tmp_path):
+    db = open_db(tmp_path / "ddtree.db")
+    names = ["Qwen3-8B sweep", "qwen3_8b_sweep", "100% budget", "kimi", None]
+    with transaction(db):
+        for i, name in enumerate(names, 1):
+            db.execute("INSERT INTO runs (id, name, model, engine_kind, state, recipe, created_at) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       [i, name, "moonshotai/Kimi-K2.6" if name == "kimi" else None, "sglang", "succeeded",
+                        json.dumps({"sweep": {"dataset": f"set-{i}"}}), 1000.0 + i])
+        for run_id, tok_s in ((1, 10.0), (1, 30.0), (2, 20.0), (3, None)):
+            db.execute("INSERT INTO points (run_id, state, output_tok_s) VALUES (?, 'done', ?)", [run_id, tok_s])
+        db.execute("INSERT INTO points (run_id, state, output_tok_s) VALUES (2, 'failed', 99.0)")
+    yield db
+    db.close()
+
+
+def ids(page):
+    return [row["id"] for row in page[0]]
+
+
+def test_text_is_a_literal_case_insensitive_substring_of_the_shown_fields_and_the_recipe(db):
+    assert ids(runs_page(db, "QWEN3")) == [2, 1]
+    assert ids(runs_page(db, "_8b_")) == [2]  # "_" is not a wildcard
+    assert ids(runs_page(db, "100%")) == [3]  # nor is "%"
+    assert ids(runs_page(db, "%")) == [3]
+    assert ids(runs_page(db, "kimi-k2.6")) == [4]  # the model column
+    assert ids(runs_page(db, "set-5")) == [5]  # inside the recipe JSON; the NULL name does not hurt
+    assert ids(runs_page(db, "  ")) == [5, 4, 3, 2, 1]
+    assert ids(runs_page(db, "nothing like it")) == []
+
+
+def test_summary_columns_orders_and_the_count_beyond_the_page(db):
+    rows, total = runs_page(db)
+    first = {row["id"]: row for row in rows}
+    assert (first[1]["points_done"], first[1]["best"]) == (2, 30.0)
+    assert (first[2]["points_done"], first[2]["best"]) == (1, 20.0)  # the failed point counts for neither
+    assert first[5]["best"] is None and total == 5
+    assert ids(runs_page(db, order="oldest")) == [1, 2, 3, 4, 5]
+    assert ids(runs_page(db, order="best tok/s")) == [1, 2, 5, 4, 3]
+    assert ids(runs_page(db, order="name"))[:2] == [5, 3]  # no name sorts first, then "100% budget"
+    assert set(RUN_ORDERS) == {"newest", "oldest", "name", "model", "best tok/s"}
+    page, total = runs_page(db, limit=2)
+    assert ids((page, total)) == [5, 4] and total == 5
+    page, total = runs_page(db, "qwen3", limit=1)
+    assert len(page) == 1 and total == 2
+
+
+async def test_the_pane_opens_on_the_pollers_page_and_queries_for_a_filter(db, tmp_path):
+    app = make_app(tmp_path / "ddtree.db", poll_s=0.1, sources=fixed_sources(), clock=lambda: NOW)
+    async with app.run_test(size=(110, 30)) as pilot:
+        await until(pilot, lambda: app.runs_page is not None, what="the poller's page")
+        assert ids(app.runs_page) == [5, 4, 3, 2, 1]
+        await pilot.press("6")
+        # drawn from the poller's copy while the pane is built: no query of its own
+        assert [r[0] for r in table_rows(app, "runs")] == ["5", "4", "3", "2", "1"]
+        field = app.query_one("#history-filter")
+        for text in ("q", "qw", "qwe", "qwen3_"):  # typed fast: only the last answer may stay
+            field.value = text
+        await until(pilot, lambda: [r[0] for r in table_rows(app, "runs")] == ["2"], what="the filtered run")
+        await pilot.pause(0.3)
+        assert [r[0] for r in table_rows(app, "runs")] == ["2"]
+        assert "History: 1 runs" in str(app.query_one("#history-title").render())
+        await pilot.press("q")

@@ -1,0 +1,118 @@
+"""RowTable: what it draws, where its cursor goes, what it tells its owner."""
+
+from __future__ import annotations
+
+import pytest
+from rich.text import Text
+from textual.app import App, ComposeResult
+
+from ddtree.console.widgets.rowtable import RowTable
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class TableApp(App):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[tuple[str, int, str]] = []
+
+    def compose(self) -> ComposeResult:
+        yield RowTable("ID", "NAME", "STATE", id="t")
+
+    def on_row_table_row_selected(self, event: RowTable.RowSelected) -> None:
+        self.messages.append(("selected", event.cursor_row, event.row_key))
+
+    def on_row_table_row_highlighted(self, event: RowTable.RowHighlighted) -> None:
+        self.messages.append(("highlighted", event.cursor_row, event.row_key))
+
+
+def rows(n: int, *, state: str = "done") -> list[tuple[str, tuple]]:
+    return [(str(i), (str(i), f"run-{i}", state)) for i in range(n)]
+
+
+def line(table: RowTable, y: int) -> str:
+    return table.render_line(y).text
+
+
+async def test_draws_header_and_rows_in_columns_as_wide_as_their_widest_cell():
+    app = TableApp()
+    async with app.run_test(size=(60, 10)) as pilot:
+        table = app.query_one(RowTable)
+        table.set_rows([("1", ("1", "short", "done")), ("2", ("2", "a-longer-name", Text("failed", style="red")))])
+        await pilot.pause()
+        assert line(table, 0).rstrip() == " ID  NAME           STATE"
+        assert line(table, 1).rstrip() == " 1   short          done"
+        assert line(table, 2).rstrip() == " 2   a-longer-name  failed"
+        assert len(line(table, 1)) == table.size.width  # the row's style reaches the edge
+        red = [seg for seg in table.render_line(2) if seg.text == "failed"]
+        assert red and red[0].style.color.name == "red"
+        assert line(table, 3).strip() == ""
+        assert table.row_count == 2 and [str(c) for c in table.get_row_at(1)] == ["2", "a-longer-name", "failed"]
+
+
+async def test_cursor_keeps_its_row_across_updates_and_clamps():
+    app = TableApp()
+    async with app.run_test(size=(60, 10)) as pilot:
+        table = app.query_one(RowTable)
+        table.set_rows(rows(5))
+        table.move_cursor(row=3)
+        assert table.cursor_key == "3"
+        table.set_rows(list(reversed(rows(5))))  # same rows, new order: the cursor follows row "3"
+        assert table.cursor_row == 1 and table.cursor_key == "3"
+        table.set_rows(rows(2))  # row "3" is gone: the cursor stays in range
+        assert table.cursor_row <= 1 and table.cursor_key in ("0", "1")
+        table.set_rows([])
+        assert table.row_count == 0 and table.cursor_key is None
+        await pilot.pause()
+
+
+async def test_a_changed_cell_is_redrawn_and_the_rest_kept():
+    app = TableApp()
+    async with app.run_test(size=(60, 10)) as pilot:
+        table = app.query_one(RowTable)
+        table.set_rows(rows(3, state="running"))
+        await pilot.pause()
+        before = line(table, 2)
+        table.set_rows([*rows(3, state="running")[:2], ("2", ("2", "run-2", "done   "))])
+        await pilot.pause()
+        assert line(table, 2) == before  # row 1 untouched
+        assert "done" in line(table, 3) and "running" not in line(table, 3)
+
+
+async def test_keys_move_the_cursor_and_enter_or_a_second_click_selects():
+    app = TableApp()
+    async with app.run_test(size=(60, 8)) as pilot:
+        table = app.query_one(RowTable)
+        table.set_rows(rows(30))
+        table.focus()
+        await pilot.press("down", "down")
+        assert table.cursor_row == 2
+        await pilot.press("end")
+        assert table.cursor_row == 29
+        assert table.scroll_offset.y > 0  # scrolled to keep the cursor in view
+        await pilot.press("home", "pagedown")
+        assert table.cursor_row > 2
+        await pilot.press("home", "enter")
+        assert app.messages[-1] == ("selected", 0, "0")
+        app.messages.clear()
+        await pilot.click(RowTable, offset=(3, 2))  # second row on screen: row 1
+        assert table.cursor_row == 1 and ("highlighted", 1, "1") in app.messages
+        assert not [m for m in app.messages if m[0] == "selected"]
+        await pilot.click(RowTable, offset=(3, 2))
+        assert app.messages[-1] == ("selected", 1, "1")
+        await pilot.click(RowTable, offset=(3, 0))  # the header selects nothing
+        assert app.messages[-1] == ("selected", 1, "1") and table.cursor_row == 1
+
+
+async def test_wider_than_the_widget_scrolls_sideways():
+    app = TableApp()
+    async with app.run_test(size=(20, 6)) as pilot:
+        table = app.query_one(RowTable)
+        table.set_rows([("1", ("1", "x" * 40, "done"))])
+        table.focus()
+        await pilot.pause()
+        assert table.virtual_size.width > table.size.width
+        assert line(table, 1).startswith(" 1   xxx")
+        await pilot.press("right", "right", "right")
+        assert table.scroll_offset.x == 3
+        assert line(table, 1).startswith("  xxx") and line(table, 0).startswith("  NAME")
