@@ -5,9 +5,10 @@ session by exactly one round (one token for AR, one draft + one verify for DFlas
 session's first round is its prefill). A long request therefore delays a new one by at most one
 round of each other running request, never by its whole generation.
 
-With `batch=True` and an engine that has `step_many`, the turn is one batched round over all
-running sessions (at most max_running): every draft in one drafter forward, every verify in one
-target forward. Otherwise each session steps alone (`Session.step()`), in turn. If a batched round
+With `batch=True` and an engine that has `step_many`, the turn prefills new sessions one by one
+(each publishes its first token at once), then runs one batched round over the other running
+sessions (at most max_running): every draft in one drafter forward, every verify in one target
+forward. Otherwise each session steps alone (`Session.step()`), in turn. If a batched round
 fails, the turn falls back to stepping each session alone, so one bad request fails by itself.
 
 Nothing here imports torch: the scheduler only sees the Session API, so it is testable with a
@@ -336,6 +337,11 @@ class Scheduler:
         for active in turn:
             if active.ticket.cancelled or active.session.done:
                 self._advance(active)  # retires it
+            elif not active.session.output_ids:
+                # Not prefilled yet (a prefill always commits a token): prefill alone and publish
+                # at once, so a cohort of new requests does not wait for all their prefills and a
+                # batched round before the first token.
+                self._advance(active)
             else:
                 live.append(active)
         if len(live) < 2:
