@@ -173,6 +173,15 @@ class ConsoleApp(App[int]):
         self.call_from_thread(setattr, self, "sub_title", str(self.db_path))
         poller.loop(self.post_message, self._stop, self.poll_s, self._wake)
 
+    @work(thread=True, exit_on_error=False, group="warm-up")
+    def warm_up(self) -> None:
+        """Import the other panes' modules while the user reads the first one, so that a pane's
+        first visit only builds it."""
+        for pane in PANE_CLASSES:
+            if self._stop.is_set():
+                return
+            importlib.import_module(f"ddtree.console.screens.{PANE_CLASSES[pane].split(':')[0]}")
+
     def _halt(self) -> None:
         self._stop.set()
         self._wake.set()
@@ -198,6 +207,8 @@ class ConsoleApp(App[int]):
             yield self._reader
 
     def on_snapshot(self, message: Snapshot) -> None:
+        if self.last_snapshot is None:
+            self.warm_up()
         self.last_snapshot = message
         self.snapshot = message
         self._follow_run()

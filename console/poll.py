@@ -140,6 +140,10 @@ class Poller:
 
     def step(self, *, force: bool = False) -> list[Message]:
         """One round; the messages for what changed. Store errors become one StoreFailed."""
+        return self.store_step(force=force) + self._machine()
+
+    def store_step(self, *, force: bool = False) -> list[Message]:
+        """The store's part of a round (the rest, GPU samples and host facts, is slower)."""
         out: list[Message] = []
         try:
             self._open()
@@ -148,7 +152,6 @@ class Poller:
             self.close()
             if self._changed("error", str(exc)):
                 out.append(StoreFailed(str(exc)))
-        out += self._machine()
         return out
 
     def _store(self, force: bool) -> list[Message]:
@@ -224,7 +227,11 @@ class Poller:
             while not stop.is_set():
                 force = wake.is_set()
                 wake.clear()
-                for message in self.step(force=force):
+                # The store's messages go first: on the first round the hardware part loads NVML
+                # and friends, which should not hold back the jobs and runs.
+                for message in self.store_step(force=force):
+                    post(message)
+                for message in self._machine():
                     post(message)
                 wake.wait(interval_s)
         finally:
