@@ -313,9 +313,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 # Batch rounds across requests unless told otherwise, on every device. On CUDA a forward over k
 # requests costs about one request's (weight streaming dominates). On a 2-core CPU it pays too:
-# bench/bench_server.py --threads 1 on the demo pair measured batched over unbatched output tok/s
-# of x1.4-1.7 at concurrency 4 and x1.8-2.0 at 8 (ar, dflash, ddtree@16); concurrency 1 runs the
-# same code either way.
+# bench/bench_server.py --threads 1 on the demo pair (three runs on a shared, loaded box) measured
+# batched over unbatched output tok/s of x1.4-2.3 at concurrency 4 and x1.8-2.6 at 8 (ar, dflash,
+# ddtree), with lower TTFT p50; concurrency 1 runs the same code either way.
 DEFAULT_BATCH = True
 
 
