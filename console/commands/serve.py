@@ -55,6 +55,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-running-requests", type=int, help="requests decoded at once (default: 8)")
     p.add_argument("--max-queued-requests", type=int, help="queued beyond those before 503 (default: 64)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--batch", action=argparse.BooleanOptionalAction, default=None,
+                   help="verify all running requests in one forward per round (default: on)")
     p.set_defaults(command_module=__name__)
 
 
@@ -62,6 +64,9 @@ def server_argv(args: argparse.Namespace) -> list[str]:
     """The server's command line for these arguments (also what a job would spawn)."""
     argv = [sys.executable, "-m", SERVER_MODULE, "--algorithm", args.algorithm, "--device", args.device,
             "--host", args.host, "--port", str(args.port)]
+    batch = getattr(args, "batch", None)
+    if batch is not None:
+        argv.append("--batch" if batch else "--no-batch")
     for flag, value in (("--model", args.model), ("--draft", args.draft), ("--budget", args.budget),
                         ("--block-size", args.block_size),
                         ("--max-running-requests", getattr(args, "max_running_requests", None)),

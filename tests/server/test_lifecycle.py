@@ -29,6 +29,13 @@ def test_serve_arguments_map_to_the_server_command_line():
     assert "--model m" in joined and "--draft d" in joined and "--budget 12" in joined
     assert "--host 127.0.0.1" in joined and "--algorithm ddtree" in joined
 
+def test_serve_passes_batching_through_only_when_asked():
+    assert "--no-batch" in serve.server_argv(parse("--no-batch"))
+    assert "--batch" in serve.server_argv(parse("--batch"))
+    plain = serve.server_argv(parse())
+    assert "--batch" not in plain and "--no-batch" not in plain
+
+
 
 @pytest.mark.parametrize("argv", [["--budget", "-1"], ["--port", "70000"], ["--algorithm", "medusa"]])
 def test_serve_rejects_bad_arguments(argv, capsys):
