@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from ddtree.engine.client import EngineNotReady
 from ddtree.engine.errors import EngineError
 from ddtree.engine.metrics import MetricsError, request_acceptance
 from ddtree.engine.prompts import Prompt
@@ -479,24 +480,3 @@ def wait_ready(url: str, *, timeout_s: float, alive=None, interval_s: float = 0.
                 raise EngineNotReady(f"engine at {url} not ready after {timeout_s:g}s ({last})",
                                      "raise engine.ready_timeout_s, or read the engine log")
             time.sleep(interval_s)
-
-
-def server_info(url: str, timeout_s: float = 10.0) -> dict | None:
-    """GET /server_info (SGLang's alias /get_server_info as a fallback); None if neither answers."""
-    with httpx.Client(timeout=timeout_s, trust_env=False) as client:
-        for path in ("/server_info", "/get_server_info"):
-            try:
-                response = client.get(url.rstrip("/") + path)
-            except httpx.HTTPError:
-                return None
-            if response.status_code == 200:
-                try:
-                    data = response.json()
-                except ValueError:
-                    return None
-                return data if isinstance(data, dict) else None
-    return None
-
-
-class EngineNotReady(EngineError):
-    """The engine did not answer GET /health in time, or exited while starting."""

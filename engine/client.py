@@ -5,7 +5,7 @@ No torch here: the console, the sweep and the jobs use it to talk to a server pr
     EngineError                        (ddtree.engine.errors)
     └── EngineClientError              anything this module raises
         ├── EngineUnreachable          connection refused/reset, DNS, timeout
-        ├── EngineNotReady             wait_ready gave up, or the server process exited first
+        ├── EngineNotReady             bench.wait_ready gave up, or the engine process exited first
         └── EngineHTTPError            the server answered with an error status (.status, .body)
             ├── EngineBadRequest       4xx: the request was refused as bad input (exit code 2)
             └── EngineOverloaded       503: the queue is full or the server is shutting down
@@ -18,8 +18,6 @@ the same surface for load generators that keep many requests in flight.
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 from typing import Any, AsyncIterator, Iterator
 
 import httpx
@@ -158,20 +156,6 @@ class EngineClient:
             return self._http.get("/health", timeout=5.0).status_code == 200
         except httpx.TransportError:
             return False
-
-    def wait_ready(self, timeout_s: float = 300.0, *, interval_s: float = 0.25,
-                   process: subprocess.Popen | None = None) -> None:
-        """Polls /health until 200. With `process`, gives up as soon as that process exits."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.health():
-                return
-            if process is not None and process.poll() is not None:
-                raise EngineNotReady(f"the server process exited with code {process.returncode} before it was ready",
-                                     hint="see its log")
-            if time.monotonic() >= deadline:
-                raise EngineNotReady(f"{self.base_url} was not healthy after {timeout_s:.0f} s")
-            time.sleep(interval_s)
 
     def server_info(self) -> dict:
         """/server_info, falling back to SGLang's older /get_server_info."""

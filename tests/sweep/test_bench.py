@@ -4,7 +4,8 @@ import socket
 
 import pytest
 
-from ddtree.engine.bench import BenchConfig, EngineNotReady, run_point, server_info, wait_ready
+from ddtree.engine.bench import BenchConfig, EngineNotReady, run_point, wait_ready
+from ddtree.engine.client import EngineClient
 from ddtree.engine.prompts import Prompt, load_prompts
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -18,7 +19,8 @@ def test_generate_api_ddtree_point_has_every_figure(server):
     m = result.metrics
     assert m["requests_ok"] == 6 and m["requests_failed"] == 0
     assert len(result.requests) == 6  # warm-up left out
-    block = server_info(server.url)["block_size"]
+    with EngineClient(server.url) as client:
+        block = client.server_info()["block_size"]
     for r in result.requests:
         assert r.ok and 1 <= r.completion_tokens <= 8 and r.prompt_tokens > 0
         assert 0 < r.ttft_s <= r.e2e_s
