@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from ddtree.jobs.model import create_job, set_state
-from ddtree.jobs.plan import make_plan, point_key
+from ddtree.jobs.plan import make_plan
 from ddtree.jobs.recipe import recipe_from_dict, recipe_to_dict
 from ddtree.store import open_db, sweeps
 from ddtree.store.queries import insert_row, update_row

@@ -3,7 +3,6 @@ realistic sweep through the store's own write functions."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest

@@ -6,7 +6,6 @@ help text and whose `launch_server` otherwise runs `server_body` (a small HTTP s
 
 from __future__ import annotations
 
-import os
 import stat
 import sys
 from pathlib import Path

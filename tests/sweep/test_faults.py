@@ -3,7 +3,6 @@
 
 import argparse
 import json
-import os
 import stat
 import sys
 from pathlib import Path
