@@ -78,8 +78,12 @@ class OracleDrafter(torch.nn.Module):
         return _CountingCache()
 
     def forward(self, noise_embeds, target_hidden, position_ids, attention_mask=None, past_key_values=None):
-        target = self.target[0]
         past_key_values.length += target_hidden.shape[1]
+        return self._draft_rows()[None]
+
+    def _draft_rows(self):
+        """[block_size, H]: the target's greedy continuation of the session's committed tokens."""
+        target = self.target[0]
         seq = list(self.session.prompt_ids) + list(self.session.output_ids)
         hidden = [torch.zeros(target.config.hidden_size)]
         for _ in range(self.block_size - 1):
@@ -89,7 +93,7 @@ class OracleDrafter(torch.nn.Module):
         out = torch.stack(hidden) * self.sharpen
         if self.noise:
             out = out + self.noise * self.sharpen * torch.randn(out.shape, generator=self.gen)
-        return out[None]
+        return out
 
 
 @pytest.fixture(scope="module")

@@ -230,14 +230,3 @@ class BatchOracle(OracleDrafter):
             self.session = next(s for s in reversed(self.sessions) if s._start == start and s._bonus == bonus)
             rows.append(self._draft_rows())
         return torch.stack(rows)
-
-    def _draft_rows(self):
-        target = self.target[0]
-        seq = list(self.session.prompt_ids) + list(self.session.output_ids)
-        hidden = [torch.zeros(target.config.hidden_size)]
-        for _ in range(self.block_size - 1):
-            h = target.model(torch.tensor([seq])).last_hidden_state[0, -1]
-            seq.append(int(target.lm_head(h).argmax()))
-            hidden.append(h)
-        out = torch.stack(hidden) * self.sharpen
-        return out + self.noise * self.sharpen * torch.randn(out.shape, generator=self.gen)
