@@ -37,7 +37,7 @@ def update_row(db: Database, table: str, row_id: int, values: dict[str, Any]) ->
 
 
 def get_job(db: Database, job_id: int) -> Job:
-    rows = _rows(db, "SELECT * FROM jobs WHERE id = ?", [job_id])
+    rows = fetch_rows(db, "SELECT * FROM jobs WHERE id = ?", [job_id])
     if not rows:
         raise NotFound(f"no job with id {job_id}", "list jobs with `ddtree-console jobs`")
     return from_row(Job, rows[0])
@@ -54,13 +54,13 @@ def list_jobs(db: Database, *, states: set[str] | None = None, limit: int | None
     if limit is not None:
         sql += " LIMIT ?"
         params.append(int(limit))
-    return [from_row(Job, row) for row in _rows(db, sql, params)]
+    return [from_row(Job, row) for row in fetch_rows(db, sql, params)]
 
 
 def job_events(db: Database, job_id: int) -> list[JobEvent]:
     return [
         from_row(JobEvent, row)
-        for row in _rows(db, "SELECT * FROM job_events WHERE job_id = ? ORDER BY id", [job_id])
+        for row in fetch_rows(db, "SELECT * FROM job_events WHERE job_id = ? ORDER BY id", [job_id])
     ]
 
 
@@ -68,7 +68,7 @@ def job_processes(db: Database, job_id: int, *, running_only: bool = False) -> l
     sql = "SELECT * FROM processes WHERE job_id = ?"
     if running_only:
         sql += " AND ended_at IS NULL"
-    return [from_row(Process, row) for row in _rows(db, sql + " ORDER BY id", [job_id])]
+    return [from_row(Process, row) for row in fetch_rows(db, sql + " ORDER BY id", [job_id])]
 
 
 def get_run(db: Database, run_id: int) -> Run:
@@ -119,7 +119,7 @@ def runs_page(db: Database, text: str = "", *, order: str = "newest", limit: int
            "(SELECT count(*) FROM points p WHERE p.run_id = r.id AND p.state = 'done') AS points_done, "
            "(SELECT max(p.output_tok_s) FROM points p WHERE p.run_id = r.id AND p.state = 'done') AS best "
            f"FROM runs r {where} ORDER BY {RUN_ORDERS[order]} LIMIT ?")
-    rows = _rows(db, sql, [*params, int(limit)])
+    rows = fetch_rows(db, sql, [*params, int(limit)])
     if len(rows) < limit:
         return rows, len(rows)  # all of them: no second scan for the count
     return rows, db.execute(f"SELECT count(*) FROM runs r {where}", params).fetchone()[0]
@@ -132,14 +132,15 @@ def _runs(db: Database, where: str, params: list[Any], suffix: str = "") -> list
         "(SELECT count(*) FROM points p WHERE p.run_id = r.id AND p.state = 'failed') AS points_failed "
         f"FROM runs r {where} ORDER BY r.id DESC{suffix}"
     )
-    return [from_row(Run, row) for row in _rows(db, sql, params)]
+    return [from_row(Run, row) for row in fetch_rows(db, sql, params)]
 
 
 def now() -> float:
     return time.time()
 
 
-def _rows(db: Database, sql: str, params: list[Any]) -> list[dict[str, Any]]:
+def fetch_rows(db: Database, sql: str, params: list[Any]) -> list[dict[str, Any]]:
+    """Rows of a query as dicts keyed by column name."""
     cur = db.execute(sql, params)
     names = [d[0] for d in cur.description]
     return [dict(zip(names, row)) for row in cur.fetchall()]

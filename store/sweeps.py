@@ -22,7 +22,7 @@ from sqlite_utils import Database
 
 from ddtree.store.db import transaction
 from ddtree.store.errors import NotFound, StoreError
-from ddtree.store.queries import to_json
+from ddtree.store.queries import fetch_rows, to_json
 from ddtree.store.records import Run, decode_json, from_row
 
 POINT_STATES = ("pending", "running", "done", "failed", "skipped")
@@ -135,7 +135,7 @@ def create_run(db: Database, *, job_id: int | None, name: str, recipe: dict, rec
 
 
 def get_run(db: Database, run_id: int) -> Run:
-    rows = _rows(db, "SELECT * FROM runs WHERE id = ?", [run_id])
+    rows = fetch_rows(db, "SELECT * FROM runs WHERE id = ?", [run_id])
     if not rows:
         raise NotFound(f"no run {run_id}", "list runs with `ddtree-console runs`")
     return from_row(Run, rows[0])
@@ -174,16 +174,16 @@ def ensure_points(db: Database, run_id: int, planned: list[dict]) -> dict[str, i
         # A resumed run may carry a re-ordered plan: keep idx in step with it.
         for p in planned:
             tx.execute("UPDATE points SET idx = ? WHERE run_id = ? AND point_key = ?", [p["idx"], run_id, p["point_key"]])
-    return {row["point_key"]: row["id"] for row in _rows(db, "SELECT id, point_key FROM points WHERE run_id = ?", [run_id])}
+    return {row["point_key"]: row["id"] for row in fetch_rows(db, "SELECT id, point_key FROM points WHERE run_id = ?", [run_id])}
 
 
 def list_points(db: Database, run_id: int) -> list[Point]:
-    rows = _rows(db, "SELECT * FROM points WHERE run_id = ? ORDER BY coalesce(idx, id), id", [run_id])
+    rows = fetch_rows(db, "SELECT * FROM points WHERE run_id = ? ORDER BY coalesce(idx, id), id", [run_id])
     return [from_row(Point, row) for row in rows]
 
 
 def get_point(db: Database, point_id: int) -> Point:
-    rows = _rows(db, "SELECT * FROM points WHERE id = ?", [point_id])
+    rows = fetch_rows(db, "SELECT * FROM points WHERE id = ?", [point_id])
     if not rows:
         raise NotFound(f"no point {point_id}")
     return from_row(Point, rows[0])
@@ -229,7 +229,7 @@ def record_point(db: Database, point_id: int, *, state: str, metrics: dict, requ
 
 
 def point_requests(db: Database, point_id: int) -> list[dict]:
-    rows = _rows(db, "SELECT * FROM requests WHERE point_id = ? ORDER BY idx", [point_id])
+    rows = fetch_rows(db, "SELECT * FROM requests WHERE point_id = ? ORDER BY idx", [point_id])
     for row in rows:
         row["accept_hist"] = decode_json(row.get("accept_hist"))
     return rows
@@ -334,9 +334,3 @@ def record_telemetry(db: Database, samples: list[dict]) -> None:
         for s in samples:
             tx.execute(f"INSERT INTO telemetry ({', '.join(cols)}) VALUES ({', '.join('?' for _ in cols)})",
                        [s.get(c) for c in cols])
-
-
-def _rows(db: Database, sql: str, params: list[Any]) -> list[dict[str, Any]]:
-    cur = db.execute(sql, params)
-    names = [d[0] for d in cur.description]
-    return [dict(zip(names, row)) for row in cur.fetchall()]
