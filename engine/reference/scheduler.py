@@ -369,8 +369,10 @@ class Scheduler:
         active.emitted = len(ids)
         active.rounds_seen = len(accepts)
         now = time.perf_counter()
-        if new_accepts:
-            spec = active.ticket.spec
+        spec = active.ticket.spec
+        # Plain decoding has no verify rounds, as in SGLang without a speculative algorithm:
+        # counting its steps would pull the acceptance gauges and counters towards 1.
+        if new_accepts and spec.algorithm != "ar":
             self.stats.add_rounds(new_accepts, proposed_per_round(spec.algorithm, spec.budget, self.engine.block_size))
         if new_ids:
             self.stats.add_tokens(len(new_ids), now)

@@ -332,7 +332,7 @@ class Api:
             "completion_tokens": len(ids),
             "cached_tokens": 0,
         }
-        if run.verify_ct > 0:
+        if run.verify_ct > 0 and req.spec.algorithm != "ar":  # plain decoding reports no spec fields
             correct = sum(max(t - 1, 0) for t in run.accepts)
             proposed = run.verify_ct * proposed_per_round(req.spec.algorithm, req.spec.budget, self.engine.block_size)
             hist = [0] * (max(run.accepts) if run.accepts else 1)

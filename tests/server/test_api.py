@@ -72,6 +72,17 @@ def test_generate_meta_info(client):
     assert meta["spec_num_proposed_drafts"] == 8 * meta["spec_verify_ct"]
 
 
+def test_plain_decoding_reports_no_acceptance(client):
+    """As SGLang without a speculative algorithm: no spec fields, no verify calls counted."""
+    before = client.metrics_text()
+    meta = client.generate(PROMPTS[0], sampling_params=greedy(12, ignore_eos=True),
+                           speculative={"algorithm": "ar"})["meta_info"]
+    assert meta["completion_tokens"] == 12 and "spec_verify_ct" not in meta
+    verify_line = next(line for line in client.metrics_text().splitlines()
+                       if line.startswith("sglang:spec_verify_calls_total"))
+    assert verify_line in before
+
+
 def test_algorithms_agree_at_temperature_zero(client):
     """Speculation is lossless: ar, dflash and ddtree (any budget) give the same tokens at T=0."""
     ids = client.generate(PROMPTS[1], sampling_params=greedy(20, ignore_eos=True),
