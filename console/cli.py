@@ -4,7 +4,7 @@ Plain `ddtree-console` opens the Textual console; each subcommand is a module
 `ddtree.console.commands.<name>` with `add_parser(subparsers)` and `run(args) -> int`.
 `--version` is answered before anything else is imported, so it works in a bare install.
 Errors of the three packages become one line `error: <message> (<hint>)` on stderr with their
-exit code (2 bad input, 1 failure); argparse's own usage errors exit 2.
+exit code (2 bad input, 1 failure); argparse's own usage errors are one such line too, exit 2.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import importlib
 import sys
 from types import ModuleType
+from typing import NoReturn
 
 #: Subcommands, in the order `--help` lists them.
 COMMANDS = ("serve", "sweep", "download", "hw", "jobs", "runs", "export")
@@ -38,6 +39,19 @@ _EPILOG = """\
 data: the store is a SQLite file at --db, else $DDTREE_DB, else
 $XDG_DATA_HOME/ddtree-console/ddtree.db (~/.local/share/...); logs sit beside it in logs/.
 Run `ddtree-console COMMAND --help` for a command's options."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the house error format: one line `error: <what> (<hint>)`, exit 2, instead
+    of a usage block plus `prog: error:` (subcommand parsers inherit the class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {one_line(message)} (see `{self.prog} --help`)\n")
+
+
+def one_line(text: str) -> str:
+    """A message on one line: third-party errors (the hub's, for one) carry newlines."""
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
 def distribution_version() -> str:
@@ -100,7 +114,7 @@ def load_command(name: str) -> ModuleType | _Unavailable:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType | _Unavailable]]:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ddtree-console",
         description=_DESCRIPTION,
         epilog=_EPILOG,
@@ -173,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             return _run_console(args)
         return int(modules[args.command].run(args) or 0)
     except (EngineError, JobError, StoreError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -50,7 +50,9 @@ def resolve_model_dir(model: str | Path) -> Path:
     try:
         return Path(snapshot_download(text, allow_patterns=_DOWNLOAD_PATTERNS))
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot fetch {text} from the hub: {type(exc).__name__}: {exc}",
+        # The hub's messages run over several lines; the first names the cause.
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelLoadError(f"cannot fetch {text} from the hub: {type(exc).__name__}: {first}",
                              "download it first (ddtree-console download) or pass a local directory") from None
 
 

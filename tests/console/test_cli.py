@@ -51,11 +51,31 @@ def test_help_of_every_command(capsys, argv):
 
 
 def test_usage_errors_exit_2(capsys):
-    for argv in (["jobs", "cancel", "x"], ["jobs", "cancel"], ["nope"], ["jobs", "cancel", "1", "--grace", "-1"]):
+    # argparse's own errors follow the house format too: one line `error: ... (hint)`, exit 2.
+    cases = {("jobs", "cancel", "x"): "ddtree-console jobs cancel --help", ("jobs", "cancel"): "required: id",
+             ("nope",): "invalid choice: 'nope'", ("jobs", "cancel", "1", "--grace", "-1"): "--grace",
+             ("serve", "--port", "99999"): "ddtree-console serve --help",
+             ("export", "1", "--format", "xls"): "invalid choice: 'xls'", ("export",): "RUN_ID"}
+    for argv, expected in cases.items():
         with pytest.raises(SystemExit) as exit_:
-            cli.main(argv)
+            cli.main(list(argv))
+        err = capsys.readouterr().err
         assert exit_.value.code == 2
-        assert "usage:" in capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and "usage:" not in err, err
+        assert expected in err
+
+
+def test_multiline_error_messages_print_on_one_line(capsys, monkeypatch):
+    from ddtree.engine.errors import EngineError
+
+    def fail(args):
+        raise EngineError("cannot fetch x/y:\nAn error happened\n\n  while trying", "download it first")
+
+    monkeypatch.setattr(cli, "load_command", lambda name: type("M", (), {
+        "add_parser": staticmethod(lambda sub: sub.add_parser(name)), "run": staticmethod(fail)})())
+    code, out, err = main(capsys, "runs")
+    assert code == 1 and out == ""
+    assert err == "error: cannot fetch x/y: An error happened while trying (download it first)\n"
 
 
 def test_jobs_list_show_and_json(db_path, capsys):
