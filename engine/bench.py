@@ -23,6 +23,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,6 +208,20 @@ def _sse_payload(line: str) -> str | None:
     return line
 
 
+async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict]:
+    """The JSON objects of an SSE stream, up to `[DONE]`; ValueError on anything else."""
+    async for line in response.aiter_lines():
+        payload = _sse_payload(line)
+        if payload is None:
+            continue
+        if payload == "[DONE]":
+            return
+        data = json.loads(payload)
+        if not isinstance(data, dict):
+            raise ValueError("stream chunk is not an object")
+        yield data
+
+
 def _finish_reason(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("type")
@@ -301,15 +316,7 @@ async def _request_generate(client: httpx.AsyncClient, url: str, prompt: Prompt,
             meta = data.get("meta_info", {}) if isinstance(data, dict) else {}
             stream.tokens(meta.get("completion_tokens") or 1, time.perf_counter())
         else:
-            async for line in response.aiter_lines():
-                payload = _sse_payload(line)
-                if payload is None:
-                    continue
-                if payload == "[DONE]":
-                    break
-                data = json.loads(payload)
-                if not isinstance(data, dict):
-                    raise ValueError("stream chunk is not an object")
+            async for data in _sse_chunks(response):
                 if "error" in data:
                     err = data["error"]
                     result.error = "server error"
@@ -344,13 +351,7 @@ async def _request_openai(client: httpx.AsyncClient, url: str, prompt: Prompt, c
             text = (await response.aread()).decode(errors="replace")[:300]
             result.error, result.detail = f"http {response.status_code}", text
             return
-        async for line in response.aiter_lines():
-            payload = _sse_payload(line)
-            if payload is None:
-                continue
-            if payload == "[DONE]":
-                break
-            data = json.loads(payload)
+        async for data in _sse_chunks(response):
             if "error" in data:
                 result.error, result.detail = "server error", str(data["error"])[:300]
                 return
