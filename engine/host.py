@@ -67,12 +67,6 @@ class HostInfo:
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
 
-    def node_of_cpu(self, cpu: int) -> int | None:
-        for n in self.numa:
-            if cpu in n.cpus:
-                return n.node
-        return None
-
 
 def _meminfo_kb(text: str, key: str) -> int | None:
     for line in text.splitlines():

@@ -179,11 +179,3 @@ class Engine:
             timings=dict(sess.timings),
             block_size=self.block_size,
         )
-
-    def kv_bytes_per_token(self) -> int:
-        """Target KV bytes one cached token costs (a session holds about this x its length)."""
-        cfg = self.model.config
-        layers = int(getattr(cfg, "num_hidden_layers", 0))
-        heads = int(getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", 0))
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return 2 * layers * heads * int(head_dim) * torch.finfo(self.dtype).bits // 8
