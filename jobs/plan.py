@@ -31,6 +31,7 @@ from ddtree.engine.launch import LaunchSpec, build_launch, free_port
 from ddtree.engine.placement import suggest
 from ddtree.engine.preflight import check_gpus, preflight
 from ddtree.engine.probe import Capabilities, probe
+from ddtree.engine.prompts import DatasetError, resolve_dataset
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.recipe import EngineSpec, Recipe
 
@@ -193,7 +194,11 @@ class Plan:
 
 
 def check_plan(plan: Plan) -> None:
-    """Refuse (exit 2) a plan with a launch that cannot be built; the first reason is the message."""
+    """Refuse (exit 2) a plan with a prompt set that cannot be found or a launch that cannot be
+    built; the first reason is the message."""
+    for name in plan.recipe.sweep.dataset:
+        # A missing prompt file is bad input: refuse it here, not as failed points an hour later.
+        resolve_dataset(name)
     bad = [launch for launch in plan.launches if launch.unsupported is not None]
     if bad:
         first = bad[0]
@@ -341,6 +346,11 @@ def make_plan(recipe: Recipe, *, stream_tok_s: float | None = None, hardware: Ha
         if sweep.num_prompts < 5 * c:
             warnings.append(f"num_prompts {sweep.num_prompts} < 5 x concurrency {c}: "
                             "too few requests to keep the server at that concurrency; figures will be noisy")
+    for name in sweep.dataset:
+        try:
+            resolve_dataset(name)
+        except DatasetError as exc:
+            warnings.append(f"dataset: {exc}")
     no_engine = None
     if engine.kind != "builtin" and caps is None:
         try:

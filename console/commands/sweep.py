@@ -55,7 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--detach", action="store_true", help="run in the background and return at once")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit; start nothing")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--name", help="name of the job (default: the recipe's name)")
+    p.add_argument("--name", help="name of the run and its job (default: the recipe's name; a resumed run keeps its own)")
     p.set_defaults(command_module=__name__)
 
 
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     db = open_db(db_path)
     try:
         run_id = sweeps.create_run(
-            db, job_id=None, name=recipe.name, recipe=recipe_to_dict(recipe),
+            db, job_id=None, name=args.name or recipe.name, recipe=recipe_to_dict(recipe),
             recipe_path=str(Path(args.recipe).resolve()), recipe_git_rev=git_revision(args.recipe),
             engine_kind=recipe.engine.kind, model=recipe.engine.model, draft_model=recipe.engine.draft_model,
             points_total=len(plan.points))

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .conftest import write_recipe
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -31,3 +33,33 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path):
         assert out.returncode == 2, (args, out.stderr)
         assert "Traceback" not in out.stderr
         assert out.stderr.strip().splitlines()[-1].startswith(("error:", "ddtree-console")), out.stderr
+
+
+def test_a_missing_prompt_file_is_refused_before_the_store(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'name = "x"\n[sweep]\ndataset = "{tmp_path / "nope.jsonl"}"\n')
+    plan = cli(tmp_path, "sweep", str(recipe), "--dry-run")
+    assert plan.returncode == 0 and "warning: dataset: prompt file not found" in plan.stdout
+    out = cli(tmp_path, "sweep", str(recipe))
+    assert out.returncode == 2 and out.stderr.startswith("error: prompt file not found"), out.stderr
+    assert not (tmp_path / "d.db").exists()
+
+
+def test_name_names_the_run_and_a_resume_keeps_it(tmp_path, tiny_pair, prompts_file):
+    from ddtree.store import open_db
+
+    recipe = write_recipe(tmp_path / "r.toml", tiny_pair, prompts_file)
+    out = cli(tmp_path, "sweep", str(recipe), "--detach", "--json", "--name", "mine")
+    assert out.returncode == 0, out.stderr
+    started = json.loads(out.stdout)
+    assert cli(tmp_path, "jobs", "cancel", str(started["job_id"])).returncode == 0
+    with open_db(tmp_path / "d.db") as db:
+        assert db["runs"].get(started["run_id"])["name"] == "mine"
+    listed = cli(tmp_path, "runs", "--filter", "mine")
+    assert listed.returncode == 0 and "mine" in listed.stdout
+    again = cli(tmp_path, "sweep", "--resume", str(started["run_id"]), "--detach", "--json")
+    assert again.returncode == 0, again.stderr
+    job_id = json.loads(again.stdout)["job_id"]
+    assert cli(tmp_path, "jobs", "cancel", str(job_id)).returncode == 0
+    with open_db(tmp_path / "d.db") as db:
+        assert db["jobs"].get(job_id)["name"] == "mine"
