@@ -3,6 +3,9 @@
 `--json` prints what the table shows as one JSON object (the GPU view plus a `host` key), which
 `--from FILE` reads back, so a report recorded on one machine can be viewed (and placed) on another.
 `--tp N` adds the best GPU sets for tensor-parallel size N and how to pin a server next to them.
+`--fit MODEL_DIR` prints instead a VRAM estimate for serving that local model at tp N (default 1):
+weights from its safetensors headers (+ `--draft DIR`), KV cache per token from its config.json times
+`--context` x `--concurrency`, against the memory of this machine's first N GPUs (or `--gpu-mem-gb`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from ddtree.engine.errors import EngineError
 from ddtree.engine.host import HostInfo, host_info
 from ddtree.engine.hw import LINK_MEANING, GpuInfo, GpuView, format_cpulist, gpu_view
 from ddtree.engine.placement import Placement, suggest
+from ddtree.engine.preflight import estimate_vram
 from ddtree.store.db import data_dir
 
 GIB = 1024**3
@@ -33,6 +37,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--tp", type=int, metavar="N", help="also suggest GPU sets for tensor-parallel size N")
     p.add_argument("--from", dest="from_file", metavar="FILE", help="show a report saved with --json instead")
+    fit = p.add_argument_group("VRAM fit estimate",
+                               "weights from the safetensors headers plus the KV cache from config.json "
+                               "(layers x kv heads x head_dim x 2 x dtype bytes per token), per GPU at --tp, "
+                               "against the first --tp GPUs' memory x 0.88 (SGLang's static memory share)")
+    fit.add_argument("--fit", metavar="MODEL_DIR", help="estimate whether the local model MODEL_DIR fits")
+    fit.add_argument("--draft", metavar="DIR", help="with --fit: add this drafter's weights")
+    fit.add_argument("--context", type=int, default=8192, metavar="N", help="with --fit: tokens per sequence (default 8192)")
+    fit.add_argument("--concurrency", type=int, default=1, metavar="N", help="with --fit: sequences at once (default 1)")
+    fit.add_argument("--gpu-mem-gb", type=float, metavar="G",
+                     help="with --fit: assume GPUs of G GB (default: this machine's, or the --from report's)")
     p.set_defaults(command_module=__name__)
 
 
@@ -55,7 +69,54 @@ def collect(args: argparse.Namespace) -> tuple[GpuView, HostInfo | None]:
     return gpu_view(), host_info(data_dir=data_dir(getattr(args, "db", None)), cpu_interval=0.1)
 
 
+def fit(args: argparse.Namespace, view: GpuView | None) -> int:
+    tp = 1 if args.tp is None else args.tp
+    if tp < 1:
+        raise HwInputError(f"--tp must be >= 1, got {tp}")
+    if args.gpu_mem_gb is not None:
+        if not 0 < args.gpu_mem_gb < 1e6:
+            raise HwInputError(f"--gpu-mem-gb must be a positive number, got {args.gpu_mem_gb}")
+        totals = [int(args.gpu_mem_gb * 1e9)] * tp
+        where = f"{tp} x {args.gpu_mem_gb:g} GB (given)"
+    else:
+        gpus = view.gpus if view is not None else []
+        totals = [g.memory_total for g in gpus[:tp] if g.memory_total]
+        if len(totals) < tp:
+            reason = f"this machine has {len(gpus)} GPU(s) with known memory" if gpus else \
+                f"no GPUs here ({(view.reason if view else None) or 'none found'})"
+            raise HwInputError(f"tp {tp} needs {tp} GPUs: {reason}", "pass --gpu-mem-gb G to assume GPUs of G GB")
+        where = f"GPUs {', '.join(str(g.index) for g in gpus[:tp])} ({', '.join(g.name or '?' for g in gpus[:tp])})"
+    est = estimate_vram(args.fit, totals, tp, context=args.context, concurrency=args.concurrency,
+                        draft_dir=args.draft)
+    if args.json:
+        json.dump(dict(est.to_dict(), gpus=where), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    kv = est.kv
+    kind = (f"MLA latent {kv.head_dim}" if kv.mla else f"{kv.kv_heads} kv heads x {kv.head_dim} x 2")
+    lines = [f"VRAM fit: {est.model} at tp {tp} on {where}",
+             f"  weights   {est.weights.bytes / 1e9:8.2f} GB  {est.weights.params / 1e9:.2f} B params in "
+             f"{est.weights.files} file(s) ({', '.join(f'{k} {v / 1e9:.2f} GB' for k, v in est.weights.dtypes.items())})"]
+    if est.draft_weights:
+        lines.append(f"  drafter   {est.draft_weights.bytes / 1e9:8.2f} GB  {est.draft_weights.params / 1e9:.2f} B params")
+    lines += [f"  KV cache  {kv.bytes_per_token / 1024:8.1f} KiB/token ({kv.layers} layers x {kind} x "
+              f"{kv.dtype_bytes} B) x {est.context} tokens x {est.concurrency} = {est.kv_bytes / 1e9:.2f} GB",
+              f"  per GPU   {est.per_gpu_weights / 1e9:.2f} GB weights + {est.per_gpu_kv / 1e9:.2f} GB KV = "
+              f"{est.per_gpu_needed / 1e9:.2f} GB of {est.per_gpu_budget / 1e9:.2f} GB "
+              f"({est.mem_fraction:.2f} x {est.gpu_total_bytes / 1e9:.1f} GB)",
+              f"  {'fits' if est.fits else 'does NOT fit'}; room for {est.max_tokens:,} KV tokens "
+              f"(context x concurrency) at tp {tp}"]
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "fit", None):
+        view = collect(args)[0] if args.gpu_mem_gb is None else None
+        return fit(args, view)
+    if any(getattr(args, k, None) not in (None, d) for k, d in
+           (("draft", None), ("context", 8192), ("concurrency", 1), ("gpu_mem_gb", None))):
+        raise HwInputError("--draft, --context, --concurrency and --gpu-mem-gb go with --fit MODEL_DIR")
     view, host = collect(args)
     placements: list[Placement] = []
     if args.tp is not None:
