@@ -21,6 +21,11 @@ _HYBRID_MODEL_TYPES = {
 }
 
 
+def cache_kwarg(model: nn.Module) -> str:
+    """The forward argument that takes the KV cache: `cache` from transformers 5.24, else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def hybrid_reason(config) -> str | None:
     """Why tree verification cannot be exact on this target, or None for a pure-attention model."""
     configs = [config]
@@ -145,9 +150,8 @@ class Target:
     def __init__(self, model: nn.Module, feature_layers: tuple[int, ...] = ()) -> None:
         self.model = model
         self.feature_layers = tuple(feature_layers)
-        params = inspect.signature(model.forward).parameters
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self.has_logits_to_keep = "logits_to_keep" in params
+        self.cache_kwarg = cache_kwarg(model)
+        self.has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.embed = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
         self.config = model.config

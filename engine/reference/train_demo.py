@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import json
 import math
 import shutil
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.engine.reference.drafter import DFlashConfig, DFlashDrafter, context_features, save_drafter
+from ddtree.engine.reference.target import cache_kwarg
 
 
 @dataclass(frozen=True)
@@ -129,11 +129,6 @@ def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
 def autocast(device: torch.device):
     # bf16 autocast only on CUDA: on CPU it is slower than float32 and changes nothing we need.
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
-def cache_kwarg(model) -> str:
-    # transformers 5.24 renamed past_key_values to cache; older versions know only the old name.
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 # ---------------------------------------------------------------- target
