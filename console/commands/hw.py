@@ -69,6 +69,14 @@ def collect(args: argparse.Namespace) -> tuple[GpuView, HostInfo | None]:
     return gpu_view(), host_info(data_dir=data_dir(getattr(args, "db", None)), cpu_interval=0.1)
 
 
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
 def fit(args: argparse.Namespace, view: GpuView | None) -> int:
     tp = 1 if args.tp is None else args.tp
     if tp < 1:
@@ -94,18 +102,19 @@ def fit(args: argparse.Namespace, view: GpuView | None) -> int:
         return 0
     kv = est.kv
     kind = (f"MLA latent {kv.head_dim}" if kv.mla else f"{kv.kv_heads} kv heads x {kv.head_dim} x 2")
+    dtypes = ", ".join(f"{k} {_size(v)}" for k, v in est.weights.dtypes.items())
     lines = [f"VRAM fit: {est.model} at tp {tp} on {where}",
-             f"  weights   {est.weights.bytes / 1e9:8.2f} GB  {est.weights.params / 1e9:.2f} B params in "
-             f"{est.weights.files} file(s) ({', '.join(f'{k} {v / 1e9:.2f} GB' for k, v in est.weights.dtypes.items())})"]
+             f"  weights   {_size(est.weights.bytes):>10}  {_count(est.weights.params)} params in "
+             f"{est.weights.files} file(s) ({dtypes})"]
     if est.draft_weights:
-        lines.append(f"  drafter   {est.draft_weights.bytes / 1e9:8.2f} GB  {est.draft_weights.params / 1e9:.2f} B params")
-    lines += [f"  KV cache  {kv.bytes_per_token / 1024:8.1f} KiB/token ({kv.layers} layers x {kind} x "
-              f"{kv.dtype_bytes} B) x {est.context} tokens x {est.concurrency} = {est.kv_bytes / 1e9:.2f} GB",
-              f"  per GPU   {est.per_gpu_weights / 1e9:.2f} GB weights + {est.per_gpu_kv / 1e9:.2f} GB KV = "
-              f"{est.per_gpu_needed / 1e9:.2f} GB of {est.per_gpu_budget / 1e9:.2f} GB "
-              f"({est.mem_fraction:.2f} x {est.gpu_total_bytes / 1e9:.1f} GB)",
-              f"  {'fits' if est.fits else 'does NOT fit'}; room for {est.max_tokens:,} KV tokens "
-              f"(context x concurrency) at tp {tp}"]
+        lines.append(f"  drafter   {_size(est.draft_weights.bytes):>10}  {_count(est.draft_weights.params)} params")
+    lines.append(f"  KV cache  {kv.bytes_per_token / 1024:7.1f} KiB/token ({kv.layers} layers x {kind} x "
+                 f"{kv.dtype_bytes} B) x {est.context} tokens x {est.concurrency} = {_size(est.kv_bytes)}")
+    lines.append(f"  per GPU   {_size(est.per_gpu_weights)} weights + {_size(est.per_gpu_kv)} KV = "
+                 f"{_size(est.per_gpu_needed)} of {_size(est.per_gpu_budget)} "
+                 f"({est.mem_fraction:.2f} x {_size(est.gpu_total_bytes)})")
+    lines.append(f"  {'fits' if est.fits else 'does NOT fit'}; room for {est.max_tokens:,} KV tokens "
+                 f"(context x concurrency) at tp {tp}")
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
