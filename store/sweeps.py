@@ -22,6 +22,7 @@ from sqlite_utils import Database
 
 from ddtree.store.db import transaction
 from ddtree.store.errors import NotFound, StoreError
+from ddtree.store import queries
 from ddtree.store.queries import fetch_rows, to_json
 from ddtree.store.records import Run, decode_json, from_row
 
@@ -135,10 +136,8 @@ def create_run(db: Database, *, job_id: int | None, name: str, recipe: dict, rec
 
 
 def get_run(db: Database, run_id: int) -> Run:
-    rows = fetch_rows(db, "SELECT * FROM runs WHERE id = ?", [run_id])
-    if not rows:
-        raise NotFound(f"no run {run_id}", "list runs with `ddtree-console runs`")
-    return from_row(Run, rows[0])
+    """The run with its point counts (one reader for every caller, so the counts are never 0 by omission)."""
+    return queries.get_run(db, run_id)
 
 
 def update_run(db: Database, run_id: int, **values: Any) -> None:
