@@ -157,19 +157,22 @@ def _print_progress(db_path, stop: threading.Event) -> None:
     last_line = 0.0
     db = open_db(db_path)
     try:
-        while not stop.wait(0.5 if tty else 1.0):
+        while True:
+            ended = stop.wait(0.5 if tty else 1.0)
             cur = db.execute(_ROW_SQL, [os.getpid(), started])
             found = cur.fetchone()
             row = dict(zip([c[0] for c in cur.description], found)) if found else None
-            if row is None or not row.get("bytes_total"):
-                continue
-            text = _bar(row)
-            if tty:
-                sys.stderr.write("\r" + text[:200].ljust(100))
-                sys.stderr.flush()
-            elif time.monotonic() - last_line >= 10:
-                last_line = time.monotonic()
-                print(text, file=sys.stderr, flush=True)
+            if row is not None and row.get("bytes_total"):
+                text = _bar(row)
+                if tty:
+                    sys.stderr.write("\r" + text[:200].ljust(100))
+                    sys.stderr.flush()
+                elif ended or time.monotonic() - last_line >= 10:
+                    # the last line is the final state, so a log never ends on a stale percentage
+                    last_line = time.monotonic()
+                    print(text, file=sys.stderr, flush=True)
+            if ended:
+                break
     finally:
         db.close()
 

@@ -54,6 +54,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+def limit(text: str) -> int:
+    """argparse type of --limit: a count of rows, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of rows, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "jobs",
@@ -63,7 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--all", action="store_true", help="list every job (default: the newest 50)")
-    p.add_argument("--limit", type=int, default=50, metavar="N", help="how many jobs to list (default 50)")
+    p.add_argument("--limit", type=limit, default=50, metavar="N", help="how many jobs to list (default 50)")
     sub = p.add_subparsers(dest="jobs_command", metavar="SUBCOMMAND", title="subcommands")
 
     show = sub.add_parser("show", help="one job: spec, result, state history, child processes",
@@ -117,7 +128,7 @@ def job_dict(job: Job) -> dict:
 def _list(args: argparse.Namespace) -> int:
     supervisor.reconcile(args.db)
     with open_db(args.db) as db:
-        jobs = list_jobs(db, limit=None if args.all else max(1, args.limit))
+        jobs = list_jobs(db, limit=None if args.all else args.limit)
     if args.json:
         print(json.dumps([job_dict(j) for j in jobs], indent=2))
         return 0

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 
 from ddtree.console import fmt
+from ddtree.console.commands.jobs import limit
 from ddtree.store.db import open_db
 from ddtree.store.queries import list_runs
 
@@ -24,13 +24,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--filter", metavar="TEXT", help="keep runs that mention TEXT")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="at most N runs")
+    p.add_argument("--limit", type=limit, default=None, metavar="N", help="at most N runs")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.limit is not None and args.limit < 1:
-        print("error: --limit must be at least 1", file=sys.stderr)
-        return 2
     with open_db(args.db) as db:
         runs = list_runs(db, text=args.filter, limit=args.limit)
     if args.json:

@@ -55,7 +55,8 @@ def test_usage_errors_exit_2(capsys):
     cases = {("jobs", "cancel", "x"): "ddtree-console jobs cancel --help", ("jobs", "cancel"): "required: id",
              ("nope",): "invalid choice: 'nope'", ("jobs", "cancel", "1", "--grace", "-1"): "--grace",
              ("serve", "--port", "99999"): "ddtree-console serve --help",
-             ("export", "1", "--format", "xls"): "invalid choice: 'xls'", ("export",): "RUN_ID"}
+             ("export", "1", "--format", "xls"): "invalid choice: 'xls'", ("export",): "RUN_ID",
+             ("jobs", "--limit", "0"): "--limit: must be at least 1", ("runs", "--limit", "-1"): "at least 1"}
     for argv, expected in cases.items():
         with pytest.raises(SystemExit) as exit_:
             cli.main(list(argv))

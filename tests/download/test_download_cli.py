@@ -76,6 +76,8 @@ def test_foreground_download(hub, tmp_path, env):
     rc, out, err = run_dl(["acme/tiny", "--local-dir", str(tmp_path / "m"), "--reserve-gb", "0"], env)
     assert rc == 0, err
     assert f"done: {(tmp_path / 'm').resolve()}" in out
+    # the progress line drawn last is the final state, not whatever the last poll caught
+    assert err.strip().splitlines()[-1].startswith("[" + "#" * 28 + "] 100.0% 550.0 kB/550.0 kB files 5/5"), err
     assert (tmp_path / "m/sub/extra.bin").stat().st_size == 50_000
     db = open_db(env)
     row = next(db["downloads"].rows)
