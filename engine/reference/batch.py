@@ -19,7 +19,6 @@ rounds do.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,16 +63,10 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
     return out
 
 
-def _clock(engine: Engine) -> float:
-    if engine.sync_timings and engine.target.device.type == "cuda":
-        torch.cuda.synchronize(engine.target.device)
-    return time.perf_counter()
-
-
 def _round(engine: Engine, sessions: list[Session]) -> list[list[int]]:
     """Draft, build, verify, then commit. Nothing in a session changes before the commit loop,
     so a failing forward leaves every session as it was (the scheduler then steps them alone)."""
-    t0 = _clock(engine)
+    t0 = engine.clock()
     depths = [s._depth_cap() for s in sessions]
     drafting = [j for j, s in enumerate(sessions) if s.mode != "ar" and depths[j] > 0]
     draft_logits: list[torch.Tensor | None] = [None] * len(sessions)
@@ -82,14 +75,14 @@ def _round(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         logits, draft_state = _draft(engine, [sessions[j] for j in drafting], [depths[j] for j in drafting])
         for j, lg in zip(drafting, logits):
             draft_logits[j] = lg
-    t1 = _clock(engine)
+    t1 = engine.clock()
     trees = [s._tree(lg) for s, lg in zip(sessions, draft_logits)]
-    t2 = _clock(engine)
+    t2 = engine.clock()
     groups = _groups([t.size for t in trees], engine.target.device.type == "cuda")
     verified = []
     for group in groups:
         verified.append((group, _verify(engine, [sessions[j] for j in group], [trees[j] for j in group])))
-    t3 = _clock(engine)
+    t3 = engine.clock()
     if draft_state is not None:
         _commit_draft_caches([sessions[j] for j in drafting], *draft_state)
     committed: list[list[int]] = [[] for _ in sessions]
@@ -104,7 +97,7 @@ def _round(engine: Engine, sessions: list[Session]) -> list[list[int]]:
             sess._cache.assign([(k[r:r + 1, :, :end], v[r:r + 1, :, :end]) for k, v in tensors])
             feats = features[r].index_select(0, path) if features is not None and sess.mode != "ar" else None
             committed[j] = sess._advance(path_list, new, feats, drafted=draft_logits[j] is not None)
-    t4 = _clock(engine)
+    t4 = engine.clock()
     n = len(sessions)
     for j, sess in enumerate(sessions):
         # Batch time is shared: each session books its share, so sums over sessions stay true.

@@ -8,7 +8,6 @@ would give: the draft only decides how many of those choices one forward can con
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -111,13 +110,8 @@ class Session:
         self._pending = None
 
     # ---- rounds -----------------------------------------------------------------------------
-    def _clock(self) -> float:
-        if self.engine.sync_timings and self.engine.target.device.type == "cuda":
-            torch.cuda.synchronize(self.engine.target.device)
-        return time.perf_counter()
-
     def _prefill(self) -> list[int]:
-        t0 = self._clock()
+        t0 = self.engine.clock()
         target = self.engine.target
         device = target.device
         ids = torch.tensor(self.prompt_ids, dtype=torch.long, device=device)
@@ -128,18 +122,18 @@ class Session:
         self._start = len(self.prompt_ids)
         self._bonus = int(token[-1])
         committed = self._commit([self._bonus])
-        self.timings["prefill"] += self._clock() - t0
+        self.timings["prefill"] += self.engine.clock() - t0
         return committed
 
     def _ar_round(self) -> list[int]:
-        t0 = self._clock()
+        t0 = self.engine.clock()
         target = self.engine.target
         device = target.device
         ids = torch.tensor([self._bonus], dtype=torch.long, device=device)
         positions = torch.tensor([self._start], dtype=torch.long, device=device)
         features = self.mode != "ar"
         out = target.forward(ids, positions, self._cache, features=features)
-        t1 = self._clock()
+        t1 = self.engine.clock()
         token = int(self._choose(out.logits)[0])
         if features:
             self._pending = torch.cat((self._pending, out.features), dim=0)
@@ -148,7 +142,7 @@ class Session:
         self.accept_lengths.append(1)
         self.verify_ct += 1
         committed = self._commit([token])
-        t2 = self._clock()
+        t2 = self.engine.clock()
         self.timings["verify"] += t1 - t0
         self.timings["commit"] += t2 - t1
         return committed
@@ -156,18 +150,18 @@ class Session:
     def _spec_round(self, depth: int) -> list[int]:
         engine = self.engine
         target = engine.target
-        t0 = self._clock()
+        t0 = self.engine.clock()
         draft_logits = self._draft(depth)
-        t1 = self._clock()
+        t1 = self.engine.clock()
         tree = self._tree(draft_logits)
         mask = None if tree.is_chain else tree_attention_mask(tree, self._start, target.dtype)
-        t2 = self._clock()
+        t2 = self.engine.clock()
         out = target.forward(tree.tokens, tree.depths + self._start, self._cache, mask, features=True)
-        t3 = self._clock()
+        t3 = self.engine.clock()
         path, path_list, new = self._walk(tree, out.logits)
         self._cache.compact(self._start, path, path_list)
         committed = self._advance(path_list, new, out.features.index_select(0, path), drafted=True)
-        t4 = self._clock()
+        t4 = self.engine.clock()
         self.timings["draft"] += t1 - t0
         self.timings["tree"] += t2 - t1
         self.timings["verify"] += t3 - t2

@@ -86,6 +86,12 @@ class Engine:
                                  "set dflash_config.mask_token_id in the drafter's config.json")
         self.mask_token_id = int(mask)
 
+    def clock(self) -> float:
+        """perf_counter for the per-stage timings; waits for the GPU first when sync_timings is on."""
+        if self.sync_timings and self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)
+        return time.perf_counter()
+
     def _check_drafter(self, drafter: DFlashDrafter) -> None:
         cfg = drafter.config
         target = self.target
