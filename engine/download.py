@@ -273,10 +273,10 @@ def hub_error(error: BaseException, spec: DownloadSpec) -> DownloadError:
     if isinstance(error, hf.RevisionNotFoundError):
         return RevisionNotFound(f"revision {spec.revision!r} not found in {spec.repo_id}",
                                 f"see the branches and tags at {where}")
-    if isinstance(error, (hf.EntryNotFoundError,)) and not isinstance(error, hf.LocalEntryNotFoundError):
+    if isinstance(error, hf.EntryNotFoundError) and not isinstance(error, hf.LocalEntryNotFoundError):
         return DownloadFailed(f"a file of {spec.repo_id} vanished from the hub during the download",
                               "the revision moved; rerun to fetch the new listing")
-    if isinstance(error, (hf.LocalEntryNotFoundError, hf.OfflineModeIsEnabled)) or isinstance(error, _transport_errors()):
+    if isinstance(error, (hf.LocalEntryNotFoundError, hf.OfflineModeIsEnabled, *_transport_errors())):
         hint = "HF_HUB_OFFLINE is set" if os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0") else \
             "check the network, or set HF_ENDPOINT to a reachable mirror"
         return HubUnreachable(f"cannot reach {endpoint}: {_scrub(type(error).__name__)}", hint)
