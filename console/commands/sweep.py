@@ -153,8 +153,10 @@ def _start(args: argparse.Namespace, db_path: Path, run_id: int, name: str) -> i
         print(f"run {run_id} {job.state}: {counts['done']} done, {counts['failed']} failed, "
               f"{counts['skipped']} skipped, {counts['pending'] + counts['running']} left"
               + (f"; resume with `ddtree-console sweep --resume {run_id}`" if counts['pending'] + counts['running'] else ""))
-        if job.state not in ("succeeded",) and getattr(job, "error", None):
+        if job.state not in ("succeeded", "cancelled") and getattr(job, "error", None):
             print(f"error: {job.error}", file=sys.stderr)
+    if job.state == "cancelled":
+        return 130  # Ctrl-C: the shell's code for an interrupt, as `download` returns; not a failure
     return 0 if job.state == "succeeded" else 1
 
 

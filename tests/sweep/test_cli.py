@@ -63,3 +63,31 @@ def test_name_names_the_run_and_a_resume_keeps_it(tmp_path, tiny_pair, prompts_f
     assert cli(tmp_path, "jobs", "cancel", str(job_id)).returncode == 0
     with open_db(tmp_path / "d.db") as db:
         assert db["jobs"].get(job_id)["name"] == "mine"
+
+
+def test_ctrl_c_cancels_a_foreground_sweep_quietly(tmp_path, tiny_pair, prompts_file):
+    import os
+    import signal
+    import time
+
+    from ddtree.store import open_db
+
+    recipe = write_recipe(tmp_path / "r.toml", tiny_pair, prompts_file, max_new_tokens=64, num_prompts=20)
+    proc = subprocess.Popen([sys.executable, "-m", "ddtree.console.cli", "--db", str(tmp_path / "d.db"), "sweep",
+                             str(recipe)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # Ctrl-C once the engine serves points
+            if (tmp_path / "d.db").exists():
+                with open_db(tmp_path / "d.db") as db:
+                    if db.execute("SELECT count(*) FROM points WHERE state = 'running'").fetchone()[0]:
+                        break
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "cancelled" in out and "--resume" in out and "error:" not in err and "Traceback" not in err
