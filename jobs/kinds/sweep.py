@@ -550,7 +550,8 @@ def _run_one(ctx, plan: Plan, point: PlanPoint, point_id: int, engine: EnginePro
              saturated: dict[tuple, str]) -> str:
     recipe, sweep = plan.recipe, plan.recipe.sweep
     db = ctx.db
-    label = (f"point {point.index + 1}/{len(plan.points)}: {point.algorithm} budget={point.budget} "
+    budget = "" if point.budget is None else f" budget={point.budget}"  # AR and DFlash have none
+    label = (f"point {point.index + 1}/{len(plan.points)}: {point.algorithm}{budget} "
              f"c={point.concurrency} T={point.temperature:g} {point.dataset} r{point.repeat}")
     started = time.time()
     sweeps.mark_point(db, point_id, "running", started_at=started)
