@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddtree.engine.launch import ALGORITHMS
+from ddtree.engine.launch import KINDS as ENGINE_KINDS
 from ddtree.jobs.errors import BadSpec
 
-ENGINE_KINDS = ("builtin", "sglang", "vllm")
-ALGORITHMS = ("ar", "dflash", "ddtree")
 BASELINES = ("ar", "dflash")
 APIS = ("generate", "openai")
 DEVICES = ("cpu", "cuda")

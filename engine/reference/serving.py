@@ -18,9 +18,9 @@ from typing import Any, AsyncIterator
 
 from ddtree.engine.errors import EngineError
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
+from ddtree.engine.reference.params import ALGORITHMS
 from ddtree.engine.reference.scheduler import Scheduler, Update, proposed_per_round
 
-ALGORITHMS = ("ar", "dflash", "ddtree")
 DEFAULT_BUDGET = 16
 
 
