@@ -123,8 +123,6 @@ class Stats:
         self.generation_tokens_total = 0
         self.verify_calls_total = 0
         self.accepted_tokens_total = 0  # sum of tau over all verify rounds
-        self.correct_drafts_total = 0
-        self.proposed_drafts_total = 0
         self.batched_rounds_total = 0   # turns that stepped several requests in one batched round
         self.batched_requests_total = 0  # request-rounds inside those
         self._recent_rounds: deque[tuple[int, int]] = deque(maxlen=self.WINDOW_ROUNDS)  # (tau, proposed)
@@ -138,8 +136,6 @@ class Stats:
             for tau in accepts:
                 self.verify_calls_total += 1
                 self.accepted_tokens_total += tau
-                self.correct_drafts_total += max(tau - 1, 0)
-                self.proposed_drafts_total += proposed_per_round
                 self._recent_rounds.append((tau, proposed_per_round))
 
     def add_batch(self, size: int) -> None:
