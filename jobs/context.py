@@ -21,8 +21,8 @@ from sqlite_utils import Database
 from ddtree.jobs.errors import JobCancelled, JobError
 from ddtree.jobs.procs import kill_group, start_time
 from ddtree.store.db import data_dir as store_data_dir
-from ddtree.store.db import logs_dir, open_db, transaction
-from ddtree.store.queries import now
+from ddtree.store.db import logs_dir, open_db
+from ddtree.store.queries import insert_row, now, update_row
 
 #: Progress writes closer together than this are coalesced (the last value always lands).
 PROGRESS_MIN_INTERVAL_S = 0.2
@@ -87,10 +87,7 @@ class JobContext:
         with self._lock:
             if not self._progress_dirty:
                 return
-            values = dict(self._progress)
-            sets = ", ".join(f"[{c}] = ?" for c in values)
-            with transaction(self._db):
-                self._db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*values.values(), self.job_id])
+            update_row(self._db, "jobs", self.job_id, dict(self._progress))
             self._progress_dirty = False
             self._progress_written_at = time.monotonic()
 
@@ -148,13 +145,10 @@ class JobContext:
             raise JobError(f"cannot start {argv[0]}: {exc.strerror or exc}", "check the command and its path") from None
         started = start_time(popen.pid)
         with self._lock:
-            with transaction(self._db):
-                cur = self._db.execute(
-                    "INSERT INTO processes (job_id, name, argv, pid, pgid, pid_started, log_path, started_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    [self.job_id, name, json.dumps([str(a) for a in argv]), popen.pid, popen.pid, started, str(log_path), now()],
-                )
-            self._children.append(_Child(name, popen, int(cur.lastrowid), started, log))
+            row_id = insert_row(self._db, "processes", {
+                "job_id": self.job_id, "name": name, "argv": json.dumps([str(a) for a in argv]), "pid": popen.pid,
+                "pgid": popen.pid, "pid_started": started, "log_path": str(log_path), "started_at": now()})
+            self._children.append(_Child(name, popen, row_id, started, log))
         self.log(f"started {name} (pid {popen.pid}): {' '.join(str(a) for a in argv)}; log {log_path}")
         return popen
 
@@ -190,11 +184,7 @@ class JobContext:
             return
         child.ended = True
         child.log.close()
-        with transaction(self._db):
-            self._db.execute(
-                "UPDATE processes SET ended_at = ?, returncode = ? WHERE id = ?",
-                [now(), child.popen.returncode, child.row_id],
-            )
+        update_row(self._db, "processes", child.row_id, {"ended_at": now(), "returncode": child.popen.returncode})
 
     def close(self, grace_s: float = 5.0) -> None:
         """End of job: stop the children, write the last progress, close the connection."""
