@@ -442,7 +442,9 @@ def main(argv: list[str] | None = None) -> int:
 
             torch.set_num_threads(args.threads)
         engine, model_path, draft_path = _load(args)
-        budget = args.budget if args.budget is not None else min(DEFAULT_BUDGET, engine.max_budget or DEFAULT_BUDGET)
+        # A target served without a drafter has max_budget 0: the default must follow it down, not up.
+        default_budget = DEFAULT_BUDGET if engine.max_budget is None else min(DEFAULT_BUDGET, engine.max_budget)
+        budget = args.budget if args.budget is not None else default_budget
         if engine.max_budget is not None and not 0 <= budget <= engine.max_budget:
             raise BadRequest(f"--budget must be between 0 and {engine.max_budget}, got {budget}")
         algorithm = args.algorithm if engine.draft_name is not None else "ar"
