@@ -15,7 +15,9 @@ In the foreground a line is printed per finished point; Ctrl-C cancels the job (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -24,7 +26,7 @@ from pathlib import Path
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.kinds.sweep import check_supported
 from ddtree.jobs.plan import Hardware, check_plan, format_plan, make_plan
-from ddtree.jobs.recipe import load_recipe, recipe_to_dict
+from ddtree.jobs.recipe import Recipe, load_recipe, recipe_to_dict
 from ddtree.store import sweeps
 from ddtree.store.db import data_dir, open_db, resolve_db_path
 from ddtree.store.records import ACTIVE_STATES
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         if args.dry_run:
             raise SweepUsageError("--dry-run applies to a recipe file, not to --resume")
         return _resume(args)
-    recipe = load_recipe(args.recipe)
+    recipe = _absolute_paths(load_recipe(args.recipe))
     db_path = resolve_db_path(getattr(args, "db", None))
     # SGLang/vLLM: the plan asks the recipe's interpreter what it accepts (cached beside the
     # database) and places the launches on this machine's GPUs.
@@ -93,6 +95,25 @@ def run(args: argparse.Namespace) -> int:
     finally:
         db.close()
     return _start(args, db_path, run_id, args.name or recipe.name)
+
+
+def _absolute_paths(recipe: Recipe) -> Recipe:
+    """The recipe with its local paths (prompt files, model folders, interpreter) made absolute,
+    taken from the folder the sweep starts in: the run stores the recipe, and a detached runner or a
+    later --resume may start elsewhere (where `models/x` would even read as a hub repo id)."""
+
+    def local(text: str | None, *, dataset: bool = False) -> str | None:
+        if text is None or text.startswith("builtin:"):
+            return text
+        if dataset and not (text.endswith(".jsonl") or os.sep in text):
+            return text  # a dataset name, looked up in the dataset folders
+        path = Path(text).expanduser()
+        return str(path.resolve()) if not path.is_absolute() and path.exists() else text
+
+    engine = dataclasses.replace(recipe.engine, python=local(recipe.engine.python), model=local(recipe.engine.model),
+                                 draft_model=local(recipe.engine.draft_model))
+    sweep = dataclasses.replace(recipe.sweep, dataset=tuple(local(d, dataset=True) for d in recipe.sweep.dataset))
+    return dataclasses.replace(recipe, engine=engine, sweep=sweep)
 
 
 def _resume(args: argparse.Namespace) -> int:

@@ -91,3 +91,22 @@ def test_ctrl_c_cancels_a_foreground_sweep_quietly(tmp_path, tiny_pair, prompts_
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err
     assert "cancelled" in out and "--resume" in out and "error:" not in err and "Traceback" not in err
+
+
+def test_relative_paths_in_a_recipe_are_stored_absolute(tmp_path, tiny_pair, prompts_file):
+    import shutil
+
+    from ddtree.store import open_db
+
+    work = tmp_path / "work"
+    (work / "models").mkdir(parents=True)
+    shutil.copytree(tiny_pair[0], work / "models" / "target")
+    shutil.copy(prompts_file, work / "p.jsonl")
+    (work / "r.toml").write_text('name = "rel"\n[engine]\nmodel = "models/target"\n'
+                                 '[sweep]\ndataset = ["p.jsonl", "builtin:code"]\n')
+    plan = subprocess.run([sys.executable, "-m", "ddtree.console.cli", "--db", str(tmp_path / "d.db"), "sweep",
+                           "r.toml", "--dry-run", "--json"], cwd=work, capture_output=True, text=True, timeout=60)
+    assert plan.returncode == 0, plan.stderr
+    points = json.loads(plan.stdout)["points"]
+    assert {p["dataset"] for p in points} == {str(work / "p.jsonl"), "builtin:code"}
+    assert str(work / "models" / "target") in json.loads(plan.stdout)["launches"][0]["argv"]
