@@ -35,7 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                           "NVLink, processes), the GPU-to-GPU link matrix, NUMA nodes, CPU, memory "
                                           "and the disks that hold the HF cache and the data folder.")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--tp", type=int, metavar="N", help="also suggest GPU sets for tensor-parallel size N")
+    p.add_argument("--tp", type=int, metavar="N", help="also suggest GPU sets for tensor-parallel size N (with --fit: the tp to estimate at, default 1)")
     p.add_argument("--from", dest="from_file", metavar="FILE", help="show a report saved with --json instead")
     fit = p.add_argument_group("VRAM fit estimate",
                                "weights from the safetensors headers plus the KV cache from config.json "
