@@ -113,7 +113,23 @@ def load_command(name: str) -> ModuleType | _Unavailable:
         return _Unavailable(name, f"import failed: {exc}")
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType | _Unavailable]]:
+def _command_in(argv: list[str]) -> str | None:
+    """The command `argv` runs, when it names one before any help flag (else None)."""
+    rest = list(argv)
+    while rest:
+        token = rest.pop(0)
+        if token in ("-h", "--help"):
+            return None
+        if token == "--db":
+            rest = rest[1:]
+        elif not token.startswith("-"):
+            return token if token in COMMANDS else None
+    return None
+
+
+def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, ModuleType | _Unavailable]]:
+    """The parser; with `only`, just that command's (the others' modules are not imported, which
+    keeps every command's start-up free of what the others pull in: the store, numpy, the planner)."""
     parser = _Parser(
         prog="ddtree-console",
         description=_DESCRIPTION,
@@ -130,7 +146,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType | _Una
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     modules = {}
-    for name in COMMANDS:
+    for name in (only,) if only else COMMANDS:
         module = load_command(name)
         module.add_parser(sub)
         modules[name] = module
@@ -180,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree.jobs.errors import JobError
     from ddtree.store.errors import StoreError
 
-    parser, modules = build_parser()
+    parser, modules = build_parser(_command_in(argv))
     args = parser.parse_args(argv)
     try:
         if args.command is None:

@@ -209,3 +209,12 @@ def test_console_without_a_terminal_is_refused(db_path):
     out = subprocess.run([EXE], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=30)
     assert out.returncode == 2
     assert out.stderr.startswith("error: the console needs a terminal")
+
+
+def test_a_command_imports_only_its_own_module(tmp_path):
+    """`ddtree-console jobs` must not pay for the sweep planner, numpy or the hardware view."""
+    code = ("import sys; from ddtree.console import cli; cli.main(['--db', sys.argv[1], 'jobs', '--json']);"
+            "print(sorted(m for m in sys.modules if m.startswith('ddtree.console.commands.')))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.db")], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    assert out == "['ddtree.console.commands.jobs']"
