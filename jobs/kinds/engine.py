@@ -9,8 +9,9 @@ has warmed up; the job then records an `engines` row (state running, url, port, 
 Cancel: SIGTERM to the server's group (the runner's ctx.close does it), the row becomes `stopped`.
 A server that exits on its own fails the job with the tail of its log; the row becomes `failed`.
 
-SGLang and vLLM servers need engine/launch.py (the SGLang helper's module); until it exists such
-a spec is refused at submit time with exit code 2.
+SGLang and vLLM servers (kind "sglang" | "vllm", with `python`, `gpus`, `tp`, `extra_args`, `env`)
+are launched from engine/launch.py's LaunchSpec, built only from flags the interpreter's probe found,
+on a free port; readiness is polled on /health, since they announce nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ SERVER_MODULE = "ddtree.engine.reference.server"
 KINDS = ("builtin", "sglang", "vllm")
 ALGORITHMS = ("ar", "dflash", "ddtree")
 _KEYS = {"kind", "model", "draft_model", "algorithm", "budget", "block_size", "device", "python",
-         "ready_timeout_s", "demo"}
+         "ready_timeout_s", "demo", "gpus", "tp", "extra_args", "env"}
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:[0-9]{1,2})?)$")
 
 #: Seconds between checks that the server is still alive while the job waits.
@@ -47,15 +48,6 @@ class EngineStartFailed(JobError):
 
 class EngineDied(JobError):
     """The server exited while it was serving."""
-
-
-def _launch_module():
-    """engine/launch.py (SGLang/vLLM launch specs) when its owner has landed it, else None."""
-    try:
-        from ddtree.engine import launch  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return launch
 
 
 def _opt_int(spec: dict, key: str, minimum: int) -> int | None:
@@ -90,9 +82,17 @@ def validate(spec: dict) -> dict:
     kind = spec.get("kind", "builtin")
     if kind not in KINDS:
         raise EngineSpecError(f"engine kind {kind!r} is not one of {', '.join(KINDS)}")
-    if kind != "builtin" and _launch_module() is None:
-        raise EngineSpecError(f"starting {kind} servers is not available yet (engine/launch.py is not in this build)",
-                              "use kind builtin for now")
+    if kind != "builtin" and (not spec.get("model") or not spec.get("python")):
+        raise EngineSpecError(f"a {kind} engine needs model and python (the interpreter that has {kind})")
+    gpus = spec.get("gpus", [0] if kind != "builtin" else [])
+    if not isinstance(gpus, list) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
+        raise EngineSpecError(f"gpus must be a list of GPU indices, not {gpus!r}")
+    tp = _opt_int(spec, "tp", 1) or max(len(gpus), 1)
+    extra_args, env = spec.get("extra_args", []), spec.get("env", {})
+    if not isinstance(extra_args, list) or not all(isinstance(a, str) for a in extra_args):
+        raise EngineSpecError(f"extra_args must be a list of strings, not {extra_args!r}")
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise EngineSpecError(f"env must map names to strings, not {env!r}")
     algorithm = spec.get("algorithm", "ddtree")
     if algorithm not in ALGORITHMS:
         raise EngineSpecError(f"algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
@@ -131,7 +131,7 @@ def validate(spec: dict) -> dict:
         raise EngineSpecError(f"ready_timeout_s must be a number of seconds from 1 to 86400, not {timeout!r}")
     return {"kind": kind, "model": model, "draft_model": draft, "algorithm": algorithm, "budget": budget,
             "block_size": block_size, "device": device, "python": python, "ready_timeout_s": float(timeout),
-            "demo": demo}
+            "demo": demo, "gpus": gpus, "tp": tp, "extra_args": extra_args, "env": env}
 
 
 def server_argv(spec: dict) -> list[str]:
@@ -190,19 +190,53 @@ def _update_engine(ctx: JobContext, row_id: int, values: dict) -> None:
         ctx.db.execute(f"UPDATE engines SET {sets} WHERE id = ?", [*values.values(), row_id])
 
 
+def _launch(ctx: JobContext, spec: dict):
+    """An SGLang/vLLM LaunchSpec for this job (probing the interpreter once, cached in the data dir)."""
+    from ddtree.engine.errors import EngineError
+    from ddtree.engine.launch import build_launch, free_port
+
+    table = {key: spec.get(key) for key in ("kind", "python", "model", "draft_model", "block_size", "device",
+                                            "extra_args", "env")}
+    table["numa_bind"] = "off"
+    try:
+        return build_launch(table, algorithm=spec["algorithm"], budget=spec["budget"], tp=spec["tp"],
+                            gpus=spec["gpus"], port=free_port(), cache_dir=ctx.data_dir)
+    except EngineError as exc:
+        raise EngineStartFailed(f"cannot launch this {spec['kind']} server: {exc}") from None
+
+
+def _wait_health(ctx: JobContext, launch, proc, timeout_s: float, log_path: Path) -> dict:
+    """SGLang/vLLM announce nothing: poll /health until it answers, the server dies, or time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            from ddtree.engine.logclass import failure_reason
+
+            raise EngineStartFailed(failure_reason(log_path, f"the server exited with code {proc.returncode}"))
+        try:
+            if httpx.get(launch.health_url, timeout=2.0).status_code == 200:
+                return {"url": launch.base_url, "port": launch.port}
+        except httpx.HTTPError:
+            pass
+        ctx.sleep(0.5)
+    raise EngineStartFailed(f"the server did not answer /health within {timeout_s:g} s", f"see {log_path}")
+
+
 def run(ctx: JobContext, spec: dict) -> dict:
-    if spec["kind"] != "builtin":
-        raise EngineStartFailed(f"starting {spec['kind']} servers is not wired up yet in this build")
-    argv = server_argv(spec)
+    launch = _launch(ctx, spec) if spec["kind"] != "builtin" else None
+    argv = list(launch.argv) if launch else server_argv(spec)
     with transaction(ctx.db):
         row_id = ctx.db["engines"].insert({
             "job_id": ctx.job_id, "kind": spec["kind"], "model": "demo" if spec["demo"] else spec["model"],
             "draft_model": "demo" if spec["demo"] and spec["draft_model"] else spec["draft_model"],
             "algorithm": spec["algorithm"], "budget": spec["budget"], "block_size": spec["block_size"], "tp": 1,
-            "gpus": json.dumps([]), "python": argv[0], "host": "127.0.0.1", "state": "starting",
+            "gpus": json.dumps(spec.get("gpus") or []), "python": argv[0], "host": "127.0.0.1", "state": "starting",
             "created_at": now(),
         }).last_pk
-    proc = ctx.spawn(argv, env={"TOKENIZERS_PARALLELISM": "false"}, name="server")
+    env = launch.spawn_env() if launch else {"TOKENIZERS_PARALLELISM": "false"}
+    proc = ctx.spawn(argv, env=env, name="server")
     log_path = ctx.log_path.parent / f"job-{ctx.job_id}-server.log"
     _update_engine(ctx, row_id, {"pid": proc.pid, "pgid": proc.pid, "log_path": str(log_path)})
     ctx.progress(message="starting the server")
@@ -210,6 +244,8 @@ def run(ctx: JobContext, spec: dict) -> dict:
     deadline = time.monotonic() + spec["ready_timeout_s"]
     event = None
     try:
+        if launch is not None:
+            event = _wait_health(ctx, launch, proc, spec["ready_timeout_s"], log_path)
         while event is None:
             event = reader.poll()
             if event is not None:

@@ -7,6 +7,8 @@ differences, per-request meta_info, teardown) runs against a real engine with a 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from test_sweep_engines import _run
 
@@ -54,3 +56,34 @@ def test_sglang_recipe_runs_against_the_builtin_server_behind_a_double(fake_pyth
             assert 1.3 < tau <= 16 and tau == pytest.approx(p.tau_weighted, rel=0.05)
             assert p.speedup_vs_ar is not None
     assert [e["state"] for e in engines] == ["stopped", "stopped"]
+
+
+def test_engine_job_starts_and_stops_an_sglang_server(fake_python, tmp_path):
+    """The Engines pane's `engine` job with kind sglang: launched from the probed flags, ready on
+    /health, recorded in the engines row, and stopped (group reaped) on cancel."""
+    import httpx
+
+    from ddtree.jobs.supervisor import cancel, submit
+    from ddtree.store.db import open_db
+
+    target, drafter = demo_paths()
+    python = fake_python("sglang", server_body=BUILTIN_BEHIND_SGLANG)
+    db_path = tmp_path / "e.db"
+    job_id = submit(db_path, "engine", {"kind": "sglang", "python": str(python), "model": str(target),
+                                        "draft_model": str(drafter), "algorithm": "dflash", "block_size": 16,
+                                        "gpus": [], "ready_timeout_s": 120.0}, detach=True)
+    db = open_db(db_path)
+    deadline = time.monotonic() + 150
+    row = None
+    while time.monotonic() < deadline:
+        row = db.execute("SELECT state, base_url, error FROM engines WHERE job_id = ?", [job_id]).fetchone()
+        if row and row[0] in ("running", "failed"):
+            break
+        time.sleep(0.5)
+    assert row is not None and row[0] == "running", row
+    assert httpx.get(row[1] + "/health", timeout=5).status_code == 200
+    cancel(db_path, job_id, grace_s=10)
+    assert db.execute("SELECT state FROM engines WHERE job_id = ?", [job_id]).fetchone()[0] == "stopped"
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(row[1] + "/health", timeout=2)
+    db.close()
