@@ -82,7 +82,8 @@ def _wants_version(argv: list[str]) -> bool:
 
 
 class _Unavailable:
-    """Stands in for a command module that cannot be imported."""
+    """Stands in for a command module that cannot be imported (a broken or partial installation),
+    so the other commands and --help still work and this one says why in one line."""
 
     def __init__(self, name: str, reason: str) -> None:
         self.name = name
@@ -91,13 +92,14 @@ class _Unavailable:
     def add_parser(self, subparsers: argparse._SubParsersAction) -> None:
         p = subparsers.add_parser(
             self.name,
-            help=f"{_FALLBACK_HELP.get(self.name, self.name)} (not available yet)",
-            description=f"{_FALLBACK_HELP.get(self.name, self.name)}. Not available in this installation: {self.reason}.",
+            help=f"{_FALLBACK_HELP.get(self.name, self.name)} (cannot load: see its --help)",
+            description=f"{_FALLBACK_HELP.get(self.name, self.name)}. Cannot load in this installation: {self.reason}.",
         )
         p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
     def run(self, args: argparse.Namespace) -> int:
-        print(f"error: {self.name} is not available yet ({self.reason})", file=sys.stderr)
+        print(f"error: the {self.name} command cannot load in this installation ({self.reason}; "
+              "reinstall ddtree-console)", file=sys.stderr)
         return 1
 
 
@@ -107,7 +109,7 @@ def load_command(name: str) -> ModuleType | _Unavailable:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name == module_name:
-            return _Unavailable(name, "its module is not written yet")
+            return _Unavailable(name, "its module is missing")
         return _Unavailable(name, f"it needs {exc.name!r}, which is not installed")
     except ImportError as exc:
         return _Unavailable(name, f"import failed: {exc}")

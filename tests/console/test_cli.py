@@ -202,7 +202,7 @@ def test_missing_command_module_is_a_stand_in(capsys):
     stand_in = cli.load_command("nonexistent")
     assert isinstance(stand_in, cli._Unavailable)
     assert stand_in.run(None) == 1
-    assert capsys.readouterr().err.startswith("error: nonexistent is not available yet (")
+    assert capsys.readouterr().err.startswith("error: the nonexistent command cannot load in this installation (")
 
 
 def test_console_without_a_terminal_is_refused(db_path):
