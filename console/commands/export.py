@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from ddtree.console.commands import run_id
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.recipe import RecipeError, recipe_from_dict, recipe_to_toml
 from ddtree.store import sweeps
@@ -28,21 +29,11 @@ class ExportError(JobError):
     exit_code = 2
 
 
-def _run_id(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a run id (an integer), got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a run id is >= 1, got {value}")
-    return value
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("export", help="export a run as CSV, JSON, a Markdown table or a recipe",
                               description="Export a sweep run: csv (one row per point), json (run, points, "
                                           "summary), md (a table of the grid), recipe (TOML that reproduces it).")
-    p.add_argument("run_id", type=_run_id, metavar="RUN_ID", help="the run (see `ddtree-console runs`)")
+    p.add_argument("run_id", type=run_id, metavar="RUN_ID", help="the run (see `ddtree-console runs`)")
     p.add_argument("--format", choices=FORMATS, default="csv", help="output format (default: csv)")
     p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     p.set_defaults(command_module=__name__)

@@ -23,6 +23,7 @@ import sys
 import threading
 from pathlib import Path
 
+from ddtree.console.commands import run_id
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.kinds.sweep import check_supported
 from ddtree.jobs.plan import Hardware, check_plan, format_plan, make_plan
@@ -36,16 +37,6 @@ class SweepUsageError(JobError):
     exit_code = 2
 
 
-def _run_id(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a run id (an integer), got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a run id is >= 1, got {value}")
-    return value
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "sweep", help="run a benchmark sweep from a recipe (or show its plan, or resume a run)",
@@ -53,7 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "filling the store point by point. --dry-run prints every engine launch and point with an "
                     "estimated duration and starts nothing.")
     p.add_argument("recipe", nargs="?", help="the recipe file (TOML), e.g. assets/recipes/demo.toml")
-    p.add_argument("--resume", type=_run_id, metavar="RUN_ID", help="resume a run: skip its finished points")
+    p.add_argument("--resume", type=run_id, metavar="RUN_ID", help="resume a run: skip its finished points")
     p.add_argument("--detach", action="store_true", help="run in the background and return at once")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit; start nothing")
     p.add_argument("--json", action="store_true", help="machine-readable output")
