@@ -217,7 +217,9 @@ class ConsoleApp(App[int]):
                           f"updated {time.strftime('%H:%M:%S', time.localtime(message.at))}"))
 
     def _status(self, text: Text) -> None:
-        self.query_one("#status", Static).update(text)
+        # The poller's messages can still arrive while the app closes and its screen is gone.
+        for status in self.query("#status").results(Static):
+            status.update(text)
 
     def on_store_failed(self, message: StoreFailed) -> None:
         self._status(Text.assemble(("store error: ", "bold red"), fmt.one_line(message.error, 120)))
