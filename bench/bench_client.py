@@ -1,9 +1,15 @@
 """Is the sweep client ever the bottleneck? Requests/s and client CPU per request against a trivial
 local streaming server (no model: 16 SSE chunks per request in SGLang's /generate shape), measured
-side by side in one run with SGLang's bench_serving client when sglang is importable.
+side by side in one run with SGLang's own `python -m sglang.benchmark.serving` (the tool that
+`sglang.bench_serving` now forwards to), run unmodified as a subprocess of an interpreter that has
+sglang installed.
 
     .venv/bin/python bench/bench_client.py [--requests 400] [--concurrency 32] [--repeats 3]
+        [--sglang-python /path/to/sglang-venv/bin/python]
 
+Ours: CPU time of the process around `run_point` (metrics included). Theirs: the CLI's own
+"Request throughput" line, and its CPU per request as the difference between a run of 2N and one of
+N requests divided by N, so that its start-up (torch, transformers imports) is not charged to it.
 Prints medians over repeats and the ratio ours / theirs (higher req/s, lower CPU is better).
 """
 
@@ -13,12 +19,15 @@ import argparse
 import asyncio
 import json
 import os
+import re
+import resource
 import selectors
 import signal
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 SERVER = r'''
 import json, socket, sys, asyncio
@@ -44,7 +53,14 @@ async def generate(request):
         yield b"data: [DONE]\n\n"
     return StreamingResponse(chunks(), media_type="text/event-stream")
 
-app = Starlette(routes=[Route("/health", health), Route("/generate", generate, methods=["POST"])])
+async def server_info(request):
+    return JSONResponse({"internal_states": [{"avg_spec_accept_length": None}]})
+
+async def models(request):
+    return JSONResponse({"object": "list", "data": [{"id": "demo", "object": "model"}]})
+
+app = Starlette(routes=[Route("/health", health), Route("/server_info", server_info), Route("/v1/models", models),
+                        Route("/generate", generate, methods=["POST"])])
 sock = socket.socket(); sock.bind(("127.0.0.1", 0)); sock.listen(512)
 port = sock.getsockname()[1]
 config = uvicorn.Config(app, log_level="error", access_log=False)
@@ -76,28 +92,32 @@ def ours(url: str, n: int, concurrency: int) -> tuple[float, float]:
     return n / wall, cpu / n
 
 
-def theirs(url: str, n: int, concurrency: int) -> tuple[float, float] | None:
-    try:
-        from sglang.bench_serving import RequestFuncInput, async_request_sglang_generate
-    except ImportError:
-        return None
+def theirs(python: str, url: str, n: int, concurrency: int, tokenizer: str) -> tuple[float, float]:
+    """One run of SGLang's CLI: (its printed request throughput, its CPU seconds in all)."""
+    argv = [python, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", url,
+            "--model", "demo", "--tokenizer", tokenizer, "--dataset-name", "random-ids",
+            "--random-input-len", "8", "--random-output-len", "16", "--random-range-ratio", "1",
+            "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--warmup-requests", "1",
+            "--disable-tqdm", "--output-file", os.devnull]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"})
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    found = dict(re.findall(r"^(Successful requests|Request throughput \(req/s\)):\s+([\d.]+)", done.stdout, re.M))
+    if done.returncode != 0 or int(found.get("Successful requests", -1)) != n:
+        raise SystemExit(f"sglang.benchmark.serving failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return float(found["Request throughput (req/s)"]), cpu
 
-    async def go():
-        sem = asyncio.Semaphore(concurrency)
 
-        async def one(i):
-            async with sem:
-                return await async_request_sglang_generate(RequestFuncInput(
-                    prompt=f"prompt {i}", api_url=url + "/generate", prompt_len=8, output_len=16, model="m",
-                    lora_name=None, image_data=None, extra_request_body={}))
-
-        return await asyncio.gather(*(one(i) for i in range(n)))
-
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    outs = asyncio.run(go())
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    assert all(o.success for o in outs)
-    return n / wall, cpu / n
+def sglang_python(given: str | None) -> str | None:
+    for python in [given, os.environ.get("DDTREE_SGLANG_PYTHON"), sys.executable]:
+        if python and subprocess.run([python, "-c", "import sglang.benchmark.serving"], capture_output=True,
+                                     env={**os.environ, "PYTHONWARNINGS": "ignore"}).returncode == 0:
+            return python
+    if given:
+        raise SystemExit(f"error: {given} cannot import sglang.benchmark.serving")
+    return None
 
 
 def main() -> int:
@@ -105,29 +125,34 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sglang-python", help="interpreter with sglang installed (default: $DDTREE_SGLANG_PYTHON, then this one)")
     args = p.parse_args()
+    other = sglang_python(args.sglang_python)
+    tokenizer = str(Path(__file__).resolve().parents[1] / "assets" / "demo" / "target")
     proc, url = start_server(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench-client-{os.getpid()}.log"))
+    n = args.requests
     try:
         ours(url, 32, 8)  # warm-up
-        rows: dict[str, list[tuple[float, float]]] = {"ours": [], "sglang.bench_serving": []}
+        rows: dict[str, list[tuple[float, float]]] = {"ours": [], "sglang.benchmark.serving": []}
         for _ in range(args.repeats):
-            rows["ours"].append(ours(url, args.requests, args.concurrency))
-            other = theirs(url, args.requests, args.concurrency)
+            rows["ours"].append(ours(url, n, args.concurrency))
             if other is not None:
-                rows["sglang.bench_serving"].append(other)
+                rate, cpu_n = theirs(other, url, n, args.concurrency, tokenizer)
+                _, cpu_2n = theirs(other, url, 2 * n, args.concurrency, tokenizer)
+                rows["sglang.benchmark.serving"].append((rate, (cpu_2n - cpu_n) / n))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(10)
-    print(f"{args.requests} requests x 16 chunks, concurrency {args.concurrency}, median of {args.repeats}")
+    print(f"{n} requests x 16 chunks, concurrency {args.concurrency}, median of {args.repeats}")
     med = {}
     for name, vals in rows.items():
         if not vals:
-            print(f"  {name:22s} not installed (pip install sglang to compare)")
+            print(f"  {name:26s} not installed (pass --sglang-python to compare)")
             continue
         med[name] = (statistics.median(v[0] for v in vals), statistics.median(v[1] for v in vals))
-        print(f"  {name:22s} {med[name][0]:8.1f} req/s   {med[name][1] * 1e3:6.2f} ms client CPU per request")
+        print(f"  {name:26s} {med[name][0]:8.1f} req/s   {med[name][1] * 1e3:6.2f} ms client CPU per request")
     if len(med) == 2:
-        a, b = med["ours"], med["sglang.bench_serving"]
+        a, b = med["ours"], med["sglang.benchmark.serving"]
         print(f"  ratio ours/theirs: req/s x{a[0] / b[0]:.2f}, CPU per request x{a[1] / b[1]:.2f}")
     return 0
 

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 
 from ddtree.engine.client import EngineNotReady
@@ -199,23 +200,28 @@ def spread(values: list[float]) -> float | None:
 # -- the HTTP side -------------------------------------------------------------------------------
 
 
-def _sse_payload(line: str) -> str | None:
+def _sse_payload(line: bytes) -> bytes | None:
     line = line.strip()
-    if not line or line.startswith(":"):
+    if not line or line.startswith(b":"):
         return None
-    if line.startswith("data:"):
+    if line.startswith(b"data:"):
         return line[5:].strip()
     return line
 
 
-async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict]:
-    """The JSON objects of an SSE stream, up to `[DONE]`; ValueError on anything else."""
-    async for line in response.aiter_lines():
-        payload = _sse_payload(line)
+async def _sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+    """The JSON objects of an SSE stream, up to `[DONE]`; ValueError on anything else.
+
+    The body is read to its end even after `[DONE]`, so that the connection goes back to the pool.
+    """
+    done = False
+    async for line in response.content:
+        payload = None if done else _sse_payload(line)
         if payload is None:
             continue
-        if payload == "[DONE]":
-            return
+        if payload == b"[DONE]":
+            done = True
+            continue
         data = json.loads(payload)
         if not isinstance(data, dict):
             raise ValueError("stream chunk is not an object")
@@ -292,7 +298,15 @@ class _Stream:
         self.result.itl_s = itl
 
 
-async def _request_generate(client: httpx.AsyncClient, url: str, prompt: Prompt, cfg: BenchConfig,
+async def _refused(response: aiohttp.ClientResponse, result: RequestResult) -> bool:
+    if response.status < 400:
+        return False
+    text = (await response.read()).decode(errors="replace")[:300]
+    result.error, result.detail = f"http {response.status}", text
+    return True
+
+
+async def _request_generate(session: aiohttp.ClientSession, url: str, prompt: Prompt, cfg: BenchConfig,
                             result: RequestResult) -> None:
     body: dict[str, Any] = {
         "text": prompt.text,
@@ -304,15 +318,12 @@ async def _request_generate(client: httpx.AsyncClient, url: str, prompt: Prompt,
         body["speculative"] = cfg.speculative
     t0 = time.perf_counter()
     stream = _Stream(result, t0)
-    async with client.stream("POST", url + "/generate", json=body) as response:
-        if response.status_code >= 400:
-            text = (await response.aread()).decode(errors="replace")[:300]
-            result.error, result.detail = f"http {response.status_code}", text
+    async with session.post(url + "/generate", json=body) as response:
+        if await _refused(response, result):
             return
         meta: dict = {}
-        if "text/event-stream" not in response.headers.get("content-type", "") and \
-                "application/json" in response.headers.get("content-type", ""):
-            data = json.loads(await response.aread())
+        if response.content_type == "application/json":
+            data = json.loads(await response.read())
             meta = data.get("meta_info", {}) if isinstance(data, dict) else {}
             stream.tokens(meta.get("completion_tokens") or 1, time.perf_counter())
         else:
@@ -333,7 +344,7 @@ async def _request_generate(client: httpx.AsyncClient, url: str, prompt: Prompt,
         result.ok = True
 
 
-async def _request_openai(client: httpx.AsyncClient, url: str, prompt: Prompt, cfg: BenchConfig,
+async def _request_openai(session: aiohttp.ClientSession, url: str, prompt: Prompt, cfg: BenchConfig,
                           result: RequestResult) -> None:
     chat = prompt.messages is not None
     body: dict[str, Any] = {"model": cfg.model or "default", "max_tokens": cfg.max_new_tokens,
@@ -346,10 +357,8 @@ async def _request_openai(client: httpx.AsyncClient, url: str, prompt: Prompt, c
     t0 = time.perf_counter()
     stream = _Stream(result, t0)
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    async with client.stream("POST", url + path, json=body) as response:
-        if response.status_code >= 400:
-            text = (await response.aread()).decode(errors="replace")[:300]
-            result.error, result.detail = f"http {response.status_code}", text
+    async with session.post(url + path, json=body) as response:
+        if await _refused(response, result):
             return
         async for data in _sse_chunks(response):
             if "error" in data:
@@ -372,21 +381,20 @@ async def _request_openai(client: httpx.AsyncClient, url: str, prompt: Prompt, c
         result.ok = True
 
 
-async def _one(client: httpx.AsyncClient, url: str, prompt: Prompt, cfg: BenchConfig, index: int,
+async def _one(session: aiohttp.ClientSession, url: str, prompt: Prompt, cfg: BenchConfig, index: int,
                t_start: float) -> RequestResult:
     result = RequestResult(index=index, started_at=time.time(), start_offset_s=time.perf_counter() - t_start)
     call = _request_generate if cfg.api == "generate" else _request_openai
     try:
-        await asyncio.wait_for(call(client, url, prompt, cfg, result), timeout=cfg.timeout_s)
+        await asyncio.wait_for(call(session, url, prompt, cfg, result), timeout=cfg.timeout_s)
     except asyncio.TimeoutError:
         result.error, result.detail = "timeout", f"no complete answer within {cfg.timeout_s:g}s"
-    except httpx.ConnectError as exc:
+    except aiohttp.ClientConnectorError as exc:
         result.error, result.detail = "connect", str(exc) or "connection refused"
-    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError,
+            aiohttp.ClientResponseError, ConnectionError) as exc:
         result.error, result.detail = "disconnected", str(exc) or type(exc).__name__
-    except httpx.TimeoutException as exc:
-        result.error, result.detail = "timeout", str(exc) or type(exc).__name__
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, aiohttp.ClientError) as exc:
         # json.JSONDecodeError is a ValueError: the engine sent something that is not its API.
         result.error, result.detail = "bad response", f"{type(exc).__name__}: {exc}"[:300]
     if result.error:
@@ -396,35 +404,54 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: Prompt, cfg: BenchCo
     return result
 
 
-async def _run_requests(client: httpx.AsyncClient, url: str, prompts: list[Prompt], cfg: BenchConfig,
+async def _run_requests(session: aiohttp.ClientSession, url: str, prompts: list[Prompt], cfg: BenchConfig,
                         stop: threading.Event | None) -> tuple[list[RequestResult], float, float]:
-    sem = asyncio.Semaphore(cfg.concurrency)
+    """At most `cfg.concurrency` requests in flight: each worker takes the next prompt as soon as
+    its previous request ends (and, with a request rate, once the prompt has arrived)."""
     rng = random.Random(cfg.seed)
+    queue: asyncio.Queue = asyncio.Queue()
+    results: list[RequestResult] = []
     t_start = time.perf_counter()
-    tasks = []
 
-    async def gated(i: int, prompt: Prompt) -> RequestResult:
-        async with sem:
-            return await _one(client, url, prompt, cfg, i, t_start)
+    async def arrivals() -> None:
+        for i, prompt in enumerate(prompts):
+            if stop is not None and stop.is_set():
+                break
+            if cfg.request_rate is not None and i > 0:
+                await asyncio.sleep(rng.expovariate(cfg.request_rate))
+            queue.put_nowait((i, prompt))
+        for _ in range(cfg.concurrency):
+            queue.put_nowait(None)
 
-    for i, prompt in enumerate(prompts):
-        if stop is not None and stop.is_set():
-            break
-        if cfg.request_rate is not None and i > 0:
-            await asyncio.sleep(rng.expovariate(cfg.request_rate))
-        tasks.append(asyncio.create_task(gated(i, prompt)))
-    results = []
-    pending = set(tasks)
+    async def worker() -> None:
+        while (item := await queue.get()) is not None:
+            if stop is not None and stop.is_set():
+                return
+            results.append(await _one(session, url, item[1], cfg, item[0], t_start))
+
+    pending = {asyncio.create_task(arrivals())} | {asyncio.create_task(worker()) for _ in range(cfg.concurrency)}
     while pending:
         done, pending = await asyncio.wait(pending, timeout=0.2)
-        results.extend(t.result() for t in done)
+        for task in done:
+            task.result()
         if stop is not None and stop.is_set():
-            for t in pending:
-                t.cancel()
+            for task in pending:
+                task.cancel()
             break
     t_end = time.perf_counter()
     results.sort(key=lambda r: r.index)
     return results, t_start, t_end
+
+
+def _session(cfg: BenchConfig) -> aiohttp.ClientSession:
+    """aiohttp rather than httpx here: with httpx the client spent 3x the CPU per request of
+    SGLang's bench_serving and became the bottleneck near 300 req/s on a 2-core box; aiohttp (what
+    bench_serving uses) has a C parser and a pool that does not scan every connection per chunk
+    (bench/bench_client.py measures both clients side by side)."""
+    connector = aiohttp.TCPConnector(limit=cfg.concurrency + 4, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(cfg.timeout_s, 30.0))
+    # read_bufsize bounds one SSE line: SGLang's /generate repeats the whole text in every chunk.
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False, read_bufsize=2**20)
 
 
 async def run_point_async(url: str, prompts: list[Prompt], cfg: BenchConfig, *,
@@ -435,18 +462,16 @@ async def run_point_async(url: str, prompts: list[Prompt], cfg: BenchConfig, *,
     if len(prompts) < 5 * cfg.concurrency:
         warnings.append(f"num_prompts {len(prompts)} < 5 x concurrency {cfg.concurrency}: the server spends much "
                         "of the point below that concurrency; figures are noisy")
-    limits = httpx.Limits(max_connections=cfg.concurrency + 4, max_keepalive_connections=cfg.concurrency + 4)
-    timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 30.0))
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+    async with _session(cfg) as session:
         if cfg.warmup:
             warm = (warmup_prompts or prompts)[: cfg.warmup]
             warm_cfg = dataclasses.replace(cfg, request_rate=None,
                                            concurrency=max(1, min(cfg.concurrency, len(warm))))
-            warm_results, _, _ = await _run_requests(client, url, warm, warm_cfg, stop)
+            warm_results, _, _ = await _run_requests(session, url, warm, warm_cfg, stop)
             if warm_results and not any(r.ok for r in warm_results):
                 warnings.append(f"every warm-up request failed ({warm_results[0].error}: {warm_results[0].detail})")
         wall_start = time.time()
-        results, t_start, t_end = await _run_requests(client, url, prompts, cfg, stop)
+        results, t_start, t_end = await _run_requests(session, url, prompts, cfg, stop)
         wall_end = time.time()
     metrics = point_metrics(results, concurrency=cfg.concurrency, duration_s=t_end - t_start)
     return PointResult(requests=results, metrics=metrics, warnings=warnings, started_at=wall_start, ended_at=wall_end)
