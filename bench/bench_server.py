@@ -38,9 +38,58 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Random pairs of published shapes: (target hidden, layers, intermediate, heads, kv heads, vocab,
+# tied embeddings, drafter layers). "1.7b" is Qwen3-1.7B's; "demo" is the demo recipe's
+# (engine/reference/train_demo.py).
+SHAPES = {
+    "demo": (256, 8, 768, 4, 2, 4096, False, 2),
+    "1.7b": (2048, 28, 6144, 16, 8, 151936, True, 4),
+}
+
+
+def build_random_pair(root: Path, shape: str, device: str) -> tuple[str, str]:
+    """A random Qwen3 target of `shape` (bf16 on CUDA) with a random DFlash drafter (block 16) and
+    the tests' small tokenizer; the vocab is padded to the shape's. Weights are random, so tau is
+    about 1: this measures cost, not acceptance."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    sys.path.insert(0, str(ROOT))
+    from tests.server.conftest import _build_tokenizer
+
+    from ddtree.engine.reference.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids, save_drafter
+
+    hidden, layers, inter, heads, kv, vocab, tied, draft_layers = SHAPES[shape]
+    target_dir, drafter_dir = root / "target", root / "drafter"
+    vocab = max(vocab, _build_tokenizer(target_dir))
+    config_path = target_dir / "tokenizer_config.json"
+    config_path.write_text(config_path.read_text().replace('"model_max_length": 512', '"model_max_length": 4096'))
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+    head_dim = 128 if hidden >= 1024 else hidden // heads
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                      max_position_embeddings=4096, eos_token_id=0, tie_word_embeddings=tied)
+    with torch.device(device):  # initialising 2B parameters on the CPU alone takes most of a minute
+        model = Qwen3ForCausalLM(cfg).to(dtype)
+        model.save_pretrained(target_dir)
+        del model
+        dcfg = DFlashConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=draft_layers,
+                            num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                            num_target_layers=layers, target_layer_ids=default_target_layer_ids(layers, draft_layers),
+                            mask_token_id=3, block_size=16, head_dim=head_dim, max_position_embeddings=4096)
+        save_drafter(DFlashDrafter(dcfg).to(dtype), drafter_dir)
+    return str(target_dir), str(drafter_dir)
+
+
 def resolve_pair(args: argparse.Namespace, workdir: Path) -> tuple[str, str, str]:
     if args.model:
         return args.model, args.draft, "given"
+    if args.random_shape:
+        t0 = time.perf_counter()
+        target, drafter = build_random_pair(workdir / f"random-{args.random_shape}", args.random_shape, args.device)
+        print(f"built a random {args.random_shape}-shaped pair in {time.perf_counter() - t0:.0f} s", flush=True)
+        return target, drafter, f"random, {args.random_shape}-shaped"
     try:
         from ddtree.engine.demo import demo_paths
 
@@ -50,19 +99,13 @@ def resolve_pair(args: argparse.Namespace, workdir: Path) -> tuple[str, str, str
     except Exception as exc:  # the demo pair may not exist yet on this checkout
         print(f"demo pair unavailable ({type(exc).__name__}: {exc}); using a random pair of its shape",
               file=sys.stderr)
-    sys.path.insert(0, str(ROOT))
-    from tests.server.conftest import build_tiny_pair
-
-    # The demo recipe's shapes (engine/reference/train_demo.py), random weights.
-    target, drafter = build_tiny_pair(workdir / "demo-shaped-pair", hidden=256, layers=8, intermediate=768,
-                                      heads=4, block_size=16, model_vocab=4096, draft_layers=2)
-    return str(target), str(drafter), "random, demo-shaped"
+    return (*build_random_pair(workdir / "random-demo", "demo", args.device), "random, demo-shaped")
 
 
 def start_server(model: str, draft: str, max_running: int, log_path: Path,
-                 threads: int | None, batch: bool = True) -> tuple[subprocess.Popen, str]:
+                 threads: int | None, batch: bool = True, device: str = "cpu") -> tuple[subprocess.Popen, str]:
     argv = [sys.executable, "-m", "ddtree.engine.reference.server", "--model", model, "--draft", draft,
-            "--port", "0", "--max-running-requests", str(max_running), "--max-queued-requests", str(4 * max_running),
+            "--device", device, "--port", "0", "--max-running-requests", str(max_running), "--max-queued-requests", str(4 * max_running),
             "--batch" if batch else "--no-batch"]
     if threads:
         argv += ["--threads", str(threads)]
@@ -118,23 +161,26 @@ def serving_bench(args: argparse.Namespace, urls: dict[str, str]) -> dict:
     best = max(budgets, key=lambda b: out["budget_sweep"][b]["output_tok_s"] or 0.0)
     out["best_budget"] = best
     modes = list(urls)
+    specs = {"ar": {"algorithm": "ar"}, "dflash": {"algorithm": "dflash"},
+             "ddtree": {"algorithm": "ddtree", "budget": best}}
+    algorithms = [(f"ddtree@{best}" if a == "ddtree" else a, specs[a]) for a in args.algorithms.split(",")]
+    names = [name for name, _ in algorithms]
     flip = 0
     for c in concurrencies:
         prompts = load_prompts(args.dataset, max(args.num_prompts, 2 * c), seed=0)
         warm = load_prompts(args.dataset, min(c, 4), seed=0, offset=1000)
         row: dict[str, dict] = {}
-        for name, spec in (("ar", {"algorithm": "ar"}), ("dflash", {"algorithm": "dflash"}),
-                           (f"ddtree@{best}", {"algorithm": "ddtree", "budget": best})):
+        for name, spec in algorithms:
             # Alternate which server goes first, so drift in machine load hits both alike.
             order = modes if flip % 2 == 0 else modes[::-1]
             flip += 1
             for mode in order:
                 row[(name, mode)] = point(urls[mode], prompts, warm, c, args.max_new_tokens, spec)
         for mode in modes:
-            ar = row[("ar", mode)]["output_tok_s"] or float("nan")
-            for name in ("ar", "dflash", f"ddtree@{best}"):
+            ar = row[("ar", mode)]["output_tok_s"] or float("nan") if ("ar", mode) in row else float("nan")
+            for name in names:
                 row[(name, mode)]["speedup_vs_ar"] = (row[(name, mode)]["output_tok_s"] or 0.0) / ar
-        for name in ("ar", "dflash", f"ddtree@{best}"):
+        for name in names:
             on, off = row[(name, "batch")], row[(name, "no-batch")]
             gain = (on["output_tok_s"] or 0.0) / (off["output_tok_s"] or float("nan"))
             for mode in modes:
@@ -162,23 +208,28 @@ def batching_bench(args: argparse.Namespace, model: str, draft: str, budget: int
     q, ctx = budget + 1, args.context
     neg = torch.finfo(engine.dtype).min
 
+    dev = torch.device(engine.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
     def verifier(k: int, seed: int):
         """A k-sequence cache holding ctx tokens each, and a function timing one verify forward on it."""
         gen = torch.Generator().manual_seed(seed)
         cache = engine.target.new_cache()  # KVCache: crop(length) works across transformers versions
         with torch.inference_mode():
-            net(input_ids=torch.randint(4, vocab, (k, ctx), generator=gen), use_cache=True,
+            net(input_ids=torch.randint(4, vocab, (k, ctx), generator=gen).to(dev), use_cache=True,
                 **{cache_kw: cache.cache})
-        mask = torch.zeros(k, 1, q, ctx + q, dtype=engine.dtype)
-        mask[:, :, :, ctx:] = torch.triu(torch.full((q, q), neg, dtype=engine.dtype), diagonal=1)
-        positions = torch.arange(ctx, ctx + q).expand(k, q)
+        mask = torch.zeros(k, 1, q, ctx + q, dtype=engine.dtype, device=dev)
+        mask[:, :, :, ctx:] = torch.triu(torch.full((q, q), neg, dtype=engine.dtype, device=dev), diagonal=1)
+        positions = torch.arange(ctx, ctx + q, device=dev).expand(k, q)
 
         def run() -> float:
-            ids = torch.randint(4, vocab, (k, q), generator=gen)
+            ids = torch.randint(4, vocab, (k, q), generator=gen).to(dev)
             with torch.inference_mode():
+                sync()
                 t0 = time.perf_counter()
                 net(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
                     **{cache_kw: cache.cache})
+                sync()
                 elapsed = time.perf_counter() - t0
             cache.crop(ctx)
             return elapsed
@@ -275,7 +326,10 @@ def main() -> int:
     p.add_argument("--context", type=int, default=256, help="context tokens per request in the batching timing")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=None, help="torch threads, here and in the server")
+    p.add_argument("--algorithms", default="ar,dflash,ddtree", help="served algorithms to compare")
+    p.add_argument("--random-shape", choices=sorted(SHAPES), help="a random pair of this shape instead of the demo pair")
     p.add_argument("--skip-serving", action="store_true")
+    p.add_argument("--skip-batching", action="store_true", help="skip the in-process timings")
     p.add_argument("--out", default=None, help="JSON results (default: bench_server.json in a temp folder)")
     args = p.parse_args()
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-server-{os.getpid()}"
@@ -296,15 +350,16 @@ def main() -> int:
             urls = {}
             for mode in ("batch", "no-batch"):
                 proc, urls[mode] = start_server(model, draft, max_running, workdir / f"server-{mode}.log",
-                                                args.threads, batch=mode == "batch")
+                                                args.threads, batch=mode == "batch", device=args.device)
                 procs.append(proc)
             report["serving"] = serving_bench(args, urls)
             best = report["serving"]["best_budget"]
         finally:
             for proc in procs:
                 stop_server(proc)
-    print("batching verification across requests:", flush=True)
-    report["batching"] = batching_bench(args, model, draft, best)
+    if not args.skip_batching:
+        print("batching verification across requests:", flush=True)
+        report["batching"] = batching_bench(args, model, draft, best)
     report["load_avg_end"] = os.getloadavg()
     out = Path(args.out) if args.out else workdir / "bench_server.json"
     out.write_text(json.dumps(report, indent=2))
