@@ -61,7 +61,7 @@ async def models(request):
 
 app = Starlette(routes=[Route("/health", health), Route("/server_info", server_info), Route("/v1/models", models),
                         Route("/generate", generate, methods=["POST"])])
-sock = socket.socket(); sock.bind(("127.0.0.1", 0)); sock.listen(512)
+sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP); sock.bind(("127.0.0.1", 0)); sock.listen(512)
 port = sock.getsockname()[1]
 config = uvicorn.Config(app, log_level="error", access_log=False)
 server = uvicorn.Server(config)
