@@ -4,12 +4,12 @@ side by side in one run with SGLang's own `python -m sglang.benchmark.serving` (
 `sglang.bench_serving` now forwards to), run unmodified as a subprocess of an interpreter that has
 sglang installed.
 
-    .venv/bin/python bench/bench_client.py [--requests 400] [--concurrency 32] [--repeats 3]
+    .venv/bin/python bench/bench_client.py [--requests 400] [--concurrency 1,8,32] [--repeats 3]
         [--sglang-python /path/to/sglang-venv/bin/python]
 
 Ours: CPU time of the process around `run_point` (metrics included). Theirs: the CLI's own
-"Request throughput" line, and its CPU per request as the difference between a run of 2N and one of
-N requests divided by N, so that its start-up (torch, transformers imports) is not charged to it.
+"Request throughput" line, and the CPU time of its `benchmark()` coroutine (requests and metrics,
+not the interpreter's start-up), per request. Both keep at most --concurrency requests in flight.
 Prints medians over repeats and the ratio ours / theirs (higher req/s, lower CPU is better).
 """
 
@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import re
-import resource
 import selectors
 import signal
 import statistics
@@ -92,22 +91,39 @@ def ours(url: str, n: int, concurrency: int) -> tuple[float, float]:
     return n / wall, cpu / n
 
 
+# SGLang's CLI run unmodified, with its benchmark() coroutine timed in CPU seconds so that the
+# interpreter's start-up (torch, transformers) and the dataset build are not charged to it.
+THEIRS = r'''
+import sys, time
+import sglang.benchmark.serving as serving
+inner = serving.benchmark
+async def timed(*args, **kwargs):
+    cpu0 = time.process_time()
+    try:
+        return await inner(*args, **kwargs)
+    finally:
+        print("DDTREE_BENCH_CPU_S", time.process_time() - cpu0, flush=True)
+serving.benchmark = timed
+sys.argv[0] = "sglang.benchmark.serving"
+serving.cli_main()
+'''
+
+
 def theirs(python: str, url: str, n: int, concurrency: int, tokenizer: str) -> tuple[float, float]:
-    """One run of SGLang's CLI: (its printed request throughput, its CPU seconds in all)."""
-    argv = [python, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", url,
+    """One run of SGLang's CLI: (its printed request throughput, CPU seconds per request)."""
+    argv = [python, "-c", THEIRS, "--backend", "sglang", "--base-url", url,
             "--model", "demo", "--tokenizer", tokenizer, "--dataset-name", "random-ids",
             "--random-input-len", "8", "--random-output-len", "16", "--random-range-ratio", "1",
             "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--warmup-requests", "1",
             "--disable-tqdm", "--output-file", os.devnull]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"})
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    found = dict(re.findall(r"^(Successful requests|Request throughput \(req/s\)):\s+([\d.]+)", done.stdout, re.M))
-    if done.returncode != 0 or int(found.get("Successful requests", -1)) != n:
+    found = dict(re.findall(r"^(Successful requests|Request throughput \(req/s\)|DDTREE_BENCH_CPU_S):?\s+([\d.]+)",
+                            done.stdout, re.M))
+    if done.returncode != 0 or int(found.get("Successful requests", -1)) != n or "DDTREE_BENCH_CPU_S" not in found:
         raise SystemExit(f"sglang.benchmark.serving failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    return float(found["Request throughput (req/s)"]), cpu
+    # Its timed coroutine also ran the warm-up request: charge it to them, one of n+1.
+    return float(found["Request throughput (req/s)"]), float(found["DDTREE_BENCH_CPU_S"]) / (n + 1)
 
 
 def sglang_python(given: str | None) -> str | None:
@@ -123,37 +139,39 @@ def sglang_python(given: str | None) -> str | None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=400)
-    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated (default: 1,8,32)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sglang-python", help="interpreter with sglang installed (default: $DDTREE_SGLANG_PYTHON, then this one)")
     args = p.parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
     other = sglang_python(args.sglang_python)
     tokenizer = str(Path(__file__).resolve().parents[1] / "assets" / "demo" / "target")
     proc, url = start_server(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench-client-{os.getpid()}.log"))
     n = args.requests
+    rows: dict[tuple[int, str], list[tuple[float, float]]] = {}
     try:
         ours(url, 32, 8)  # warm-up
-        rows: dict[str, list[tuple[float, float]]] = {"ours": [], "sglang.benchmark.serving": []}
-        for _ in range(args.repeats):
-            rows["ours"].append(ours(url, n, args.concurrency))
-            if other is not None:
-                rate, cpu_n = theirs(other, url, n, args.concurrency, tokenizer)
-                _, cpu_2n = theirs(other, url, 2 * n, args.concurrency, tokenizer)
-                rows["sglang.benchmark.serving"].append((rate, (cpu_2n - cpu_n) / n))
+        for _ in range(args.repeats):  # interleaved, so drift in machine load hits both alike
+            for c in concurrencies:
+                rows.setdefault((c, "ours"), []).append(ours(url, n, c))
+                if other is not None:
+                    rows.setdefault((c, "sglang.benchmark.serving"), []).append(theirs(other, url, n, c, tokenizer))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(10)
-    print(f"{n} requests x 16 chunks, concurrency {args.concurrency}, median of {args.repeats}")
-    med = {}
-    for name, vals in rows.items():
-        if not vals:
-            print(f"  {name:26s} not installed (pass --sglang-python to compare)")
-            continue
-        med[name] = (statistics.median(v[0] for v in vals), statistics.median(v[1] for v in vals))
-        print(f"  {name:26s} {med[name][0]:8.1f} req/s   {med[name][1] * 1e3:6.2f} ms client CPU per request")
-    if len(med) == 2:
-        a, b = med["ours"], med["sglang.benchmark.serving"]
-        print(f"  ratio ours/theirs: req/s x{a[0] / b[0]:.2f}, CPU per request x{a[1] / b[1]:.2f}")
+    print(f"{n} requests x 16 chunks each, median of {args.repeats}; higher req/s and lower CPU are better")
+    if other is None:
+        print("  sglang.benchmark.serving: not installed here (pass --sglang-python to compare)")
+    for c in concurrencies:
+        med = {}
+        for name in ("ours", "sglang.benchmark.serving"):
+            vals = rows.get((c, name))
+            if vals:
+                med[name] = (statistics.median(v[0] for v in vals), statistics.median(v[1] for v in vals))
+                print(f"  c={c:<4d} {name:26s} {med[name][0]:8.1f} req/s   {med[name][1] * 1e3:6.2f} ms client CPU per request")
+        if len(med) == 2:
+            a, b = med["ours"], med["sglang.benchmark.serving"]
+            print(f"  c={c:<4d} ratio ours/theirs: req/s x{a[0] / b[0]:.2f}, CPU per request x{a[1] / b[1]:.2f}")
     return 0
 
 
