@@ -147,32 +147,44 @@ class EnginesPane(Vertical):
 
 
 class EngineForm(ModalScreen[dict | None]):
-    """The builtin server: model and drafter (empty = the demo pair), algorithm, budget, device."""
+    """An engine server: the builtin one (model and drafter, empty = the demo pair), or SGLang/vLLM
+    from a given interpreter on chosen GPUs."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel", id="form_cancel")]
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog form"):
-            yield Static("Start an engine (builtin server)", classes="dialog-title")
+            yield Static("Start an engine", classes="dialog-title")
+            with Horizontal(classes="form-row"):
+                yield Label("Engine")
+                yield Select([("builtin server", "builtin"), ("SGLang", "sglang"), ("vLLM", "vllm")],
+                             value="builtin", allow_blank=False, id="kind", compact=True)
             with Horizontal(classes="form-row"):
                 yield Label("Model")
-                yield Input(placeholder="folder or hub id; empty: the demo pair", id="model")
+                yield Input(placeholder="folder or hub id; empty: the demo pair", id="model", compact=True)
             with Horizontal(classes="form-row"):
                 yield Label("Drafter")
-                yield Input(placeholder="DFlash drafter folder or hub id", id="draft")
+                yield Input(placeholder="DFlash drafter folder or hub id", id="draft", compact=True)
             with Horizontal(classes="form-row"):
                 yield Label("Algorithm")
                 yield Select([(a, a) for a in ("ddtree", "dflash", "ar")], value="ddtree", allow_blank=False,
                              id="algorithm", compact=True)
             with Horizontal(classes="form-row"):
                 yield Label("Budget")
-                yield Input(placeholder="DDTree node budget (default: the server's)", id="budget", type="integer")
+                yield Input(placeholder="DDTree node budget (default: the server's)", id="budget", type="integer",
+                            compact=True)
             with Horizontal(classes="form-row"):
                 yield Label("Block size")
-                yield Input(placeholder="default: the drafter's", id="block", type="integer")
-            with Horizontal(classes="form-row"):
+                yield Input(placeholder="default: the drafter's", id="block", type="integer", compact=True)
+            with Horizontal(classes="form-row", id="row-device"):
                 yield Label("Device")
-                yield Input("cpu", id="device", placeholder="cpu, cuda or cuda:N")
+                yield Input("cpu", id="device", placeholder="cpu, cuda or cuda:N (builtin server)", compact=True)
+            with Horizontal(classes="form-row", id="row-python"):
+                yield Label("Python")
+                yield Input(placeholder="interpreter that has sglang or vllm", id="python", compact=True)
+            with Horizontal(classes="form-row", id="row-gpus"):
+                yield Label("GPUs")
+                yield Input(placeholder="e.g. 0,1 (tensor parallel over them)", id="gpus", compact=True)
             yield Static("", id="form-error", classes="form-error")
             with Horizontal(classes="buttons"):
                 yield Button("Start", id="start", variant="primary")
@@ -180,14 +192,31 @@ class EngineForm(ModalScreen[dict | None]):
 
     def on_mount(self) -> None:
         self.query_one("#model", Input).focus()
+        self._show_rows()
         self.validate_form()
+
+    def _show_rows(self) -> None:
+        builtin = self.query_one("#kind", Select).value == "builtin"
+        self.query_one("#row-device").display = builtin
+        self.query_one("#row-python").display = not builtin
+        self.query_one("#row-gpus").display = not builtin
 
     def raw_spec(self) -> dict:
         def text(field_id: str) -> str | None:
             return self.query_one(f"#{field_id}", Input).value.strip() or None
 
-        spec: dict = {"kind": "builtin", "algorithm": self.query_one("#algorithm", Select).value,
-                      "device": text("device") or "cpu"}
+        kind = self.query_one("#kind", Select).value
+        spec: dict = {"kind": kind, "algorithm": self.query_one("#algorithm", Select).value}
+        if kind == "builtin":
+            spec["device"] = text("device") or "cpu"
+        else:
+            if text("python"):
+                spec["python"] = text("python")
+            if text("gpus"):
+                try:
+                    spec["gpus"] = [int(g) for g in text("gpus").replace(" ", "").split(",") if g]
+                except ValueError:
+                    spec["gpus"] = text("gpus")  # validate names it
         if text("model"):
             spec["model"] = text("model")
         if text("draft"):
@@ -213,7 +242,9 @@ class EngineForm(ModalScreen[dict | None]):
             error.update(Text(str(exc), style="red"))
             self.query_one("#start", Button).disabled = True
             return None
-        error.update(Text(f"will run: {spec['model']}", style="dim"))
+        where = f" on GPUs {','.join(map(str, spec['gpus']))}" if spec["kind"] != "builtin" else f" on {spec['device']}"
+        model = "the demo pair" if spec["demo"] else spec["model"]
+        error.update(Text(f"will run: {spec['kind']} {model}{where}", style="dim"))
         self.query_one("#start", Button).disabled = False
         return spec
 
@@ -221,6 +252,7 @@ class EngineForm(ModalScreen[dict | None]):
         self.validate_form()
 
     def on_select_changed(self, _event) -> None:
+        self._show_rows()
         self.validate_form()
 
     def on_input_submitted(self, _event) -> None:

@@ -243,27 +243,56 @@ class SweepForm(ModalScreen[dict | None]):
             sweep["baseline"] = baseline
         return {"name": self.value("name") or "sweep", "engine": engine, "sweep": sweep}, None
 
-    def check(self) -> dict | None:
-        """Validate as typed: the recipe, then the plan; returns the job spec or None."""
+    _checked: tuple[int, dict | None] = (-1, None)  # (generation, spec) of the newest finished check
+    _generation = 0
+    _start_when_checked = False
+
+    def check(self) -> None:
+        """Validate as typed: the fields or recipe file here, the plan in a thread. A plan can probe
+        an SGLang interpreter's --help (seconds, once per interpreter), which must not freeze
+        typing; results of a check that newer input overtook are dropped."""
+        from ddtree.jobs.errors import JobError
+
+        self._generation += 1
+        generation = self._generation
+        self.query_one("#start", Button).disabled = True
+        try:
+            data, path = self.recipe_data()
+        except (JobError, _FormError) as exc:
+            self._show(generation, None, f"not valid: {exc}")
+            return
+        self.run_worker(lambda: self._plan(generation, data, path), thread=True, group="plan",
+                        exit_on_error=False)
+
+    def _plan(self, generation: int, data: dict, path: str | None) -> None:
         from ddtree.jobs.errors import JobError
         from ddtree.jobs.kinds.sweep import check_supported
         from ddtree.jobs.plan import format_plan, make_plan
         from ddtree.jobs.recipe import recipe_from_dict
 
-        plan_view = self.query_one("#plan", Static)
-        start = self.query_one("#start", Button)
         try:
-            data, path = self.recipe_data()
             recipe = recipe_from_dict(data)
             check_supported(recipe)
             plan = make_plan(recipe)
-        except (JobError, _FormError) as exc:
-            plan_view.update(Text(f"not valid: {exc}", style="red"))
-            start.disabled = True
-            return None
-        plan_view.update(Text("Plan (dry run):\n" + format_plan(plan), style=""))
-        start.disabled = False
-        return {"recipe": data, "recipe_path": path, "points_total": len(plan.points)}
+        except JobError as exc:
+            result = (None, f"not valid: {exc}")
+        else:
+            spec = {"recipe": data, "recipe_path": path, "points_total": len(plan.points)}
+            result = (spec, "Plan (dry run):\n" + format_plan(plan))
+        try:
+            self.app.call_from_thread(self._show, generation, *result)
+        except RuntimeError:  # the app closed while the plan was being made
+            pass
+
+    def _show(self, generation: int, spec: dict | None, message: str) -> None:
+        if generation != self._generation or not self.is_attached:
+            return
+        self._checked = (generation, spec)
+        self.query_one("#plan", Static).update(Text(message, style="" if spec else "red"))
+        self.query_one("#start", Button).disabled = spec is None
+        if self._start_when_checked:
+            self._start_when_checked = False
+            self._start()
 
     def on_input_changed(self, _event) -> None:
         self.check()
@@ -273,8 +302,10 @@ class SweepForm(ModalScreen[dict | None]):
 
     @on(Button.Pressed, "#start")
     def _start(self) -> None:
-        spec = self.check()
-        if spec is not None:
+        generation, spec = self._checked
+        if generation != self._generation:
+            self._start_when_checked = True  # Enter typed before the plan came back
+        elif spec is not None:
             self.dismiss(spec)
 
     @on(Button.Pressed, "#cancel")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -126,6 +127,9 @@ def validate(spec: dict) -> dict:
     if algorithm != "ar" and draft is None:
         raise EngineSpecError(f"algorithm {algorithm} needs a drafter (draft_model)", "or choose algorithm ar")
     python = _opt_str(spec, "python")
+    if python is not None and shutil.which(python) is None:
+        raise EngineSpecError(f"python interpreter not found or not executable: {python}",
+                              f"the path of the python that has {kind} installed")
     timeout = spec.get("ready_timeout_s", 600.0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout <= 86400:
         raise EngineSpecError(f"ready_timeout_s must be a number of seconds from 1 to 86400, not {timeout!r}")

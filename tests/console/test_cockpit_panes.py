@@ -202,6 +202,40 @@ async def test_engine_form_validates_and_returns_a_job_spec(seeded, tmp_path, mo
         assert submitted[0][1]["budget"] == 16 and submitted[0][1]["model"] == str(tmp_path / "target")
 
 
+async def test_engine_form_starts_sglang_on_chosen_gpus(seeded, tmp_path, monkeypatch):
+    db_path, _ = seeded
+    app = app_for(db_path)
+    submitted = []
+    monkeypatch.setattr(type(app), "submit_job", lambda self, kind, spec, name=None: submitted.append((kind, spec)))
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\n")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("4", "n")
+        form = app.screen
+        assert not form.query_one("#row-python").display and form.query_one("#row-device").display
+        form.query_one("#kind").value = "sglang"
+        await pilot.pause(0.05)
+        assert form.query_one("#row-python").display and not form.query_one("#row-device").display
+        error = lambda: str(form.query_one("#form-error").render())  # noqa: E731
+        assert form.query_one("#start").disabled and "needs model and python" in error()
+        form.query_one("#model").value = "Qwen/Qwen3-8B"
+        form.query_one("#draft").value = "z-lab/Qwen3-8B-DFlash-b16"
+        form.query_one("#algorithm").value = "dflash"
+        form.query_one("#python").value = str(python)
+        await pilot.pause(0.05)
+        assert "not found or not executable" in error()  # not executable yet
+        python.chmod(0o755)
+        form.query_one("#gpus").value = "0, x"
+        await pilot.pause(0.05)
+        assert "gpus must be a list" in error()
+        form.query_one("#gpus").value = "2,3"
+        await pilot.pause(0.05)
+        assert not form.query_one("#start").disabled and "sglang Qwen/Qwen3-8B on GPUs 2,3" in error()
+        await pilot.click("#start")
+    assert submitted == [("engine", {"kind": "sglang", "algorithm": "dflash", "python": str(python), "gpus": [2, 3],
+                                     "model": "Qwen/Qwen3-8B", "draft_model": "z-lab/Qwen3-8B-DFlash-b16"})]
+
+
 async def test_sweeps_pane_curves_baselines_best_and_points(seeded):
     db_path, ids = seeded
     app = app_for(db_path)
@@ -249,21 +283,21 @@ async def test_sweep_form_shows_the_plan_and_refuses_bad_input(seeded, tmp_path,
         assert isinstance(app.screen, SweepForm)
         form = app.screen
         plan = lambda: str(form.query_one("#plan").render())  # noqa: E731
-        assert "Plan (dry run)" in plan() and "sweep 'demo-budgets'" in plan()
+        await until(pilot, lambda: "Plan (dry run)" in plan(), what="the first plan")
+        assert "sweep 'demo-budgets'" in plan()
         form.query_one("#f-budgets").value = "4, x"
-        await pilot.pause(0.05)
-        assert "not valid" in plan() and form.query_one("#start").disabled
+        await until(pilot, lambda: "not valid" in plan(), what="the bad budgets")
+        assert form.query_one("#start").disabled
         form.query_one("#f-budgets").value = "4, 8"
         form.query_one("#f-concurrency").value = "0"
-        await pilot.pause(0.05)
-        assert "sweep.concurrency[0] must be >= 1" in plan()
+        await until(pilot, lambda: "sweep.concurrency[0] must be >= 1" in plan(), what="the bad concurrency")
         form.query_one("#f-concurrency").value = "1"
         form.query_one("#f-recipe").value = str(bad)
-        await pilot.pause(0.05)
-        assert "did you mean 'budget'" in plan() and form.query_one("#start").disabled
+        await until(pilot, lambda: "did you mean 'budget'" in plan(), what="the typo")
+        assert form.query_one("#start").disabled
         form.query_one("#f-recipe").value = str(good)
-        await pilot.pause(0.05)
-        assert "sweep 'from-file'" in plan() and not form.query_one("#start").disabled
+        await until(pilot, lambda: "sweep 'from-file'" in plan(), what="the recipe file's plan")
+        assert not form.query_one("#start").disabled
         await pilot.click("#start")
         assert started and started[0]["recipe"]["name"] == "from-file"
         assert started[0]["recipe_path"] == str(good.resolve()) and started[0]["points_total"] == 2
