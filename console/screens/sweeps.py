@@ -246,23 +246,32 @@ class SweepForm(ModalScreen[dict | None]):
     _checked: tuple[int, dict | None] = (-1, None)  # (generation, spec) of the newest finished check
     _generation = 0
     _start_when_checked = False
+    _pending: tuple | None = None  # the newest input not yet planned
+    _planning = False
 
     def check(self) -> None:
         """Validate as typed: the fields or recipe file here, the plan in a thread. A plan can probe
         an SGLang interpreter's --help (seconds, once per interpreter), which must not freeze
-        typing; results of a check that newer input overtook are dropped."""
+        typing. One plan runs at a time; input typed meanwhile is planned next, newest only."""
         from ddtree.jobs.errors import JobError
 
         self._generation += 1
-        generation = self._generation
         self.query_one("#start", Button).disabled = True
         try:
             data, path = self.recipe_data()
         except (JobError, _FormError) as exc:
-            self._show(generation, None, f"not valid: {exc}")
+            self._pending = None
+            self._show(self._generation, None, f"not valid: {exc}")
             return
-        self.run_worker(lambda: self._plan(generation, data, path), thread=True, group="plan",
-                        exit_on_error=False)
+        self._pending = (self._generation, data, path)
+        if not self._planning:
+            self._plan_next()
+
+    def _plan_next(self) -> None:
+        job, self._pending = self._pending, None
+        self._planning = job is not None
+        if job is not None:
+            self.run_worker(lambda: self._plan(*job), thread=True, group="plan", exit_on_error=False)
 
     def _plan(self, generation: int, data: dict, path: str | None) -> None:
         from ddtree.jobs.errors import JobError
@@ -276,17 +285,25 @@ class SweepForm(ModalScreen[dict | None]):
             plan = make_plan(recipe)
         except JobError as exc:
             result = (None, f"not valid: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a probe that broke must not leave the form waiting
+            result = (None, f"could not plan: {type(exc).__name__}: {exc}")
         else:
             spec = {"recipe": data, "recipe_path": path, "points_total": len(plan.points)}
             result = (spec, "Plan (dry run):\n" + format_plan(plan))
         try:
-            self.app.call_from_thread(self._show, generation, *result)
+            self.app.call_from_thread(self._planned, generation, *result)
         except RuntimeError:  # the app closed while the plan was being made
             pass
 
-    def _show(self, generation: int, spec: dict | None, message: str) -> None:
-        if generation != self._generation or not self.is_attached:
+    def _planned(self, generation: int, spec: dict | None, message: str) -> None:
+        if not self.is_attached:
             return
+        self._show(generation, spec, message)
+        self._plan_next()
+
+    def _show(self, generation: int, spec: dict | None, message: str) -> None:
+        if generation != self._generation:
+            return  # newer input overtook this plan
         self._checked = (generation, spec)
         self.query_one("#plan", Static).update(Text(message, style="" if spec else "red"))
         self.query_one("#start", Button).disabled = spec is None

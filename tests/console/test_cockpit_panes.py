@@ -303,6 +303,39 @@ async def test_sweep_form_shows_the_plan_and_refuses_bad_input(seeded, tmp_path,
         assert started[0]["recipe_path"] == str(good.resolve()) and started[0]["points_total"] == 2
 
 
+async def test_sweep_form_plans_in_a_thread_one_at_a_time_newest_input_last(seeded, monkeypatch):
+    import threading
+
+    import ddtree.jobs.plan as plan_module
+
+    db_path, _ = seeded
+    real, gate, calls, running, peak = plan_module.make_plan, threading.Event(), [], [0], [0]
+
+    def slow_plan(recipe, **kwargs):  # stands in for a plan that probes an SGLang interpreter
+        calls.append(recipe.name)
+        running[0] += 1
+        peak[0] = max(peak[0], running[0])
+        gate.wait(10)
+        running[0] -= 1
+        return real(recipe, **kwargs)
+
+    monkeypatch.setattr(plan_module, "make_plan", slow_plan)
+    app = app_for(db_path)
+    async with app.run_test(size=(110, 40)) as pilot:
+        await pilot.press("5", "n")
+        form = app.screen
+        await until(pilot, lambda: calls == ["demo-budgets"], what="the first plan under way")
+        for name in ("a", "ab", "abc"):  # typed while it runs: the UI answers, the input waits
+            form.query_one("#f-name").value = name
+            await pilot.pause(0.02)
+        assert form.query_one("#f-name").value == "abc" and form.query_one("#start").disabled
+        gate.set()
+        plan = lambda: str(form.query_one("#plan").render())  # noqa: E731
+        await until(pilot, lambda: "sweep 'abc'" in plan(), what="the newest input's plan")
+        assert calls == ["demo-budgets", "abc"] and peak[0] == 1
+        assert not form.query_one("#start").disabled
+
+
 async def test_history_filter_sort_compare_export(seeded, tmp_path):
     db_path, ids = seeded
     app = app_for(db_path)
