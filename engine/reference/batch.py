@@ -13,8 +13,10 @@ token is still the target's choice at its true prefix, computed from the same in
 single path: the batched round is lossless the same way, up to float rounding of a different
 matrix shape (which matters only at a true tie of the top two logits).
 
-Prefill (the first step of a session) stays per session: prompts differ in length far more than
-rounds do.
+Prefills of several new sessions also share one forward: prompts right-padded to the longest,
+a plain causal mask (a real row never looks past itself, so it never sees padding), and logits only
+at each prompt's last row. On a CPU, prompts of very different lengths go in separate forwards,
+as trees do.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
 # split where padding would exceed this share of the real rows (an AR step beside a 64-node tree).
 # On CUDA a forward is weight-bound, so every row rides in one batch.
 CPU_PADDING_SLACK = 1.5
+# Padded tokens in one batched prefill at most (prompts of 2k tokens: 8 at a time).
+PREFILL_BATCH_TOKENS = 16384
 
 
 def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
@@ -46,13 +50,13 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         raise BadParams("step_many got a session of another engine")
     out: list[list[int]] = [[] for _ in sessions]
     ready: list[int] = []
+    new: list[int] = []
     for i, sess in enumerate(sessions):
         if sess.done:
             continue
-        if sess._bonus is None:
-            out[i] = sess.step()  # prefill
-        else:
-            ready.append(i)
+        (new if sess._bonus is None else ready).append(i)
+    for i, tokens in zip(new, prefill_many(engine, [sessions[i] for i in new])):
+        out[i] = tokens
     if len(ready) == 1:
         out[ready[0]] = sessions[ready[0]].step()
     elif ready:
@@ -61,6 +65,63 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         for i, tokens in zip(ready, committed):
             out[i] = tokens
     return out
+
+
+def prefill_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
+    """The prefill of each new session, as `Session.step()` would do it, batched where it pays."""
+    if len(sessions) < 2:
+        return [s.step() for s in sessions]
+    lengths = [len(s.prompt_ids) for s in sessions]
+    out: list[list[int]] = [[] for _ in sessions]
+    groups = []
+    for group in _groups(lengths, engine.target.device.type == "cuda"):
+        # Bound the padded batch: long prompts together would multiply activation memory.
+        width = max(lengths[j] for j in group)
+        per = max(1, PREFILL_BATCH_TOKENS // width)
+        groups += [group[i:i + per] for i in range(0, len(group), per)]
+    for group in groups:
+        members = [sessions[j] for j in group]
+        if len(members) == 1:
+            out[group[0]] = members[0].step()
+            continue
+        with torch.inference_mode():
+            for j, tokens in zip(group, _prefill_group(engine, members)):
+                out[j] = tokens
+    return out
+
+
+def _prefill_group(engine: Engine, sessions: list[Session]) -> list[list[int]]:
+    t0 = engine.clock()
+    target = engine.target
+    device, dtype = target.device, target.dtype
+    lengths = [len(s.prompt_ids) for s in sessions]
+    b, width = len(sessions), max(lengths)
+    ids = torch.zeros((b, width), dtype=torch.long, device=device)
+    for j, s in enumerate(sessions):
+        ids[j, :lengths[j]] = torch.tensor(s.prompt_ids, dtype=torch.long, device=device)
+    positions = torch.arange(width, device=device).expand(b, width)
+    mask = torch.full((width, width), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
+    mask = mask.expand(b, 1, width, width)
+    last = sorted(set(n - 1 for n in lengths))
+    cache = target.new_cache()
+    out = target.forward_batch(ids, positions, cache, mask, features=any(s.mode != "ar" for s in sessions),
+                               keep=torch.tensor(last, device=device))
+    # Nothing in a session changes before this point: a forward that raises leaves them all new.
+    tensors = cache.tensors()
+    committed = []
+    for j, s in enumerate(sessions):
+        n = lengths[j]
+        logits = out.logits[j, last.index(n - 1) if target.has_logits_to_keep else n - 1]
+        token = s._choose(logits[None].float())
+        s._cache = KVCache.of(target.model, [(k[j:j + 1, :, :n], v[j:j + 1, :, :n]) for k, v in tensors])
+        s._pending = out.features[j, :n] if s.mode != "ar" else None
+        s._start = n
+        s._bonus = int(token[-1])
+        committed.append(s._commit([s._bonus]))
+    share = (engine.clock() - t0) / b
+    for s in sessions:
+        s.timings["prefill"] += share
+    return committed
 
 
 def _round(engine: Engine, sessions: list[Session]) -> list[list[int]]:

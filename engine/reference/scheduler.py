@@ -5,7 +5,7 @@ session by exactly one round (one token for AR, one draft + one verify for DFlas
 session's first round is its prefill). A long request therefore delays a new one by at most one
 round of each other running request, never by its whole generation.
 
-With `batch=True` and an engine that has `step_many`, the turn prefills new sessions one by one
+With `batch=True` and an engine that has `step_many`, the turn prefills new sessions together
 (each publishes its first token at once), then runs one batched round over the other running
 sessions (at most max_running): every draft in one drafter forward, every verify in one target
 forward. Otherwise each session steps alone (`Session.step()`), in turn. If a batched round
@@ -329,17 +329,29 @@ class Scheduler:
         self._publish(active)
 
     def _advance_batch(self, turn: list[_Active]) -> None:
-        live = []
+        live, fresh = [], []
         for active in turn:
             if active.ticket.cancelled or active.session.done:
                 self._advance(active)  # retires it
             elif not active.session.output_ids:
-                # Not prefilled yet (a prefill always commits a token): prefill alone and publish
-                # at once, so a cohort of new requests does not wait for all their prefills and a
-                # batched round before the first token.
-                self._advance(active)
+                fresh.append(active)  # not prefilled yet (a prefill always commits a token)
             else:
                 live.append(active)
+        # New requests prefill together and publish at once, before the others' round, so a
+        # cohort's first tokens wait for one forward rather than for one each plus a round.
+        if len(fresh) > 1:
+            try:
+                self.engine.step_many([a.session for a in fresh])
+            except Exception as exc:  # boundary: find the culprit by prefilling each alone
+                log.warning("batched prefill failed (%s: %s); prefilling one by one", type(exc).__name__, exc)
+                for active in fresh:
+                    self._advance(active)
+            else:
+                for active in fresh:
+                    self._publish(active)
+        else:
+            for active in fresh:
+                self._advance(active)
         if len(live) < 2:
             for active in live:
                 self._advance(active)

@@ -195,11 +195,13 @@ class Target:
         return ForwardOut(logits=logits.float(), features=feats)
 
     def forward_batch(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
-                      attention_mask: torch.Tensor, *, features: bool = False) -> ForwardOut:
+                      attention_mask: torch.Tensor, *, features: bool = False,
+                      keep: torch.Tensor | None = None) -> ForwardOut:
         """input_ids/position_ids [b, q], additive mask [b, 1, q, kv] -> logits [b, q, V] (model dtype).
 
         Logits stay in the model dtype: callers convert only the rows they read, which matters
-        with a 150k vocabulary and padded rows.
+        with a 150k vocabulary and padded rows. `keep` (row indices) asks for logits at those rows
+        only, [b, len(keep), V], where the model supports it; otherwise all rows come back.
         """
         kwargs = {
             "input_ids": input_ids,
@@ -209,6 +211,8 @@ class Target:
             "output_hidden_states": features,
             "attention_mask": attention_mask,
         }
+        if keep is not None and self.has_logits_to_keep:
+            kwargs["logits_to_keep"] = keep
         out = self.model(**kwargs)
         feats = None
         if features:

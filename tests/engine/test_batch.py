@@ -65,6 +65,40 @@ def test_batched_rounds_equal_serial(attn, block_size, grouping):
     assert accepted > 0
 
 
+@pytest.mark.parametrize("attn,keep_logits", [("sdpa", True), ("eager", True), ("sdpa", False)])
+def test_sessions_started_together_prefill_in_one_forward_and_equal_serial(attn, keep_logits, grouping,
+                                                                          monkeypatch):
+    model = make_target(41, attn=attn)
+    engine = Engine(model, make_drafter(model, block_size=8, seed=41))
+    if not keep_logits:  # a model whose forward has no logits_to_keep: all rows come back
+        monkeypatch.setattr(engine.target, "has_logits_to_keep", False)
+    lengths = [3, 29, 11, 47, 5, 18, 36, 8]
+    prompts = _prompts(lengths, 41)
+    gens = [GenParams(max_new_tokens=n, ignore_eos=True) for n in (20, 31, 9, 26, 17, 40, 12, 23)]
+    gens[2] = GenParams(max_new_tokens=15, temperature=0.8, seed=7, ignore_eos=True)  # seeded sampling too
+    jobs = list(zip(prompts, gens, SPECS))
+    serial = [engine.generate(*job) for job in jobs]
+    calls = []
+    group = batch._prefill_group
+    monkeypatch.setattr(batch, "_prefill_group", lambda e, ss: calls.append(len(ss)) or group(e, ss))
+    sessions = [engine.start(*job) for job in jobs]
+    first = engine.step_many(sessions)
+    assert sum(calls) >= 2 and all(len(f) == 1 for f in first)  # prefills shared a forward
+    if grouping == "one-batch":
+        assert calls == [8]
+    padded = []
+    monkeypatch.setattr(batch, "_prefill_group",
+                        lambda e, ss: padded.append(len(ss) * max(len(s.prompt_ids) for s in ss)) or group(e, ss))
+    monkeypatch.setattr(batch, "PREFILL_BATCH_TOKENS", 100)
+    engine.step_many([engine.start(*job) for job in jobs])
+    assert padded and max(padded) <= 100
+    while any(not s.done for s in sessions):
+        engine.step_many([s for s in sessions if not s.done])
+    for job, sess, ref in zip(jobs, sessions, serial):
+        assert sess.output_ids == ref.output_ids, job[2]
+        assert sess.accept_lengths == ref.accept_lengths, job[2]
+
+
 def test_batched_against_plain_ar_with_a_branching_oracle():
     """Long accepted paths through non-leftmost branches, rows compacted inside the batch."""
     model = make_target(6, layers=2)

@@ -206,8 +206,8 @@ def test_batched_turns_step_all_running_sessions_at_once():
         sched.stop(timeout=5)
     assert outs == [[1000 + i for i in range(10)], [2000 + i for i in range(4)], [3000 + i for i in range(4)],
                     [4000 + i for i in range(4)]]
-    # A session's first round (its prefill) runs alone; then one batch, capped by max_running
-    # (4 waits for a free slot).
+    # The first rounds (prefills) of sessions admitted together run as one batch; then one batch
+    # per turn, capped by max_running (4 waits for a free slot).
     assert engine.batches[0] == [1, 2, 3]
     assert all(len(b) <= 3 for b in engine.batches) and any(4 in b for b in engine.batches)
     assert not engine.open_sessions
