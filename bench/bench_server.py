@@ -1,13 +1,18 @@
 """Benchmark the builtin server: throughput and TTFT at several concurrencies, ar vs dflash vs
 ddtree, with batched rounds (--batch) against one request per forward (--no-batch).
 
-    .venv/bin/python bench/bench_server.py [--model DIR --draft DIR] [--concurrency 1,4,8]
-        [--budgets 4,8,16,32] [--num-prompts 16] [--max-new-tokens 64] [--threads 1] [--out FILE.json]
+    .venv/bin/python bench/bench_server.py [--model DIR --draft DIR | --random-shape demo|1.7b]
+        [--device cpu|cuda] [--concurrency 1,4,8] [--budgets 4,8,16,32] [--algorithms ar,dflash,ddtree]
+        [--num-prompts 16] [--max-new-tokens 64] [--threads 1] [--skip-serving] [--skip-batching]
+        [--out FILE.json]
+
+On a GPU, for the issue-5 figures (bench/RESULTS.md):
+    python bench/bench_server.py --device cuda --random-shape 1.7b --concurrency 1,4,16 --budgets 16
 
 1. Starts two `python -m ddtree.engine.reference.server` processes on free ports, one with
    --batch and one with --no-batch (the demo pair by default; when it is not there yet, a random
    pair of the demo's shape: Qwen3 hidden 256, 8 layers, vocab 4096, 2-layer drafter, block 16).
-   Only one of them works at a time.
+   Only one of them works at a time. Each server prefills every prompt once, unmeasured.
 2. At concurrency 1 sweeps the DDTree budget (on the batching server) and keeps the best by
    output tokens/s.
 3. At each concurrency runs ar, dflash and ddtree@best on both servers, back to back in an order
