@@ -46,16 +46,16 @@ def _build_tokenizer(directory: Path) -> int:
 
 
 def build_tiny_pair(root: Path, *, hidden: int = 64, layers: int = 4, intermediate: int = 128, heads: int = 4,
-                    block_size: int = 4, model_vocab: int | None = None, draft_layers: int = 1) -> tuple[Path, Path]:
+                    block_size: int = 4) -> tuple[Path, Path]:
     """A random Qwen3 target with a tokenizer and a random DFlash drafter (tests: hidden 64, 4 layers,
-    a 1-layer drafter, block 4; bench/bench_server.py builds the demo's shapes with the same code)."""
+    a 1-layer drafter, block 4). bench/bench_server.py builds its random pairs with _build_tokenizer too."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from ddtree.engine.reference.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids, save_drafter
+    from ddtree.engine.reference.drafter import DFlashConfig, DFlashDrafter, save_drafter
 
     target_dir, drafter_dir = root / "target", root / "drafter"
-    vocab = max(_build_tokenizer(target_dir), model_vocab or 0)
+    vocab = _build_tokenizer(target_dir)
     torch.manual_seed(0)
     head_dim = hidden // heads
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
@@ -65,10 +65,9 @@ def build_tiny_pair(root: Path, *, hidden: int = 64, layers: int = 4, intermedia
     with torch.no_grad():  # sharper logits than the default init, so outputs are not near-ties
         model.lm_head.weight.mul_(20.0)
     model.save_pretrained(target_dir)
-    layer_ids = (layers // 2,) if draft_layers == 1 else default_target_layer_ids(layers, draft_layers)
-    dcfg = DFlashConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=draft_layers,
+    dcfg = DFlashConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), vocab_size=vocab,
-                        num_target_layers=layers, target_layer_ids=layer_ids, mask_token_id=3,
+                        num_target_layers=layers, target_layer_ids=(layers // 2,), mask_token_id=3,
                         block_size=block_size, head_dim=head_dim, max_position_embeddings=CONTEXT_WINDOW)
     save_drafter(DFlashDrafter(dcfg), drafter_dir)
     return target_dir, drafter_dir
