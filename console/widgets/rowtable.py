@@ -100,27 +100,20 @@ class RowTable(ScrollView, can_focus=True):
     cursor_row: reactive[int] = reactive(0, always_update=False, repaint=False)
     """Index of the highlighted row (0 when the table is empty)."""
 
-    class RowHighlighted(Message):
+    class _RowMessage(Message):
+        def __init__(self, table: RowTable, cursor_row: int, row_key: str) -> None:
+            super().__init__()
+            self.table, self.cursor_row, self.row_key = table, cursor_row, row_key
+
+        @property
+        def control(self) -> RowTable:
+            return self.table
+
+    class RowHighlighted(_RowMessage):
         """The cursor moved to another row."""
 
-        def __init__(self, table: RowTable, cursor_row: int, row_key: str) -> None:
-            super().__init__()
-            self.table, self.cursor_row, self.row_key = table, cursor_row, row_key
-
-        @property
-        def control(self) -> RowTable:
-            return self.table
-
-    class RowSelected(Message):
+    class RowSelected(_RowMessage):
         """Enter on the cursor row, or a click on it."""
-
-        def __init__(self, table: RowTable, cursor_row: int, row_key: str) -> None:
-            super().__init__()
-            self.table, self.cursor_row, self.row_key = table, cursor_row, row_key
-
-        @property
-        def control(self) -> RowTable:
-            return self.table
 
     def __init__(self, *columns: str, zebra_stripes: bool = True, name: str | None = None, id: str | None = None,
                  classes: str | None = None, disabled: bool = False) -> None:
