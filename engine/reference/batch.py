@@ -112,12 +112,8 @@ def _prefill_group(engine: Engine, sessions: list[Session]) -> list[list[int]]:
     for j, s in enumerate(sessions):
         n = lengths[j]
         logits = out.logits[j, last.index(n - 1) if target.has_logits_to_keep else n - 1]
-        token = s._choose(logits[None].float())
         s._cache = KVCache.of(target.model, [(k[j:j + 1, :, :n], v[j:j + 1, :, :n]) for k, v in tensors])
-        s._pending = out.features[j, :n] if s.mode != "ar" else None
-        s._start = n
-        s._bonus = int(token[-1])
-        committed.append(s._commit([s._bonus]))
+        committed.append(s._prefilled(logits[None].float(), out.features[j, :n] if s.mode != "ar" else None))
     share = (engine.clock() - t0) / b
     for s in sessions:
         s.timings["prefill"] += share

@@ -117,13 +117,18 @@ class Session:
         ids = torch.tensor(self.prompt_ids, dtype=torch.long, device=device)
         positions = torch.arange(len(self.prompt_ids), device=device)
         out = target.forward(ids, positions, self._cache, features=self.mode != "ar", last_only=True)
-        token = self._choose(out.logits)
-        self._pending = out.features
-        self._start = len(self.prompt_ids)
-        self._bonus = int(token[-1])
-        committed = self._commit([self._bonus])
+        committed = self._prefilled(out.logits, out.features)
         self.timings["prefill"] += self.engine.clock() - t0
         return committed
+
+    def _prefilled(self, last_logits: torch.Tensor, features: torch.Tensor | None) -> list[int]:
+        """After the prompt is in the cache: choose the first token from the last row's logits
+        [1, V] (float), keep the prompt's features for the first draft, commit the token."""
+        token = self._choose(last_logits)
+        self._pending = features
+        self._start = len(self.prompt_ids)
+        self._bonus = int(token[-1])
+        return self._commit([self._bonus])
 
     def _ar_round(self) -> list[int]:
         t0 = self.engine.clock()
