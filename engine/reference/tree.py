@@ -1,7 +1,8 @@
 """Draft trees: best-first construction, the ancestor mask, and the walk.
 
 Node 0 is the root (the bonus token, already committed); nodes 1..M are draft tokens in the order
-the best-first search produced them, which puts every parent before its children.
+the best-first search produced them (build_tree) or in depth-major order (build_tree_device); both
+put every parent before its children.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import heapq
 from dataclasses import dataclass
 
 import torch
+
+from ddtree.engine.reference.errors import BadParams
 
 
 @dataclass
@@ -139,3 +142,138 @@ def accepted_path(tree: Tree, posterior: torch.Tensor) -> torch.Tensor:
     anc = tree.ancestors()
     ok = ~(anc & ~matched[None, :]).any(dim=1)
     return torch.nonzero(ok, as_tuple=True)[0]
+
+
+# ---- device-side build and walk ---------------------------------------------------------------
+# The GPU backend builds and walks trees without a host heap and without a host sync: every shape
+# below follows from Python ints (budget, L, V) alone, never from tensor values, and nothing reads
+# a tensor back to the host except fetch_walk, the one transfer a round is allowed.
+
+
+def build_tree_device(root: int | torch.Tensor, logprobs: torch.Tensor, budget: int) -> Tree:
+    """The `budget` most probable prefixes under log-probs [L, V], built on logprobs' device.
+
+    Same node set (up to ties) as build_tree; see build_tree_device_scored for how and for the
+    output layout. `root` may be an int or a one-element long tensor on logprobs' device.
+    """
+    return build_tree_device_scored(root, logprobs, budget)[0]
+
+
+def build_tree_device_scored(root: int | torch.Tensor, logprobs: torch.Tensor,
+                             budget: int) -> tuple[Tree, torch.Tensor]:
+    """build_tree_device plus each node's cumulative log-prob [n] (root 0), for tests and diagnostics.
+
+    Beam by depth: depth 1 keeps its top k = min(M, V) tokens; depth d extends the kept prefixes of
+    depth d-1 by the top k tokens of depth d and keeps the best min(M, width*k). A depth-d prefix
+    outside that beam is beaten by M kept ones, so the beams hold an optimal answer; the last step
+    keeps the best M over all of them. Log-probs are clamped to <= 0, so a child never outscores
+    its parent (float addition of a value <= 0 cannot round upward either), and a tie at the cut
+    goes to the earlier node of the depth-major layout, which puts a parent before an equal child:
+    the selection is closed under ancestors whatever the ties.
+
+    Output: root first, then the kept nodes in depth-major order (parents before children), the
+    ancestor matrix already built, and is_chain False (telling would take a sync; a chain still
+    verifies correctly under its ancestor mask) except where the shapes alone force a chain
+    (budget <= 1, or a vocab of 1). Node count is 1 + min(M, number of prefixes of length 1..L): a budget beyond
+    the prefix space takes all of them.
+    """
+    if logprobs.dim() != 2:
+        raise BadParams(f"logprobs must be [depth, vocab], got shape {tuple(logprobs.shape)}")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise BadParams(f"tree budget must be an int >= 0, got {budget!r}")
+    device = logprobs.device
+    depth_count, vocab = logprobs.shape
+    if isinstance(root, torch.Tensor):
+        root_t = root.reshape(1).to(device=device, dtype=torch.long)
+    else:
+        root_t = torch.full((1,), root, dtype=torch.long, device=device)  # a fill, not a copy
+    zero_l = torch.zeros(1, dtype=torch.long, device=device)
+    zero_f = torch.zeros(1, dtype=logprobs.dtype, device=device)
+    if budget == 0 or depth_count == 0 or vocab == 0:
+        tree = Tree(root_t, zero_l, zero_l, True, 0, torch.ones((1, 1), dtype=torch.bool, device=device))
+        return tree, zero_f
+
+    k = min(budget, vocab)
+    top_vals, top_ids = torch.topk(logprobs, k, dim=-1)       # [L, k], ranks best first
+    top_vals = top_vals.clamp(max=0.0)
+    # Layout: index 0 the root, then each depth's beam in turn.
+    scores, tokens, parents, depths = [zero_f, top_vals[0]], [root_t, top_ids[0]], [zero_l], [zero_l]
+    parents.append(torch.zeros(k, dtype=torch.long, device=device))
+    depths.append(torch.ones(k, dtype=torch.long, device=device))
+    beam, width, first = top_vals[0], k, 1                     # `first`: layout index of beam[0]
+    for d in range(1, depth_count):
+        cand = (beam[:, None] + top_vals[d][None, :]).reshape(-1)   # [width * k]
+        new_width = min(budget, width * k)
+        beam, flat = torch.topk(cand, new_width)
+        scores.append(beam)
+        tokens.append(top_ids[d].index_select(0, flat % k))
+        parents.append(first + flat // k)
+        depths.append(torch.full((new_width,), d + 1, dtype=torch.long, device=device))
+        first += width
+        width = new_width
+    all_scores = torch.cat(scores)
+    total = all_scores.shape[0]
+    n = 1 + min(budget, total - 1)
+
+    # Keep everything above the n-th best score, then fill up with the earliest ties.
+    cut = torch.topk(all_scores, n).values[n - 1:]
+    above = all_scores > cut
+    tie = all_scores == cut
+    room = n - above.sum()
+    keep = above | (tie & (tie.cumsum(0) <= room))
+    perm, slot, _ = _partition(keep)
+    sel = perm[:n]
+    tree_parents = slot.index_select(0, torch.cat(parents).index_select(0, sel))
+    max_depth = min(depth_count, n - 1)
+    chain = n <= 2 or vocab == 1
+    tree = Tree(torch.cat(tokens).index_select(0, sel), torch.cat(depths).index_select(0, sel),
+                tree_parents, chain, max_depth, ancestor_matrix(tree_parents, max_depth))
+    return tree, all_scores.index_select(0, sel)
+
+
+def _partition(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stable partition of [T] bool: (perm, slot, count) with the kept indices first.
+
+    perm lists the kept indices in ascending order, then the others in ascending order; slot is
+    its inverse (slot[perm[i]] == i); count (0-dim) is how many were kept. Every slot is distinct,
+    so the scatter is deterministic.
+    """
+    idx = torch.arange(keep.shape[0], device=keep.device)
+    seen = keep.long().cumsum(0)                              # kept ones up to and including i
+    count = seen[-1]
+    slot = torch.where(keep, seen - 1, count + idx - seen)
+    perm = torch.empty_like(idx).scatter_(0, slot, idx)
+    return perm, slot, count
+
+
+def walk_device(tree: Tree, posterior: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """accepted_path on the device: (order [n] long, count 0-dim long), no host sync.
+
+    order[:count] equals accepted_path(tree, posterior): the accepted nodes, root first, in index
+    order (root to leaf, since parents precede children); the other nodes follow in index order.
+    """
+    matched = tree.tokens == posterior.index_select(0, tree.parents)
+    matched[:1] = True
+    ok = ~(tree.ancestors() & ~matched[None, :]).any(dim=1)
+    order, _, count = _partition(ok)
+    return order, count
+
+
+def fetch_walk(tree: Tree, posterior: torch.Tensor, order: torch.Tensor,
+               count: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Bring a device walk to the host in one transfer: (path, path_list, new_tokens).
+
+    path is order[:count] (on the device), path_list the same as ints, new_tokens the committed
+    tokens: those of path[1:], then the target's choice at the last accepted node (the next bonus),
+    exactly what Session._walk returns. count, order and the tokens are packed into one tensor
+    and read with one .tolist(): the round's single host sync.
+    """
+    n = order.shape[0]
+    last = order.gather(0, (count - 1).reshape(1))
+    after = torch.cat((tree.tokens.index_select(0, order[1:]), posterior.index_select(0, last)))
+    # Step i commits the token of the next node on the path, except the last step: the bonus.
+    at_end = torch.arange(n, device=order.device) == count - 1
+    new = torch.where(at_end, posterior.index_select(0, last), after)
+    packed = torch.cat((count.reshape(1).long(), order, new.long())).tolist()
+    c = packed[0]
+    return order[:c], packed[1:1 + c], packed[1 + n:1 + n + c]
