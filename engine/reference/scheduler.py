@@ -17,6 +17,10 @@ double and reusable by any engine with that API.
 Requests past `max_running + max_queued` are refused at once (`QueueFull`, a 503 at the HTTP
 layer) rather than growing the queue without bound. A cancelled ticket (client gone, stop string
 matched) has its session closed at the start of the next turn.
+
+The scheduler counts its turns (`Scheduler.turns`); each ticket records the turn it was submitted
+in and each update the turn that produced it, so fairness can be stated, and tested, in rounds
+rather than seconds: a request submitted in turn t is admitted in turn t+1 when a slot is free.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ddtree.engine.errors import EngineError
@@ -54,6 +58,8 @@ class Update:
     finish_reason: str | None = None  # "length" | "stop" | "abort"
     error: EngineError | None = None
     at: float = field(default_factory=time.perf_counter)
+    #: The scheduler turn that produced this update (Scheduler.turns).
+    turn: int = 0
 
 
 class Ticket:
@@ -65,6 +71,8 @@ class Ticket:
         self.spec = spec
         self.sink = sink
         self.submitted_at = time.perf_counter()
+        #: Scheduler.turns when it was queued; set by Scheduler.submit.
+        self.submitted_turn = 0
         self._cancelled = threading.Event()
         #: Why the consumer dropped it: "abort" (client gone, error) or "stop" (a stop string
         #: matched, so the request completed normally and counts as such).
@@ -223,6 +231,8 @@ class Scheduler:
         self._running: list[_Active] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
+        #: Turns started so far (each admits, then advances every running session by one round).
+        self.turns = 0
 
     # -- any thread ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -234,6 +244,7 @@ class Scheduler:
         with self._cond:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
+            ticket.submitted_turn = self.turns
             if len(self._waiting) + len(self._running) >= self.max_running + self.max_queued:
                 raise QueueFull(
                     f"{self.max_running} requests running and {len(self._waiting)} queued",
@@ -276,6 +287,7 @@ class Scheduler:
                     self._cond.wait()
                 if self._stopping:
                     return
+                self.turns += 1
                 admit = []
                 while self._waiting and len(self._running) + len(admit) < self.max_running:
                     admit.append(self._waiting.popleft())
@@ -384,10 +396,10 @@ class Scheduler:
             self.stats.add_rounds(new_accepts, proposed_per_round(spec.algorithm, spec.budget, self.engine.block_size))
         if new_ids:
             self.stats.add_tokens(len(new_ids), now)
-        update = Update(new_ids, new_accepts, session.verify_ct, at=now)
+        update = Update(new_ids, new_accepts, session.verify_ct, at=now, turn=self.turns)
         if session.done:
             update = Update(new_ids, new_accepts, session.verify_ct, done=True,
-                            finish_reason=session.finish_reason, at=now)
+                            finish_reason=session.finish_reason, at=now, turn=self.turns)
             self._retire(active, update, aborted=False)
         elif new_ids or new_accepts:
             self._send(active.ticket, update)
@@ -409,8 +421,9 @@ class Scheduler:
         self.stats.add_request(len(ticket.input_ids), aborted=aborted, e2e_s=e2e)
         self._send(ticket, update)
 
-    @staticmethod
-    def _send(ticket: Ticket, update: Update) -> None:
+    def _send(self, ticket: Ticket, update: Update) -> None:
+        if update.turn != self.turns:  # the error and abort updates are built without one
+            update = replace(update, turn=self.turns)
         try:
             ticket.sink(update)
         except Exception:  # boundary: a consumer that went away must not stop the engine thread

@@ -353,6 +353,10 @@ class Api:
             })
         meta["spec_algorithm"] = req.spec.algorithm
         meta["spec_budget"] = req.spec.budget
+        # Ours: when the request was queued, got its first token and finished, in scheduler turns
+        # (one round of every running request each): its wait measured in rounds, not seconds.
+        meta["scheduler_turns"] = {"submitted": run.ticket.submitted_turn, "first_token": run.first_token_turn,
+                                   "finished": run.finished_turn}
         if final:
             meta["e2e_latency"] = run.e2e_latency
         return meta
@@ -400,6 +404,8 @@ class Run:
         self.matched: str | int | None = None
         self.e2e_latency: float | None = None
         self.first_token_at: float | None = None
+        self.first_token_turn: int | None = None
+        self.finished_turn: int | None = None
         self._last_token_at: float | None = None
         self._detok = IncrementalText(lambda ids: api._decode(ids, req.skip_special_tokens))
         self.ticket = api.scheduler.submit(req.input_ids, req.gen, req.spec, self._sink)
@@ -440,6 +446,7 @@ class Run:
         if update.new_ids:
             if self.first_token_at is None:
                 self.first_token_at = now
+                self.first_token_turn = update.turn
                 stats.observe_ttft(now - self.t0)
             elif self._last_token_at is not None:
                 stats.observe_itl(now - self._last_token_at, len(update.new_ids))
@@ -474,6 +481,7 @@ class Run:
                 self.text = stable
         if self.done:
             self.e2e_latency = now - self.t0
+            self.finished_turn = update.turn
 
     def _apply_stop(self, full: str, previous: int) -> bool:
         longest = max(len(s) for s in self.req.stops)

@@ -45,6 +45,8 @@ class FakeSession:
         self.verify_ct += 1
         if len(self.output_ids) >= self.n:
             self.done, self.finish_reason = True, "length"
+        if self.engine.after_step is not None:
+            self.engine.after_step(self)
         return new
 
     def close(self):
@@ -57,6 +59,7 @@ class FakeEngine:
 
     def __init__(self):
         self.log, self.open_sessions, self.gate = [], set(), None
+        self.after_step = None  # called on the engine thread after each round, with the session
 
     def start(self, ids, gen, spec):
         if not ids:
@@ -104,6 +107,40 @@ def test_sessions_interleave_round_by_round(engine_and_sched):
     first_two = engine.log[:4]
     assert sorted(first_two) == [1, 1, 2, 2] and engine.log.index(2) < 2
     assert not engine.open_sessions
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_request_submitted_mid_run_waits_rounds_not_the_long_run(batch):
+    """Fairness in rounds, not seconds: a short request submitted while a long one decodes is
+    admitted at the next turn and done after its own two rounds, the long one getting exactly one
+    round per turn meanwhile. The submission happens inside the long one's third round, so the
+    order of events is fixed and nothing races."""
+    engine = BatchingEngine() if batch else FakeEngine()
+    sched = Scheduler(engine, max_running=2, max_queued=2, batch=batch)
+    short = {}
+
+    def submit_short(session):
+        if session.tag == 1 and len(session.output_ids) == 6 and not short:
+            short["log_at"] = len(engine.log)
+            short["ticket"], short["queue"] = collect(sched, 2, 4)
+
+    engine.after_step = submit_short
+    _, long_q = collect(sched, 1, 40)
+    sched.start()
+    try:
+        short_updates = drain(short["queue"])
+        long_updates = drain(long_q)
+    finally:
+        sched.stop(timeout=5)
+    assert short["ticket"].submitted_turn == 3
+    assert [u.turn for u in short_updates] == [4, 5]
+    assert short_updates[-1].done and short_updates[-1].finish_reason == "length"
+    # Between the submission and the short one's last round the long one ran one round per turn
+    # (batched turns prefill the newcomer first, so only the counts are fixed, not the order).
+    last_short_round = max(i for i, tag in enumerate(engine.log) if tag == 2)
+    assert sorted(engine.log[short["log_at"]:last_short_round + 1]) == [1, 1, 2, 2]
+    assert long_updates[-1].turn == 20 and short_updates[-1].turn < long_updates[-1].turn
+    assert [u.turn for u in long_updates] == list(range(1, 21))
 
 
 def test_updates_carry_rounds_and_final_reason(engine_and_sched):
