@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ddtree.engine.arch import SPECULATIVE_HINT, is_speculative, read_config, speculative_refusal
 from ddtree.engine.reference.batch import step_many
 from ddtree.engine.reference.decode import Session
 from ddtree.engine.reference.drafter import DFlashDrafter, load_drafter
@@ -64,11 +64,13 @@ class Engine:
         cw = context_window or getattr(model.config, "max_position_embeddings", None) or 4096
         self.context_window = int(cw)
         self.sync_timings = False
-        self.hybrid_warning = hybrid_reason(model.config)
-        if self.hybrid_warning:
-            self.hybrid_warning += ("; tree verification cannot separate sibling branches in a "
-                                    "recurrent state, so DDTree acceptance will collapse")
-            warnings.warn(self.hybrid_warning, RuntimeWarning, stacklevel=2)
+        # Recurrent (linear-attention, Mamba) layers: such a target decodes with ar only; start()
+        # refuses dflash and ddtree (arch.speculative_refusal says why).
+        self.hybrid_reason = hybrid_reason(model.config)
+        self.hybrid_warning = None
+        if self.hybrid_reason and drafter is not None:
+            self.hybrid_warning = (f"{self.hybrid_reason}: the builtin engine decodes it with ar only "
+                                   f"and refuses dflash and ddtree ({SPECULATIVE_HINT})")
             log.warning("%s", self.hybrid_warning)
         if drafter is None:
             self.block_size = 1
@@ -113,13 +115,22 @@ class Engine:
     @classmethod
     def load(cls, model: str | Path, draft: str | Path | None = None, *, device: str = "cpu",
              dtype=None, attn_implementation: str = "sdpa",
-             max_budget: int = DEFAULT_MAX_BUDGET, block_size: int | None = None) -> Engine:
-        """Load a transformers target and (optionally) a DFlash drafter from dirs or hub ids."""
+             max_budget: int = DEFAULT_MAX_BUDGET, block_size: int | None = None,
+             algorithm: str | None = None, budget: int | None = None) -> Engine:
+        """Load a transformers target and (optionally) a DFlash drafter from dirs or hub ids.
+
+        algorithm/budget: what the caller will decode with by default (a server's --algorithm). A
+        speculative one on a target with recurrent layers is refused here, before any weight loads.
+        """
         device = str(device)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise BadParams("device cuda requested but CUDA is not available", "use --device cpu")
         torch_dtype = resolve_dtype(dtype, device)
         target_dir = resolve_model_dir(model)
+        if draft is not None and algorithm is not None and is_speculative(algorithm, budget):
+            reason = hybrid_reason(read_config(target_dir))
+            if reason:
+                raise BadParams(speculative_refusal(reason, algorithm), SPECULATIVE_HINT)
         target = load_target_model(target_dir, device=device, dtype=torch_dtype,
                                    attn_implementation=attn_implementation)
         tokenizer = load_tokenizer(target_dir)
@@ -148,7 +159,9 @@ class Engine:
         if len(ids) >= self.context_window:
             raise BadParams(f"prompt of {len(ids)} tokens does not fit the context window "
                             f"({self.context_window})", "shorten the prompt")
-        if spec.algorithm != "ar" and not (spec.algorithm == "ddtree" and spec.budget == 0):
+        if is_speculative(spec.algorithm, spec.budget):
+            if self.hybrid_reason:
+                raise BadParams(speculative_refusal(self.hybrid_reason, spec.algorithm), SPECULATIVE_HINT)
             if self.drafter is None:
                 raise BadParams(f"algorithm {spec.algorithm} needs a drafter", "load one with --draft")
             if spec.algorithm == "ddtree" and spec.budget > self.max_budget:
@@ -164,7 +177,15 @@ class Engine:
         sessions one by one (at temperature 0 token for token; seeded sampling draws the same).
         If a forward raises, no session has changed.
         """
-        return step_many(self, list(sessions))
+        sessions = list(sessions)
+        if self.hybrid_reason:
+            # A recurrent state cannot be padded or stacked the way KV rows are: one by one.
+            if len({id(s) for s in sessions}) != len(sessions):
+                raise BadParams("step_many got the same session twice")
+            if any(s.engine is not self for s in sessions):
+                raise BadParams("step_many got a session of another engine")
+            return [s.step() for s in sessions]
+        return step_many(self, sessions)
 
     def generate(self, input_ids: list[int], gen: GenParams | None = None,
                  spec: SpecParams | None = None) -> GenResult:

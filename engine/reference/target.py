@@ -13,37 +13,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# Layer types that a tree mask cannot branch: their state is a recurrence, not a set of KV rows.
-_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "chunked_attention"}
-_HYBRID_MODEL_TYPES = {
-    "qwen3_next", "qwen3_5", "qwen3_5_moe", "jamba", "bamba", "falcon_h1", "nemotron_h", "zamba",
-    "zamba2", "granitemoehybrid", "lfm2", "mamba", "mamba2", "rwkv", "recurrent_gemma", "minimax",
-}
+# hybrid_reason lives in ddtree.engine.arch (torch-free, so plans can call it); importable here too.
+from ddtree.engine.arch import hybrid_reason
+
+__all__ = ["KVCache", "Target", "ForwardOut", "cache_kwarg", "hybrid_reason"]
 
 
 def cache_kwarg(model: nn.Module) -> str:
     """The forward argument that takes the KV cache: `cache` from transformers 5.24, else `past_key_values`."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def hybrid_reason(config) -> str | None:
-    """Why tree verification cannot be exact on this target, or None for a pure-attention model."""
-    configs = [config]
-    text_config = getattr(config, "text_config", None)
-    if text_config is not None and text_config is not config:
-        configs.append(text_config)
-    for cfg in configs:
-        model_type = getattr(cfg, "model_type", "") or ""
-        layer_types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
-        if layer_types:
-            odd = sorted({str(t) for t in layer_types} - _ATTENTION_LAYER_TYPES)
-            if odd:
-                return f"{model_type or 'target'} has recurrent layers ({', '.join(odd)})"
-        if getattr(cfg, "hybrid_override_pattern", None):
-            return f"{model_type or 'target'} has a hybrid layer pattern"
-        if model_type in _HYBRID_MODEL_TYPES:
-            return f"{model_type} is a hybrid/recurrent architecture"
-    return None
 
 
 class KVCache:
