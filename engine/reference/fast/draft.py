@@ -1,0 +1,385 @@
+"""The DFlash drafter on static buffers: a preallocated context K/V cache and CUDA graphs.
+
+Same math as drafter.DFlashDrafter with its DraftCache, split the way a round uses it:
+
+- `append` is the context step. The pending target features go through `fc` and `hidden_norm`
+  once; every layer's context keys/values come from those same projected features (DFlash injects
+  the context into each layer, it does not run it through the stack), so the step is row-wise and
+  needs no attention at all.
+- `block` is the block forward: [bonus, MASK x (B-1)] at positions start..start+B-1, queries from
+  the block only, keys/values = the cached context plus the block's own rows, no causal mask. B is
+  always the drafter's trained block size: a shorter engine block only reads fewer rows.
+
+Buffer layout per layer: [kv_heads, capacity + B + 1, head_dim]. Rows [0, length) hold the
+context; the block writes its own keys/values at [length, length + B) before attending, so the
+eager path attends over the slice [:length + B] with no mask and no concatenation. The last row is
+scratch: padded append rows that would run past the end are clamped onto it.
+
+The static path (what CUDA graphs capture) has fixed shapes and never reads a host value: the
+block attends over the whole buffer, masked on the device by `length_t`; append is padded to a
+bucket of rows whose pad rows land past the new length, where the next block overwrites them or
+the mask hides them. Rows past `length` may hold stale values; they are always finite (buffers
+start zeroed and only ever receive computed rows), so a masked zero weight times them stays zero.
+
+Attention folds the query heads of each kv head into the query axis ([1, kv_heads, G*B, d]):
+every query row sees the same keys (no causal mask), so grouped-query attention needs neither
+repeat_interleave nor enable_gqa, and every SDPA backend accepts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree.engine.reference.drafter import DFlashDrafter, rope_inv_freq
+from ddtree.engine.reference.errors import BadParams
+
+_WARMUP_RUNS = 3  # side-stream runs before a capture, as torch's CUDA graph notes advise
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, d], cos/sin [n, d]."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+def default_buckets(block_size: int) -> tuple[int, ...]:
+    """Powers of two below the block size, then the block size: a round appends 1..B rows."""
+    out = []
+    size = 1
+    while size < block_size:
+        out.append(size)
+        size *= 2
+    out.append(block_size)
+    return tuple(out)
+
+
+@dataclass
+class _StaticIO:
+    """The fixed-address inputs the static path reads (graphs bake these addresses in)."""
+
+    ids: torch.Tensor          # [B] long: bonus then MASK x (B-1)
+    start: torch.Tensor        # 0-dim long: the block's first position
+    count: torch.Tensor        # 0-dim long: real rows in the padded append
+    feats: torch.Tensor        # [max bucket, K*H]: the padded append's features
+    rows: torch.Tensor         # arange(max(B, max bucket)) long
+    cols: torch.Tensor         # arange(buffer rows) long
+    buckets: tuple[int, ...]   # ascending append bucket sizes (may be empty: appends run eager)
+
+
+@dataclass
+class _Graphs:
+    block: torch.cuda.CUDAGraph
+    block_out: torch.Tensor                    # [B-1, V] float32, rewritten by every replay
+    appends: dict[int, torch.cuda.CUDAGraph]   # bucket -> graph
+
+
+class DraftContextCache:
+    """One sequence's drafter context keys/values on preallocated buffers.
+
+    keys/values: [layers, kv_heads, capacity + B + 1, head_dim]. `length` (host int) and
+    `length_t` (device 0-dim long) both count the context rows; the static path reads only
+    `length_t`, so a graph replay needs no host value.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        self.keys = keys
+        self.values = values
+        self.capacity = capacity
+        self.length = 0
+        self.length_t = torch.zeros((), dtype=torch.long, device=keys.device)
+        self.static: _StaticIO | None = None
+        self.graphs: _Graphs | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[2]
+
+    def seq_length(self) -> int:
+        return self.length
+
+    def nbytes(self) -> int:
+        """Bytes of the key/value buffers (the static inputs and graph pools are small beside them)."""
+        return self.keys.numel() * self.keys.element_size() * 2
+
+    def reset(self) -> None:
+        """Empty the cache in place, keeping its buffers and graphs for the next sequence."""
+        self.length = 0
+        self.length_t.zero_()
+
+
+class FastDrafter:
+    """A DFlash drafter forward over static buffers, reusing a loaded DFlashDrafter's parameters.
+
+    embed: token ids [n] -> [n, H] (the target's input embedding); lm_head: [n, H] -> [n, V].
+    capacity: the most context rows one cache holds (the longest sequence it will draft for).
+    """
+
+    def __init__(self, drafter: DFlashDrafter, embed: nn.Module, lm_head: nn.Module, *,
+                 capacity: int, mask_token_id: int) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise BadParams(f"drafter cache capacity must be a positive integer, got {capacity!r}")
+        if not isinstance(mask_token_id, int) or mask_token_id < 0:
+            raise BadParams(f"mask_token_id must be a non-negative integer, got {mask_token_id!r}",
+                            "the drafter config or the engine names the mask token")
+        cfg = drafter.config
+        self.drafter = drafter
+        self.embed = embed
+        self.lm_head = lm_head
+        self.capacity = capacity
+        self.mask_token_id = mask_token_id
+        self.block_size = cfg.block_size
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.groups = self.num_heads // self.num_kv_heads
+        self.scaling = cfg.head_dim ** -0.5
+        weight = drafter.fc.weight
+        self.device = weight.device
+        self.dtype = weight.dtype
+        self.feature_width = weight.shape[1]
+        # Kept in float32 whatever the model dtype, as DFlashDrafter keeps its own.
+        self.inv_freq = rope_inv_freq(cfg).to(self.device)
+        self._pool = None  # one CUDA graph memory pool for every capture of this drafter
+
+    # ---- caches ------------------------------------------------------------------------------
+    def new_cache(self, *, append_buckets: Sequence[int] | None = None) -> DraftContextCache:
+        """A zeroed cache. append_buckets=None: the eager path (slices by the host length). A
+        sequence (possibly empty): the static path, appends padded to those row counts (larger
+        appends, such as a long prompt, run eager); `capture` then records it as graphs."""
+        shape = (self.num_layers, self.num_kv_heads, self.capacity + self.block_size + 1, self.head_dim)
+        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        cache = DraftContextCache(keys, torch.zeros_like(keys), self.capacity)
+        if append_buckets is not None:
+            self._make_static(cache, append_buckets)
+        return cache
+
+    def _make_static(self, cache: DraftContextCache, append_buckets: Sequence[int]) -> None:
+        buckets = tuple(sorted(set(append_buckets)))
+        bad = [b for b in buckets
+               if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= self.capacity]
+        if bad:
+            raise BadParams(f"append buckets {bad} are not row counts in 1..{self.capacity}")
+        device = self.device
+        ids = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long, device=device)
+        widest = max(buckets, default=1)
+        cache.static = _StaticIO(
+            ids=ids,
+            start=torch.zeros((), dtype=torch.long, device=device),
+            count=torch.zeros((), dtype=torch.long, device=device),
+            feats=torch.zeros((widest, self.feature_width), dtype=self.dtype, device=device),
+            rows=torch.arange(max(self.block_size, widest), device=device),
+            cols=torch.arange(cache.rows, device=device),
+            buckets=buckets,
+        )
+        cache.graphs = None  # graphs recorded for other inputs would be stale
+
+    # ---- graphs ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def capture(self, cache: DraftContextCache, append_buckets: Sequence[int] | None = None) -> None:
+        """Record CUDA graphs of the block forward and of each append bucket, kept on the cache.
+
+        append_buckets: None keeps a static cache's own buckets (an eager cache gets
+        `default_buckets(block_size)`). Capture needs nothing from the cache's contents and leaves
+        them as they were. Later calls on this cache replay the graphs.
+        """
+        if cache.keys.device.type != "cuda":
+            raise BadParams("CUDA graphs need a cache on a CUDA device", "run the eager or static path")
+        if append_buckets is None:
+            append_buckets = cache.static.buckets if cache.static else default_buckets(self.block_size)
+        self._make_static(cache, append_buckets)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        static = cache.static
+        # Warm-ups and captures append zero real rows: pad rows land past length, length stays.
+        static.count.zero_()
+        block, block_out = self._record(lambda: self._block_static(cache))
+        appends = {b: self._record(lambda b=b: self._append_static(cache, b))[0] for b in static.buckets}
+        cache.graphs = _Graphs(block=block, block_out=block_out, appends=appends)
+
+    def _record(self, fn):
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(_WARMUP_RUNS):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = fn()
+        return graph, out
+
+    # ---- the context step --------------------------------------------------------------------
+    @torch.no_grad()
+    def append(self, pending: torch.Tensor, cache: DraftContextCache) -> None:
+        """Add the features [p, K*H] of positions length..length+p-1 to the cache."""
+        if pending.dim() != 2 or pending.shape[1] != self.feature_width:
+            raise BadParams(f"pending features must be [rows, {self.feature_width}], got {tuple(pending.shape)}")
+        p = pending.shape[0]
+        if p == 0:
+            return
+        if cache.length + p > cache.capacity:
+            raise BadParams(f"drafter cache full: {cache.length} + {p} rows exceed capacity "
+                            f"{cache.capacity}", "build the FastDrafter with a larger capacity")
+        static = cache.static
+        bucket = next((b for b in static.buckets if b >= p), None) if static else None
+        if bucket is None:
+            self._append_eager(pending, cache)
+        else:
+            static.feats[:p].copy_(pending)
+            static.count.fill_(p)
+            if cache.graphs is not None:
+                cache.graphs.appends[bucket].replay()
+            else:
+                self._append_static(cache, bucket)
+        cache.length += p
+
+    def _context_kv(self, layer: nn.Module, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """One layer's keys (k_norm, RoPE) and values [n, kv_heads, d] of projected features [n, H]."""
+        attn = layer.self_attn
+        n = ctx.shape[0]
+        k = attn.k_norm(attn.k_proj(ctx).view(n, self.num_kv_heads, self.head_dim))
+        v = attn.v_proj(ctx).view(n, self.num_kv_heads, self.head_dim)
+        return _apply_rope(k, cos, sin), v
+
+    def _project(self, feats: torch.Tensor, positions: torch.Tensor):
+        ctx = self.drafter.hidden_norm(self.drafter.fc(feats.to(self.dtype)))
+        cos, sin = self._rope(positions, ctx.dtype)
+        return ctx, cos, sin
+
+    def _append_eager(self, pending: torch.Tensor, cache: DraftContextCache) -> None:
+        start, p = cache.length, pending.shape[0]
+        positions = torch.arange(start, start + p, device=self.device)
+        ctx, cos, sin = self._project(pending, positions)
+        for i, layer in enumerate(self.drafter.layers):
+            k, v = self._context_kv(layer, ctx, cos, sin)
+            cache.keys[i, :, start:start + p] = k.transpose(0, 1)
+            cache.values[i, :, start:start + p] = v.transpose(0, 1)
+        cache.length_t.fill_(start + p)
+
+    def _append_static(self, cache: DraftContextCache, bucket: int) -> None:
+        static = cache.static
+        positions = cache.length_t + static.rows[:bucket]
+        # Pad rows go past the new length; any that would run off the buffer share the scratch row.
+        index = positions.clamp(max=cache.rows - 1)
+        ctx, cos, sin = self._project(static.feats[:bucket], positions)
+        for i, layer in enumerate(self.drafter.layers):
+            k, v = self._context_kv(layer, ctx, cos, sin)
+            cache.keys[i].index_copy_(1, index, k.transpose(0, 1))
+            cache.values[i].index_copy_(1, index, v.transpose(0, 1))
+        cache.length_t.add_(static.count)
+
+    # ---- the block forward -------------------------------------------------------------------
+    @torch.no_grad()
+    def block(self, bonus: int | torch.Tensor, start: int, cache: DraftContextCache) -> torch.Tensor:
+        """Draft logits [B-1, V] float32 for positions start+1..start+B-1.
+
+        bonus: a python int or a 1-element long device tensor (no host sync either way). On a
+        cache with graphs the result is the graph's output buffer: read it before the next block
+        call on the same cache.
+        """
+        static = cache.static
+        if static is None:
+            hidden = self._block_eager(self._block_ids(bonus), start, cache)
+            return self.lm_head(hidden[1:]).float()
+        self._set_bonus(static.ids, bonus)
+        static.start.fill_(start)
+        if cache.graphs is not None:
+            cache.graphs.block.replay()
+            return cache.graphs.block_out
+        return self._block_static(cache)
+
+    @torch.no_grad()
+    def draft(self, bonus: int | torch.Tensor, start: int, pending: torch.Tensor,
+              cache: DraftContextCache, depth: int) -> torch.Tensor:
+        """append(pending) then block: draft logits [depth, V] float32 (depth <= B-1).
+
+        pending holds the features of positions cache.length..start-1."""
+        if not 0 <= depth < self.block_size:
+            raise BadParams(f"draft depth {depth} outside 0..{self.block_size - 1} (the drafter's block)")
+        self.append(pending, cache)
+        if cache.static is None:  # eager: the head only reads the rows asked for
+            hidden = self._block_eager(self._block_ids(bonus), start, cache)
+            return self.lm_head(hidden[1:1 + depth]).float()
+        return self.block(bonus, start, cache)[:depth]
+
+    def _set_bonus(self, ids: torch.Tensor, bonus: int | torch.Tensor) -> None:
+        if isinstance(bonus, torch.Tensor):
+            if bonus.numel() != 1:
+                raise BadParams(f"bonus must be one token, got a tensor of shape {tuple(bonus.shape)}")
+            ids[:1].copy_(bonus.reshape(1))
+        else:
+            ids[:1].fill_(int(bonus))
+
+    def _block_ids(self, bonus: int | torch.Tensor) -> torch.Tensor:
+        ids = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long, device=self.device)
+        self._set_bonus(ids, bonus)
+        return ids
+
+    def _block_eager(self, ids: torch.Tensor, start: int, cache: DraftContextCache) -> torch.Tensor:
+        length, b = cache.length, self.block_size
+        positions = torch.arange(start, start + b, device=self.device)
+        return self._block_layers(ids, positions, cache, slice(length, length + b), length + b, None)
+
+    def _block_static(self, cache: DraftContextCache) -> torch.Tensor:
+        static, b = cache.static, self.block_size
+        rows = static.rows[:b]
+        index = cache.length_t + rows
+        visible = (static.cols < cache.length_t + b)[None, None, None, :]
+        hidden = self._block_layers(static.ids, static.start + rows, cache, index, None, visible)
+        return self.lm_head(hidden[1:]).float()
+
+    def _block_layers(self, ids: torch.Tensor, positions: torch.Tensor, cache: DraftContextCache,
+                      rows: slice | torch.Tensor, kv_len: int | None,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+        """Hidden [B, H] after the final norm. The block's keys/values go to buffer `rows` (a
+        slice, or an index tensor on the static path) before each layer attends over the first
+        kv_len rows (None: the whole buffer under `mask`)."""
+        b = ids.shape[0]
+        x = self.embed(ids)
+        cos, sin = self._rope(positions, x.dtype)
+        for i, layer in enumerate(self.drafter.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_norm(attn.q_proj(h).view(b, self.num_heads, self.head_dim))
+            k = attn.k_norm(attn.k_proj(h).view(b, self.num_kv_heads, self.head_dim))
+            v = attn.v_proj(h).view(b, self.num_kv_heads, self.head_dim)
+            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+            keys, values = cache.keys[i], cache.values[i]
+            if isinstance(rows, slice):
+                keys[:, rows] = k.transpose(0, 1)
+                values[:, rows] = v.transpose(0, 1)
+                keys, values = keys[:, :kv_len], values[:, :kv_len]
+            else:
+                keys.index_copy_(1, rows, k.transpose(0, 1))
+                values.index_copy_(1, rows, v.transpose(0, 1))
+            x = x + attn.o_proj(self._attend(q, keys, values, mask))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.drafter.norm(x)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """q [B, heads, d]; keys/values [kv_heads, n, d] -> [B, heads * d].
+
+        Query head h reads kv head h // G (as repeat_interleave maps them), so the G query heads
+        of one kv head become G*B query rows of that kv head."""
+        b, kvh, g, d = q.shape[0], self.num_kv_heads, self.groups, self.head_dim
+        folded = q.view(b, kvh, g, d).permute(1, 2, 0, 3).reshape(1, kvh, g * b, d)
+        out = F.scaled_dot_product_attention(folded, keys[None], values[None], attn_mask=mask,
+                                             scale=self.scaling)
+        return out.view(kvh, g, b, d).permute(2, 0, 1, 3).reshape(b, self.num_heads * d)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [n, d] computed in float32, then cast, as DFlashDrafter.rope does."""
+        freqs = positions[:, None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
