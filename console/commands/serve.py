@@ -12,6 +12,7 @@ import importlib.util
 import os
 import sys
 
+from ddtree.engine.arch import SPECULATIVE_HINT, builtin_refusal, read_config
 from ddtree.engine.errors import EngineError
 
 SERVER_MODULE = "ddtree.engine.reference.server"
@@ -77,10 +78,22 @@ def server_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why the server would refuse this default algorithm on this target, before it loads anything
+    (a target with recurrent layers decodes with ar only). A target without a drafter is served as
+    ar, so it passes; so does one whose config cannot be read here (the server checks it again)."""
+    if args.model is None or args.draft is None:
+        return None  # the demo pair is pure attention
+    return builtin_refusal(read_config(args.model), args.algorithm, args.budget)
+
+
 def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("uvicorn") is None:
         raise ServeError("the builtin engine is not installed in this Python",
                          hint="pip install 'ddtree-console[engine]'")
+    why = refusal(args)
+    if why is not None:
+        raise ServeError(why, hint=SPECULATIVE_HINT)
     argv = server_argv(args)
     sys.stdout.flush()
     sys.stderr.flush()

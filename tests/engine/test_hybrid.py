@@ -3,6 +3,10 @@ ar only, exactly, and refuses dflash/ddtree before any output (their recurrent s
 rejected draft nodes)."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -134,3 +138,66 @@ def test_read_config_without_network(tmp_path):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")
     assert read_config(tmp_path / "bad") is None
+
+
+def _served_pair(tmp_path, model):
+    """A hybrid target folder with the demo's tokenizer (the server's warm-up encodes text), and a drafter."""
+    import shutil
+
+    from ddtree.engine.demo import demo_paths
+    from ddtree.engine.reference.drafter import save_drafter
+
+    target_dir = tmp_path / "target"
+    model.save_pretrained(target_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(demo_paths()[0] / name, target_dir / name)
+    return target_dir, save_drafter(make_drafter(model, block_size=4), tmp_path / "drafter")
+
+
+@pytest.fixture(scope="module")
+def served_pair(tmp_path_factory):
+    import transformers
+
+    if not hasattr(transformers, "Qwen3NextForCausalLM"):
+        pytest.skip("this transformers has no Qwen3-Next")
+    cfg = transformers.Qwen3NextConfig(**{**SMALL, "vocab_size": 4096}, num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    return _served_pair(tmp_path_factory.mktemp("served"), _built(transformers.Qwen3NextForCausalLM, cfg, 3))
+
+
+CLI = [sys.executable, "-m", "ddtree.console.cli"]
+SERVER = [sys.executable, "-m", "ddtree.engine.reference.server"]
+
+
+def test_serve_refuses_a_speculative_default_with_one_line(served_pair):
+    target, drafter = served_pair
+    for argv in ([*CLI, "serve"], SERVER):  # before exec (config.json only), and the server itself
+        out = subprocess.run([*argv, "--model", str(target), "--draft", str(drafter), "--port", "0"],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2, out.stderr
+        last = out.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ") and "refuses ddtree" in last and "extra_buffer" in last
+        assert out.stdout == ""  # never announced itself
+    out = subprocess.run([*CLI, "serve", "--model", str(target), "--draft", str(drafter), "--algorithm", "dflash"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "refuses dflash" in out.stderr
+
+
+def test_serve_with_algorithm_ar_starts(served_pair):
+    target, drafter = served_pair
+    proc = subprocess.Popen([*CLI, "serve", "--model", str(target), "--draft", str(drafter), "--algorithm", "ar",
+                             "--port", "0", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert json.loads(line)["event"] == "listening", proc.stderr.read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    assert proc.returncode == 0
