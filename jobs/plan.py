@@ -10,8 +10,9 @@ SGLang and vLLM launches are built by `ddtree.engine.launch.build_launch` from w
 interpreter says it accepts (one probe per plan, cached on disk under `cache_dir`), with NUMA
 pinning from `ddtree.engine.placement` when `numa_bind = "auto"` and the hardware is known. A launch
 that cannot be built (no DDTREE in this SGLang, a flag the build lacks, tp that does not divide the
-GPUs, a model that does not fit) stays in the plan with `unsupported` set to the reason: the dry run
-shows it, `check_plan` refuses it before a real run.
+GPUs, a model that does not fit; for the builtin engine, dflash or ddtree on a target whose
+config.json shows recurrent layers, which it decodes with ar only) stays in the plan with
+`unsupported` set to the reason: the dry run shows it, `check_plan` refuses it before a real run.
 
 `make_plan(recipe)` starts nothing (it may run the engine's interpreter with `--help`, once);
 `Plan.to_dict()` is what `sweep --dry-run --json` prints.
@@ -26,6 +27,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddtree.engine.arch import SPECULATIVE_HINT, read_config
+from ddtree.engine.arch import builtin_refusal as arch_refusal
 from ddtree.engine.errors import EngineError
 from ddtree.engine.launch import LaunchSpec, build_launch, free_port
 from ddtree.engine.placement import suggest
@@ -228,6 +231,28 @@ def demo_pair() -> tuple[str, str]:
     return str(target), str(drafter)
 
 
+def builtin_refusal(recipe: Recipe, specs: list[tuple[str, int | None]]) -> str | None:
+    """Why the builtin engine would refuse one of these (algorithm, budget) on the recipe's target,
+    read from its config.json before anything starts (a target with recurrent layers decodes with
+    ar only); None when all run, or when the config cannot be read here (the engine checks again)."""
+    model = recipe.engine.model
+    if model is None:
+        return None  # the demo pair is pure attention
+    return target_refusal(model, specs)
+
+
+def target_refusal(model: str, specs: list[tuple[str, int | None]]) -> str | None:
+    """`builtin_refusal` for one target folder or hub id (the console's engine form asks it too)."""
+    config = read_config(model)
+    if config is None:
+        return None
+    for algorithm, budget in specs:
+        why = arch_refusal(config, algorithm, budget)
+        if why is not None:
+            return f"engine.model {model}: {why} ({SPECULATIVE_HINT})"
+    return None
+
+
 def _builtin_argv(recipe: Recipe, algorithm: str, budget: int | None) -> tuple[str, ...]:
     engine = recipe.engine
     model, draft = engine.model, engine.draft_model
@@ -380,9 +405,10 @@ def make_plan(recipe: Recipe, *, stream_tok_s: float | None = None, hardware: Ha
             algorithm, budget = fixed[0], fixed[1]
             run_specs = [fixed]
         if engine.kind == "builtin":
+            refused = builtin_refusal(recipe, [(algorithm, budget)] + [(a, b) for a, b, _ in run_specs])
             launch = Launch(index=len(launches), tp=tp, gpus=gpus, algorithm=algorithm, budget=budget,
-                            argv=_builtin_argv(recipe, algorithm, budget), env=_env(recipe, gpus),
-                            est_start_s=start_s)
+                            argv=None if refused else _builtin_argv(recipe, algorithm, budget),
+                            env=_env(recipe, gpus), est_start_s=start_s, unsupported=refused)
         else:
             launch = _engine_launch(recipe, len(launches), tp, gpus, pool, algorithm, budget, start_s,
                                     caps=caps, cache_dir=cache_dir, hardware=hardware, no_engine=no_engine)

@@ -88,3 +88,38 @@ def test_point_key_is_stable_across_types():
     params = {"engine_kind": "builtin", "algorithm": "ddtree", "budget": 8, "tp": 1, "gpus": (), "concurrency": 1,
               "dataset": "builtin:code", "temperature": 0, "repeat": 0}
     assert point_key(params) == point_key({**params, "temperature": 0.0, "gpus": []})
+
+
+def _hybrid_recipe(tmp_path, sweep: str) -> str:
+    """A recipe on a target whose config.json has linear-attention layers (no weights needed)."""
+    target = tmp_path / "next"
+    target.mkdir(exist_ok=True)
+    (target / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_next", "layer_types": ["linear_attention", "linear_attention", "full_attention"]}))
+    return f'name = "h"\n[engine]\nmodel = "{target}"\ndraft_model = "/m/drafter"\n[sweep]\n{sweep}\n'
+
+
+def test_builtin_plan_refuses_speculative_algorithms_on_a_hybrid_target(tmp_path):
+    import pytest
+
+    from ddtree.jobs.plan import UnsupportedEngine, check_plan, format_plan
+
+    plan = make_plan(parse_recipe(_hybrid_recipe(tmp_path, 'budget = [4, 8]\nbaseline = ["ar"]')))
+    launch = plan.launches[0]
+    assert launch.argv is None and "refuses ddtree" in launch.unsupported
+    assert f"engine.model {tmp_path / 'next'}" in launch.unsupported and "linear_attention" in launch.unsupported
+    assert "--mamba-scheduler-strategy extra_buffer" in launch.unsupported
+    assert any(w.startswith("unsupported launch: engine.model") for w in plan.warnings)
+    assert "<unsupported: engine.model" in format_plan(plan)  # what --dry-run prints
+    with pytest.raises(UnsupportedEngine) as info:
+        check_plan(plan)
+    assert info.value.exit_code == 2 and "\n" not in str(info.value)
+    assert "(ddtree budget 8" in str(info.value) and "refuses ddtree" in str(info.value)
+    # a dflash baseline is refused too, even when the measured algorithm is ar
+    plan = make_plan(parse_recipe(_hybrid_recipe(tmp_path, 'algorithm = "ar"\nbaseline = ["dflash"]')))
+    assert "refuses dflash" in plan.launches[0].unsupported
+    # ar alone, and ddtree at budget 0 (which is ar), run
+    for sweep in ('algorithm = "ar"', 'algorithm = "ddtree"\nbudget = [0]'):
+        plan = make_plan(parse_recipe(_hybrid_recipe(tmp_path, sweep)))
+        assert plan.launches[0].unsupported is None and plan.launches[0].argv is not None
+        check_plan(plan)
