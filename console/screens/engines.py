@@ -242,11 +242,27 @@ class EngineForm(ModalScreen[dict | None]):
             error.update(Text(str(exc), style="red"))
             self.query_one("#start", Button).disabled = True
             return None
+        refused = self._refusal(spec)
+        if refused is not None:
+            error.update(Text(refused, style="red"))
+            self.query_one("#start", Button).disabled = True
+            return None
         where = f" on GPUs {','.join(map(str, spec['gpus']))}" if spec["kind"] != "builtin" else f" on {spec['device']}"
         model = "the demo pair" if spec["demo"] else spec["model"]
         error.update(Text(f"will run: {spec['kind']} {model}{where}", style="dim"))
         self.query_one("#start", Button).disabled = False
         return spec
+
+    @staticmethod
+    def _refusal(spec: dict) -> str | None:
+        """The builtin engine's refusal of this algorithm on this target (dflash/ddtree on one with
+        recurrent layers), read from its config.json now rather than from the job's log later."""
+        from ddtree.engine.arch import SPECULATIVE_HINT, builtin_refusal, read_config
+
+        if spec["kind"] != "builtin" or spec["demo"]:
+            return None
+        why = builtin_refusal(read_config(spec["model"]), spec["algorithm"], spec["budget"])
+        return None if why is None else f"{why} ({SPECULATIVE_HINT})"
 
     def on_input_changed(self, _event) -> None:
         self.validate_form()

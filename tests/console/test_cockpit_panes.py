@@ -3,6 +3,7 @@ realistic sweep through the store's own write functions."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -200,6 +201,34 @@ async def test_engine_form_validates_and_returns_a_job_spec(seeded, tmp_path, mo
         await pilot.click("#start")
         assert submitted and submitted[0][0] == "engine"
         assert submitted[0][1]["budget"] == 16 and submitted[0][1]["model"] == str(tmp_path / "target")
+
+
+async def test_engine_form_refuses_speculation_on_a_hybrid_target_before_it_starts(seeded, tmp_path, monkeypatch):
+    db_path, _ = seeded
+    app = app_for(db_path)
+    submitted = []
+    monkeypatch.setattr(type(app), "submit_job", lambda self, kind, spec, name=None: submitted.append((kind, spec)))
+    (tmp_path / "next").mkdir()
+    (tmp_path / "next" / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}))
+    (tmp_path / "drafter").mkdir()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("4", "n")
+        form = app.screen
+        error = lambda: str(form.query_one("#form-error").render())  # noqa: E731
+        form.query_one("#model").value = str(tmp_path / "next")
+        form.query_one("#draft").value = str(tmp_path / "drafter")
+        await pilot.pause(0.05)
+        assert form.query_one("#start").disabled
+        assert "refuses ddtree" in error() and "linear_attention" in error() and "extra_buffer" in error()
+        form.query_one("#algorithm").value = "dflash"
+        await pilot.pause(0.05)
+        assert form.query_one("#start").disabled and "refuses dflash" in error()
+        form.query_one("#algorithm").value = "ar"
+        await pilot.pause(0.05)
+        assert not form.query_one("#start").disabled and "will run: builtin" in error()
+        await pilot.click("#start")
+    assert submitted and submitted[0][1]["algorithm"] == "ar"
 
 
 async def test_engine_form_starts_sglang_on_chosen_gpus(seeded, tmp_path, monkeypatch):
