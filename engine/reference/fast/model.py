@@ -1,0 +1,489 @@
+"""Our own forward for dense pure-attention decoders (Qwen3, Llama, Qwen2, Mistral without a window).
+
+The module tree and parameter names are those of the Hugging Face checkpoints, so a checkpoint's
+safetensors load by name, without transformers. The math follows the transformers reference
+(RMSNorm statistics in float32, RoPE tables computed in float32 then cast to the model dtype,
+SwiGLU MLP) so that logits match `target.Target` to float rounding.
+
+Attention never repeats K/V heads: the queries of one KV group are folded into the query length
+([kv_heads, groups*n, d] against [kv_heads, rows, d]) with the mask repeated per group. SDPA's
+`enable_gqa=True` would do the same without the fold, but together with a mask it drops to the
+math backend on CUDA, which materialises every score; the fold keeps the memory-efficient kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree.engine.reference.drafter import RMSNorm, _rotate_half
+from ddtree.engine.reference.errors import ModelLoadError
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# SDPA's GQA flag (torch 2.5+); only the mask-free causal prefill uses it.
+_SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+# ---- config -------------------------------------------------------------------------------------
+def _rope_dict(config: dict) -> dict:
+    """One flat RoPE description {rope_type, rope_theta?, factor?, ...} from either config layout."""
+    params = config.get("rope_parameters")
+    out: dict = {}
+    if isinstance(params, dict):
+        out.update(params)
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict):
+        for key, value in scaling.items():
+            out.setdefault(key, value)
+    if "rope_theta" in config and config["rope_theta"] is not None:
+        out.setdefault("rope_theta", config["rope_theta"])
+    kind = out.get("rope_type") or out.get("type") or "default"
+    out["rope_type"] = str(kind)
+    out.pop("type", None)
+    return out
+
+
+def _sliding_reason(config: dict, model_type: str) -> str | None:
+    window = config.get("sliding_window", 4096 if model_type == "mistral" else None)
+    if model_type in ("qwen2", "qwen3"):
+        if not config.get("use_sliding_window", False) or config.get("layer_types"):
+            return None  # layer_types (checked before this) are the ground truth when present
+        if config["num_hidden_layers"] <= int(config.get("max_window_layers", 28)):
+            return None
+    elif model_type != "mistral":
+        return None
+    if window is None:
+        return None
+    max_pos = config.get("max_position_embeddings")
+    if isinstance(max_pos, int) and int(window) >= max_pos:
+        return None  # a window as long as every position the model takes never slides
+    return f"{model_type} uses sliding-window attention (sliding_window={window})"
+
+
+def unsupported_reason(config: Any) -> str | None:
+    """Why the fast backend cannot run this config.json dict (one line), or None if it can."""
+    if not isinstance(config, dict):
+        return "config.json is not a JSON object"
+    model_type = str(config.get("model_type") or "")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return (f"model_type {model_type or '(none)'!r} is not a dense decoder the fast backend knows "
+                f"({', '.join(SUPPORTED_MODEL_TYPES)})")
+    missing = [k for k in _REQUIRED if k not in config]
+    if missing:
+        return f"config lacks {', '.join(missing)}"
+    for key in (*_REQUIRED, "num_key_value_heads"):
+        value = config.get(key)
+        if key == "num_key_value_heads" and value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return f"{key} must be a positive integer, got {value!r}"
+    if config.get("quantization_config"):
+        method = (config["quantization_config"] or {}).get("quant_method", "quantized")
+        return f"quantized checkpoints ({method}) are not supported"
+    layer_types = config.get("layer_types")
+    if layer_types:
+        odd = sorted({str(t) for t in layer_types} - {"full_attention"})
+        if odd:
+            return f"{model_type} has non-full-attention layers ({', '.join(odd)})"
+    sliding = _sliding_reason(config, model_type)
+    if sliding:
+        return sliding
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % kv_heads:
+        return f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    if not config.get("head_dim") and config["hidden_size"] % heads:
+        return "hidden_size is not a multiple of num_attention_heads and head_dim is not set"
+    if head_dim % 2:
+        return f"head_dim {head_dim} is odd; RoPE needs pairs"
+    act = config.get("hidden_act", "silu")
+    if act not in _ACTIVATIONS:
+        return f"hidden_act {act!r} is not supported ({', '.join(sorted(_ACTIVATIONS))})"
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        return "per-layer-type rope_parameters are not supported"
+    rope = _rope_dict(config)
+    kind = rope["rope_type"]
+    if kind not in SUPPORTED_ROPE_TYPES:
+        return f"rope type {kind!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})"
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        return "partial rotary embeddings (partial_rotary_factor < 1) are not supported"
+    needs = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}.get(kind, ())
+    lacking = [k for k in needs if k not in rope]
+    if lacking:
+        return f"rope type {kind} lacks {', '.join(lacking)}"
+    return None
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    max_position_embeddings: int = 4096
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    # linear: factor; llama3: factor, low/high_freq_factor, original_max_position_embeddings.
+    rope_scaling: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelLoadError(f"target config: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelLoadError("target config: num_attention_heads must be a multiple of num_key_value_heads")
+        if self.head_dim % 2:
+            raise ModelLoadError(f"target config: head_dim {self.head_dim} is odd; RoPE needs pairs")
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelLoadError(f"target config: unsupported rope type {self.rope_type!r}")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ModelLoadError(f"target config: unsupported hidden_act {self.hidden_act!r}")
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> DecoderConfig:
+        """Read a Hugging Face config.json dict; ModelLoadError says why when it is not supported."""
+        reason = unsupported_reason(config)
+        if reason:
+            raise ModelLoadError(f"the fast backend cannot run this target: {reason}",
+                                 "use the transformers backend")
+        model_type = config["model_type"]
+        heads = config["num_attention_heads"]
+        rope = _rope_dict(config)
+        attention_bias = bool(config.get("attention_bias", False))
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_type", "rope_theta")}
+        if rope["rope_type"] == "llama3":
+            scaling.setdefault("original_max_position_embeddings",
+                               config.get("max_position_embeddings", 8192))
+        return cls(
+            model_type=model_type,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            rope_type=rope["rope_type"],
+            max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
+            # transformers' Qwen2 always has q/k/v biases and no o_proj bias; Mistral has none.
+            qkv_bias=True if model_type == "qwen2" else attention_bias and model_type != "mistral",
+            o_bias=attention_bias and model_type in ("llama", "qwen3"),
+            mlp_bias=bool(config.get("mlp_bias", False)) and model_type == "llama",
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            hidden_act=config.get("hidden_act", "silu"),
+            rope_scaling=scaling,
+        )
+
+
+def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] float32, computed as transformers does (in float32, on CPU)."""
+    dim = cfg.head_dim
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (cfg.rope_theta ** (steps / dim))
+    s = cfg.rope_scaling
+    if cfg.rope_type == "linear":
+        inv_freq = inv_freq / float(s["factor"])
+    elif cfg.rope_type == "llama3":
+        factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old_len = float(s["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+# ---- forward plan -------------------------------------------------------------------------------
+@dataclass
+class AttentionPlan:
+    """Where one forward's n new K/V rows go and what every query sees; shared by all layers.
+
+    rows: a slice (eager) or a LongTensor [n] of row indices (static path, index_copy_).
+    read: attend over rows [:read] of the cache, or all rows when None.
+    mask: additive [1, 1, groups*n, S] in the model dtype (already folded per KV group), or None
+          when every query sees every row it reads (a single-token step).
+    fresh: an empty cache and a causal block: attend among the new rows only, causal, no mask.
+    """
+    rows: slice | torch.Tensor
+    read: int | None
+    mask: torch.Tensor | None
+    fresh: bool = False
+
+
+def fold_mask(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """bool [n, S] (True = visible) -> additive [1, 1, groups*n, S] for the folded queries."""
+    additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    additive.masked_fill_(~visible, float("-inf"))
+    if groups > 1:
+        additive = additive.repeat(groups, 1)
+    return additive[None, None]
+
+
+# ---- modules ------------------------------------------------------------------------------------
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.groups = self.num_heads // self.num_kv_heads
+        self.head_dim = d = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        """x [n, H]; cos/sin [n, 1, d]; k_cache/v_cache [kv_heads, rows, d] (written in place)."""
+        n = x.shape[0]
+        d, kvh, g = self.head_dim, self.num_kv_heads, self.groups
+        q = self.q_proj(x).view(n, self.num_heads, d)
+        k = self.k_proj(x).view(n, kvh, d)
+        v = self.v_proj(x).view(n, kvh, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k, v = k.transpose(0, 1), v.transpose(0, 1)           # [kv_heads, n, d]
+        if isinstance(plan.rows, slice):
+            k_cache[:, plan.rows] = k
+            v_cache[:, plan.rows] = v
+        else:
+            k_cache.index_copy_(1, plan.rows, k)
+            v_cache.index_copy_(1, plan.rows, v)
+        if plan.fresh:
+            out = self._causal(q.transpose(0, 1), k, v)        # [heads, n, d]
+            return self.o_proj(out.transpose(0, 1).reshape(n, self.num_heads * d))
+        keys = k_cache if plan.read is None else k_cache[:, :plan.read]
+        values = v_cache if plan.read is None else v_cache[:, :plan.read]
+        # Fold: query row g*n+i is query i of head kv*g+g' -> [kv_heads, groups*n, d].
+        qf = q.view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
+        out = F.scaled_dot_product_attention(qf[None], keys[None], values[None], attn_mask=plan.mask)
+        out = out[0].view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads * d)
+        return self.o_proj(out)
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # No mask, so the flash kernel (which handles GQA natively) is eligible on CUDA.
+        if self.groups > 1 and not _SDPA_GQA:
+            k = k.repeat_interleave(self.groups, dim=0)
+            v = v.repeat_interleave(self.groups, dim=0)
+            return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+        kwargs = {"enable_gqa": True} if self.groups > 1 else {}
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, **kwargs)[0]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, plan: AttentionPlan) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, plan)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """`model.*` in the checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DenseDecoder(nn.Module):
+    """A causal LM whose state_dict names are the Hugging Face checkpoint's."""
+
+    def __init__(self, cfg: DecoderConfig, hf_config: Any = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # transformers-style attribute access to config.json fields, for code that reads model.config.
+        self.config = hf_config
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.tie_weights()
+        # A plain attribute, not a buffer: module.to(bfloat16) must not round the frequencies.
+        self._inv_freq = rope_inv_freq(cfg)
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [n] -> cos, sin [n, 1, d] in dtype (tables in float32, as transformers)."""
+        if self._inv_freq.device != position_ids.device:
+            self._inv_freq = self._inv_freq.to(position_ids.device)
+        freqs = position_ids[:, None].float() * self._inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, plan: AttentionPlan, feature_layers: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids/positions [n]; caches [layers, kv_heads, rows, d] -> final normed hidden [n, H], features.
+
+        features: concat of the hidden states output by feature_layers (0-based), [n, K*H], or None
+        when feature_layers is empty. As transformers' hidden_states, the last layer's entry is
+        the normed one.
+        """
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(position_ids, x.dtype)
+        wanted = set(feature_layers)
+        kept: dict[int, torch.Tensor] = {}
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, k_cache[i], v_cache[i], plan)
+            if i in wanted and i != last:
+                kept[i] = x
+        x = self.model.norm(x)
+        if last in wanted:
+            kept[last] = x
+        feats = torch.cat([kept[i] for i in feature_layers], dim=-1) if feature_layers else None
+        return x, feats
+
+
+# ---- checkpoint I/O -----------------------------------------------------------------------------
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def read_config(directory: Path) -> dict:
+    path = directory / CONFIG_NAME
+    if not path.is_file():
+        raise ModelLoadError(f"no {CONFIG_NAME} in {directory}", "is this a Hugging Face model directory?")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from None
+
+
+def _weight_files(directory: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every tensor name in the checkpoint -> (the safetensors file holding it, its shape)."""
+    from safetensors import safe_open
+
+    single = directory / WEIGHTS_NAME
+    index = directory / INDEX_NAME
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"cannot read {index}: {exc}") from None
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        absent = [p.name for p in files if not p.is_file()]
+        if absent:
+            raise ModelLoadError(f"{index.name} names shards that are not there: {', '.join(absent)}")
+    else:
+        raise ModelLoadError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {directory}",
+                             "the fast backend reads safetensors checkpoints only")
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                found[name] = (path, tuple(f.get_slice(name).get_shape()))
+    return found
+
+
+def _mismatch(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]],
+              optional: set[str]) -> list[str]:
+    missing = sorted(set(expected) - set(found) - optional)
+    unexpected = sorted(set(found) - set(expected))
+    wrong = sorted(f"{k} {found[k]} != {expected[k]}"
+                   for k in set(expected) & set(found) if found[k] != expected[k])
+    parts = []
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
+        if items:
+            shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+            parts.append(f"{label}: {shown}")
+    return parts
+
+
+def load_decoder(directory: str | Path, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> DenseDecoder:
+    """Build a DenseDecoder from config.json + safetensors, checking every weight name and shape.
+
+    No transformers and no remote code: the module is ours, so a checkpoint whose names or shapes
+    differ from what its config implies is refused with the differences listed.
+    """
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    raw = read_config(directory)
+    cfg = DecoderConfig.from_dict(raw)
+    # Old checkpoints carry RoPE tables; they are recomputed, never loaded.
+    files = {k: v for k, v in _weight_files(directory).items() if not k.endswith("rotary_emb.inv_freq")}
+    found = {k: shape for k, (_, shape) in files.items()}
+    with torch.device("meta"):
+        model = DenseDecoder(cfg, SimpleNamespace(**raw))
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    parts = _mismatch(expected, found, tied)
+    if parts:
+        raise ModelLoadError(f"target weights in {directory} do not match its config: " + "; ".join(parts))
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted({p for p, _ in files.values()}):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in expected and name not in tied:
+                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    if tied:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()  # assign=True gave the two names separate Parameter objects
+    model._inv_freq = model._inv_freq.to(device)
+    return model.eval().requires_grad_(False)

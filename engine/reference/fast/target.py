@@ -1,0 +1,298 @@
+"""FastTarget: the target side of the fast backend (our forward, a static KV cache, CUDA graphs).
+
+It offers the surface decode.Session uses on target.Target, with the same semantics: a forward of
+n tokens writes their K/V to cache rows [length, length+n) whatever the positions (positions only
+drive RoPE), then length += n; new row i sees every old row and, among the new rows, those its
+mask row allows (causal when there is no mask, a tree's ancestors for a verify).
+
+Two code paths compute that:
+- eager: shapes follow n; attention reads rows [:length+n] only. Prefill and anything larger than
+  the largest bucket run here.
+- static: n padded to a bucket q (a power of two), K/V written with index_copy_ at length+arange(q),
+  attention over every cache row with a [q, rows] mask built on the device from `cache.length_t`.
+  Nothing in it reads a device value on the host, so `capture` records it as one CUDA graph per
+  bucket; on a CPU `static=True` runs it without graphs so its logic is testable. Padded rows land
+  past the real ones (the cache's slack) and no later query sees them: a row becomes visible only
+  once a real token has been written there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from ddtree.engine.reference.errors import BadParams, DecodeError, ModelLoadError
+from ddtree.engine.reference.fast.cache import StaticKVCache
+from ddtree.engine.reference.fast.model import AttentionPlan, DenseDecoder, fold_mask, load_decoder
+from ddtree.engine.reference.target import ForwardOut
+from ddtree.engine.reference.tree import Tree
+
+DEFAULT_MAX_QUERY = 64
+_WARMUP_RUNS = 2
+
+
+def bucket_sizes(max_query: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to the first power of two >= max_query."""
+    if not isinstance(max_query, int) or isinstance(max_query, bool) or max_query < 1:
+        raise BadParams(f"max_query must be a positive integer, got {max_query!r}")
+    sizes = [1]
+    while sizes[-1] < max_query:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sizes)
+
+
+@dataclass
+class _Graph:
+    """One captured bucket: the graph and the static buffers it reads and writes."""
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor                 # [q] long (input)
+    positions: torch.Tensor           # [q] long (input)
+    tree: torch.Tensor                # [q, q] bool (input): visibility among the new rows
+    logits: torch.Tensor              # [q, V] float32 (output)
+    features: torch.Tensor | None     # [q, K*H] (output)
+
+
+class FastTarget:
+    """A DenseDecoder called the way the decoders need it (the surface of target.Target)."""
+
+    def __init__(self, model: DenseDecoder, feature_layers: tuple[int, ...] = (), *,
+                 context_window: int | None = None, max_query: int = DEFAULT_MAX_QUERY,
+                 static: bool = False) -> None:
+        """context_window: rows a cache holds for the context (default max_position_embeddings).
+        max_query: the most tokens a forward after the prefill adds (budget + 1); the buckets
+        go up to the power of two above it and every cache gets that many rows of slack.
+        static: run forwards that fit a bucket on the static padded path even without graphs.
+        """
+        cfg = model.cfg
+        self.model = model.eval()
+        self.cfg = cfg
+        self.config = model.config if model.config is not None else SimpleNamespace(
+            model_type=cfg.model_type, num_hidden_layers=cfg.num_hidden_layers,
+            max_position_embeddings=cfg.max_position_embeddings, hidden_size=cfg.hidden_size,
+            vocab_size=cfg.vocab_size)
+        self.feature_layers = tuple(int(i) for i in feature_layers)
+        self.num_layers = cfg.num_hidden_layers
+        bad = [i for i in self.feature_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ModelLoadError(f"feature layers {bad} outside the target's {self.num_layers} layers",
+                                 "pair the drafter with the target it was trained for")
+        weight = model.model.embed_tokens.weight
+        self.device = weight.device
+        self.dtype = weight.dtype
+        self.embed = model.model.embed_tokens
+        self.lm_head = model.lm_head
+        cw = context_window if context_window is not None else cfg.max_position_embeddings
+        if not isinstance(cw, int) or isinstance(cw, bool) or cw < 1:
+            raise BadParams(f"context_window must be a positive integer, got {cw!r}")
+        self.context_window = cw
+        self.buckets = bucket_sizes(max_query)
+        self.static = bool(static)
+        qmax = self.buckets[-1]
+        self._eye = torch.eye(qmax, dtype=torch.bool, device=self.device)
+        self._tril = torch.ones(qmax, qmax, dtype=torch.bool, device=self.device).tril()
+        self._arange = torch.arange(qmax, device=self.device)
+        self._groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        model.rope(self._arange[:1], self.dtype)  # moves the RoPE table to the device now, not in a capture
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.weight.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.embed.weight.shape[1])
+
+    def new_cache(self) -> StaticKVCache:
+        cfg = self.cfg
+        return StaticKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                             self.context_window, slack=self.buckets[-1], device=self.device,
+                             dtype=self.dtype)
+
+    @staticmethod
+    def tree_mask(tree: Tree, start: int = 0) -> torch.Tensor | None:
+        """What forward takes for a tree verify: its ancestor matrix [n, n] bool, None for a chain.
+
+        `start` (the context length) is not needed: the context is always fully visible.
+        """
+        return None if tree.is_chain else tree.ancestors()
+
+    # ---- forward ----------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticKVCache,
+                attention_mask: torch.Tensor | None = None, *, features: bool = False,
+                last_only: bool = False) -> ForwardOut:
+        """input_ids/position_ids [n] -> logits float32 [n, V] ([1, V] with last_only).
+
+        attention_mask: None (causal among the new rows) or bool [n, n], True where new row i sees
+        new row j. An additive mask [1, 1, n, length+n] (tree.tree_attention_mask) is read too.
+        features: concat of feature_layers' outputs [n, K*H] in the model dtype.
+        """
+        n = int(input_ids.shape[0])
+        if n < 1 or input_ids.dim() != 1 or tuple(position_ids.shape) != (n,):
+            raise BadParams(f"forward takes input_ids and position_ids of one shape [n], got "
+                            f"{tuple(input_ids.shape)} and {tuple(position_ids.shape)}")
+        visible = self._visible(attention_mask, n, cache.length)
+        start = cache.length
+        graph = self._graph_for(cache, n)
+        if graph is not None:
+            logits, feats = self._replay(graph, input_ids, position_ids, visible)
+        elif self.static and n <= self.buckets[-1] and start + self._bucket(n) <= cache.rows:
+            logits, feats = self._padded(input_ids, position_ids, visible, cache)
+        else:
+            return self._eager(input_ids, position_ids, visible, cache, features, last_only)
+        cache.set_length(start + n)
+        logits = logits[n - 1:n] if last_only else logits[:n]
+        feats = feats[:n] if features and feats is not None else None
+        # Graph outputs are overwritten by the next replay; callers may keep what we return.
+        return ForwardOut(logits=logits.clone(), features=self._features(feats, n, features, True))
+
+    def _features(self, feats, n: int, wanted: bool, copy: bool):
+        if not wanted:
+            return None
+        if feats is None:  # no feature layers: an empty block, as torch.cat of nothing would mean
+            return torch.zeros((n, 0), dtype=self.dtype, device=self.device)
+        return feats.clone() if copy else feats
+
+    def _visible(self, mask: torch.Tensor | None, n: int, start: int) -> torch.Tensor | None:
+        if mask is None:
+            return None
+        if mask.dtype == torch.bool and tuple(mask.shape) == (n, n):
+            return mask
+        if mask.is_floating_point() and mask.dim() == 4 and tuple(mask.shape[-2:]) == (n, start + n):
+            return mask[0, 0, :, start:] == 0
+        raise BadParams(f"attention_mask must be bool [{n}, {n}] (or additive [1, 1, {n}, {start + n}]), "
+                        f"got {mask.dtype} {tuple(mask.shape)}")
+
+    def _eager(self, ids, positions, visible, cache: StaticKVCache, features: bool,
+               last_only: bool) -> ForwardOut:
+        n, start = int(ids.shape[0]), cache.length
+        end = start + n
+        if end > cache.rows:
+            raise DecodeError(f"KV cache full: {start} rows + {n} new > {cache.rows}",
+                              f"the context window is {self.context_window} tokens")
+        if visible is None and start == 0:
+            plan = AttentionPlan(slice(0, n), n, None, fresh=True)
+        elif n == 1:
+            plan = AttentionPlan(slice(start, end), end, None)
+        else:
+            block = visible
+            if block is None:
+                block = torch.ones((n, n), dtype=torch.bool, device=self.device).tril()
+            seen = torch.ones((n, end), dtype=torch.bool, device=self.device)
+            seen[:, start:] = block
+            plan = AttentionPlan(slice(start, end), end, fold_mask(seen, self._groups, self.dtype))
+        layers = self.feature_layers if features else ()
+        hidden, feats = self.model(ids, positions, cache.k, cache.v, plan, layers)
+        if last_only:
+            hidden = hidden[-1:]
+        logits = self.lm_head(hidden).float()
+        cache.set_length(end)
+        return ForwardOut(logits=logits, features=self._features(feats, n, features, False))
+
+    def static_forward(self, ids: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor,
+                       cache: StaticKVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The graph-ready forward: ids/positions [q], tree bool [q, q] -> logits [q, V], features.
+
+        Every shape depends on q and the cache only; the context length is read on the device.
+        It writes K/V rows length+arange(q) and leaves cache.length alone (the caller adds n).
+        """
+        q = int(ids.shape[0])
+        length = cache.length_t
+        rows = length + self._arange[:q]
+        rel = torch.arange(cache.rows, device=cache.device) - length        # [S]: column - length
+        among_new = (rel >= 0) & (rel < q)
+        tree_cols = tree.index_select(1, rel.clamp(0, q - 1))               # [q, S]
+        seen = (rel < 0)[None, :] | (among_new[None, :] & tree_cols)
+        plan = AttentionPlan(rows, None, fold_mask(seen, self._groups, self.dtype))
+        hidden, feats = self.model(ids, positions, cache.k, cache.v, plan, self.feature_layers)
+        return self.lm_head(hidden).float(), feats
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _padded(self, ids, positions, visible, cache: StaticKVCache):
+        """The static path without a graph: pad to the bucket, run, return the padded outputs."""
+        n = int(ids.shape[0])
+        q = self._bucket(n)
+        pad_ids = torch.zeros(q, dtype=torch.long, device=self.device)
+        pad_pos = torch.zeros(q, dtype=torch.long, device=self.device)
+        tree = self._eye[:q, :q].clone()
+        self._stage(pad_ids, pad_pos, tree, ids, positions, visible)
+        return self.static_forward(pad_ids, pad_pos, tree, cache)
+
+    def _stage(self, pad_ids, pad_pos, tree, ids, positions, visible) -> None:
+        """Write n real rows into static buffers of a bucket; padded rows see only themselves."""
+        n, q = int(ids.shape[0]), int(pad_ids.shape[0])
+        pad_ids[:n].copy_(ids)
+        pad_pos[:n].copy_(positions)
+        # Padded ids/positions keep whatever valid values they held: nobody reads their outputs.
+        tree.copy_(self._eye[:q, :q])
+        tree[:n, :n].copy_(visible if visible is not None else self._tril[:n, :n])
+
+    # ---- CUDA graphs ------------------------------------------------------------------------
+    def _graph_for(self, cache: StaticKVCache, n: int) -> _Graph | None:
+        fits = [b for b in cache.graphs if b >= n and cache.length + b <= cache.rows]
+        return cache.graphs[min(fits)] if fits else None
+
+    def _replay(self, g: _Graph, ids, positions, visible):
+        self._stage(g.ids, g.positions, g.tree, ids, positions, visible)
+        g.graph.replay()
+        return g.logits, g.features
+
+    def capture(self, cache: StaticKVCache, buckets: tuple[int, ...] | None = None) -> None:
+        """Capture one CUDA graph per bucket for this cache (they bake in its buffers' addresses).
+
+        Afterwards forward replays the smallest captured bucket >= n. Capturing writes padding
+        K/V rows past cache.length (never visible) and leaves the length alone, so it may run on
+        a fresh cache or between rounds. The graphs share one memory pool: they never run
+        concurrently, and their outputs are copied out after each replay.
+        """
+        if self.device.type != "cuda":
+            raise BadParams("CUDA graphs need the target on a CUDA device",
+                            "on a CPU, FastTarget(static=True) runs the same static path")
+        sizes = sorted({int(b) for b in (buckets if buckets is not None else self.buckets)})
+        if not sizes or sizes[0] < 1 or sizes[-1] > self.buckets[-1]:
+            raise BadParams(f"buckets {sizes} must lie in 1..{self.buckets[-1]} (max_query's bucket)")
+        if cache.length + sizes[-1] > cache.rows:
+            raise DecodeError(f"no room to capture: {cache.length} rows + bucket {sizes[-1]} > {cache.rows}")
+        cache.graphs = {}
+        pool = torch.cuda.graph_pool_handle()
+        current = torch.cuda.current_stream(self.device)
+        graphs: dict[int, _Graph] = {}
+        with torch.inference_mode():
+            for q in reversed(sizes):  # largest first: smaller captures reuse its freed blocks
+                ids = torch.zeros(q, dtype=torch.long, device=self.device)
+                positions = torch.zeros(q, dtype=torch.long, device=self.device)
+                tree = self._eye[:q, :q].clone()
+                # Warm up on a side stream (lazy kernel and cuBLAS initialisation stays out of the
+                # graph), as torch.cuda.graph's documentation asks.
+                side = torch.cuda.Stream(device=self.device)
+                side.wait_stream(current)
+                with torch.cuda.stream(side):
+                    for _ in range(_WARMUP_RUNS):
+                        self.static_forward(ids, positions, tree, cache)
+                current.wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits, feats = self.static_forward(ids, positions, tree, cache)
+                graphs[q] = _Graph(graph, ids, positions, tree, logits, feats)
+        torch.cuda.synchronize(self.device)
+        cache.graphs = graphs
+
+
+def load_fast_target(directory: str | Path, *, device: str | torch.device = "cpu",
+                     dtype: torch.dtype | str | None = None, feature_layers: tuple[int, ...] = (),
+                     context_window: int | None = None, max_query: int = DEFAULT_MAX_QUERY,
+                     static: bool = False) -> FastTarget:
+    """Load a dense decoder checkpoint (config.json + safetensors) as a FastTarget.
+
+    dtype None or "auto": float32 on a CPU, bfloat16 on CUDA (loading.resolve_dtype).
+    """
+    from ddtree.engine.reference.loading import resolve_dtype
+
+    torch_dtype = resolve_dtype(dtype, str(device))
+    model = load_decoder(directory, device=device, dtype=torch_dtype)
+    return FastTarget(model, feature_layers, context_window=context_window, max_query=max_query,
+                      static=static)
