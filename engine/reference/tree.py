@@ -7,7 +7,9 @@ put every parent before its children.
 
 from __future__ import annotations
 
+import functools
 import heapq
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -165,8 +167,9 @@ def build_tree_device_scored(root: int | torch.Tensor, logprobs: torch.Tensor,
 
     Beam by depth: depth 1 keeps its top k = min(M, V) tokens; depth d extends the kept prefixes of
     depth d-1 by the top k tokens of depth d and keeps the best min(M, width*k). A depth-d prefix
-    outside that beam is beaten by M kept ones, so the beams hold an optimal answer; the last step
-    keeps the best M over all of them. Log-probs are clamped to <= 0, so a child never outscores
+    outside that beam is beaten by M kept ones, so the beams hold an optimal answer (most of the
+    M*k extensions need no look: _candidate_pairs); the last step keeps the best M over all of
+    them. Log-probs are clamped to <= 0, so a child never outscores
     its parent (float addition of a value <= 0 cannot round upward either), and a tie at the cut
     goes to the earlier node of the depth-major layout, which puts a parent before an equal child:
     the selection is closed under ancestors whatever the ties.
@@ -174,8 +177,8 @@ def build_tree_device_scored(root: int | torch.Tensor, logprobs: torch.Tensor,
     Output: root first, then the kept nodes in depth-major order (parents before children), the
     ancestor matrix already built, and is_chain False (telling would take a sync; a chain still
     verifies correctly under its ancestor mask) except where the shapes alone force a chain
-    (budget <= 1, or a vocab of 1). Node count is 1 + min(M, number of prefixes of length 1..L): a budget beyond
-    the prefix space takes all of them.
+    (budget <= 1, or a vocab of 1). Node count is 1 + min(M, number of prefixes of length 1..L):
+    a budget beyond the prefix space takes all of them. Scores add in logprobs' dtype.
     """
     if logprobs.dim() != 2:
         raise BadParams(f"logprobs must be [depth, vocab], got shape {tuple(logprobs.shape)}")
@@ -200,14 +203,16 @@ def build_tree_device_scored(root: int | torch.Tensor, logprobs: torch.Tensor,
     scores, tokens, parents, depths = [zero_f, top_vals[0]], [root_t, top_ids[0]], [zero_l], [zero_l]
     parents.append(torch.zeros(k, dtype=torch.long, device=device))
     depths.append(torch.ones(k, dtype=torch.long, device=device))
+    rows, cols, pairs_within = _candidate_pairs(budget, k, device)
     beam, width, first = top_vals[0], k, 1                     # `first`: layout index of beam[0]
     for d in range(1, depth_count):
-        cand = (beam[:, None] + top_vals[d][None, :]).reshape(-1)   # [width * k]
+        used = pairs_within[width - 1]
+        cand = beam.index_select(0, rows[:used]) + top_vals[d].index_select(0, cols[:used])
         new_width = min(budget, width * k)
-        beam, flat = torch.topk(cand, new_width)
+        beam, pick = torch.topk(cand, new_width)                # sorted: beam stays best first
         scores.append(beam)
-        tokens.append(top_ids[d].index_select(0, flat % k))
-        parents.append(first + flat // k)
+        tokens.append(top_ids[d].index_select(0, cols.index_select(0, pick)))
+        parents.append(first + rows.index_select(0, pick))
         depths.append(torch.full((new_width,), d + 1, dtype=torch.long, device=device))
         first += width
         width = new_width
@@ -229,6 +234,32 @@ def build_tree_device_scored(root: int | torch.Tensor, logprobs: torch.Tensor,
     tree = Tree(torch.cat(tokens).index_select(0, sel), torch.cat(depths).index_select(0, sel),
                 tree_parents, chain, max_depth, ancestor_matrix(tree_parents, max_depth))
     return tree, all_scores.index_select(0, sel)
+
+
+def _candidate_pairs(budget: int, k: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The (parent rank i, token rank j) pairs worth extending: (i+1)(j+1) <= budget, row-major.
+
+    With the beam and each depth's tokens sorted best first, pair (i, j) is beaten by every pair
+    at or before it in both ranks, (i+1)(j+1) of them, so beyond the budget it can be dropped:
+    about M ln M candidates per depth instead of M*k. Row i keeps min(k, M // (i+1)) pairs;
+    pairs_within[w-1] counts those of the first w rows, at least min(M, w*k) (with x0 = M // k
+    full rows and remainder r < k, row x0 alone adds floor(M / (x0+1)) >= r). Built on the
+    device from aranges, so no host values travel.
+    """
+    pairs_within = _pairs_within(budget, k)
+    lens = torch.minimum(torch.full((budget,), k, device=device),
+                         budget // torch.arange(1, budget + 1, device=device))
+    ends = lens.cumsum(0)
+    flat = torch.arange(pairs_within[-1], device=device)
+    rows = torch.searchsorted(ends, flat, right=True)
+    cols = flat - (ends - lens).index_select(0, rows)
+    return rows, cols, pairs_within
+
+
+@functools.lru_cache(maxsize=64)
+def _pairs_within(budget: int, k: int) -> list[int]:
+    return list(itertools.accumulate(min(k, budget // (i + 1)) for i in range(budget)))
 
 
 def _partition(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

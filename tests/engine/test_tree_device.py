@@ -184,7 +184,8 @@ def _code(fn) -> str:
 
 
 def test_device_functions_read_nothing_back_to_the_host():
-    for fn in (build_tree_device, build_tree_device_scored, tree_mod._partition, walk_device,
+    for fn in (build_tree_device, build_tree_device_scored, tree_mod._partition,
+               tree_mod._candidate_pairs, walk_device,
                tree_mod.ancestor_matrix):
         src = _code(fn)
         for syncing in (".item(", ".tolist(", "nonzero(", "int(", "float(", "bool(", ".cpu(",
