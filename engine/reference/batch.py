@@ -256,11 +256,12 @@ def _draft(engine: Engine, sessions: list[Session], depths: list[int]):
 
     Row j of the drafter input: its cached context (D_j rows, padded to Dmax), its pending features
     (c_j rows, padded to Cmax), then the block [bonus, MASK...]. It sees its own cached and pending
-    rows and the whole block, as in the single path (which uses no mask at all).
+    rows and the whole block, as in the single path (which uses no mask at all). The block is the
+    drafter's trained length whatever engine.block_size is (see Session._draft).
     """
     target, drafter = engine.target, engine.drafter
     device = target.device
-    b, block = len(sessions), engine.block_size
+    b, block = len(sessions), drafter.block_size
     pending = [s._pending for s in sessions]
     ctx = [p.shape[0] for p in pending]
     cached = [s._draft_cache.get_seq_length() for s in sessions]

@@ -212,14 +212,20 @@ class Session:
         return max(0, min(self.engine.block_size - 1, wanted - 1, room - 1))
 
     def _draft(self, depth: int) -> torch.Tensor:
-        """Draft logits [depth, V] (float32) for the block after the bonus token."""
+        """Draft logits [depth, V] (float32) for the block after the bonus token.
+
+        The block is always the drafter's trained length, even when engine.block_size is shorter:
+        the drafter was trained on blocks of that length, and a shorter one collapses acceptance
+        (issue 21: tau 1.21 at B=4 against 2.49 for the full block's first 3 rows). A short
+        engine.block_size only caps the depth read (`_depth_cap`)."""
         engine = self.engine
         target = engine.target
         device = target.device
-        block = torch.full((engine.block_size,), engine.mask_token_id, dtype=torch.long, device=device)
+        length = engine.drafter.block_size
+        block = torch.full((length,), engine.mask_token_id, dtype=torch.long, device=device)
         block[0] = self._bonus
         cached = self._draft_cache.get_seq_length()
-        positions = torch.arange(cached, self._start + engine.block_size, device=device)
+        positions = torch.arange(cached, self._start + length, device=device)
         hidden = engine.drafter(target.embed(block)[None], self._pending[None], positions[None],
                                 None, self._draft_cache)
         self._pending = self._pending[:0]

@@ -48,8 +48,9 @@ class Engine:
                  block_size: int | None = None) -> None:
         """Wrap already-built modules (Engine.load builds them from checkpoints).
 
-        block_size: draft blocks shorter than the drafter's own (2..drafter.block_size); the
-        attribute may also be reassigned later within that range.
+        block_size: verify at most this many tokens a round (2..drafter.block_size; the attribute
+        may also be reassigned later within that range). The drafter still drafts its own trained
+        block length, which it needs to draft well; only the first block_size - 1 drafts are used.
         """
         self.model = model.eval()
         self.drafter = drafter.eval() if drafter is not None else None
