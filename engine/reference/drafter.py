@@ -32,7 +32,7 @@ _OWN_KEYS = {
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings",
     "vocab_size", "block_size", "num_target_layers", "dflash_config", "attention_bias",
-    "hidden_act", "rope_scaling", "rope_parameters", "initializer_range",
+    "hidden_act", "rope_scaling", "rope_parameters", "initializer_range", "target_layer_ids", "mask_token_id",
 }
 
 
@@ -116,7 +116,7 @@ class DFlashConfig:
         num_target_layers = config.get("num_target_layers")
         if num_target_layers is None:
             raise ModelLoadError("drafter config lacks num_target_layers", "is this a DFlash drafter?")
-        layer_ids = dflash.get("target_layer_ids")
+        layer_ids = _one_place(config, dflash, "target_layer_ids")
         if layer_ids is None:
             layer_ids = default_target_layer_ids(num_target_layers, num_layers)
         block_size = config.get("block_size", dflash.get("block_size", 16))
@@ -137,7 +137,7 @@ class DFlashConfig:
             vocab_size=config["vocab_size"],
             num_target_layers=num_target_layers,
             target_layer_ids=tuple(layer_ids),
-            mask_token_id=dflash.get("mask_token_id", config.get("mask_token_id")),
+            mask_token_id=_one_place(config, dflash, "mask_token_id"),
             block_size=block_size,
             head_dim=config.get("head_dim"),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
@@ -168,6 +168,20 @@ class DFlashConfig:
     @property
     def num_context_layers(self) -> int:
         return len(self.target_layer_ids)
+
+
+def _one_place(config: dict, dflash: dict, key: str):
+    """`key` from dflash_config or the top level (published DFlash configs use either); both set
+    and different is a config that cannot be trusted, so it is refused."""
+    nested, top = dflash.get(key), config.get(key)
+    if nested is not None and top is not None and _as_list(nested) != _as_list(top):
+        raise ModelLoadError(f"drafter config: dflash_config.{key} {nested!r} and top-level {key} {top!r} disagree",
+                             "keep one of them")
+    return nested if nested is not None else top
+
+
+def _as_list(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def _extra_keys(config: dict, dflash: dict) -> dict:

@@ -82,6 +82,25 @@ def test_default_target_layers():
     assert DFlashConfig.from_dict(cfg).target_layer_ids == (1, 9, 17, 25, 33)
 
 
+def test_layer_ids_and_mask_token_are_read_at_the_top_level_too():
+    # Some published DFlash configs put both at the top level instead of in dflash_config.
+    top = {k: v for k, v in ZLAB_STYLE.items() if k != "dflash_config"}
+    top.update(target_layer_ids=[2, 10, 18, 26, 34], mask_token_id=151669)
+    cfg = DFlashConfig.from_dict(top)
+    assert cfg.target_layer_ids == (2, 10, 18, 26, 34) and cfg.mask_token_id == 151669
+    assert "target_layer_ids" not in cfg.extra and "mask_token_id" not in cfg.extra
+    assert DFlashConfig.from_dict(cfg.to_dict()) == cfg  # written back in dflash_config
+    # the same value in both places is fine; different values are refused, naming both
+    both = dict(ZLAB_STYLE, target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669)
+    assert DFlashConfig.from_dict(both) == DFlashConfig.from_dict(ZLAB_STYLE)
+    with pytest.raises(ModelLoadError) as info:
+        DFlashConfig.from_dict(dict(ZLAB_STYLE, target_layer_ids=[2, 10, 18, 26, 34]))
+    text = str(info.value)
+    assert "\n" not in text and "[1, 9, 17, 25, 33]" in text and "[2, 10, 18, 26, 34]" in text
+    with pytest.raises(ModelLoadError, match="151669.*7|7.*151669"):
+        DFlashConfig.from_dict(dict(ZLAB_STYLE, mask_token_id=7))
+
+
 @pytest.mark.parametrize("bad", [dict(target_layer_ids=(6,)), dict(target_layer_ids=()), dict(block_size=1),
                                  dict(num_key_value_heads=3), dict(mask_token_id=50), dict(hidden_size=0),
                                  dict(rope_scaling={"rope_type": "yarn", "factor": 4.0})])
