@@ -24,6 +24,7 @@ from ddtree.engine.reference.drafter import DFlashDrafter, load_drafter
 from ddtree.engine.reference.errors import BadParams, ModelLoadError
 from ddtree.engine.reference.loading import (
     eos_token_ids,
+    is_demo_pair,
     load_target_model,
     load_tokenizer,
     resolve_dtype,
@@ -126,8 +127,8 @@ class Engine:
         device = str(device)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise BadParams("device cuda requested but CUDA is not available", "use --device cpu")
-        torch_dtype = resolve_dtype(dtype, device)
         target_dir = resolve_model_dir(model)
+        torch_dtype = resolve_dtype(dtype, device, demo=is_demo_pair(target_dir))
         if draft is not None and algorithm is not None and is_speculative(algorithm, budget):
             reason = hybrid_reason(read_config(target_dir))
             if reason:

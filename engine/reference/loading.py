@@ -21,9 +21,13 @@ DTYPES = {
 }
 
 
-def resolve_dtype(dtype, device: str) -> torch.dtype:
-    """None or "auto" -> float32 on CPU, bfloat16 on CUDA; strings by name."""
+def resolve_dtype(dtype, device: str, *, demo: bool = False) -> torch.dtype:
+    """None or "auto" -> float32 on CPU, bfloat16 on CUDA, but float32 everywhere for the demo pair
+    (`demo`); strings by name. The demo pair is tiny, so fp32 costs nothing there, and in fp32
+    speculative output is token-identical to plain decoding, where bf16 can flip true near-ties."""
     if dtype is None or dtype == "auto":
+        if demo:
+            return torch.float32
         return torch.float32 if str(device).startswith("cpu") else torch.bfloat16
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -31,6 +35,20 @@ def resolve_dtype(dtype, device: str) -> torch.dtype:
         return DTYPES[str(dtype).lower().removeprefix("torch.")]
     except KeyError:
         raise ModelLoadError(f"unknown dtype {dtype!r}", f"use one of {', '.join(sorted(DTYPES))}") from None
+
+
+def is_demo_pair(directory: Path) -> bool:
+    """Whether this target folder is the shipped demo pair's."""
+    from ddtree.engine.demo import DemoMissing, demo_paths
+
+    try:
+        target, _ = demo_paths()
+    except DemoMissing:
+        return False
+    try:
+        return Path(directory).resolve() == target.resolve()
+    except OSError:
+        return False
 
 
 def resolve_model_dir(model: str | Path) -> Path:

@@ -113,3 +113,22 @@ def test_demo_paths(monkeypatch, tmp_path):
         (tmp_path / "demo" / name).mkdir(parents=True)
         (tmp_path / "demo" / name / "config.json").write_text("{}")
     assert demo_paths() == (tmp_path / "demo" / "target", tmp_path / "demo" / "drafter")
+
+
+def test_demo_pair_defaults_to_float32_on_every_device(tmp_path):
+    from ddtree.engine.reference.loading import is_demo_pair, resolve_dtype
+
+    # decided without CUDA: the device string is all the decision reads
+    assert resolve_dtype(None, "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", "cuda:1") == torch.bfloat16
+    assert resolve_dtype(None, "cpu") == torch.float32
+    for device in ("cpu", "cuda", "cuda:0"):
+        assert resolve_dtype(None, device, demo=True) == torch.float32
+        assert resolve_dtype("auto", device, demo=True) == torch.float32
+    assert resolve_dtype("bfloat16", "cuda", demo=True) == torch.bfloat16  # asked for: honoured
+    assert not is_demo_pair(tmp_path)
+    try:
+        target, _ = demo_paths()
+    except DemoMissing:
+        return
+    assert is_demo_pair(target) and is_demo_pair(target / ".." / "target")
