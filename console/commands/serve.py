@@ -51,6 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", type=_non_negative, help="default DDTree node budget")
     p.add_argument("--block-size", type=_non_negative, help="draft block size (default: the drafter's)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="weights dtype (default: auto, float32 on a CPU and for the demo pair, else bfloat16)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=_port, default=0, help="port (default: 0, a free port printed on stdout)")
     p.add_argument("--max-running-requests", type=int, help="requests decoded at once (default: 8)")
@@ -69,6 +71,7 @@ def server_argv(args: argparse.Namespace) -> list[str]:
     if batch is not None:
         argv.append("--batch" if batch else "--no-batch")
     for flag, value in (("--model", args.model), ("--draft", args.draft), ("--budget", args.budget),
+                        ("--dtype", getattr(args, "dtype", None)),
                         ("--block-size", args.block_size),
                         ("--max-running-requests", getattr(args, "max_running_requests", None)),
                         ("--max-queued-requests", getattr(args, "max_queued_requests", None)),

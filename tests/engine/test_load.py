@@ -132,3 +132,18 @@ def test_demo_pair_defaults_to_float32_on_every_device(tmp_path):
     except DemoMissing:
         return
     assert is_demo_pair(target) and is_demo_pair(target / ".." / "target")
+
+
+def test_serve_passes_dtype_through_only_when_asked():
+    import argparse
+
+    from ddtree.console.commands import serve
+
+    def argv(*args):
+        p = argparse.ArgumentParser()
+        serve.add_parser(p.add_subparsers())
+        return serve.server_argv(p.parse_args(["serve", *args]))
+
+    assert "--dtype" not in argv()  # auto: the server decides (float32 for the demo pair)
+    got = argv("--dtype", "bfloat16")
+    assert got[got.index("--dtype") + 1] == "bfloat16"
