@@ -82,19 +82,25 @@ def _leaf_path(tree) -> list[int]:
 def _session_rounds(target, vocab: int, seed: int, *, additive: bool = False) -> list:
     """The calls one DDTree session makes, on any target; returns every ForwardOut (and lengths)."""
     g = torch.Generator().manual_seed(seed)
-    context = torch.randint(0, vocab, (9,), generator=g)
+    dev = target.device
+
+    def t(values):
+        return torch.as_tensor(values, dtype=torch.long).to(dev)
+
+    context = torch.randint(0, vocab, (9,), generator=g).to(dev)
     outs = []
     with torch.inference_mode():
         cache = target.new_cache()
-        outs.append(target.forward(context, torch.arange(9), cache, features=True))
-        outs.append(target.forward(context[-1:], torch.tensor([9]), cache, features=True))
+        outs.append(target.forward(context, t(range(9)), cache, features=True))
+        outs.append(target.forward(context[-1:], t([9]), cache, features=True))
         start = 10
-        outs.append(target.forward(context[:3], torch.arange(start, start + 3), cache, last_only=True))
+        outs.append(target.forward(context[:3], t(range(start, start + 3)), cache, last_only=True))
         cache.crop(start)  # a verify's rows, dropped again
-        tree = build_tree(int(context[0]), torch.log_softmax(torch.randn(5, vocab, generator=g) * 3, -1), 20)
+        logprobs = torch.log_softmax(torch.randn(5, vocab, generator=g) * 3, -1).to(dev)
+        tree = build_tree(int(context[0]), logprobs, 20)
         assert not tree.is_chain
         if isinstance(target, Target):
-            mask = tree_attention_mask(tree, start, torch.float32)
+            mask = tree_attention_mask(tree, start, target.dtype)
         elif additive:
             mask = tree_attention_mask(tree, start, target.dtype)
         else:
@@ -102,15 +108,15 @@ def _session_rounds(target, vocab: int, seed: int, *, additive: bool = False) ->
         outs.append(target.forward(tree.tokens, tree.depths + start, cache, mask, features=True))
         keep = _leaf_path(tree)
         assert keep != list(range(len(keep)))
-        cache.compact(start, torch.tensor(keep), keep)
+        cache.compact(start, t(keep), keep)
         start += len(keep)
         outs.append(cache.seq_length())
-        chain = chain_tree(int(context[1]), torch.randint(0, vocab, (4,), generator=g))
+        chain = chain_tree(int(context[1]), torch.randint(0, vocab, (4,), generator=g).to(dev))
         outs.append(target.forward(chain.tokens, chain.depths + start, cache, features=True))
-        cache.compact(start, torch.tensor([0, 1, 2]), [0, 1, 2])  # contiguous: no rows move
+        cache.compact(start, t([0, 1, 2]), [0, 1, 2])  # contiguous: no rows move
         start += 3
         outs.append(cache.seq_length())
-        outs.append(target.forward(context[2:3], torch.tensor([start]), cache, features=True))
+        outs.append(target.forward(context[2:3], t([start]), cache, features=True))
     return outs
 
 
@@ -136,10 +142,14 @@ def test_fast_target_matches_transformers_round_for_round(saved, kind):
     vocab = model.config.vocab_size
     want = _session_rounds(Target(model, layers), vocab, seed=7)
     _assert_same(_session_rounds(fast, vocab, seed=7), want, **TOL)
-    # The static padded path (the one CUDA graphs capture) gives the same numbers.
-    static = FastTarget(fast.model, layers, context_window=64, max_query=32, static=True)
-    _assert_same(_session_rounds(static, vocab, seed=7), want, **TOL)
+    # The static padded path (the one CUDA graphs capture) gives the same numbers, on both kernels.
+    for attention in ("sdpa", "matmul"):
+        static = FastTarget(fast.model, layers, context_window=64, max_query=32, static=True,
+                            attention=attention)
+        _assert_same(_session_rounds(static, vocab, seed=7), want, **TOL)
     _assert_same(_session_rounds(static, vocab, seed=7, additive=True), want, **TOL)
+    eager = FastTarget(fast.model, layers, context_window=64, attention="matmul")
+    _assert_same(_session_rounds(eager, vocab, seed=7), want, **TOL)
 
 
 def test_loaded_parameters_follow_the_checkpoint(saved):
@@ -164,8 +174,8 @@ def test_demo_target_matches_transformers():
                             max_query=32)
     want = _session_rounds(Target(model, layers), fast.vocab_size, seed=3)
     _assert_same(_session_rounds(fast, fast.vocab_size, seed=3), want, **TOL)
-    fast.static = True
-    _assert_same(_session_rounds(fast, fast.vocab_size, seed=3), want, **TOL)
+    static = FastTarget(fast.model, layers, context_window=128, max_query=32, static=True, attention="matmul")
+    _assert_same(_session_rounds(static, fast.vocab_size, seed=3), want, **TOL)
 
 
 def test_static_cache_bookkeeping():
@@ -196,6 +206,9 @@ def test_buckets_masks_and_bad_calls(saved):
             fast.forward(torch.tensor([1, 2]), torch.arange(2), cache, torch.ones(2, 3, dtype=torch.bool))
         with pytest.raises(BadParams, match="CUDA"):
             fast.capture(cache)
+    assert fast.attention == "sdpa"  # auto on a CPU
+    with pytest.raises(BadParams, match="attention"):
+        FastTarget(fast.model, attention="flash")
         with pytest.raises(Exception, match="KV cache full"):
             fast.forward(torch.zeros(cache.rows + 1, dtype=torch.long), torch.arange(cache.rows + 1), cache)
 
@@ -279,3 +292,27 @@ def test_supported_configs_and_both_rope_layouts():
     qwen2 = DecoderConfig.from_dict({**BASE, "model_type": "qwen2"})
     assert qwen2.qkv_bias and not qwen2.o_bias
     assert DecoderConfig.from_dict(BASE).qk_norm
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_cuda_graph_replays_equal_the_static_path_and_transformers(attention):
+    from transformers import AutoModelForCausalLM
+
+    class Graphed(FastTarget):
+        def new_cache(self):
+            cache = super().new_cache()
+            self.capture(cache)
+            return cache
+
+    layers = (1, 4, 7)
+    model = AutoModelForCausalLM.from_pretrained(str(DEMO_TARGET), dtype=torch.float32).to("cuda").eval()
+    fast = load_fast_target(DEMO_TARGET, device="cuda", dtype=torch.float32, feature_layers=layers,
+                            context_window=128, max_query=32)
+    kwargs = {"context_window": 128, "max_query": 32, "attention": attention}
+    graphed = _session_rounds(Graphed(fast.model, layers, **kwargs), fast.vocab_size, seed=3)
+    static = _session_rounds(FastTarget(fast.model, layers, static=True, **kwargs), fast.vocab_size, seed=3)
+    _assert_same(graphed, static, atol=1e-5, rtol=1e-5)
+    want = _session_rounds(Target(model, layers), fast.vocab_size, seed=3)
+    _assert_same(graphed, want, atol=2e-3, rtol=2e-3)

@@ -8,7 +8,13 @@ SwiGLU MLP) so that logits match `target.Target` to float rounding.
 Attention never repeats K/V heads: the queries of one KV group are folded into the query length
 ([kv_heads, groups*n, d] against [kv_heads, rows, d]) with the mask repeated per group. SDPA's
 `enable_gqa=True` would do the same without the fold, but together with a mask it drops to the
-math backend on CUDA, which materialises every score; the fold keeps the memory-efficient kernel.
+math backend on CUDA, which materialises every score; folded, the fused kernels stay eligible.
+
+Two attention kernels (AttentionPlan.kernel): "sdpa", and "matmul": scores from one batched GEMM
+with float32 output, softmax in float32, probabilities back in the model dtype for the second
+GEMM (the roundings flash attention makes). For a few queries over a long cache the GEMMs read K
+and V at full bandwidth, where the fused SDPA kernels give a handful of thread blocks the whole
+cache each (on an H200, cuDNN's took 89 us a layer for one query over 4k rows).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.engine.reference.drafter import RMSNorm, _rotate_half
+from ddtree.engine.reference.drafter import _rotate_half
 from ddtree.engine.reference.errors import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "mistral")
@@ -34,6 +40,7 @@ _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # SDPA's GQA flag (torch 2.5+); only the mask-free causal prefill uses it.
 _SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+_FUSED_RMS_NORM = hasattr(F, "rms_norm")
 
 
 # ---- config -------------------------------------------------------------------------------------
@@ -234,15 +241,40 @@ class AttentionPlan:
     mask: additive [1, 1, groups*n, S] in the model dtype (already folded per KV group), or None
           when every query sees every row it reads (a single-token step).
     fresh: an empty cache and a causal block: attend among the new rows only, causal, no mask.
+    kernel: "sdpa" or "matmul" (see the module docstring); the mask is float32 for "matmul".
     """
     rows: slice | torch.Tensor
     read: int | None
     mask: torch.Tensor | None
     fresh: bool = False
+    kernel: str = "sdpa"
+
+
+def matmul_attention_works(device: torch.device) -> bool:
+    """Whether this torch has bmm with a float32 output for half inputs on this device (CUDA)."""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.zeros((1, 1, 8), dtype=torch.bfloat16, device=device)
+        return torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [b, m, d] @ k [b, S, d]^T -> float32 [b, m, S], accumulated and stored in float32."""
+    if q.dtype == torch.float32:
+        return torch.bmm(q, k.transpose(1, 2))
+    if q.is_cuda:
+        return torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
+    return torch.bmm(q.float(), k.float().transpose(1, 2))  # CPU: no half->float GEMM output
 
 
 def fold_mask(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """bool [n, S] (True = visible) -> additive [1, 1, groups*n, S] for the folded queries."""
+    """bool [n, S] (True = visible) -> additive [1, 1, groups*n, S] for the folded queries.
+
+    dtype: the model dtype for SDPA, float32 for the matmul kernel.
+    """
     additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     additive.masked_fill_(~visible, float("-inf"))
     if groups > 1:
@@ -251,6 +283,26 @@ def fold_mask(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.T
 
 
 # ---- modules ------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """Statistics in float32, rounded to the model dtype before the weight (as Qwen3/Llama do).
+
+    F.rms_norm on the float32 copy is the same arithmetic in one fused kernel where torch has it.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        if _FUSED_RMS_NORM:
+            normed = F.rms_norm(x32, (x32.shape[-1],), eps=self.eps)
+        else:
+            normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
@@ -294,8 +346,14 @@ class Attention(nn.Module):
         values = v_cache if plan.read is None else v_cache[:, :plan.read]
         # Fold: query row g*n+i is query i of head kv*g+g' -> [kv_heads, groups*n, d].
         qf = q.view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
-        out = F.scaled_dot_product_attention(qf[None], keys[None], values[None], attn_mask=plan.mask)
-        out = out[0].view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads * d)
+        if plan.kernel == "matmul":
+            scores = _scores(qf, keys).mul_(d ** -0.5)                   # [kv_heads, groups*n, S]
+            if plan.mask is not None:
+                scores += plan.mask[0]
+            out = torch.bmm(torch.softmax(scores, dim=-1).to(values.dtype), values)
+        else:
+            out = F.scaled_dot_product_attention(qf[None], keys[None], values[None], attn_mask=plan.mask)[0]
+        out = out.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads * d)
         return self.o_proj(out)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,13 @@ import torch
 
 from ddtree.engine.reference.errors import BadParams, DecodeError, ModelLoadError
 from ddtree.engine.reference.fast.cache import StaticKVCache
-from ddtree.engine.reference.fast.model import AttentionPlan, DenseDecoder, fold_mask, load_decoder
+from ddtree.engine.reference.fast.model import (
+    AttentionPlan,
+    DenseDecoder,
+    fold_mask,
+    load_decoder,
+    matmul_attention_works,
+)
 from ddtree.engine.reference.target import ForwardOut
 from ddtree.engine.reference.tree import Tree
 
@@ -60,11 +66,14 @@ class FastTarget:
 
     def __init__(self, model: DenseDecoder, feature_layers: tuple[int, ...] = (), *,
                  context_window: int | None = None, max_query: int = DEFAULT_MAX_QUERY,
-                 static: bool = False) -> None:
+                 static: bool = False, attention: str = "auto") -> None:
         """context_window: rows a cache holds for the context (default max_position_embeddings).
         max_query: the most tokens a forward after the prefill adds (budget + 1); the buckets
         go up to the power of two above it and every cache gets that many rows of slack.
         static: run forwards that fit a bucket on the static padded path even without graphs.
+        attention: "sdpa", "matmul" (model.py says when each wins) or "auto": matmul on CUDA
+        where torch has float32-output GEMMs for half inputs, else sdpa. A causal prefill on an
+        empty cache always takes SDPA (flash attention).
         """
         cfg = model.cfg
         self.model = model.eval()
@@ -95,6 +104,12 @@ class FastTarget:
         self._tril = torch.ones(qmax, qmax, dtype=torch.bool, device=self.device).tril()
         self._arange = torch.arange(qmax, device=self.device)
         self._groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        if attention not in ("auto", "sdpa", "matmul"):
+            raise BadParams(f"attention must be auto, sdpa or matmul, got {attention!r}")
+        if attention == "auto":
+            attention = "matmul" if matmul_attention_works(self.device) else "sdpa"
+        self.attention = attention
+        self._graph_pool = None  # one CUDA graph memory pool for every cache's graphs
         model.rope(self._arange[:1], self.dtype)  # moves the RoPE table to the device now, not in a capture
 
     @property
@@ -175,14 +190,14 @@ class FastTarget:
         if visible is None and start == 0:
             plan = AttentionPlan(slice(0, n), n, None, fresh=True)
         elif n == 1:
-            plan = AttentionPlan(slice(start, end), end, None)
+            plan = AttentionPlan(slice(start, end), end, None, kernel=self.attention)
         else:
             block = visible
             if block is None:
                 block = torch.ones((n, n), dtype=torch.bool, device=self.device).tril()
             seen = torch.ones((n, end), dtype=torch.bool, device=self.device)
             seen[:, start:] = block
-            plan = AttentionPlan(slice(start, end), end, fold_mask(seen, self._groups, self.dtype))
+            plan = AttentionPlan(slice(start, end), end, self._fold(seen), kernel=self.attention)
         layers = self.feature_layers if features else ()
         hidden, feats = self.model(ids, positions, cache.k, cache.v, plan, layers)
         if last_only:
@@ -205,9 +220,13 @@ class FastTarget:
         among_new = (rel >= 0) & (rel < q)
         tree_cols = tree.index_select(1, rel.clamp(0, q - 1))               # [q, S]
         seen = (rel < 0)[None, :] | (among_new[None, :] & tree_cols)
-        plan = AttentionPlan(rows, None, fold_mask(seen, self._groups, self.dtype))
+        plan = AttentionPlan(rows, None, self._fold(seen), kernel=self.attention)
         hidden, feats = self.model(ids, positions, cache.k, cache.v, plan, self.feature_layers)
         return self.lm_head(hidden).float(), feats
+
+    def _fold(self, seen: torch.Tensor) -> torch.Tensor:
+        mask_dtype = torch.float32 if self.attention == "matmul" else self.dtype
+        return fold_mask(seen, self._groups, mask_dtype)
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -246,8 +265,9 @@ class FastTarget:
 
         Afterwards forward replays the smallest captured bucket >= n. Capturing writes padding
         K/V rows past cache.length (never visible) and leaves the length alone, so it may run on
-        a fresh cache or between rounds. The graphs share one memory pool: they never run
-        concurrently, and their outputs are copied out after each replay.
+        a fresh cache or between rounds. All graphs of this target (every cache's) share one
+        memory pool: replays run one at a time on one stream, each graph keeps its own output
+        buffers alive, and forward copies the outputs out before any other replay.
         """
         if self.device.type != "cuda":
             raise BadParams("CUDA graphs need the target on a CUDA device",
@@ -258,7 +278,9 @@ class FastTarget:
         if cache.length + sizes[-1] > cache.rows:
             raise DecodeError(f"no room to capture: {cache.length} rows + bucket {sizes[-1]} > {cache.rows}")
         cache.graphs = {}
-        pool = torch.cuda.graph_pool_handle()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        pool = self._graph_pool
         current = torch.cuda.current_stream(self.device)
         graphs: dict[int, _Graph] = {}
         with torch.inference_mode():
