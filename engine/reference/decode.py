@@ -13,14 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ddtree.engine.reference.params import TIMING_KEYS, GenParams, SpecParams, accept_histogram
-from ddtree.engine.reference.tree import (
-    Tree,
-    accepted_path,
-    build_tree,
-    chain_tree,
-    root_tree,
-    tree_attention_mask,
-)
+from ddtree.engine.reference.tree import Tree
 
 if TYPE_CHECKING:
     from ddtree.engine.reference.engine import Engine
@@ -60,8 +53,7 @@ class Session:
         else:
             self.mode = "chain" if spec.algorithm == "dflash" else "tree"
         target = engine.target
-        self._cache = target.new_cache()
-        self._draft_cache = engine.drafter.new_cache() if self.mode != "ar" else None
+        self._cache, self._draft_cache = engine.impl.new_caches(self.mode != "ar")
         self._pending: torch.Tensor | None = None  # features of committed rows not yet drafted on
         self._start = 0                            # rows in the target KV cache
         self._bonus: int | None = None             # last committed token, not yet in the cache
@@ -105,9 +97,7 @@ class Session:
         if not self.done:
             self.done = True
             self.finish_reason = "abort"
-        self._cache = None
-        self._draft_cache = None
-        self._pending = None
+        self._free_caches()
 
     # ---- rounds -----------------------------------------------------------------------------
     def _prefill(self) -> list[int]:
@@ -159,7 +149,7 @@ class Session:
         draft_logits = self._draft(depth)
         t1 = self.engine.clock()
         tree = self._tree(draft_logits)
-        mask = None if tree.is_chain else tree_attention_mask(tree, self._start, target.dtype)
+        mask = engine.impl.mask(tree, self._start, target.dtype)
         t2 = self.engine.clock()
         out = target.forward(tree.tokens, tree.depths + self._start, self._cache, mask, features=True)
         t3 = self.engine.clock()
@@ -176,10 +166,7 @@ class Session:
     # ---- round pieces shared with the batched step (batch.py) -------------------------------
     def _walk(self, tree: Tree, logits: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
         """The target's choice at every node (logits [n, V]), the accepted path and the new tokens."""
-        posterior = self._choose(logits)
-        path = accepted_path(tree, posterior)
-        new = torch.cat((tree.tokens[path[1:]], posterior[path[-1:]])).tolist()
-        return path, path.tolist(), new
+        return self.engine.impl.walk(tree, self._choose(logits))
 
     def _advance(self, path_list: list[int], new: list[int], features: torch.Tensor | None, *,
                  drafted: bool) -> list[int]:
@@ -196,11 +183,7 @@ class Session:
 
     def _tree(self, draft_logits: torch.Tensor | None) -> Tree:
         """What one verify checks: the bonus alone (no draft), a chain (DFlash) or a tree (DDTree)."""
-        if draft_logits is None:
-            return root_tree(self._bonus, self.engine.target.device)
-        if self.mode == "chain":
-            return chain_tree(self._bonus, draft_logits.argmax(dim=-1))
-        return build_tree(self._bonus, torch.log_softmax(draft_logits, dim=-1), self.spec.budget)
+        return self.engine.impl.tree(self._bonus, draft_logits, self.mode == "chain", self.spec.budget)
 
     # ---- helpers ----------------------------------------------------------------------------
     def _depth_cap(self) -> int:
@@ -212,24 +195,11 @@ class Session:
         return max(0, min(self.engine.block_size - 1, wanted - 1, room - 1))
 
     def _draft(self, depth: int) -> torch.Tensor:
-        """Draft logits [depth, V] (float32) for the block after the bonus token.
-
-        The block is always the drafter's trained length, even when engine.block_size is shorter:
-        the drafter was trained on blocks of that length, and a shorter one collapses acceptance
-        (issue 21: tau 1.21 at B=4 against 2.49 for the full block's first 3 rows). A short
-        engine.block_size only caps the depth read (`_depth_cap`)."""
-        engine = self.engine
-        target = engine.target
-        device = target.device
-        length = engine.drafter.block_size
-        block = torch.full((length,), engine.mask_token_id, dtype=torch.long, device=device)
-        block[0] = self._bonus
-        cached = self._draft_cache.get_seq_length()
-        positions = torch.arange(cached, self._start + length, device=device)
-        hidden = engine.drafter(target.embed(block)[None], self._pending[None], positions[None],
-                                None, self._draft_cache)
+        """Draft logits [depth, V] (float32) for the block after the bonus token; the drafter
+        takes the pending features, so none are left pending after it."""
+        logits = self.engine.impl.draft(self._bonus, self._start, self._pending, self._draft_cache, depth)
         self._pending = self._pending[:0]
-        return target.lm_head(hidden[0, 1:1 + depth]).float()
+        return logits
 
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         return sample(logits, self.gen.temperature, self.gen.top_p, self._generator)
@@ -248,7 +218,12 @@ class Session:
                               or self._start >= self.engine.context_window):
             self.done, self.finish_reason = True, "length"
         if self.done:
-            self._cache = None
-            self._draft_cache = None
-            self._pending = None
+            self._free_caches()
         return taken
+
+    def _free_caches(self) -> None:
+        if self._cache is not None:
+            self.engine.impl.release(self._cache, self._draft_cache)
+        self._cache = None
+        self._draft_cache = None
+        self._pending = None

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ddtree.engine.arch import SPECULATIVE_HINT, is_speculative, read_config, speculative_refusal
+from ddtree.engine.reference.backends import BACKENDS, TransformersPath
 from ddtree.engine.reference.batch import step_many
 from ddtree.engine.reference.decode import Session
 from ddtree.engine.reference.drafter import DFlashDrafter, load_drafter
@@ -39,6 +40,11 @@ __all__ = ["Engine", "GenParams", "SpecParams", "Session", "GenResult"]
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BUDGET = 1024
+# The fast backend preallocates the context window for every session slot: without an explicit
+# window it holds this many tokens, not a model's whole max_position_embeddings (40960 for Qwen3).
+FAST_CONTEXT = 8192
+# Verify graphs are captured up to this many query rows; a larger tree verifies eagerly.
+MAX_GRAPH_QUERY = 1024
 
 
 class Engine:
@@ -46,24 +52,46 @@ class Engine:
                  model_name: str = "target", draft_name: str | None = None,
                  eos_token_ids: tuple[int, ...] = (), mask_token_id: int | None = None,
                  max_budget: int = DEFAULT_MAX_BUDGET, context_window: int | None = None,
-                 block_size: int | None = None) -> None:
+                 block_size: int | None = None, backend: str = "transformers", graphs: bool = True,
+                 slots: int | None = None) -> None:
         """Wrap already-built modules (Engine.load builds them from checkpoints).
+
+        backend: "transformers" (the reference, any architecture) or "fast" (our own forward for
+        dense Qwen3/Llama/Qwen2 decoders: static caches, trees on the device, and on CUDA graphs
+        captured by `warmup()` for `slots` concurrent sessions). `model` is a transformers model
+        (the fast backend then shares its weights) or, for "fast", a fast.model.DenseDecoder.
+        context_window: tokens a session may hold (default the model's max_position_embeddings;
+        the fast backend preallocates it per slot, so it caps that default at FAST_CONTEXT).
 
         block_size: verify at most this many tokens a round (2..drafter.block_size; the attribute
         may also be reassigned later within that range). The drafter still drafts its own trained
         block length, which it needs to draft well; only the first block_size - 1 drafts are used.
         """
-        self.model = model.eval()
+        if backend not in ("transformers", "fast"):
+            raise BadParams(f"unknown backend {backend!r}", "use transformers or fast (auto is for Engine.load)")
+        self.backend = backend
         self.drafter = drafter.eval() if drafter is not None else None
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.draft_name = draft_name if drafter is not None else None
         self.eos_token_ids = tuple(eos_token_ids)
         feature_layers = drafter.target_layer_ids if drafter is not None else ()
-        self.target = Target(self.model, feature_layers)
+        cw = context_window or getattr(model.config, "max_position_embeddings", None) or 4096
+        if backend == "fast":
+            from ddtree.engine.reference.fast.backend import decoder_from_hf
+            from ddtree.engine.reference.fast.model import DenseDecoder
+            from ddtree.engine.reference.fast.target import FastTarget
+
+            self.model = model.eval() if isinstance(model, DenseDecoder) else decoder_from_hf(model)
+            cw = context_window or min(int(cw), FAST_CONTEXT)
+            query = min(int(max_budget), MAX_GRAPH_QUERY - 1) + 1 if drafter is not None else 1
+            self.target = FastTarget(self.model, feature_layers, context_window=int(cw),
+                                     max_query=max(query, drafter.block_size if drafter is not None else 1))
+        else:
+            self.model = model.eval()
+            self.target = Target(self.model, feature_layers)
         self.device = str(self.target.device)
         self.dtype = self.target.dtype
-        cw = context_window or getattr(model.config, "max_position_embeddings", None) or 4096
         self.context_window = int(cw)
         self.sync_timings = False
         # Recurrent (linear-attention, Mamba) layers: such a target decodes with ar only; start()
@@ -78,17 +106,33 @@ class Engine:
             self.block_size = 1
             self.max_budget = 0
             self.mask_token_id = None
-            return
-        self._check_drafter(drafter)
-        if block_size is not None and not (isinstance(block_size, int) and 2 <= block_size <= drafter.block_size):
-            raise BadParams(f"block size {block_size!r} must be between 2 and the drafter's {drafter.block_size}")
-        self.block_size = block_size or drafter.block_size
-        self.max_budget = int(max_budget)
-        mask = mask_token_id if mask_token_id is not None else drafter.mask_token_id
-        if mask is None or not 0 <= mask < self.target.vocab_size:
-            raise ModelLoadError(f"drafter mask token id {mask} is not in the target's vocabulary",
-                                 "set dflash_config.mask_token_id in the drafter's config.json")
-        self.mask_token_id = int(mask)
+        else:
+            self._check_drafter(drafter)
+            if block_size is not None and not (isinstance(block_size, int) and 2 <= block_size <= drafter.block_size):
+                raise BadParams(f"block size {block_size!r} must be between 2 and the drafter's {drafter.block_size}")
+            self.block_size = block_size or drafter.block_size
+            self.max_budget = int(max_budget)
+            mask = mask_token_id if mask_token_id is not None else drafter.mask_token_id
+            if mask is None or not 0 <= mask < self.target.vocab_size:
+                raise ModelLoadError(f"drafter mask token id {mask} is not in the target's vocabulary",
+                                     "set dflash_config.mask_token_id in the drafter's config.json")
+            self.mask_token_id = int(mask)
+        if backend == "fast":
+            from ddtree.engine.reference.fast.backend import DEFAULT_SLOTS, FastPath
+
+            self.impl = FastPath(self, self.target, self.drafter, slots=slots or DEFAULT_SLOTS, graphs=graphs)
+        else:
+            self.impl = TransformersPath(self)
+
+    @property
+    def graphs(self) -> bool:
+        """Whether rounds replay captured CUDA graphs (fast backend on CUDA, after warmup)."""
+        return self.impl.graphs
+
+    def warmup(self, progress=None) -> None:
+        """Prepare what the first request would otherwise wait for: on the fast backend on CUDA,
+        the session slots' CUDA graphs. `progress(message)` hears each step."""
+        self.impl.warmup(progress)
 
     def clock(self) -> float:
         """perf_counter for the per-stage timings; waits for the GPU first when sync_timings is on."""
@@ -118,11 +162,14 @@ class Engine:
     def load(cls, model: str | Path, draft: str | Path | None = None, *, device: str = "cpu",
              dtype=None, attn_implementation: str = "sdpa",
              max_budget: int = DEFAULT_MAX_BUDGET, block_size: int | None = None,
-             algorithm: str | None = None, budget: int | None = None) -> Engine:
-        """Load a transformers target and (optionally) a DFlash drafter from dirs or hub ids.
+             algorithm: str | None = None, budget: int | None = None, backend: str = "auto",
+             context_window: int | None = None, graphs: bool = True) -> Engine:
+        """Load a target and (optionally) a DFlash drafter from dirs or hub ids.
 
         algorithm/budget: what the caller will decode with by default (a server's --algorithm). A
         speculative one on a target with recurrent layers is refused here, before any weight loads.
+        backend: "auto" takes "fast" on CUDA for the architectures it supports and "transformers"
+        otherwise; `engine.backend_reason` says why. "fast" on a CPU runs its non-graph code.
         """
         device = str(device)
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -133,8 +180,14 @@ class Engine:
             reason = hybrid_reason(read_config(target_dir))
             if reason:
                 raise BadParams(speculative_refusal(reason, algorithm), SPECULATIVE_HINT)
-        target = load_target_model(target_dir, device=device, dtype=torch_dtype,
-                                   attn_implementation=attn_implementation)
+        chosen, why = choose_backend(backend, read_config(target_dir), device)
+        if chosen == "fast":
+            from ddtree.engine.reference.fast.model import load_decoder
+
+            target = load_decoder(target_dir, device=device, dtype=torch_dtype)
+        else:
+            target = load_target_model(target_dir, device=device, dtype=torch_dtype,
+                                       attn_implementation=attn_implementation)
         tokenizer = load_tokenizer(target_dir)
         drafter = None
         mask_id = None
@@ -143,10 +196,16 @@ class Engine:
             drafter = load_drafter(draft_dir, device=device, dtype=torch_dtype)
             if drafter.mask_token_id is None:
                 mask_id = resolve_mask_token_id(draft_dir, tokenizer)
-        return cls(target, drafter, tokenizer, model_name=str(model),
-                   draft_name=str(draft) if draft is not None else None,
-                   eos_token_ids=eos_token_ids(target_dir, target.config, tokenizer),
-                   mask_token_id=mask_id, max_budget=max_budget, block_size=block_size)
+        engine = cls(target, drafter, tokenizer, model_name=str(model),
+                     draft_name=str(draft) if draft is not None else None,
+                     eos_token_ids=eos_token_ids(target_dir, target.config, tokenizer),
+                     mask_token_id=mask_id, max_budget=max_budget, block_size=block_size,
+                     backend=chosen, context_window=context_window, graphs=graphs)
+        engine.backend_reason = why
+        log.info("backend %s: %s", chosen, why)
+        return engine
+
+    backend_reason = "chosen by the caller"
 
     def start(self, input_ids: list[int], gen: GenParams | None = None,
               spec: SpecParams | None = None) -> Session:
@@ -208,3 +267,23 @@ class Engine:
             timings=dict(sess.timings),
             block_size=self.block_size,
         )
+
+
+def choose_backend(backend: str, config: dict, device: str) -> tuple[str, str]:
+    """(backend, why) for a target's config.json: "auto" takes fast on CUDA where it can run."""
+    from ddtree.engine.reference.fast.model import unsupported_reason
+
+    if backend not in BACKENDS:
+        raise BadParams(f"unknown backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
+    if backend == "transformers":
+        return backend, "asked for"
+    reason = unsupported_reason(config)
+    if backend == "fast":
+        if reason:
+            raise BadParams(f"the fast backend cannot run this target: {reason}", "use --backend transformers or auto")
+        return backend, "asked for"
+    if reason:
+        return "transformers", f"auto: the fast backend does not support it ({reason})"
+    if not str(device).startswith("cuda"):
+        return "transformers", "auto: the fast backend pays on CUDA; on a CPU the reference path is used"
+    return "fast", f"auto: {config.get('model_type', 'this')} is a dense attention decoder on CUDA"

@@ -4,13 +4,12 @@ import ast
 import inspect
 import itertools
 import textwrap
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ddtree.engine.reference import tree as tree_mod
-from ddtree.engine.reference.decode import Session
+from ddtree.engine.reference.backends import TransformersPath
 from ddtree.engine.reference.errors import BadParams
 from ddtree.engine.reference.tree import (
     accepted_path,
@@ -227,10 +226,8 @@ def _trees(seed: int):
 
 
 def _session_walk(tree, posterior, vocab):
-    """Session._walk with a greedy choice: logits whose argmax is the given posterior."""
-    fake = SimpleNamespace(_choose=lambda logits: logits.argmax(dim=-1))
-    logits = torch.nn.functional.one_hot(posterior, vocab).float()
-    return Session._walk(fake, tree, logits)
+    """The reference backend's walk (what Session._walk returns on the transformers path)."""
+    return TransformersPath(None).walk(tree, posterior)
 
 
 @pytest.mark.parametrize("seed", range(15))

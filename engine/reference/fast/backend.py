@@ -1,0 +1,126 @@
+"""The fast backend as decode.Session sees it (the surface of backends.TransformersPath).
+
+Caches are preallocated per session slot. On CUDA, `warmup` captures each slot's graphs once
+(target verify buckets, drafter block and appends); a session takes a free slot and gives it back
+when it ends, so nothing is allocated or captured per request. Sessions beyond the slots get
+caches of their own and run the same code eagerly. Trees are built and walked on the device; a
+round brings one packed tensor to the host (the accepted length, path and tokens).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+from ddtree.engine.reference.errors import ModelLoadError
+from ddtree.engine.reference.fast.draft import FastDrafter
+from ddtree.engine.reference.fast.model import DecoderConfig, DenseDecoder, unsupported_reason
+from ddtree.engine.reference.fast.target import FastTarget
+from ddtree.engine.reference.tree import Tree, build_tree_device, fetch_walk, walk_device
+
+if TYPE_CHECKING:
+    from ddtree.engine.reference.drafter import DFlashDrafter
+    from ddtree.engine.reference.engine import Engine
+
+DEFAULT_SLOTS = 4
+
+
+def decoder_from_hf(model: nn.Module) -> DenseDecoder:
+    """Our DenseDecoder over a transformers model's own parameters (shared, not copied)."""
+    raw = model.config.to_dict()
+    reason = unsupported_reason(raw)
+    if reason:
+        raise ModelLoadError(f"the fast backend cannot run this target: {reason}", "use --backend transformers")
+    with torch.device("meta"):
+        decoder = DenseDecoder(DecoderConfig.from_dict(raw), SimpleNamespace(**raw))
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+    if decoder.cfg.tie_word_embeddings:
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    decoder.load_state_dict(state, strict=True, assign=True)
+    decoder.tie_weights()
+    weight = state["model.embed_tokens.weight"]
+    decoder._inv_freq = decoder._inv_freq.to(weight.device)
+    return decoder.eval().requires_grad_(False)
+
+
+class FastPath:
+    name = "fast"
+
+    def __init__(self, engine: Engine, target: FastTarget, drafter: DFlashDrafter | None, *,
+                 slots: int = DEFAULT_SLOTS, graphs: bool = True) -> None:
+        self.engine = engine
+        self.target = target
+        self.drafts = None
+        if drafter is not None:
+            self.drafts = FastDrafter(drafter, target.embed, target.lm_head,
+                                      capacity=target.context_window, mask_token_id=engine.mask_token_id)
+        self.slots = int(slots)
+        self.want_graphs = bool(graphs) and target.device.type == "cuda"
+        self.graphs = False
+        self._free: list[tuple] = []
+        self._pair: dict[int, tuple] = {}  # id(target cache) -> its slot's (target, draft) caches
+
+    def warmup(self, progress: Callable[[str], None] | None = None) -> None:
+        """Allocate the slots and, on CUDA, capture their graphs (once; later calls do nothing)."""
+        if self._pair or not self.want_graphs:
+            return
+        say = progress or (lambda _msg: None)
+        for i in range(self.slots):
+            cache = self.target.new_cache()
+            self.target.capture(cache)
+            draft_cache = None
+            if self.drafts is not None:
+                draft_cache = self.drafts.new_cache()
+                self.drafts.capture(draft_cache)
+            pair = (cache, draft_cache)
+            self._pair[id(cache)] = pair
+            self._free.append(pair)
+            say(f"captured CUDA graphs for session slot {i + 1}/{self.slots} "
+                f"(verify buckets {list(cache.graphs)})")
+        self.graphs = True
+
+    def new_caches(self, drafting: bool):
+        if self._free:
+            cache, draft_cache = self._free.pop()
+            cache.set_length(0)
+            if draft_cache is not None:
+                draft_cache.reset()
+            return cache, draft_cache if drafting else None
+        cache = self.target.new_cache()
+        return cache, self.drafts.new_cache() if drafting else None
+
+    def release(self, cache, draft_cache) -> None:
+        pair = self._pair.get(id(cache)) if cache is not None else None
+        if pair is not None and pair not in self._free:
+            self._free.append(pair)
+
+    def draft(self, bonus: int, start: int, pending: torch.Tensor, draft_cache, depth: int) -> torch.Tensor:
+        return self.drafts.draft(bonus, start, pending, draft_cache, depth)
+
+    def tree(self, bonus: int, draft_logits: torch.Tensor | None, chain: bool, budget: int) -> Tree:
+        device = self.target.device
+        if draft_logits is None or chain:
+            drafts = draft_logits.argmax(dim=-1) if draft_logits is not None else None
+            return _device_chain(bonus, drafts, device)
+        return build_tree_device(bonus, torch.log_softmax(draft_logits, dim=-1), budget)
+
+    def mask(self, tree: Tree, start: int, dtype: torch.dtype):
+        return self.target.tree_mask(tree, start)
+
+    def walk(self, tree: Tree, posterior: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        order, count = walk_device(tree, posterior)
+        return fetch_walk(tree, posterior, order, count)
+
+
+def _device_chain(root: int, drafts: torch.Tensor | None, device) -> Tree:
+    """The bonus and the chain of drafts under it, made on the device without a host copy."""
+    n = 1 + (0 if drafts is None else int(drafts.shape[0]))
+    tokens = torch.empty(n, dtype=torch.long, device=device)
+    tokens[:1].fill_(root)
+    if drafts is not None:
+        tokens[1:].copy_(drafts)
+    steps = torch.arange(n, device=device)
+    return Tree(tokens, steps, (steps - 1).clamp(min=0), True, n - 1)
