@@ -129,10 +129,13 @@ class Engine:
         """Whether rounds replay captured CUDA graphs (fast backend on CUDA, after warmup)."""
         return self.impl.graphs
 
-    def warmup(self, progress=None) -> None:
+    def warmup(self, progress=None, budgets: tuple[int, ...] = ()) -> None:
         """Prepare what the first request would otherwise wait for: on the fast backend on CUDA,
-        the session slots' CUDA graphs. `progress(message)` hears each step."""
-        self.impl.warmup(progress)
+        the session slots' CUDA graphs and the tree builds of these DDTree budgets.
+        `progress(message)` hears each step."""
+        if isinstance(self.impl, TransformersPath):
+            return
+        self.impl.warmup(progress, tuple(b for b in budgets if 0 < b <= self.max_budget))
 
     def clock(self) -> float:
         """perf_counter for the per-stage timings; waits for the GPU first when sync_timings is on."""
@@ -239,8 +242,9 @@ class Engine:
         If a forward raises, no session has changed.
         """
         sessions = list(sessions)
-        if self.hybrid_reason:
-            # A recurrent state cannot be padded or stacked the way KV rows are: one by one.
+        if self.hybrid_reason or self.backend == "fast":
+            # A recurrent state cannot be padded or stacked the way KV rows are, and the fast
+            # backend's static caches have no batched round yet (issue 15): one by one.
             if len({id(s) for s in sessions}) != len(sessions):
                 raise BadParams("step_many got the same session twice")
             if any(s.engine is not self for s in sessions):

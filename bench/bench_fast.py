@@ -1,0 +1,343 @@
+"""The fast backend against what a user would pick instead, side by side in one run on one device.
+
+    python bench/bench_fast.py --device cuda --shapes 8b,1.7b --out fast.json     # on a GPU
+    python bench/bench_fast.py --device cpu --shapes tiny --demo-prompts 2        # a smoke run
+
+For each random-weight shape (real Qwen3 layer shapes, bf16 on CUDA), at a 1024-token context:
+- the weight-streaming floor: streamed weight bytes (every matrix but the embedding table) over
+  the device-to-device copy bandwidth measured in this run;
+- transformers `generate` with a static cache, and with its default dynamic cache (eager);
+- our transformers path and our fast path (CUDA graphs on CUDA), AR decoding;
+ms per token as (time for N new tokens - time for 1) / (N - 1), so the prefill cancels out.
+Then on the fast path: verify ms at 1/16/64/128/256/512 nodes, and DDTree rounds at budgets
+16..512 split into draft / tree / verify / commit (a 5-layer random drafter, block 16; random
+weights accept almost nothing, so these are costs, not speedups).
+For the demo pair (float32, its trained acceptance): tok/s and tau for AR, DFlash and DDTree
+budgets on both backends, every output checked against AR.
+Medians over repeats after warm-up, the device synchronised around every timed region.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+SHAPES = {
+    # name: (hidden, intermediate, layers, heads, kv_heads, head_dim, vocab)
+    "8b": (4096, 12288, 36, 32, 8, 128, 151936),
+    "1.7b": (2048, 6144, 28, 16, 8, 128, 151936),
+    "tiny": (256, 768, 4, 4, 2, 64, 4096),
+}
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _median_ms(fn, device: str, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a large device-to-device copy, counting bytes read plus written."""
+    import torch
+
+    n = (1 << 30) if device.startswith("cuda") else (1 << 26)
+    a = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    b = torch.empty_like(a)
+    ms = _median_ms(lambda: b.copy_(a), device, 20)
+    return 2 * n / (ms / 1000)
+
+
+def _hf_random(shape: str, device: str, dtype):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    hidden, inter, layers, heads, kv, head_dim, vocab = SHAPES[shape]
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                      head_dim=head_dim, max_position_embeddings=40960, tie_word_embeddings=False,
+                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(dtype)
+    return model.eval().requires_grad_(False)
+
+
+def _random_drafter(model, layers: int = 5, block_size: int = 16):
+    from ddtree.engine.reference.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids
+
+    cfg = model.config
+    n = cfg.num_hidden_layers
+    dcfg = DFlashConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                        num_hidden_layers=layers, num_attention_heads=cfg.num_attention_heads,
+                        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                        vocab_size=cfg.vocab_size, num_target_layers=n,
+                        target_layer_ids=default_target_layer_ids(n, layers),
+                        mask_token_id=cfg.vocab_size - 1, block_size=block_size)
+    return DFlashDrafter(dcfg)
+
+
+def streamed_bytes(model) -> int:
+    """Weight bytes one decode step reads: every parameter but the embedding table (one row)."""
+    embed = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+
+
+def _per_token_ms(run, device: str, new: int, repeats: int) -> float:
+    """(time for `new` tokens - time for 1) / (new - 1): decode cost with the prefill cancelled."""
+    one = _median_ms(lambda: run(1), device, repeats, warmup=1)
+    full = _median_ms(lambda: run(new), device, repeats, warmup=1)
+    return (full - one) / (new - 1)
+
+
+def hf_generate_ms(model, prompt, device: str, new: int, repeats: int, static: bool) -> float:
+    import torch
+
+    ids = torch.tensor([prompt], device=device)
+    extra = {"cache_implementation": "static"} if static else {}
+
+    def run(n):
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0, **extra)
+    return _per_token_ms(run, device, new, repeats)
+
+
+def engine_ar_ms(engine, prompt, device: str, new: int, repeats: int) -> float:
+    from ddtree.engine.reference.engine import GenParams, SpecParams
+
+    return _per_token_ms(lambda n: engine.generate(prompt, GenParams(max_new_tokens=n, ignore_eos=True),
+                                                   SpecParams("ar")), device, new, repeats)
+
+
+def verify_ms(engine, prompt, device: str, nodes: list[int], repeats: int) -> dict:
+    """One target forward of n tree nodes after the context (the cache is cropped back after each)."""
+    import torch
+
+    from ddtree.engine.reference.tree import build_tree_device
+
+    target = engine.target
+    vocab = target.vocab_size
+    out = {}
+    with torch.inference_mode():
+        cache, _ = engine.impl.new_caches(False)
+        ctx = torch.tensor(prompt, device=device)
+        target.forward(ctx, torch.arange(len(prompt), device=device), cache)
+        start = len(prompt)
+        for n in nodes:
+            if n == 1:
+                ids, pos, mask = ctx[:1], torch.tensor([start], device=device), None
+            else:
+                lp = torch.log_softmax(torch.randn(15, vocab, device=device), -1)
+                tree = build_tree_device(1, lp, n - 1)
+                ids, pos, mask = tree.tokens, tree.depths + start, target.tree_mask(tree, start)
+
+            def once():
+                target.forward(ids, pos, cache, mask, features=True)
+                cache.crop(start)
+            out[n] = round(_median_ms(once, device, repeats), 3)
+        engine.impl.release(cache, None)
+    return out
+
+
+def round_ms(engine, prompt, budgets: list[int], repeats: int) -> dict:
+    """A DDTree round's parts (draft / tree / verify / commit), synchronised, median over rounds."""
+    from ddtree.engine.reference.engine import GenParams, SpecParams
+
+    engine.sync_timings = True
+    rounds = {}
+    for budget in budgets:
+        sess = engine.start(prompt, GenParams(max_new_tokens=100_000, ignore_eos=True),
+                            SpecParams("ddtree", budget))
+        for _ in range(4):  # prefill, then warm rounds
+            sess.step()
+        per = {k: [] for k in ("draft", "tree", "verify", "commit")}
+        for _ in range(repeats):
+            before = dict(sess.timings)
+            sess.step()
+            for k in per:
+                per[k].append((sess.timings[k] - before[k]) * 1000)
+        sess.close()
+        med = {k: round(statistics.median(v), 3) for k, v in per.items()}
+        med["round"] = round(sum(med[k] for k in per), 3)
+        med["tree_walk_commit_share"] = round((med["tree"] + med["commit"]) / med["round"], 4)
+        rounds[budget] = med
+    engine.sync_timings = False
+    return rounds
+
+
+def bench_shape(shape: str, args) -> dict:
+    import torch
+
+    from ddtree.engine.reference.engine import Engine
+
+    device = args.device
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = _hf_random(shape, device, dtype)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (args.context,), generator=torch.Generator().manual_seed(1)).tolist()
+    row = {"dtype": str(dtype).removeprefix("torch."), "streamed_gb": streamed_bytes(model) / 1e9}
+    row["floor_ms"] = streamed_bytes(model) / args.bandwidth * 1000
+    print(f"[{shape}] floor {row['floor_ms']:.3f} ms/token", flush=True)
+    row["hf_static_ms"] = hf_generate_ms(model, prompt, device, args.new_tokens, args.repeats, static=True)
+    print(f"[{shape}] transformers generate static cache {row['hf_static_ms']:.3f}", flush=True)
+    row["hf_eager_ms"] = hf_generate_ms(model, prompt, device, args.slow_tokens, 1, static=False)
+    print(f"[{shape}] transformers generate eager {row['hf_eager_ms']:.3f}", flush=True)
+    drafter = _random_drafter(model).to(device, dtype)
+    slow = Engine(model, drafter, backend="transformers")
+    row["ours_transformers_ms"] = engine_ar_ms(slow, prompt, device, args.slow_tokens, 1)
+    print(f"[{shape}] ours, transformers path {row['ours_transformers_ms']:.3f}", flush=True)
+    del slow
+    window = args.context + args.new_tokens * 16 + 1024
+    fast = Engine(model, drafter, backend="fast", context_window=window, max_budget=max(args.budgets + args.nodes),
+                  slots=1)
+    t0 = time.perf_counter()
+    fast.warmup(progress=lambda msg: print(f"[{shape}] {msg}", flush=True), budgets=tuple(args.budgets))
+    row["warmup_s"] = round(time.perf_counter() - t0, 2)
+    row["ours_fast_ms"] = engine_ar_ms(fast, prompt, device, args.new_tokens, args.repeats)
+    print(f"[{shape}] ours, fast path {row['ours_fast_ms']:.3f} (graphs: {fast.graphs})", flush=True)
+    row["graphs"] = fast.graphs
+    row["verify_ms"] = verify_ms(fast, prompt, device, args.nodes, args.repeats * 4)
+    print(f"[{shape}] verify ms by nodes {row['verify_ms']}", flush=True)
+    row["round_ms"] = round_ms(fast, prompt, args.budgets, args.repeats * 4)
+    print(f"[{shape}] ddtree rounds {json.dumps(row['round_ms'])}", flush=True)
+    one = row["verify_ms"].get(1)
+    row["targets"] = {
+        "ar_le_1.3x_floor": row["ours_fast_ms"] <= 1.3 * row["floor_ms"],
+        "ar_faster_than_hf_static": row["ours_fast_ms"] < row["hf_static_ms"],
+        "verify64_le_1.2x_step": bool(one and row["verify_ms"].get(64, 1e9) <= 1.2 * one),
+        "tree_walk_commit_le_5pct_at_256": bool(256 in row["round_ms"]
+                                                and row["round_ms"][256]["tree_walk_commit_share"] <= 0.05),
+        "round64_le_1.6x_ar": bool(64 in row["round_ms"] and row["round_ms"][64]["round"] <= 1.6 * row["ours_fast_ms"]),
+    }
+    del fast, drafter, model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return row
+
+
+def bench_demo(args) -> dict:
+    """The demo pair in float32 on both backends: tok/s (median over prompts) and tau, vs AR."""
+    import torch
+
+    from ddtree.engine.demo import demo_paths
+    from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
+
+    target_dir, draft_dir = demo_paths()
+    specs = [("ar", SpecParams("ar")), ("dflash", SpecParams("dflash"))]
+    specs += [(f"ddtree-{b}", SpecParams("ddtree", b)) for b in args.demo_budgets]
+    gen = GenParams(max_new_tokens=args.demo_new_tokens, ignore_eos=True)
+    out = {}
+    for backend in ("transformers", "fast"):
+        engine = Engine.load(target_dir, draft_dir, device=args.device, dtype=torch.float32, backend=backend,
+                             max_budget=max(args.demo_budgets))
+        engine.warmup(progress=lambda msg: print(f"[demo {backend}] {msg}", flush=True),
+                      budgets=tuple(args.demo_budgets))
+        lines = (REPO / "assets" / "prompts" / "code.jsonl").read_text().splitlines()
+        rows = [json.loads(line) for line in lines if line.strip()][:args.demo_prompts + 1]
+        prompts = [engine.tokenizer.encode(r["prompt"], add_special_tokens=False) for r in rows]
+        for _, spec in specs:  # warm-up on a prompt that is not measured
+            engine.generate(prompts[-1], gen, spec)
+        prompts = prompts[:-1]
+        rate = {name: [] for name, _ in specs}
+        tau = {name: [] for name, _ in specs}
+        mismatches = {name: 0 for name, _ in specs}
+        for i, prompt in enumerate(prompts):
+            ar_ids = None
+            order = specs[i % len(specs):] + specs[:i % len(specs)]  # rotate, so drift hits all alike
+            results = {}
+            for name, spec in order:
+                _sync(args.device)
+                r = engine.generate(prompt, gen, spec)
+                results[name] = r
+                rate[name].append(len(r.output_ids) / r.elapsed_s)
+                tau[name].append(r.tau_mean)
+            ar_ids = results["ar"].output_ids
+            for name, r in results.items():
+                mismatches[name] += r.output_ids != ar_ids
+        ar = statistics.median(rate["ar"])
+        rows = {name: {"tok_s": round(statistics.median(v), 1), "x_ar": round(statistics.median(v) / ar, 3),
+                       "tau": round(statistics.mean(tau[name]), 3), "prompts_differing_from_ar": mismatches[name]}
+                for name, v in rate.items()}
+        best = max((n for n in rows if n.startswith("ddtree")), key=lambda n: rows[n]["tok_s"])
+        out[backend] = {"rows": rows, "best_ddtree": best,
+                        "ddtree_x_ar": rows[best]["x_ar"],
+                        "ddtree_x_dflash": round(rows[best]["tok_s"] / rows["dflash"]["tok_s"], 3),
+                        "graphs": engine.graphs}
+        print(f"[demo {backend}] " + json.dumps(out[backend]), flush=True)
+        del engine
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--shapes", default="8b,1.7b", type=lambda s: [x for x in s.split(",") if x])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--nodes", default="1,16,64,128,256,512", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--budgets", default="16,32,64,128,256,512", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--slow-tokens", type=int, default=32,
+                   help="new tokens for the two slow eager paths (their per-token slope)")
+    p.add_argument("--demo-prompts", type=int, default=12, help="0 skips the demo pair")
+    p.add_argument("--demo-new-tokens", type=int, default=96)
+    p.add_argument("--demo-budgets", default="8,16,32,64", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    import torch
+
+    torch.manual_seed(0)
+    result = {"device": args.device, "context": args.context, "new_tokens": args.new_tokens}
+    if args.device.startswith("cuda"):
+        result["gpu"] = torch.cuda.get_device_name()
+    import transformers
+
+    result["torch"], result["transformers"] = torch.__version__, transformers.__version__
+    args.bandwidth = copy_bandwidth(args.device)
+    result["copy_tb_s"] = round(args.bandwidth / 1e12, 3)
+    print(f"copy bandwidth {result['copy_tb_s']} TB/s", flush=True)
+    result["shapes"] = {}
+
+    def save():
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for shape in args.shapes:
+        result["shapes"][shape] = bench_shape(shape, args)
+        save()
+    if args.demo_prompts:
+        result["demo"] = bench_demo(args)
+        save()
+    print()
+    print("ms/token     floor   hf-static  hf-eager  ours-tf  ours-fast")
+    for shape, r in result["shapes"].items():
+        print(f"{shape:8s} {r['floor_ms']:8.3f} {r['hf_static_ms']:10.3f} {r['hf_eager_ms']:9.3f} "
+              f"{r['ours_transformers_ms']:8.3f} {r['ours_fast_ms']:10.3f}   targets {r['targets']}")
+    if "demo" in result:
+        d = result["demo"]["fast"]
+        print(f"demo fast: best {d['best_ddtree']} {d['ddtree_x_ar']}x AR, {d['ddtree_x_dflash']}x DFlash")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
