@@ -208,7 +208,7 @@ def bench_shape(shape: str, args) -> dict:
     row["ours_transformers_ms"] = engine_ar_ms(slow, prompt, device, args.slow_tokens, 1)
     print(f"[{shape}] ours, transformers path {row['ours_transformers_ms']:.3f}", flush=True)
     del slow
-    window = args.context + args.new_tokens * 16 + 1024
+    window = args.context + args.new_tokens + max(args.budgets + args.nodes) + 1
     fast = Engine(model, drafter, backend="fast", context_window=window, max_budget=max(args.budgets + args.nodes),
                   slots=1)
     t0 = time.perf_counter()
