@@ -16,6 +16,8 @@ from ddtree.engine.arch import SPECULATIVE_HINT, builtin_refusal, read_config
 from ddtree.engine.errors import EngineError
 
 SERVER_MODULE = "ddtree.engine.reference.server"
+#: The builtin engine's backends (engine/reference/backends.py; named here so serve imports no torch).
+BACKENDS = ("auto", "fast", "transformers")
 
 
 class ServeError(EngineError):
@@ -53,6 +55,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights dtype (default: auto, float32 on a CPU and for the demo pair, else bfloat16)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="auto (default): our fast forward with CUDA graphs for dense Qwen3/Llama/Qwen2 on CUDA, "
+                        "transformers otherwise; fast or transformers force one")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=_port, default=0, help="port (default: 0, a free port printed on stdout)")
     p.add_argument("--max-running-requests", type=int, help="requests decoded at once (default: 8)")
@@ -66,7 +71,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def server_argv(args: argparse.Namespace) -> list[str]:
     """The server's command line for these arguments (also what a job would spawn)."""
     argv = [sys.executable, "-m", SERVER_MODULE, "--algorithm", args.algorithm, "--device", args.device,
-            "--host", args.host, "--port", str(args.port)]
+            "--backend", getattr(args, "backend", None) or "auto", "--host", args.host, "--port", str(args.port)]
     batch = getattr(args, "batch", None)
     if batch is not None:
         argv.append("--batch" if batch else "--no-batch")

@@ -2,11 +2,12 @@
 
     python -m ddtree.engine.reference.server [--model DIR|REPO] [--draft DIR|REPO]
         [--algorithm ar|dflash|ddtree] [--budget M] [--block-size B] [--device cpu|cuda]
-        [--host 127.0.0.1] [--port 0]
+        [--backend auto|fast|transformers] [--host 127.0.0.1] [--port 0]
 
-Startup: load the engine, warm it up, bind the socket (port 0 = a free port, bound here and handed
+Startup: load the engine, warm it up (on the fast backend on CUDA this captures the CUDA graphs,
+each step printed as `{"event": "warmup", "message": ...}` on stdout), bind the socket (port 0 = a free port, bound here and handed
 to uvicorn so nobody can take it in between), start serving, then print exactly one line on stdout:
-`{"event": "listening", "host": ..., "port": N, "url": "http://HOST:N"}`. SIGTERM/SIGINT: stop
+`{"event": "listening", "host": ..., "port": N, "url": "http://HOST:N", "backend": ...}`. SIGTERM/SIGINT: stop
 accepting, let in-flight requests finish (up to --graceful-timeout), exit 0.
 
 Endpoints: /health, /server_info (= /get_server_info), /generate, /v1/completions,
@@ -38,6 +39,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ddtree.engine.errors import EngineError
+from ddtree.engine.reference.backends import BACKENDS
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 from ddtree.engine.reference.scheduler import QueueFull, ShuttingDown, render_metrics
 from ddtree.engine.reference.serving import ALGORITHMS, DEFAULT_BUDGET, Api, BadRequest, Run, ServerConfig
@@ -127,6 +129,7 @@ def build_app(api: Api) -> Starlette:
             "draft_model": engine.draft_name, "speculative_draft_model_path": config.draft_path,
             "algorithm": config.algorithm, "budget": config.budget, "block_size": engine.block_size,
             "max_budget": engine.max_budget, "device": str(engine.device),
+            "backend": engine.backend, "backend_reason": engine.backend_reason, "cuda_graphs": engine.graphs,
             "speculative_algorithm": None if config.algorithm == "ar" else config.algorithm.upper(),
             "speculative_ddtree_budget": config.budget if config.algorithm == "ddtree" else None,
             "speculative_dflash_block_size": engine.block_size,
@@ -323,9 +326,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
 DEFAULT_BATCH = True
 
 
-def warm_up(engine: Engine, config: ServerConfig) -> None:
-    """Short generations (alone, and two batched), so the first real requests do not pay for lazy
-    initialisation."""
+def print_progress(message: str) -> None:
+    """One warm-up step on stdout, as a JSON line: whoever waits for the `listening` line skips it."""
+    print(json.dumps({"event": "warmup", "message": str(message)}), flush=True)
+
+
+def warm_up(engine: Engine, config: ServerConfig, progress=print_progress) -> None:
+    """The backend's own warm-up (CUDA graph capture on the fast backend), then short generations
+    (alone, and two batched), so the first real requests do not pay for lazy initialisation."""
+    engine.warmup(progress=progress)
     ids = list(engine.tokenizer.encode("def main():\n    ")) or list(engine.eos_token_ids or [0])
     gen = GenParams(max_new_tokens=8, temperature=0.0)
     spec = SpecParams(algorithm=config.algorithm, budget=config.budget)
@@ -386,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="auto: the fast path for dense Qwen3/Llama/Qwen2 targets on CUDA, else transformers "
+                        "(default: auto)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port (default: 0, a free port printed on stdout)")
     p.add_argument("--served-model-name", default=None, help="the model name the OpenAI endpoints report")
@@ -417,7 +429,7 @@ def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
         import torch
 
         dtype = getattr(torch, args.dtype)
-    engine = Engine.load(model, draft, device=args.device, dtype=dtype)
+    engine = Engine.load(model, draft, device=args.device, dtype=dtype, backend=args.backend)
     if args.block_size is not None and args.block_size != engine.block_size:
         # A shorter block drafts fewer positions per round (SGLang's --speculative-dflash-block-size);
         # the drafter has no causal mask inside a block, so any length up to the trained one works.
@@ -470,8 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     url_host = f"[{host}]" if ":" in host else host
 
     def announce() -> None:
-        print(json.dumps({"event": "listening", "host": host, "port": port, "url": f"http://{url_host}:{port}"}),
-              flush=True)
+        print(json.dumps({"event": "listening", "host": host, "port": port, "url": f"http://{url_host}:{port}",
+                          "backend": engine.backend}), flush=True)
 
     api = Api(engine, config)
     server = _uvicorn_server(build_app(api), api, announce, args.graceful_timeout)

@@ -85,6 +85,7 @@ class ServerProcess:
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, env=env,
                                      start_new_session=True)
+        self.warmup: list[dict] = []
         self.announcement = self._read_announcement(timeout_s)
         self.url = self.announcement["url"]
         self.port = self.announcement["port"]
@@ -98,7 +99,10 @@ class ServerProcess:
                 line = self.proc.stdout.readline()
                 if not line:
                     break
-                return json.loads(line)
+                event = json.loads(line)  # every stdout line is JSON: warm-up steps, then this
+                if event.get("event") == "listening":
+                    return event
+                self.warmup.append(event)
         self.stop()
         raise RuntimeError(f"server did not announce itself; log:\n{self.log_path.read_text()[-3000:]}")
 

@@ -21,7 +21,7 @@ from ddtree.engine.client import (
     EngineUnreachable,
 )
 
-from .conftest import CONTEXT_WINDOW
+from .conftest import CLI, CONTEXT_WINDOW, ServerProcess
 
 PROMPTS = ["def parse(s):\n    ", "import json\n", "class Decoder:\n", "for key, value in", "return self."]
 
@@ -58,6 +58,32 @@ def test_announcement_and_health(server, client):
     assert info["batch"] is True  # batched rounds are the default
     assert "avg_spec_accept_length" in info["internal_states"][0]
     assert httpx.get(server.url + "/get_server_info").json()["model"] == info["model"]
+
+
+def test_auto_backend_takes_transformers_on_a_cpu_and_says_why(server, client):
+    info = client.server_info()
+    assert info["backend"] == server.announcement["backend"] == "transformers"
+    assert info["backend_reason"].startswith("auto:") and "CUDA" in info["backend_reason"]
+    assert info["cuda_graphs"] is False
+
+
+def test_fast_and_transformers_backends_serve_the_same_greedy_tokens(server, client, tiny_pair, tmp_path):
+    """The backend decides how a round is computed, never what it commits."""
+    target, drafter = tiny_pair
+    fast = ServerProcess([*CLI, "serve", "--model", str(target), "--draft", str(drafter), "--port", "0",
+                          "--budget", "8", "--block-size", "3", "--backend", "fast"], tmp_path / "fast.log")
+    try:
+        assert fast.announcement["backend"] == "fast"
+        with EngineClient(fast.url, timeout=120) as other:
+            info = other.server_info()
+            assert info["backend"] == "fast" and info["backend_reason"] and info["cuda_graphs"] is False
+            for prompt in PROMPTS[:3]:
+                for spec in ({"algorithm": "ar"}, {"algorithm": "dflash"}, {"algorithm": "ddtree", "budget": 8}):
+                    want = client.generate(prompt, sampling_params=greedy(20, ignore_eos=True), speculative=spec)
+                    got = other.generate(prompt, sampling_params=greedy(20, ignore_eos=True), speculative=spec)
+                    assert got["output_ids"] == want["output_ids"], (prompt, spec)
+    finally:
+        assert fast.stop() == 0, fast.log_path.read_text()[-3000:]
 
 
 def test_generate_meta_info(client):

@@ -6,6 +6,7 @@ the end of test_api.py, so the suite starts one server, not two.)"""
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
@@ -36,8 +37,42 @@ def test_serve_passes_batching_through_only_when_asked():
     assert "--batch" not in plain and "--no-batch" not in plain
 
 
+def test_serve_passes_the_backend_through():
+    argv = serve.server_argv(parse("--backend", "fast"))
+    assert argv[argv.index("--backend") + 1] == "fast"
+    assert "--backend transformers" in " ".join(serve.server_argv(parse("--backend", "transformers")))
+    assert "--backend auto" in " ".join(serve.server_argv(parse()))  # the default, said out loud
 
-@pytest.mark.parametrize("argv", [["--budget", "-1"], ["--port", "70000"], ["--algorithm", "medusa"]])
+
+def test_serve_refuses_an_unknown_backend_in_one_line():
+    out = subprocess.run([*CLI, "serve", "--backend", "bogus"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "--backend" in out.stderr and "transformers" in out.stderr
+
+
+def test_warm_up_prints_backend_progress_as_json_lines_before_anything_else(tiny_pair, capsys):
+    from ddtree.engine.reference.engine import Engine
+    from ddtree.engine.reference.server import warm_up
+    from ddtree.engine.reference.serving import ServerConfig
+
+    engine = Engine.load(*tiny_pair, backend="fast")
+    steps = []
+
+    def capture(progress=None):  # what the fast backend does on CUDA, where it captures graphs
+        steps.append("warmup")
+        progress("captured CUDA graphs for session slot 1/1")
+
+    engine.warmup = capture
+    warm_up(engine, ServerConfig(algorithm="ddtree", budget=4, served_model_name="t", model_path="t",
+                                 draft_path="d", max_running=2, max_queued=2, graceful_timeout_s=1.0, batch=True))
+    lines = capsys.readouterr().out.splitlines()
+    assert steps == ["warmup"]
+    assert [json.loads(line) for line in lines] == [
+        {"event": "warmup", "message": "captured CUDA graphs for session slot 1/1"}]
+
+
+@pytest.mark.parametrize("argv", [["--budget", "-1"], ["--port", "70000"], ["--algorithm", "medusa"],
+                                  ["--backend", "bogus"]])
 def test_serve_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as info:
         parse(*argv)
@@ -47,7 +82,8 @@ def test_serve_rejects_bad_arguments(argv, capsys):
 def test_serve_help_documents_the_options():
     out = subprocess.run([*CLI, "serve", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
-    for flag in ("--model", "--draft", "--algorithm", "--budget", "--block-size", "--device", "--host", "--port"):
+    for flag in ("--model", "--draft", "--algorithm", "--budget", "--block-size", "--device", "--host", "--port",
+                 "--backend"):
         assert flag in out.stdout
     bad = subprocess.run([*CLI, "serve", "--budget", "-1"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--budget" in bad.stderr
