@@ -4,10 +4,11 @@
         [--algorithm ar|dflash|ddtree] [--budget M] [--block-size B] [--device cpu|cuda]
         [--backend auto|fast|transformers] [--host 127.0.0.1] [--port 0]
 
-Startup: load the engine, warm it up (on the fast backend on CUDA this captures the CUDA graphs,
-each step printed as `{"event": "warmup", "message": ...}` on stdout), bind the socket (port 0 = a free port, bound here and handed
-to uvicorn so nobody can take it in between), start serving, then print exactly one line on stdout:
-`{"event": "listening", "host": ..., "port": N, "url": "http://HOST:N", "backend": ...}`. SIGTERM/SIGINT: stop
+Startup: load the engine, warm it up (the fast backend on CUDA captures its CUDA graphs here, each
+step printed on stdout as `{"event": "warmup", "message": ...}`), bind the socket (port 0 = a free
+port, bound here and handed to uvicorn so nobody can take it in between), start serving, then print
+one line on stdout: `{"event": "listening", "host": ..., "port": N, "url": "http://HOST:N",
+"backend": "fast"|"transformers"}`. /health answers only from then on. SIGTERM/SIGINT: stop
 accepting, let in-flight requests finish (up to --graceful-timeout), exit 0.
 
 Endpoints: /health, /server_info (= /get_server_info), /generate, /v1/completions,
