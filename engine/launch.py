@@ -196,7 +196,7 @@ def _builtin(table: dict, *, algorithm: str, budget, tp: int, gpus, port: int) -
     if table.get("block_size") is not None:
         argv += ["--block-size", str(table["block_size"])]
     device = table.get("device") or ("cuda" if gpus else "cpu")
-    argv += ["--device", device, "--host", HOST, "--port", str(port)]
+    argv += ["--device", device, "--backend", table.get("backend") or "auto", "--host", HOST, "--port", str(port)]
     env = {}
     if gpus and device.startswith("cuda"):
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
@@ -210,7 +210,7 @@ def build_launch(engine_table, *, algorithm: str, budget: int | None, tp: int, g
     """The LaunchSpec for one server setting.
 
     engine_table: the recipe's [engine] table (dict or EngineSpec): kind, python, model,
-        draft_model, block_size, device, numa_bind, extra_args, env.
+        draft_model, block_size, device, backend (builtin only), numa_bind, extra_args, env.
     algorithm/budget/tp/gpus: this launch's server setting (gpus: exactly the tp GPUs it uses,
         or empty for CPU).
     port: a free port (free_port()); 0 only for the builtin engine, which then announces its own.
@@ -234,6 +234,8 @@ def build_launch(engine_table, *, algorithm: str, budget: int | None, tp: int, g
                           announces_url=True, algorithm=algorithm, budget=budget, tp=tp, gpus=gpus,
                           notes=tuple(notes))
 
+    if table.get("backend") not in (None, "auto"):
+        raise LaunchConfigError(f"engine.backend applies to the builtin engine only, not {kind}", "leave it out")
     if port == 0:
         raise LaunchConfigError(f"{kind} needs a concrete port", "pass free_port()")
     python = table.get("python") or sys.executable

@@ -268,7 +268,7 @@ def _builtin_argv(recipe: Recipe, algorithm: str, budget: int | None) -> tuple[s
         argv += ["--budget", str(budget)]
     if engine.block_size is not None:
         argv += ["--block-size", str(engine.block_size)]
-    argv += ["--device", engine.device, "--host", "127.0.0.1", "--port", "0"]
+    argv += ["--device", engine.device, "--backend", engine.backend, "--host", "127.0.0.1", "--port", "0"]
     return tuple(argv)
 
 

@@ -8,7 +8,8 @@ Errors name the key (as `section.key`) and the allowed values, and exit with cod
 Beyond DESIGN.md's example, `[engine]` takes `budget`, `device`, `api` ("generate" | "openai"),
 `ready_timeout_s` (SGLang loads take minutes: default 600) and, for kind sglang, `draft_window`
 (SGLang's drafter attention window, `--speculative-draft-window-size`). kind sglang/vllm needs
-`model`; `python` is the interpreter that has the engine installed (default: this one).
+`model`; `python` is the interpreter that has the engine installed (default: this one). `backend`
+(kind builtin only) is the builtin server's `--backend`: "auto" (default), "fast" or "transformers".
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ BASELINES = ("ar", "dflash")
 APIS = ("generate", "openai")
 DEVICES = ("cpu", "cuda")
 NUMA_BINDS = ("auto", "off")
+#: The builtin engine's backends (its --backend; engine/reference/backends.py holds the same three).
+BACKENDS = ("auto", "fast", "transformers")
 
 
 class RecipeError(BadSpec):
@@ -101,6 +104,9 @@ class EngineSpec:
     `draft_window` (sglang only): the drafter's attention window over the context, passed to
     SGLang's draft-window flag (`--speculative-draft-window-size`; the name the installed build
     accepts is used). Left out, SGLang's default applies.
+
+    `backend` (builtin only): "auto" takes the fast forward for dense Qwen3/Llama/Qwen2 targets on
+    CUDA and transformers otherwise; "fast" or "transformers" force one.
     """
 
     kind: str = "builtin"
@@ -118,9 +124,14 @@ class EngineSpec:
     env: tuple[tuple[str, str], ...] = ()
     ready_timeout_s: float = 600.0
     draft_window: int | None = None
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         _want_str("engine.kind", self.kind, ENGINE_KINDS)
+        _want_str("engine.backend", self.backend, BACKENDS)
+        if self.kind != "builtin" and self.backend != "auto":
+            raise RecipeError(f"engine.backend applies to kind = \"builtin\" only, not {self.kind!r}",
+                              "leave it out")
         _want_str("engine.algorithm", self.algorithm, ALGORITHMS)
         _want_str("engine.device", self.device, DEVICES)
         _want_str("engine.numa_bind", self.numa_bind, NUMA_BINDS)

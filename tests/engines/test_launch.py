@@ -159,14 +159,24 @@ def test_builtin_launch_from_a_recipe_engine_spec():
     from ddtree.jobs.recipe import EngineSpec  # the sweep runner passes its dataclass as is
 
     spec = build_launch(EngineSpec(kind="builtin", python="/usr/bin/python3", algorithm="ddtree", block_size=8,
-                                   env=(("OMP_NUM_THREADS", "2"),)),
+                                   env=(("OMP_NUM_THREADS", "2"),), backend="fast"),
                         algorithm="ddtree", budget=32, tp=1, gpus=[], port=0)
     assert spec.argv == ("/usr/bin/python3", "-m", "ddtree.engine.reference.server", "--algorithm", "ddtree",
-                         "--budget", "32", "--block-size", "8", "--device", "cpu", "--host", "127.0.0.1",
-                         "--port", "0")
+                         "--budget", "32", "--block-size", "8", "--device", "cpu", "--backend", "fast",
+                         "--host", "127.0.0.1", "--port", "0")
+    plain = build_launch({"kind": "builtin"}, algorithm="ar", budget=None, tp=1, gpus=[], port=0).argv
+    assert plain[plain.index("--backend") + 1] == "auto"
     assert spec.announces_url and spec.base_url is None and spec.env == {"OMP_NUM_THREADS": "2"}
     with pytest.raises(LaunchConfigError):
         build_launch({"kind": "builtin"}, algorithm="ar", budget=None, tp=2, gpus=[], port=0)
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_a_builtin_backend_is_refused_for_other_engines(kind):
+    caps = VLLM if kind == "vllm" else "0.5.23"
+    with pytest.raises(LaunchConfigError, match="engine.backend applies to the builtin engine only"):
+        launch(dict(TABLE, kind=kind, backend="fast"), caps=caps)
+    assert "--backend" not in launch(dict(TABLE, kind=kind, backend="auto", extra_args=[]), caps=caps).argv
 
 
 def test_launch_spec_validates():

@@ -38,6 +38,19 @@ def test_builtin_engine_takes_spec_per_request_so_one_launch():
     assert [p.baseline for p in plan.points[:4]] == [True] * 4
 
 
+def test_builtin_launch_carries_the_recipe_backend_into_the_dry_run():
+    from ddtree.jobs.plan import format_plan
+
+    argv = list(make_plan(parse_recipe(BUILTIN)).launches[0].argv)
+    assert argv[argv.index("--backend") + 1] == "auto"  # the default, said out loud
+    plan = make_plan(parse_recipe(BUILTIN.replace('draft_model = "/m/drafter"',
+                                                  'draft_model = "/m/drafter"\nbackend = "transformers"')))
+    argv = list(plan.launches[0].argv)
+    assert argv[argv.index("--backend") + 1] == "transformers"
+    assert "--backend transformers" in format_plan(plan)
+    assert plan.to_dict()["launches"][0]["argv"] == argv
+
+
 def test_server_side_axes_restart_the_engine_for_engines_that_fix_them():
     recipe = parse_recipe("""
 name = "s"

@@ -46,6 +46,16 @@ def test_draft_window_round_trips():
     assert "draft_window = 2048" in recipe_to_toml(r) and parse_recipe(recipe_to_toml(r)) == r
 
 
+def test_backend_defaults_to_auto_and_round_trips():
+    assert parse_recipe('name = "x"').engine.backend == "auto"
+    r = parse_recipe('name = "x"\n[engine]\nbackend = "fast"')
+    assert r.engine.backend == "fast"
+    assert 'backend = "fast"' in recipe_to_toml(r) and parse_recipe(recipe_to_toml(r)) == r
+    assert "backend" not in recipe_to_toml(parse_recipe('name = "x"\n[engine]\nbackend = "auto"'))
+    sglang = GOOD.replace('numa_bind = "auto"', 'numa_bind = "auto"\nbackend = "auto"')
+    assert parse_recipe(sglang).engine.backend == "auto"  # auto is every engine's own choice
+
+
 def test_toml_round_trip_is_equal():
     r = parse_recipe(GOOD)
     assert parse_recipe(recipe_to_toml(r)) == r
@@ -74,6 +84,10 @@ def test_toml_round_trip_is_equal():
     ('name = "x"\n[engine]\ndraft_window = 512', "draft_window applies to kind"),
     ('name = "x"\n[engine]\nkind = "sglang"\nmodel = "m"\ndraft_window = 0', "engine.draft_window must be >= 1"),
     ('name = "x"\n[engine]\nkind = "sglang"\nmodel = "m"\ndraft_window = "big"', "engine.draft_window must be an"),
+    ('name = "x"\n[engine]\nbackend = "bogus"', "engine.backend = 'bogus' is not allowed"),
+    ('name = "x"\n[engine]\nbackend = 1', "engine.backend must be a string"),
+    ('name = "x"\n[engine]\nkind = "sglang"\nmodel = "m"\nbackend = "fast"', "engine.backend applies to kind"),
+    ('name = "x"\n[engine]\nkind = "vllm"\nmodel = "m"\nbackend = "transformers"', "engine.backend applies"),
     ('name = "x"\n[sweep]\ntemperature = -1', "sweep.temperature must be a number >= 0"),
     ('name = "x"\n[sweep]\nnum_prompts = 2.5', "sweep.num_prompts must be an integer"),
     ('name = "x"\n[engine]\ngpus = 0', "engine.gpus must be a list"),
