@@ -275,3 +275,10 @@ def m003_point_counters(db: Database) -> None:
     # /server_info figure, which mixes every run since the server booted).
     db["points"].add_column("tau_counters", float)  # tokens per verify round over the point
     db["points"].add_column("accept_counters", str)  # JSON: engine.metrics.RunAcceptance.to_dict()
+
+
+@migrations()
+def m004_engine_backend(db: Database) -> None:
+    # Builtin engines (issue 14): which backend the server chose ("fast" | "transformers"), read
+    # from its listening announcement once it is up; NULL for sglang/vllm and older rows.
+    db["engines"].add_column("backend", str)

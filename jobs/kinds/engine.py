@@ -2,10 +2,11 @@
 
 spec: {"kind": "builtin", "model": str | None, "draft_model": str | None, "algorithm": "ar|dflash|ddtree",
        "budget": int | None, "block_size": int | None, "device": "cpu|cuda|cuda:N", "python": str | None,
-       "ready_timeout_s": float, "demo": bool}
+       "backend": "auto|fast|transformers" (builtin only), "ready_timeout_s": float, "demo": bool}
 `model` None means the demo pair (`demo` is then true). The server is started through ctx.spawn
 (own process group, own log, port 0) and prints one JSON line `{"event": "listening", ...}` once it
-has warmed up; the job then records an `engines` row (state running, url, port, pid) and waits.
+has warmed up; the job then records an `engines` row (state running, url, port, pid, and the
+backend the builtin server chose, which the announcement names) and waits.
 Cancel: SIGTERM to the server's group (the runner's ctx.close does it), the row becomes `stopped`.
 A server that exits on its own fails the job with the tail of its log; the row becomes `failed`.
 
@@ -31,8 +32,9 @@ from ddtree.store.queries import now
 SERVER_MODULE = "ddtree.engine.reference.server"
 KINDS = ("builtin", "sglang", "vllm")
 ALGORITHMS = ("ar", "dflash", "ddtree")
+BACKENDS = ("auto", "fast", "transformers")  # the builtin server's --backend
 _KEYS = {"kind", "model", "draft_model", "algorithm", "budget", "block_size", "device", "python",
-         "ready_timeout_s", "demo", "gpus", "tp", "extra_args", "env"}
+         "ready_timeout_s", "demo", "gpus", "tp", "extra_args", "env", "backend"}
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:[0-9]{1,2})?)$")
 
 #: Seconds between checks that the server is still alive while the job waits.
@@ -101,6 +103,11 @@ def validate(spec: dict) -> dict:
     if budget is not None and algorithm != "ddtree":
         raise EngineSpecError(f"a node budget applies to algorithm ddtree only, not {algorithm}")
     block_size = _opt_int(spec, "block_size", 2)
+    backend = spec.get("backend", "auto")
+    if backend not in BACKENDS:
+        raise EngineSpecError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if kind != "builtin" and backend != "auto":
+        raise EngineSpecError(f"backend applies to the builtin engine only, not {kind}", "leave it out")
     device = spec.get("device", "cpu")
     if not isinstance(device, str) or not _DEVICE_RE.match(device):
         raise EngineSpecError(f"device must be cpu, cuda or cuda:N, not {device!r}")
@@ -135,7 +142,7 @@ def validate(spec: dict) -> dict:
         raise EngineSpecError(f"ready_timeout_s must be a number of seconds from 1 to 86400, not {timeout!r}")
     return {"kind": kind, "model": model, "draft_model": draft, "algorithm": algorithm, "budget": budget,
             "block_size": block_size, "device": device, "python": python, "ready_timeout_s": float(timeout),
-            "demo": demo, "gpus": gpus, "tp": tp, "extra_args": extra_args, "env": env}
+            "demo": demo, "gpus": gpus, "tp": tp, "extra_args": extra_args, "env": env, "backend": backend}
 
 
 def server_argv(spec: dict) -> list[str]:
@@ -147,7 +154,8 @@ def server_argv(spec: dict) -> list[str]:
         argv += ["--budget", str(spec["budget"])]
     if spec["block_size"] is not None:
         argv += ["--block-size", str(spec["block_size"])]
-    argv += ["--device", spec["device"], "--host", "127.0.0.1", "--port", "0"]
+    argv += ["--device", spec["device"], "--backend", spec.get("backend") or "auto",
+             "--host", "127.0.0.1", "--port", "0"]
     return argv
 
 
@@ -262,9 +270,12 @@ def run(ctx: JobContext, spec: dict) -> dict:
                                         f"{spec['ready_timeout_s']:g} s", f"see {log_path}")
             ctx.sleep(0.2)
         url = str(event["url"])
-        _update_engine(ctx, row_id, {"state": "running", "base_url": url, "port": int(event["port"]),
-                                     "ready_at": now()})
-        ctx.log(f"server ready at {url} (pid {proc.pid})")
+        ready = {"state": "running", "base_url": url, "port": int(event["port"]), "ready_at": now()}
+        if isinstance(event.get("backend"), str):
+            ready["backend"] = event["backend"]  # what auto chose; sglang/vllm have none
+        _update_engine(ctx, row_id, ready)
+        backend = f", backend {ready['backend']}" if "backend" in ready else ""
+        ctx.log(f"server ready at {url} (pid {proc.pid}{backend})")
         ctx.progress(message=f"serving at {url}")
         while proc.poll() is None:
             ctx.sleep(WATCH_S)

@@ -1,3 +1,4 @@
+import json
 import os
 import signal
 import subprocess
@@ -255,3 +256,57 @@ def test_context_spawn_and_close_stop_children(db_path):
     with pytest.raises(Exception, match="cancelled"):
         ctx2.spawn(["true"], name="never")
     ctx2.close()
+
+
+def test_engine_spec_validates_the_backend(tmp_path):
+    from ddtree.jobs.kinds.engine import EngineSpecError, server_argv, validate
+
+    (tmp_path / "t").mkdir()
+    base = {"model": str(tmp_path / "t"), "algorithm": "ar"}
+    assert validate(base)["backend"] == "auto"
+    spec = validate({**base, "backend": "transformers"})
+    argv = server_argv(spec)
+    assert argv[argv.index("--backend") + 1] == "transformers"
+    with pytest.raises(EngineSpecError, match="backend 'bogus' is not one of auto, fast, transformers"):
+        validate({**base, "backend": "bogus"})
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    with pytest.raises(EngineSpecError, match="backend applies to the builtin engine only"):
+        validate({**base, "kind": "sglang", "python": str(python), "backend": "fast"})
+
+
+FAKE_BUILTIN = """#!{python}
+# Stands in for the builtin server: records its argv, prints warm-up steps, then the announcement.
+import json, sys, time
+open({argv_path!r}, "w").write(json.dumps(sys.argv[1:]))
+print(json.dumps({{"event": "warmup", "message": "captured CUDA graphs for session slot 1/4 (listening soon)"}}), flush=True)
+print(json.dumps({{"event": "listening", "host": "127.0.0.1", "port": 9, "url": "http://127.0.0.1:9", "backend": "fast"}}), flush=True)
+time.sleep(120)
+"""
+
+
+def test_engine_job_skips_warm_up_lines_and_records_the_chosen_backend(db_path, tmp_path):
+    (tmp_path / "t").mkdir()
+    python = tmp_path / "fake-python"
+    python.write_text(FAKE_BUILTIN.format(python=sys.executable, argv_path=str(tmp_path / "argv.json")))
+    python.chmod(0o755)
+    job_id = submit(db_path, "engine", {"model": str(tmp_path / "t"), "algorithm": "ar", "python": str(python),
+                                        "backend": "auto", "ready_timeout_s": 30}, detach=True)
+    deadline = time.monotonic() + 30
+    row = None
+    while time.monotonic() < deadline:
+        with open_db(db_path) as db:
+            row = db.execute("SELECT state, base_url, backend FROM engines WHERE job_id = ?", [job_id]).fetchone()
+        if row and row[0] != "starting":
+            break
+        time.sleep(0.05)
+    try:
+        assert tuple(row) == ("running", "http://127.0.0.1:9", "fast")
+        argv = json.loads((tmp_path / "argv.json").read_text())
+        assert argv[argv.index("--backend") + 1] == "auto"
+    finally:
+        cancel(db_path, job_id, grace_s=5)
+    with open_db(db_path) as db:
+        assert db.execute("SELECT state, backend FROM engines WHERE job_id = ?", [job_id]).fetchone() == \
+            ("stopped", "fast")
