@@ -1,5 +1,5 @@
-"""Engines: running servers (kind, model, algorithm, budget, GPUs, port, health, uptime), their log
-(follow, search, wrap), and a form to start one; stopping asks first."""
+"""Engines: running servers (kind, backend, model, algorithm, budget, GPUs, port, health, uptime),
+their log (follow, search, wrap), and a form to start one; stopping asks first."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ddtree.console.widgets.logview import LogView
 from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.tables import sync_table
 
-COLUMNS = ("JOB", "KIND", "MODEL", "ALGO", "BUDGET", "GPUS", "PORT", "HEALTH", "UPTIME", "STATE")
+COLUMNS = ("JOB", "KIND", "BACKEND", "MODEL", "ALGO", "BUDGET", "GPUS", "PORT", "HEALTH", "UPTIME", "STATE")
 
 
 def short_model(name: str | None) -> str:
@@ -42,7 +42,9 @@ def engine_cells(row: dict, health: bool | None, now: float) -> tuple:
     if state == "running" and row.get("ready_at"):
         up = now - row["ready_at"]
     gpus = ",".join(map(str, json.loads(row.get("gpus") or "[]"))) or "cpu"
-    return (str(row.get("job_id") or "-"), row.get("kind") or "-", fmt.one_line(short_model(row.get("model")), 28),
+    # The backend the builtin server chose (auto resolves at load); "-" until it is up, and for sglang/vllm.
+    return (str(row.get("job_id") or "-"), row.get("kind") or "-", row.get("backend") or "-",
+            fmt.one_line(short_model(row.get("model")), 28),
             row.get("algorithm") or "-", "-" if row.get("budget") is None else str(row["budget"]), gpus,
             str(row.get("port") or "-"), health_text, fmt.duration(up),
             Text(state, style={"running": "green", "failed": "red", "starting": "yellow"}.get(state, "dim")))
@@ -179,6 +181,12 @@ class EngineForm(ModalScreen[dict | None]):
             with Horizontal(classes="form-row", id="row-device"):
                 yield Label("Device")
                 yield Input("cpu", id="device", placeholder="cpu, cuda or cuda:N (builtin server)", compact=True)
+            with Horizontal(classes="form-row", id="row-backend"):
+                yield Label("Backend")
+                # auto: the fast forward (CUDA graphs) for dense Qwen3/Qwen2/Llama/Mistral on CUDA, else
+                # transformers
+                yield Select([("auto", "auto"), ("fast", "fast"), ("transformers", "transformers")], value="auto",
+                             allow_blank=False, id="backend", compact=True)
             with Horizontal(classes="form-row", id="row-python"):
                 yield Label("Python")
                 yield Input(placeholder="interpreter that has sglang or vllm", id="python", compact=True)
@@ -198,6 +206,7 @@ class EngineForm(ModalScreen[dict | None]):
     def _show_rows(self) -> None:
         builtin = self.query_one("#kind", Select).value == "builtin"
         self.query_one("#row-device").display = builtin
+        self.query_one("#row-backend").display = builtin
         self.query_one("#row-python").display = not builtin
         self.query_one("#row-gpus").display = not builtin
 
@@ -209,6 +218,7 @@ class EngineForm(ModalScreen[dict | None]):
         spec: dict = {"kind": kind, "algorithm": self.query_one("#algorithm", Select).value}
         if kind == "builtin":
             spec["device"] = text("device") or "cpu"
+            spec["backend"] = self.query_one("#backend", Select).value
         else:
             if text("python"):
                 spec["python"] = text("python")
@@ -247,7 +257,8 @@ class EngineForm(ModalScreen[dict | None]):
             error.update(Text(refused, style="red"))
             self.query_one("#start", Button).disabled = True
             return None
-        where = f" on GPUs {','.join(map(str, spec['gpus']))}" if spec["kind"] != "builtin" else f" on {spec['device']}"
+        where = (f" on GPUs {','.join(map(str, spec['gpus']))}" if spec["kind"] != "builtin"
+                 else f" on {spec['device']}, backend {spec['backend']}")
         model = "the demo pair" if spec["demo"] else spec["model"]
         error.update(Text(f"will run: {spec['kind']} {model}{where}", style="dim"))
         self.query_one("#start", Button).disabled = False

@@ -104,7 +104,8 @@ def seed_store(db_path) -> dict:
         set_state(db, eng, "starting")
         set_state(db, eng, "running")
         update_row(db, "jobs", eng, {"started_at": NOW - 900, "progress_message": "serving at http://127.0.0.1:40123"})
-        insert_row(db, "engines", {"job_id": eng, "kind": "builtin", "model": "demo", "draft_model": "demo",
+        insert_row(db, "engines", {"job_id": eng, "kind": "builtin", "backend": "transformers", "model": "demo",
+                                   "draft_model": "demo",
                                    "algorithm": "ddtree", "budget": 32, "tp": 1, "gpus": "[]", "host": "127.0.0.1",
                                    "port": 40123, "base_url": "http://127.0.0.1:40123", "state": "running",
                                    "created_at": NOW - 900, "ready_at": NOW - 880, "log_path": None})

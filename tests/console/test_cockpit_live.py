@@ -12,11 +12,14 @@ from cockpit_support import fixed_sources, load_conftest_pair_builder, table_row
 
 from ddtree.console.app import make_app
 from ddtree.console.poll import Sources
+from ddtree.console.screens.engines import COLUMNS
 from ddtree.console.screens.modals import ConfirmScreen
 from ddtree.console.widgets.chart import LineChart
 from ddtree.jobs.supervisor import cancel, wait
 from ddtree.store import open_db
 from ddtree.store.queries import list_jobs
+
+HEALTH, STATE = COLUMNS.index("HEALTH"), COLUMNS.index("STATE")
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -56,18 +59,21 @@ async def test_engine_from_the_form_serves_then_stops(pair, db_path):
             await pilot.pause(0.1)
             await pilot.click("#start")
             await until(pilot, lambda: table_rows(app, "engine-table")
-                        and table_rows(app, "engine-table")[0][9] == "running", timeout=120, what="a running engine")
+                        and table_rows(app, "engine-table")[0][STATE] == "running", timeout=120, what="a running engine")
             rows, _ = app.engines
             url = rows[0]["base_url"]
             assert url.startswith("http://127.0.0.1:") and rows[0]["port"] > 0
             assert httpx.get(url + "/health", timeout=5).status_code == 200
-            await until(pilot, lambda: table_rows(app, "engine-table")[0][7] == "ok", what="health ok")
+            # The form's backend (auto) resolves to transformers on a CPU; the row keeps what was chosen.
+            assert rows[0]["backend"] == "transformers"
+            assert table_rows(app, "engine-table")[0][COLUMNS.index("BACKEND")] == "transformers"
+            await until(pilot, lambda: table_rows(app, "engine-table")[0][HEALTH] == "ok", what="health ok")
             view = app.query_one("#engine-log")
             await until(pilot, lambda: any('"listening"' in line for line in view.raw_lines), what="the server log")
             await pilot.press("x")
             assert isinstance(app.screen, ConfirmScreen)
             await pilot.press("y")
-            await until(pilot, lambda: table_rows(app, "engine-table")[0][9] == "stopped", timeout=60,
+            await until(pilot, lambda: table_rows(app, "engine-table")[0][STATE] == "stopped", timeout=60,
                         what="the stopped engine")
             job_id = rows[0]["job_id"]
             assert wait(db_path, job_id, timeout=30).state == "cancelled"

@@ -157,8 +157,8 @@ async def test_engines_pane_health_and_log_follow_search_wrap(seeded, tmp_path):
         await pilot.press("4")
         await until(pilot, lambda: table_rows(app, "engine-table"), what="the engine")
         row = table_rows(app, "engine-table")[0]
-        assert row[1:8] == ["builtin", "demo", "ddtree", "32", "cpu", "40123", "ok"]
-        assert row[8] == "14m40s"
+        assert row[1:9] == ["builtin", "transformers", "demo", "ddtree", "32", "cpu", "40123", "ok"]
+        assert row[9] == "14m40s"
         view = app.query_one("#engine-log")
         await until(pilot, lambda: len(view.raw_lines) == 3, what="the log")
         with log.open("a") as fh:
@@ -198,9 +198,15 @@ async def test_engine_form_validates_and_returns_a_job_spec(seeded, tmp_path, mo
         form.query_one("#device").value = "cpu"
         await pilot.pause(0.05)
         assert not form.query_one("#start").disabled
+        error = lambda: str(form.query_one("#form-error").render())  # noqa: E731
+        assert form.query_one("#row-backend").display and "on cpu, backend auto" in error()
+        form.query_one("#backend").value = "fast"
+        await pilot.pause(0.05)
+        assert "on cpu, backend fast" in error()  # the preview says what will run
         await pilot.click("#start")
         assert submitted and submitted[0][0] == "engine"
         assert submitted[0][1]["budget"] == 16 and submitted[0][1]["model"] == str(tmp_path / "target")
+        assert submitted[0][1]["backend"] == "fast"
 
 
 async def test_engine_form_refuses_speculation_on_a_hybrid_target_before_it_starts(seeded, tmp_path, monkeypatch):
@@ -245,6 +251,7 @@ async def test_engine_form_starts_sglang_on_chosen_gpus(seeded, tmp_path, monkey
         form.query_one("#kind").value = "sglang"
         await pilot.pause(0.05)
         assert form.query_one("#row-python").display and not form.query_one("#row-device").display
+        assert not form.query_one("#row-backend").display  # a builtin-only choice
         error = lambda: str(form.query_one("#form-error").render())  # noqa: E731
         assert form.query_one("#start").disabled and "needs model and python" in error()
         form.query_one("#model").value = "Qwen/Qwen3-8B"
