@@ -105,8 +105,8 @@ class EngineSpec:
     SGLang's draft-window flag (`--speculative-draft-window-size`; the name the installed build
     accepts is used). Left out, SGLang's default applies.
 
-    `backend` (builtin only): "auto" takes the fast forward for dense Qwen3/Llama/Qwen2 targets on
-    CUDA and transformers otherwise; "fast" or "transformers" force one.
+    `backend` (builtin only): "auto" takes the fast forward for dense Qwen3/Qwen2/Llama/Mistral
+    targets on CUDA and transformers otherwise; "fast" or "transformers" force one.
     """
 
     kind: str = "builtin"

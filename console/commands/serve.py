@@ -56,8 +56,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights dtype (default: auto, float32 on a CPU and for the demo pair, else bfloat16)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="auto (default): our fast forward with CUDA graphs for dense Qwen3/Llama/Qwen2 on CUDA, "
-                        "transformers otherwise; fast or transformers force one")
+                   help="auto (default): our fast forward with CUDA graphs for dense Qwen3/Qwen2/Llama/Mistral "
+                        "on CUDA, transformers otherwise; fast or transformers force one")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=_port, default=0, help="port (default: 0, a free port printed on stdout)")
     p.add_argument("--max-running-requests", type=int, help="requests decoded at once (default: 8)")

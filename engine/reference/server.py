@@ -397,8 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="auto: the fast path for dense Qwen3/Llama/Qwen2 targets on CUDA, else transformers "
-                        "(default: auto)")
+                   help="auto: the fast path for dense Qwen3/Qwen2/Llama/Mistral targets on CUDA, "
+                        "else transformers (default: auto)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port (default: 0, a free port printed on stdout)")
     p.add_argument("--served-model-name", default=None, help="the model name the OpenAI endpoints report")
