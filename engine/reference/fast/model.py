@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.engine.reference.drafter import _rotate_half
 from ddtree.engine.reference.errors import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "mistral")
@@ -324,19 +323,33 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """One [q; k; v] weight for one GEMM instead of three; the three projections become views
+        of it, so the state_dict keeps the checkpoint's names and values."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = _fuse_linears(projs)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         """x [n, H]; cos/sin [n, 1, d]; k_cache/v_cache [kv_heads, rows, d] (written in place)."""
         n = x.shape[0]
         d, kvh, g = self.head_dim, self.num_kv_heads, self.groups
-        q = self.q_proj(x).view(n, self.num_heads, d)
-        k = self.k_proj(x).view(n, kvh, d)
-        v = self.v_proj(x).view(n, kvh, d)
+        if self.qkv is not None:
+            q, k, v = F.linear(x, *self.qkv).split([self.num_heads * d, kvh * d, kvh * d], dim=-1)
+            q, k, v = q.view(n, self.num_heads, d), k.view(n, kvh, d), v.view(n, kvh, d)
+        else:
+            q = self.q_proj(x).view(n, self.num_heads, d)
+            k = self.k_proj(x).view(n, kvh, d)
+            v = self.v_proj(x).view(n, kvh, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        # RoPE on queries and keys at once: x*cos + rotate_half(x)*sin, where rotate_half(x)*sin
+        # equals x rolled by half times sin with its first half negated (`sin` arrives that way).
+        qk = torch.cat((q, k), dim=1)
+        qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
+        q, k = qk.split([self.num_heads, kvh], dim=1)
         k, v = k.transpose(0, 1), v.transpose(0, 1)           # [kv_heads, n, d]
         if isinstance(plan.rows, slice):
             k_cache[:, plan.rows] = k
@@ -379,8 +392,32 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """One [gate; up] weight for one GEMM instead of two (the two become views of it)."""
+        self.gate_up = _fuse_linears((self.gate_proj, self.up_proj))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fuse_linears(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate Linear weights (and biases) along the output; rebind each to a view of it."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    biases = [lin.bias for lin in linears]
+    bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
+    row = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[row:row + rows], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[row:row + rows], requires_grad=False)
+        row += rows
+    return weight, bias
 
 
 class DecoderLayer(nn.Module):
@@ -421,6 +458,14 @@ class DenseDecoder(nn.Module):
         # A plain attribute, not a buffer: module.to(bfloat16) must not round the frequencies.
         self._inv_freq = rope_inv_freq(cfg)
 
+    def fuse(self) -> None:
+        """Fuse each layer's q/k/v and gate/up projections into single GEMMs (fewer launches per
+        layer: a CUDA graph replay of a small-batch step is launch-bound). Idempotent."""
+        for layer in self.model.layers:
+            if layer.self_attn.qkv is None:
+                layer.self_attn.fuse()
+                layer.mlp.fuse()
+
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -444,6 +489,8 @@ class DenseDecoder(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(position_ids, x.dtype)
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # for the rolled RoPE form
         wanted = set(feature_layers)
         kept: dict[int, torch.Tensor] = {}
         last = len(self.model.layers) - 1

@@ -76,6 +76,7 @@ class FastTarget:
         empty cache always takes SDPA (flash attention).
         """
         cfg = model.cfg
+        model.fuse()
         self.model = model.eval()
         self.cfg = cfg
         self.config = model.config if model.config is not None else SimpleNamespace(
