@@ -89,7 +89,9 @@ class Server:
                 line = self.proc.stdout.readline()
                 if not line:
                     break
-                self.url = json.loads(line)["url"]
+                event = json.loads(line)  # warm-up steps (fast backend on CUDA) come first
+                if event.get("event") == "listening":
+                    self.url = event["url"]
         if self.url is None:
             self.stop()
             raise RuntimeError(f"server did not start; log:\n{log_path.read_text()[-2000:]}")
