@@ -209,14 +209,23 @@ def bench_shape(shape: str, args) -> dict:
     print(f"[{shape}] ours, transformers path {row['ours_transformers_ms']:.3f}", flush=True)
     del slow
     window = args.context + args.new_tokens + max(args.budgets + args.nodes) + 1
-    fast = Engine(model, drafter, backend="fast", context_window=window, max_budget=max(args.budgets + args.nodes),
-                  slots=1)
-    t0 = time.perf_counter()
-    fast.warmup(progress=lambda msg: print(f"[{shape}] {msg}", flush=True), budgets=tuple(args.budgets))
-    row["warmup_s"] = round(time.perf_counter() - t0, 2)
-    row["ours_fast_ms"] = engine_ar_ms(fast, prompt, device, args.new_tokens, args.repeats)
-    print(f"[{shape}] ours, fast path {row['ours_fast_ms']:.3f} (graphs: {fast.graphs})", flush=True)
+    for compiled in ((False, True) if args.compile else (False,)):
+        torch._dynamo.reset()  # compiled code of another shape must not count against this one
+        fast = Engine(model, drafter, backend="fast", context_window=window,
+                      max_budget=max(args.budgets + args.nodes), slots=1, compile=compiled)
+        t0 = time.perf_counter()
+        fast.warmup(progress=lambda msg: print(f"[{shape}] {msg}", flush=True), budgets=tuple(args.budgets))
+        key = "ours_fast_ms" if compiled or not args.compile else "ours_fast_graphs_only_ms"
+        row[key.replace("_ms", "_warmup_s")] = round(time.perf_counter() - t0, 2)
+        row[key] = engine_ar_ms(fast, prompt, device, args.new_tokens, args.repeats)
+        row["compile_error"] = fast.impl.compile_error
+        print(f"[{shape}] ours, fast path {row[key]:.3f} (graphs: {fast.graphs}, compiled layers: "
+              f"{fast.target.compiled})", flush=True)
+        if not compiled and args.compile:
+            del fast
+            torch.cuda.empty_cache() if device.startswith("cuda") else None
     row["graphs"] = fast.graphs
+    row["compiled"] = fast.target.compiled
     row["verify_ms"] = verify_ms(fast, prompt, device, args.nodes, args.repeats * 4)
     print(f"[{shape}] verify ms by nodes {row['verify_ms']}", flush=True)
     row["round_ms"] = round_ms(fast, prompt, args.budgets, args.repeats * 4)
@@ -249,6 +258,7 @@ def bench_demo(args) -> dict:
     gen = GenParams(max_new_tokens=args.demo_new_tokens, ignore_eos=True)
     out = {}
     for backend in ("transformers", "fast"):
+        torch._dynamo.reset()
         engine = Engine.load(target_dir, draft_dir, device=args.device, dtype=torch.float32, backend=backend,
                              max_budget=max(args.demo_budgets))
         engine.warmup(progress=lambda msg: print(f"[demo {backend}] {msg}", flush=True),
@@ -303,6 +313,8 @@ def main(argv=None) -> int:
     p.add_argument("--demo-prompts", type=int, default=12, help="0 skips the demo pair")
     p.add_argument("--demo-new-tokens", type=int, default=96)
     p.add_argument("--demo-budgets", default="8,16,32,64", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="measure the fast path with CUDA graphs only (by default also with torch.compile'd layers)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     import torch
@@ -329,10 +341,11 @@ def main(argv=None) -> int:
         result["demo"] = bench_demo(args)
         save()
     print()
-    print("ms/token     floor   hf-static  hf-eager  ours-tf  ours-fast")
+    print("ms/token     floor   hf-static  hf-eager  ours-tf  fast-graphs  fast-graphs+compile")
     for shape, r in result["shapes"].items():
         print(f"{shape:8s} {r['floor_ms']:8.3f} {r['hf_static_ms']:10.3f} {r['hf_eager_ms']:9.3f} "
-              f"{r['ours_transformers_ms']:8.3f} {r['ours_fast_ms']:10.3f}   targets {r['targets']}")
+              f"{r['ours_transformers_ms']:8.3f} {r.get('ours_fast_graphs_only_ms', float('nan')):12.3f} "
+              f"{r['ours_fast_ms']:12.3f}   targets {r['targets']}")
     if "demo" in result:
         d = result["demo"]["fast"]
         print(f"demo fast: best {d['best_ddtree']} {d['ddtree_x_ar']}x AR, {d['ddtree_x_dflash']}x DFlash")

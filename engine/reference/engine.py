@@ -53,12 +53,13 @@ class Engine:
                  eos_token_ids: tuple[int, ...] = (), mask_token_id: int | None = None,
                  max_budget: int = DEFAULT_MAX_BUDGET, context_window: int | None = None,
                  block_size: int | None = None, backend: str = "transformers", graphs: bool = True,
-                 slots: int | None = None) -> None:
+                 slots: int | None = None, compile: bool = True) -> None:
         """Wrap already-built modules (Engine.load builds them from checkpoints).
 
         backend: "transformers" (the reference, any architecture) or "fast" (our own forward for
         dense Qwen3/Llama/Qwen2 decoders: static caches, trees on the device, and on CUDA graphs
-        captured by `warmup()` for `slots` concurrent sessions). `model` is a transformers model
+        captured by `warmup()` for `slots` concurrent sessions, with the decoder layer run through
+        torch.compile first unless compile=False). `model` is a transformers model
         (the fast backend then shares its weights) or, for "fast", a fast.model.DenseDecoder.
         context_window: tokens a session may hold (default the model's max_position_embeddings;
         the fast backend preallocates it per slot, so it caps that default at FAST_CONTEXT).
@@ -120,7 +121,8 @@ class Engine:
         if backend == "fast":
             from ddtree.engine.reference.fast.backend import DEFAULT_SLOTS, FastPath
 
-            self.impl = FastPath(self, self.target, self.drafter, slots=slots or DEFAULT_SLOTS, graphs=graphs)
+            self.impl = FastPath(self, self.target, self.drafter, slots=slots or DEFAULT_SLOTS, graphs=graphs,
+                                 compile=compile)
         else:
             self.impl = TransformersPath(self)
 
@@ -166,7 +168,7 @@ class Engine:
              dtype=None, attn_implementation: str = "sdpa",
              max_budget: int = DEFAULT_MAX_BUDGET, block_size: int | None = None,
              algorithm: str | None = None, budget: int | None = None, backend: str = "auto",
-             context_window: int | None = None, graphs: bool = True) -> Engine:
+             context_window: int | None = None, graphs: bool = True, compile: bool = True) -> Engine:
         """Load a target and (optionally) a DFlash drafter from dirs or hub ids.
 
         algorithm/budget: what the caller will decode with by default (a server's --algorithm). A
@@ -203,7 +205,7 @@ class Engine:
                      draft_name=str(draft) if draft is not None else None,
                      eos_token_ids=eos_token_ids(target_dir, target.config, tokenizer),
                      mask_token_id=mask_id, max_budget=max_budget, block_size=block_size,
-                     backend=chosen, context_window=context_window, graphs=graphs)
+                     backend=chosen, context_window=context_window, graphs=graphs, compile=compile)
         engine.backend_reason = why
         log.info("backend %s: %s", chosen, why)
         return engine

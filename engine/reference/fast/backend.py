@@ -51,7 +51,7 @@ class FastPath:
     name = "fast"
 
     def __init__(self, engine: Engine, target: FastTarget, drafter: DFlashDrafter | None, *,
-                 slots: int = DEFAULT_SLOTS, graphs: bool = True) -> None:
+                 slots: int = DEFAULT_SLOTS, graphs: bool = True, compile: bool = True) -> None:
         self.engine = engine
         self.target = target
         self.drafts = None
@@ -60,7 +60,9 @@ class FastPath:
                                       capacity=target.context_window, mask_token_id=engine.mask_token_id)
         self.slots = int(slots)
         self.want_graphs = bool(graphs) and target.device.type == "cuda"
+        self.want_compile = bool(compile) and self.want_graphs
         self.graphs = False
+        self.compile_error: str | None = None
         self._free: list[tuple] = []
         self._pair: dict[int, tuple] = {}  # id(target cache) -> its slot's (target, draft) caches
         # (budget, depth) -> a captured tree build: dozens of small kernels, about 4 ms launched
@@ -81,13 +83,35 @@ class FastPath:
                     say(f"captured the DDTree build for budget {budget}")
         if self._pair:
             return
+        if self.want_compile:
+            say("compiling the decoder layer (torch.compile, once for every layer) and the drafter block")
+            self.target.compile()
+            if self.drafts is not None:
+                self.drafts.compile()
         for i in range(self.slots):
             cache = self.target.new_cache()
-            self.target.capture(cache)
+            try:
+                self.target.capture(cache)
+            except Exception as exc:  # a compiler failure must not take the server down
+                if not self.target.compiled:
+                    raise
+                self.compile_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                say(f"torch.compile failed ({self.compile_error}); capturing without it")
+                self.target.compiled = False
+                torch._dynamo.reset()
+                self.target.capture(cache)
             draft_cache = None
             if self.drafts is not None:
                 draft_cache = self.drafts.new_cache()
-                self.drafts.capture(draft_cache)
+                try:
+                    self.drafts.capture(draft_cache)
+                except Exception as exc:
+                    if self.drafts._compiled_block is None:
+                        raise
+                    self.compile_error = f"drafter: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    say(f"torch.compile of the drafter failed ({self.compile_error}); capturing without it")
+                    self.drafts._compiled_block = None
+                    self.drafts.capture(draft_cache)
             pair = (cache, draft_cache)
             self._pair[id(cache)] = pair
             self._free.append(pair)

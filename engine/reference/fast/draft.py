@@ -150,6 +150,7 @@ class FastDrafter:
         # Kept in float32 whatever the model dtype, as DFlashDrafter keeps its own.
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
         self._pool = None  # one CUDA graph memory pool for every capture of this drafter
+        self._compiled_block = None  # set by compile()
 
     # ---- caches ------------------------------------------------------------------------------
     def new_cache(self, *, append_buckets: Sequence[int] | None = None) -> DraftContextCache:
@@ -330,7 +331,19 @@ class FastDrafter:
         positions = torch.arange(start, start + b, device=self.device)
         return self._block_layers(ids, positions, cache, slice(length, length + b), length + b, None)
 
+    def compile(self) -> None:
+        """Run the static block forward through torch.compile (it fuses the norms, RoPE and
+        casts between the GEMMs); it compiles at the first static block, which capture's
+        warm-up runs. Graph captures made before this call keep the uncompiled kernels."""
+        if self._compiled_block is None:
+            self._compiled_block = torch.compile(self._block_static_raw)
+
     def _block_static(self, cache: DraftContextCache) -> torch.Tensor:
+        if self._compiled_block is not None:
+            return self._compiled_block(cache)
+        return self._block_static_raw(cache)
+
+    def _block_static_raw(self, cache: DraftContextCache) -> torch.Tensor:
         static, b = cache.static, self.block_size
         rows = static.rows[:b]
         index = cache.length_t + rows

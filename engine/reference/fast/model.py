@@ -443,6 +443,11 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def run_layer(layer: nn.Module, x, cos, sin, k_cache, v_cache, plan: AttentionPlan) -> torch.Tensor:
+    """One decoder layer (a function of the layer, so one compiled graph serves every layer)."""
+    return layer(x, cos, sin, k_cache, v_cache, plan)
+
+
 class DenseDecoder(nn.Module):
     """A causal LM whose state_dict names are the Hugging Face checkpoint's."""
 
@@ -457,6 +462,14 @@ class DenseDecoder(nn.Module):
             self.tie_weights()
         # A plain attribute, not a buffer: module.to(bfloat16) must not round the frequencies.
         self._inv_freq = rope_inv_freq(cfg)
+        self.compiled_layer = None
+
+    def compile_layers(self) -> None:
+        """torch.compile one decoder layer's forward, shared by every layer (regional compilation:
+        the layers run the same code on other weights, so it compiles once, not once per layer).
+        Used by forwards that pass compiled=True (the static path that CUDA graphs capture)."""
+        if self.compiled_layer is None:
+            self.compiled_layer = torch.compile(run_layer, dynamic=None)
 
     def fuse(self) -> None:
         """Fuse each layer's q/k/v and gate/up projections into single GEMMs (fewer launches per
@@ -479,8 +492,8 @@ class DenseDecoder(nn.Module):
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, plan: AttentionPlan, feature_layers: tuple[int, ...] = ()
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                v_cache: torch.Tensor, plan: AttentionPlan, feature_layers: tuple[int, ...] = (),
+                compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids/positions [n]; caches [layers, kv_heads, rows, d] -> final normed hidden [n, H], features.
 
         features: concat of the hidden states output by feature_layers (0-based), [n, K*H], or None
@@ -494,8 +507,9 @@ class DenseDecoder(nn.Module):
         wanted = set(feature_layers)
         kept: dict[int, torch.Tensor] = {}
         last = len(self.model.layers) - 1
+        run = self.compiled_layer if compiled and self.compiled_layer is not None else run_layer
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, k_cache[i], v_cache[i], plan)
+            x = run(layer, x, cos, sin, k_cache[i], v_cache[i], plan)
             if i in wanted and i != last:
                 kept[i] = x
         x = self.model.norm(x)

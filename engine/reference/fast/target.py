@@ -100,6 +100,7 @@ class FastTarget:
         self.context_window = cw
         self.buckets = bucket_sizes(max_query)
         self.static = bool(static)
+        self.compiled = False  # static forwards run torch.compile'd layers (see compile())
         qmax = self.buckets[-1]
         self._eye = torch.eye(qmax, dtype=torch.bool, device=self.device)
         self._tril = torch.ones(qmax, qmax, dtype=torch.bool, device=self.device).tril()
@@ -222,7 +223,8 @@ class FastTarget:
         tree_cols = tree.index_select(1, rel.clamp(0, q - 1))               # [q, S]
         seen = (rel < 0)[None, :] | (among_new[None, :] & tree_cols)
         plan = AttentionPlan(rows, None, self._fold(seen), kernel=self.attention)
-        hidden, feats = self.model(ids, positions, cache.k, cache.v, plan, self.feature_layers)
+        hidden, feats = self.model(ids, positions, cache.k, cache.v, plan, self.feature_layers,
+                                   compiled=self.compiled)
         return self.lm_head(hidden).float(), feats
 
     def _fold(self, seen: torch.Tensor) -> torch.Tensor:
@@ -260,6 +262,13 @@ class FastTarget:
         self._stage(g.ids, g.positions, g.tree, ids, positions, visible)
         g.graph.replay()
         return g.logits, g.features
+
+    def compile(self) -> None:
+        """Run the static path's layers through torch.compile (fuses the small elementwise ops a
+        graph replay is otherwise bound by); compiles happen at the first forward of each shape,
+        which capture's warm-up runs, so serving never waits for one."""
+        self.model.compile_layers()
+        self.compiled = True
 
     def capture(self, cache: StaticKVCache, buckets: tuple[int, ...] | None = None) -> None:
         """Capture one CUDA graph per bucket for this cache (they bake in its buffers' addresses).
