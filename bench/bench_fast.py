@@ -257,7 +257,7 @@ def bench_demo(args) -> dict:
     specs += [(f"ddtree-{b}", SpecParams("ddtree", b)) for b in args.demo_budgets]
     gen = GenParams(max_new_tokens=args.demo_new_tokens, ignore_eos=True)
     out = {}
-    for backend in ("transformers", "fast"):
+    for backend in args.demo_backends:
         torch._dynamo.reset()
         engine = Engine.load(target_dir, draft_dir, device=args.device, dtype=torch.float32, backend=backend,
                              max_budget=max(args.demo_budgets))
@@ -313,6 +313,7 @@ def main(argv=None) -> int:
     p.add_argument("--demo-prompts", type=int, default=12, help="0 skips the demo pair")
     p.add_argument("--demo-new-tokens", type=int, default=96)
     p.add_argument("--demo-budgets", default="8,16,32,64", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--demo-backends", default="transformers,fast", type=lambda s: [x for x in s.split(",") if x])
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="measure the fast path with CUDA graphs only (by default also with torch.compile'd layers)")
     p.add_argument("--out", type=Path)
@@ -347,7 +348,7 @@ def main(argv=None) -> int:
               f"{r['ours_transformers_ms']:8.3f} {r.get('ours_fast_graphs_only_ms', float('nan')):12.3f} "
               f"{r['ours_fast_ms']:12.3f}   targets {r['targets']}")
     if "demo" in result:
-        d = result["demo"]["fast"]
+        d = result["demo"][args.demo_backends[-1]]
         print(f"demo fast: best {d['best_ddtree']} {d['ddtree_x_ar']}x AR, {d['ddtree_x_dflash']}x DFlash")
     return 0
 

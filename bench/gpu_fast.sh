@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 14 on a GPU box in one pass: the fast backend's CUDA tests, then bench_fast.py (8B and
-# 1.7B shapes, the demo pair). Writes under $OUT (default ./gpu-fast-out). The lent H200 machines
+# Issue 14 on a GPU box in one pass: bench_fast.py (1.7B and 8B shapes, the demo pair), then the
+# fast backend's CUDA tests. Writes under $OUT (default ./gpu-fast-out). The lent H200 machines
 # have torch and transformers but no project venv: the package is installed with --no-deps.
 #   bash bench/gpu_fast.sh [--quick]
 set -u
@@ -11,10 +11,9 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tm
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__)' >> "$OUT/gpu.txt"
-timeout 170 python3 -m pytest -q -p no:cacheprovider -m cuda \
-    tests/engine/test_cuda.py tests/engine/test_cuda_fast.py tests/engine/test_fast_target.py \
-    tests/engine/test_fast_draft.py tests/engine/test_tree_device.py > "$OUT/cuda-tests.txt" 2>&1
-tail -3 "$OUT/cuda-tests.txt"
 shapes=${SHAPES:-1.7b,8b}
-timeout ${BENCH_TIMEOUT:-380} python3 bench/bench_fast.py --device cuda --shapes "$shapes" --out "$OUT/bench-fast.json" \
+timeout ${BENCH_TIMEOUT:-380} python3 bench/bench_fast.py --device cuda --shapes "$shapes" --out "$OUT/bench-fast.json" ${BENCH_ARGS:-} \
     2>&1 | grep -v "Loading weights" | tee "$OUT/bench-fast.txt"
+tests=${CUDA_TESTS:-tests/engine/test_cuda.py tests/engine/test_cuda_fast.py tests/engine/test_fast_target.py tests/engine/test_fast_draft.py tests/engine/test_tree_device.py}
+timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m cuda $tests > "$OUT/cuda-tests.txt" 2>&1
+tail -3 "$OUT/cuda-tests.txt"
