@@ -111,7 +111,7 @@ def test_greedy_fast_equals_transformers_and_ar(arch):
     prompts = _prompts(8, 3 if arch == "qwen3" else 4)
     # Qwen3 over every budget; Llama over a spread of them (the slow test takes all).
     specs = SPECS if arch == "qwen3" else [AR, SpecParams("dflash")] + [SpecParams("ddtree", b) for b in (1, 7, 64, 256)]
-    accepted = _compare(ref, fast, prompts, GenParams(max_new_tokens=14, ignore_eos=True), specs)
+    accepted = _compare(ref, fast, prompts, GenParams(max_new_tokens=10, ignore_eos=True), specs)
     assert accepted > 0  # some drafts were accepted, so the commit paths ran
 
 
@@ -133,7 +133,7 @@ def test_short_block_length_cuts_and_context_window(arch):
     specs = [AR, SpecParams("dflash"), SpecParams("ddtree", 3), SpecParams("ddtree", 64)]
     ref, fast = _engines(model, drafter, block_size=4)
     assert fast.block_size == ref.block_size == 4
-    for n in (1, 2, 3, 5, 13):
+    for n in (1, 3, 13):
         _compare(ref, fast, _prompts(2, n, longest=20), GenParams(max_new_tokens=n, ignore_eos=True), specs)
     fast.block_size = ref.block_size = 6  # the attribute may change between requests
     _compare(ref, fast, _prompts(2, 8), GenParams(max_new_tokens=11, ignore_eos=True), specs)
@@ -175,7 +175,7 @@ def test_load_auto_on_cpu_takes_transformers_and_fast_when_asked(demo):
 def test_demo_pair_fast_equals_transformers(demo):
     auto, fast, prompts = demo
     specs = [AR, SpecParams("dflash"), SpecParams("ddtree", 16), SpecParams("ddtree", 64)]
-    gen = GenParams(max_new_tokens=32, ignore_eos=True)
+    gen = GenParams(max_new_tokens=24, ignore_eos=True)
     accepted = _compare(auto, fast, prompts[:2], gen, specs)
     assert accepted > 10  # the trained drafter gets long paths accepted
 
@@ -218,7 +218,7 @@ def test_static_padded_path_equals_eager(monkeypatch, max_budget):
     budgets = [b for b in (1, 3, 7, 16, 63, 64, 256) if b <= max_budget]
     specs = [AR, SpecParams("dflash")] + [SpecParams("ddtree", b) for b in budgets]
     gen = GenParams(max_new_tokens=12, ignore_eos=True)
-    for prompt in _prompts(4, 9, longest=40):
+    for prompt in _prompts(3, 9, longest=40):
         for spec in specs:
             want = eager.generate(prompt, gen, spec)
             got = static.generate(prompt, gen, spec)
@@ -226,17 +226,6 @@ def test_static_padded_path_equals_eager(monkeypatch, max_budget):
             assert got.accept_lengths == want.accept_lengths, (spec, len(prompt))
     assert calls and max(calls) == static.target._bucket(max(budgets) + 1)
     assert set(calls) <= set(static.target.buckets)
-
-
-def test_static_demo_pair_equals_transformers(demo, monkeypatch):
-    auto, _, prompts = demo
-    fast = Engine(auto.model, auto.drafter, backend="fast", max_budget=64, mask_token_id=auto.mask_token_id,
-                  eos_token_ids=auto.eos_token_ids)
-    fast.target.static = True
-    calls = _count_static(monkeypatch, fast.target)
-    specs = [AR, SpecParams("dflash"), SpecParams("ddtree", 63), SpecParams("ddtree", 64)]
-    _compare(auto, fast, prompts[:1], GenParams(max_new_tokens=20, ignore_eos=True), specs)
-    assert calls
 
 
 # ---- 3. sampling: test_decode's tests on the fast backend -------------------------------------
@@ -405,7 +394,8 @@ def test_interleaved_sessions_equal_serial_and_never_share_a_cache(slots):
     pool = _add_slots(fast, slots, static=True)
     prompts = _prompts(len(JOBS), 11, longest=30)
     jobs = [(p, GenParams(max_new_tokens=m, ignore_eos=True), spec) for p, (spec, m) in zip(prompts, JOBS)]
-    serial = [Engine(model, drafter).generate(*job).output_ids for job in jobs]
+    # Lossless output would hide a stale drafter cache: the accept lengths show it.
+    serial = [Engine(model, drafter).generate(*job) for job in jobs]
     # Six start at once (beyond the slots); two close early; the rest start as others finish.
     sessions = [fast.start(*job) for job in jobs[:6]]
     waiting = list(range(6, len(jobs)))
@@ -423,32 +413,39 @@ def test_interleaved_sessions_equal_serial_and_never_share_a_cache(slots):
             _live_caches_distinct(sessions)
         rounds += 1
     for i, (s, want) in enumerate(zip(sessions, serial)):
+        rounds_run = len(s.accept_lengths)
+        assert s.accept_lengths == want.accept_lengths[:rounds_run], i
         if i in closed:
-            assert s.finish_reason == "abort" and s.output_ids == want[:len(s.output_ids)]
+            assert s.finish_reason == "abort" and s.output_ids == want.output_ids[:len(s.output_ids)]
         else:
-            assert s.finish_reason == "length" and s.output_ids == want, i
+            assert s.finish_reason == "length" and s.output_ids == want.output_ids, i
         assert s._cache is None and s.step() == []
     if slots:  # every slot went back to the pool, once
         assert len(fast.impl._free) == slots and {id(p[0]) for p in fast.impl._free} == {id(p[0]) for p in pool}
 
 
-def test_a_reused_slot_decodes_like_a_fresh_cache():
-    """A slot that held a long sequence (stale rows past the new length) serves the next one."""
-    model = make_target(31)
-    drafter = make_drafter(model, block_size=8, seed=12)
-    fast = Engine(model, drafter, backend="fast")
+def test_a_reused_slot_decodes_like_a_fresh_cache(demo, monkeypatch):
+    """The demo pair on the static path through one slot, against the transformers backend. A slot that held a long sequence (stale rows past the new length) serves the next ones with
+    the same drafts as a fresh cache: on the trained pair a stale drafter context shows up in the
+    accept lengths (the output alone would stay lossless and hide it)."""
+    auto, _, prompts = demo
+    fast = Engine(auto.model, auto.drafter, backend="fast", max_budget=64, mask_token_id=auto.mask_token_id,
+                  eos_token_ids=auto.eos_token_ids)
     fast.target.static = True
+    calls = _count_static(monkeypatch, fast.target)
     _add_slots(fast, 1, static=True)
-    ref = Engine(model, drafter)
-    gen = GenParams(max_new_tokens=16, ignore_eos=True)
-    for prompt, spec in [(_prompts(1, 1, longest=45)[0], SpecParams("ddtree", 64)),
-                         ([5, 6], SpecParams("dflash")), ([7, 8, 9], AR), ([1], SpecParams("ddtree", 256))]:
+    gen = GenParams(max_new_tokens=24, ignore_eos=True)
+    order = sorted(prompts[:4], key=len, reverse=True)  # the longest first: later ones see its stale rows
+    for prompt, spec in zip(order, [SpecParams("ddtree", 64), SpecParams("dflash"), AR, SpecParams("ddtree", 63)]):
         sess = fast.start(prompt, gen, spec)
         assert id(sess._cache) in fast.impl._pair  # the slot, not a new cache
         while not sess.done:
             sess.step()
-        assert sess.output_ids == ref.generate(prompt, gen, spec).output_ids
+        want = auto.generate(prompt, gen, spec)
+        assert sess.output_ids == want.output_ids
+        assert sess.accept_lengths == want.accept_lengths
     assert len(fast.impl._free) == 1
+    assert 128 in calls and 64 in calls  # 65 nodes (budget 64) and 64 nodes (budget 63)
 
 
 # ---- 6. step_many == serial -------------------------------------------------------------------
@@ -481,3 +478,15 @@ def test_step_many_equals_serial_stepping():
     other = Engine(model, drafter, backend="fast")
     with pytest.raises(BadParams):
         fast.step_many([other.start([1, 2], GenParams(max_new_tokens=2), AR)])
+
+
+@pytest.mark.xfail(strict=True, raises=AttributeError,
+                   reason="engine.py Engine.__init__ (backend='transformers' branch) hands a DenseDecoder to "
+                          "target.Target, which calls model.get_input_embeddings(): AttributeError instead of "
+                          "a named BadParams/ModelLoadError")
+def test_a_dense_decoder_on_the_transformers_backend_is_a_named_error():
+    from ddtree.engine.reference.fast.backend import decoder_from_hf
+
+    decoder = decoder_from_hf(make_target(0, layers=2))
+    with pytest.raises((BadParams, ModelLoadError)):
+        Engine(decoder, backend="transformers")
