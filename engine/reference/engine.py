@@ -89,6 +89,9 @@ class Engine:
             self.target = FastTarget(self.model, feature_layers, context_window=int(cw),
                                      max_query=max(query, drafter.block_size if drafter is not None else 1))
         else:
+            if not hasattr(model, "get_input_embeddings"):
+                raise BadParams(f"the transformers backend needs a transformers model, got {type(model).__name__}",
+                                "use backend='fast' for a fast.model.DenseDecoder")
             self.model = model.eval()
             self.target = Target(self.model, feature_layers)
         self.device = str(self.target.device)
