@@ -46,7 +46,13 @@ def is_demo_pair(directory: Path) -> bool:
     except DemoMissing:
         return False
     try:
-        return Path(directory).resolve() == target.resolve()
+        directory = Path(directory)
+        if directory.resolve() == target.resolve():
+            return True
+        # A copy elsewhere (a checkout beside an installed package, say): the same files.
+        return ((directory / "config.json").read_bytes() == (target / "config.json").read_bytes()
+                and (directory / "model.safetensors").stat().st_size
+                == (target / "model.safetensors").stat().st_size)
     except OSError:
         return False
 

@@ -132,6 +132,15 @@ def test_demo_pair_defaults_to_float32_on_every_device(tmp_path):
     except DemoMissing:
         return
     assert is_demo_pair(target) and is_demo_pair(target / ".." / "target")
+    # A copy elsewhere is still the demo pair (on the H200 a checkout's assets/demo differed in
+    # path from the installed package's, and the demo loaded in bf16).
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(target, copy)
+    assert is_demo_pair(copy)
+    (copy / "config.json").write_text((copy / "config.json").read_text().replace("{", "{\"x\": 1,", 1))
+    assert not is_demo_pair(copy)
 
 
 def test_serve_passes_dtype_through_only_when_asked():
