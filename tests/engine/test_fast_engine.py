@@ -480,10 +480,6 @@ def test_step_many_equals_serial_stepping():
         fast.step_many([other.start([1, 2], GenParams(max_new_tokens=2), AR)])
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="engine.py Engine.__init__ (backend='transformers' branch) hands a DenseDecoder to "
-                          "target.Target, which calls model.get_input_embeddings(): AttributeError instead of "
-                          "a named BadParams/ModelLoadError")
 def test_a_dense_decoder_on_the_transformers_backend_is_a_named_error():
     from ddtree.engine.reference.fast.backend import decoder_from_hf
 
