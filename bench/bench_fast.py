@@ -28,32 +28,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-SHAPES = {
-    # name: (hidden, intermediate, layers, heads, kv_heads, head_dim, vocab)
-    "8b": (4096, 12288, 36, 32, 8, 128, 151936),
-    "1.7b": (2048, 6144, 28, 16, 8, 128, 151936),
-    "tiny": (256, 768, 4, 4, 2, 64, 4096),
-}
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _median_ms(fn, device: str, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
+# The shapes and timing helpers are bench_engine's (this folder is on sys.path when run as a script).
+from bench_engine import SHAPES, _median_ms, _sync  # noqa: E402
 
 
 def copy_bandwidth(device: str) -> float:

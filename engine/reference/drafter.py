@@ -12,7 +12,6 @@ z-lab drafters load unchanged, without trust_remote_code:
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.engine.reference.errors import ModelLoadError
+from ddtree.engine.reference.rope import scale_inv_freq
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -204,19 +204,7 @@ def rope_inv_freq(cfg: DFlashConfig) -> torch.Tensor:
     dim = cfg.head_dim
     steps = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu")
     inv_freq = 1.0 / (cfg.rope_theta ** (steps / dim))
-    kind = _rope_type(cfg.rope_scaling)
-    if kind == "linear":
-        inv_freq = inv_freq / float(cfg.rope_scaling["factor"])
-    elif kind == "llama3":
-        s = cfg.rope_scaling
-        factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
-        old_len = float(s["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        inv_freq = torch.where(medium, smoothed, scaled)
+    inv_freq = scale_inv_freq(inv_freq, _rope_type(cfg.rope_scaling), cfg.rope_scaling)
     return inv_freq.float()
 
 

@@ -20,7 +20,6 @@ cache each (on an H200, cuDNN's took 89 us a layer for one query over 4k rows).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.engine.reference.errors import ModelLoadError
+from ddtree.engine.reference.rope import scale_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -215,18 +215,7 @@ def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
     dim = cfg.head_dim
     steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
     inv_freq = 1.0 / (cfg.rope_theta ** (steps / dim))
-    s = cfg.rope_scaling
-    if cfg.rope_type == "linear":
-        inv_freq = inv_freq / float(s["factor"])
-    elif cfg.rope_type == "llama3":
-        factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
-        old_len = float(s["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-        inv_freq = torch.where(medium, smoothed, scaled)
+    inv_freq = scale_inv_freq(inv_freq, cfg.rope_type, cfg.rope_scaling)
     return inv_freq
 
 
