@@ -282,3 +282,32 @@ def m004_engine_backend(db: Database) -> None:
     # Builtin engines (issue 14): which backend the server chose ("fast" | "transformers"), read
     # from its listening announcement once it is up; NULL for sglang/vllm and older rows.
     db["engines"].add_column("backend", str)
+
+
+def _cell_key(point_key: str) -> str | None:
+    """The point key without its repeat (store/sweeps.cell_key; repeated here so this migration
+    keeps doing what it did when later code changes)."""
+    import json
+
+    try:
+        params = json.loads(point_key)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(params, dict):
+        return None
+    params.pop("repeat", None)
+    return json.dumps(params, sort_keys=True, separators=(",", ":"))
+
+
+@migrations()
+def m005_point_repeats(db: Database) -> None:
+    # Repeats (issue 16): each repeat of a grid cell is its own point row; `cell_key` names the cell
+    # (the point key less the repeat), so the repeats of a cell are one indexed lookup and the unique
+    # index keeps every (cell, repeat) exactly once however often a run is resumed. `cv` is the
+    # coefficient of variation of the cell's output tok/s over its done repeats (store/stats.py).
+    db["points"].add_column("cell_key", str)
+    db["points"].add_column("cv", float)
+    rows = db.execute("SELECT id, point_key FROM points WHERE point_key IS NOT NULL").fetchall()
+    for point_id, key in rows:
+        db.execute("UPDATE points SET cell_key = ? WHERE id = ?", [_cell_key(key), point_id])
+    db["points"].create_index(["run_id", "cell_key", "repeat"], unique=True)

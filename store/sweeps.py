@@ -22,9 +22,18 @@ from sqlite_utils import Database
 
 from ddtree.store.db import transaction
 from ddtree.store.errors import NotFound, StoreError
-from ddtree.store import queries
+from ddtree.store import queries, stats
+from ddtree.store.stats import UNSTABLE_CV
+from ddtree.store.summary import cell_of, cell_rows, setting_of
 from ddtree.store.queries import fetch_rows, to_json
 from ddtree.store.records import Run, decode_json, from_row
+
+def cell_key(point_key: str) -> str:
+    """The grid cell a point key belongs to: the key less its repeat (the repeats of a cell share it)."""
+    params = json.loads(point_key)
+    params.pop("repeat", None)
+    return json.dumps(params, sort_keys=True, separators=(",", ":"))
+
 
 POINT_STATES = ("pending", "running", "done", "failed", "skipped")
 FINISHED_POINT_STATES = frozenset({"done", "skipped"})
@@ -95,6 +104,8 @@ class Point:
     repeat_spread: float | None = None
     unstable: int | None = None
     error: str | None = None
+    cell_key: str | None = None
+    cv: float | None = None
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -162,13 +173,13 @@ def ensure_points(db: Database, run_id: int, planned: list[dict]) -> dict[str, i
     `planned` items hold `point_key`, `idx` and the PARAM_COLUMNS (gpus as a list), plus
     optional `baseline`, `num_prompts`, `max_new_tokens`, `block_size`.
     """
-    cols = ("run_id", "point_key", "idx", "state", *PARAM_COLUMNS, "baseline", "num_prompts", "max_new_tokens",
-            "block_size")
+    cols = ("run_id", "point_key", "cell_key", "idx", "state", *PARAM_COLUMNS, "baseline", "num_prompts",
+            "max_new_tokens", "block_size")
     sql = f"INSERT OR IGNORE INTO points ({', '.join(f'[{c}]' for c in cols)}) VALUES ({', '.join('?' for _ in cols)})"
     with _write(db, "the planned points") as tx:
         for p in planned:
             row = {**p, "run_id": run_id, "state": "pending", "gpus": to_json(list(p.get("gpus") or [])),
-                   "baseline": int(bool(p.get("baseline")))}
+                   "baseline": int(bool(p.get("baseline"))), "cell_key": cell_key(p["point_key"])}
             tx.execute(sql, [row.get(c) for c in cols])
         # A resumed run may carry a re-ordered plan: keep idx in step with it.
         for p in planned:
@@ -253,18 +264,14 @@ def _median(values: list[float]) -> float | None:
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
-def _setting(p: Point) -> tuple:
-    """What a baseline must share with a point to be compared with it."""
-    return (p.engine_kind, p.tp, json.dumps(p.gpus or []), p.concurrency, p.dataset, p.temperature)
+_setting, _cell = setting_of, cell_of
 
 
-def _cell(p: Point) -> tuple:
-    return (*_setting(p), p.algorithm, p.budget)
-
-
-def update_derived(db: Database, run_id: int, *, unstable_spread: float = 0.10) -> None:
-    """Recompute speedups (vs ar and dflash at the same setting, same repeat when there is one,
-    else the median of the baseline's repeats) and the spread of repeats of each grid cell."""
+def update_derived(db: Database, run_id: int, *, unstable_spread: float = UNSTABLE_CV) -> None:
+    """Recompute each point's speedups (vs ar and dflash at the same setting and the same repeat,
+    else the median of the baseline's repeats) and, per grid cell, the spread of its repeats: the
+    coefficient of variation of output tok/s (`cv`; `unstable` when above `unstable_spread`) and
+    (max - min) / median (`repeat_spread`)."""
     points = [p for p in list_points(db, run_id) if p.state == "done" and p.output_tok_s]
     base: dict[tuple, dict[int, float]] = defaultdict(dict)
     cells: dict[tuple, list[Point]] = defaultdict(list)
@@ -284,37 +291,18 @@ def update_derived(db: Database, run_id: int, *, unstable_spread: float = 0.10) 
         rates = [p.output_tok_s for p in group]
         mid = _median(rates)
         spread = (max(rates) - min(rates)) / mid if len(rates) > 1 and mid else None
+        cv = stats.summary(rates).cv
         for p in group:
-            updates[p.id]["repeat_spread"] = spread
-            updates[p.id]["unstable"] = int(spread is not None and spread > unstable_spread)
+            updates[p.id].update(repeat_spread=spread, cv=cv, unstable=int(cv is not None and cv > unstable_spread))
     with _write(db, "speedups") as tx:
         for point_id, values in updates.items():
             sets = ", ".join(f"[{k}] = ?" for k in values)
             tx.execute(f"UPDATE points SET {sets} WHERE id = ?", [*values.values(), point_id])
 
 
-def summarize(points: list[Point]) -> list[dict]:
-    """One row per grid cell: medians over the done repeats, their spread, the unstable flag."""
-    groups: dict[tuple, list[Point]] = {}
-    for p in points:
-        groups.setdefault(_cell(p), []).append(p)
-    out = []
-    for group in groups.values():
-        done = [p for p in group if p.state == "done"]
-        first = group[0]
-        row: dict[str, Any] = {"algorithm": first.algorithm, "budget": first.budget, "tp": first.tp,
-                               "gpus": first.gpus, "concurrency": first.concurrency, "dataset": first.dataset,
-                               "temperature": first.temperature, "repeats_done": len(done),
-                               "repeats": len(group), "baseline": bool(first.baseline),
-                               "states": sorted({p.state for p in group})}
-        for col in ("output_tok_s", "req_s", "tok_s_per_user", "tau_mean", "tau_weighted", "ttft_p50", "itl_p50",
-                    "e2e_p50", "e2e_p99", "speedup_vs_ar", "speedup_vs_dflash"):
-            row[col] = _median([getattr(p, col) for p in done if getattr(p, col) is not None])
-        row["repeat_spread"] = done[0].repeat_spread if done else None
-        row["unstable"] = any(p.unstable for p in done)
-        row["error"] = next((p.error for p in group if p.error), None)
-        out.append(row)
-    return out
+def summarize(points: list[Point], *, unstable_cv: float = UNSTABLE_CV) -> list[dict]:
+    """One row per grid cell (store/summary.py's `cell_rows`)."""
+    return cell_rows(points, unstable_cv=unstable_cv)
 
 
 def telemetry_means(db: Database, start: float, end: float, gpus: list[int] | None = None) -> tuple[float | None, float | None]:
