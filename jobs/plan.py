@@ -175,6 +175,9 @@ class Plan:
             "launches": [launch.to_dict() for launch in self.launches],
             "points": [point.to_dict() for point in self.points],
             "warnings": list(self.warnings),
+            "repeats": {"count": self.recipe.sweep.repeats, "warmup": self.recipe.sweep.warmup,
+                        "order": "interleaved" if self.recipe.sweep.interleave else "grouped",
+                        "note": repeat_note(self.recipe)},
             "estimate": {"total_s": round(self.est_total_s, 1), "stream_tok_s": self.assumed_stream_tok_s,
                          "note": "assumes this decode speed per request stream; not measured"},
         }
@@ -419,7 +422,7 @@ def make_plan(recipe: Recipe, *, stream_tok_s: float | None = None, hardware: Ha
             est = waves * sweep.max_new_tokens / rate
             if sweep.request_rate is not None:
                 est = max(est, sweep.num_prompts / sweep.request_rate)
-            for (spec_alg, spec_budget, is_baseline), repeat in itertools.product(run_specs, range(sweep.repeats)):
+            for (spec_alg, spec_budget, is_baseline), repeat in _order(run_specs, sweep.repeats, sweep.interleave):
                 points.append(PlanPoint(
                     index=len(points), launch=launch.index, engine_kind=engine.kind, algorithm=spec_alg,
                     budget=spec_budget, tp=tp, gpus=gpus, concurrency=concurrency, dataset=dataset,
@@ -429,6 +432,31 @@ def make_plan(recipe: Recipe, *, stream_tok_s: float | None = None, hardware: Ha
     total = sum(l.est_start_s for l in launches) + sum(p.est_s for p in points)
     return Plan(recipe=recipe, launches=tuple(launches), points=tuple(points), warnings=tuple(warnings),
                 assumed_stream_tok_s=rate, est_total_s=total, caps=caps, cache_dir=cache_dir)
+
+
+def _order(specs: list, repeats: int, interleave: bool) -> list[tuple]:
+    """(spec, repeat) in run order: A B C A B C when interleaved, so drift in the machine's load
+    (another job starting, clocks settling) lands on every spec alike and paired repeats (repeat i
+    of a point with repeat i of its baseline) ran side by side; A A B B C C otherwise."""
+    if interleave:
+        return [(spec, r) for r in range(repeats) for spec in specs]
+    return [(spec, r) for spec in specs for r in range(repeats)]
+
+
+def repeat_note(recipe: Recipe) -> str:
+    """What the plan says about repeats, their order and the warm-up."""
+    sweep = recipe.sweep
+    warm = (f"warm-up: {sweep.warmup} request(s) before each point, not measured" if sweep.warmup
+            else "no warm-up")
+    if sweep.repeats == 1:
+        return f"repeats: 1 per point (no interval: a best budget cannot be told from noise; set sweep.repeats >= 3); {warm}"
+    if not sweep.interleave:
+        order = "each point's repeats back to back (sweep.interleave = false)"
+    elif recipe.engine.per_request_spec:
+        order = "interleaved across algorithms and budgets (A B C A B C) at each concurrency"
+    else:
+        order = "interleaved within each engine launch; this engine fixes the spec at launch, so a launch's repeats run together"
+    return f"repeats: {sweep.repeats} per point, {order}; {warm}"
 
 
 def _engine_launch(recipe: Recipe, index: int, tp: int, gpus: tuple[int, ...], pool: tuple[int, ...],
@@ -460,6 +488,7 @@ def format_plan(plan: Plan) -> str:
              f"about {_duration(plan.est_total_s)} (assuming {plan.assumed_stream_tok_s:g} tok/s per stream)"]
     for warning in plan.warnings:
         lines.append(f"warning: {warning}")
+    lines.append(repeat_note(plan.recipe))
     if plan.caps is not None:
         lines.append(f"engine: {plan.caps.label} at {plan.caps.python}")
     for launch in plan.launches:

@@ -200,7 +200,11 @@ class SweepSpec:
     timeout_s: float = 600.0
     stop_error_rate: float = 0.5
     stop_e2e_p99_s: float | None = None
+    # A cell whose repeats' output tok/s vary by a coefficient of variation above this is unstable.
     unstable_spread: float = 0.10
+    # Repeats of different grid cells alternate (A B C A B C) so that drift in the machine's load
+    # hits every cell alike; false runs each cell's repeats back to back (A A B B C C).
+    interleave: bool = True
 
     def __post_init__(self) -> None:
         for key in ("algorithm", "budget", "tp", "gpus", "concurrency", "dataset", "temperature"):
@@ -218,6 +222,9 @@ class SweepSpec:
         if self.stop_error_rate > 1.0:
             raise RecipeError(f"sweep.stop_error_rate must be in [0, 1], got {self.stop_error_rate}")
         _want_float("sweep.unstable_spread", self.unstable_spread, 0.0)
+        if not isinstance(self.interleave, bool):
+            raise RecipeError(f"sweep.interleave must be true or false, got {_typename(self.interleave)} "
+                              f"{self.interleave!r}")
         if self.request_rate is not None and _want_float("sweep.request_rate", self.request_rate) <= 0:
             raise RecipeError("sweep.request_rate must be > 0", "leave it out to send as fast as concurrency allows")
         if self.stop_e2e_p99_s is not None and _want_float("sweep.stop_e2e_p99_s", self.stop_e2e_p99_s) <= 0:

@@ -48,7 +48,7 @@ from ddtree.engine.metrics import (SGLANG_REQUESTS, MetricsError, RunAcceptance,
 from ddtree.engine.preflight import PreflightError, check_gpus, preflight
 from ddtree.engine.prompts import load_prompts
 from ddtree.jobs.errors import JobCancelled, JobError
-from ddtree.jobs.plan import Hardware, Launch, Plan, PlanPoint, UnsupportedEngine, make_plan
+from ddtree.jobs.plan import Hardware, Launch, Plan, PlanPoint, UnsupportedEngine, make_plan, repeat_note
 from ddtree.jobs.recipe import Recipe, RecipeError, recipe_from_dict, recipe_to_dict
 from ddtree.store import sweeps
 from ddtree.store.db import open_db
@@ -480,6 +480,7 @@ def _sweep(ctx, run_id: int, recipe: Recipe) -> dict:
         ctx.log(f"engine: {plan.caps.label} at {plan.caps.python}")
     for warning in plan.warnings:
         ctx.log(f"warning: {warning}")
+    ctx.log(repeat_note(recipe))
     ids = sweeps.ensure_points(db, run_id, _planned_rows(plan))
     sweeps.update_run(db, run_id, points_total=len(plan.points))
     states = {p.point_key: p.state for p in sweeps.list_points(db, run_id)}

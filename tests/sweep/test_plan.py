@@ -2,7 +2,7 @@
 
 import json
 
-from ddtree.jobs.plan import make_plan, point_key
+from ddtree.jobs.plan import format_plan, make_plan, point_key
 from ddtree.jobs.recipe import parse_recipe
 
 BUILTIN = """
@@ -29,13 +29,27 @@ def test_builtin_engine_takes_spec_per_request_so_one_launch():
     assert argv[argv.index("--model") + 1] == "/m/target" and argv[argv.index("--draft") + 1] == "/m/drafter"
     assert argv[argv.index("--port") + 1] == "0" and argv[argv.index("--host") + 1] == "127.0.0.1"
     assert argv[argv.index("--budget") + 1] == "8"
-    # concurrency ascending (saturation stops a series early), baselines before the measured grid
+    # concurrency ascending (saturation stops a series early), baselines before the measured grid,
+    # repeats interleaved (A B C A B C) so drift lands on every spec alike
     order = [(p.concurrency, p.algorithm, p.budget, p.repeat) for p in plan.points]
-    assert order[:8] == [(1, "ar", None, 0), (1, "ar", None, 1), (1, "dflash", None, 0), (1, "dflash", None, 1),
-                         (1, "ddtree", 4, 0), (1, "ddtree", 4, 1), (1, "ddtree", 8, 0), (1, "ddtree", 8, 1)]
+    assert order[:8] == [(1, "ar", None, 0), (1, "dflash", None, 0), (1, "ddtree", 4, 0), (1, "ddtree", 8, 0),
+                         (1, "ar", None, 1), (1, "dflash", None, 1), (1, "ddtree", 4, 1), (1, "ddtree", 8, 1)]
     assert len(plan.points) == 16 and all(p.launch == 0 for p in plan.points)
     assert len({p.key for p in plan.points}) == 16
-    assert [p.baseline for p in plan.points[:4]] == [True] * 4
+    assert [p.baseline for p in plan.points[:4]] == [True, True, False, False]
+
+
+def test_repeats_back_to_back_when_interleave_is_off_and_the_plan_says_which():
+    recipe = parse_recipe(BUILTIN + "interleave = false\n")
+    order = [(p.algorithm, p.budget, p.repeat) for p in make_plan(recipe).points[:4]]
+    assert order == [("ar", None, 0), ("ar", None, 1), ("dflash", None, 0), ("dflash", None, 1)]
+    data = make_plan(recipe).to_dict()
+    assert data["repeats"]["order"] == "grouped" and data["repeats"]["count"] == 2
+    text = format_plan(make_plan(parse_recipe(BUILTIN)))
+    assert "repeats: 2 per point, interleaved across algorithms and budgets (A B C A B C)" in text
+    assert "warm-up: 2 request(s) before each point, not measured" in text
+    single = format_plan(make_plan(parse_recipe(BUILTIN.replace("repeats = 2", "repeats = 1"))))
+    assert "repeats: 1 per point (no interval" in single
 
 
 def test_builtin_launch_carries_the_recipe_backend_into_the_dry_run():
@@ -80,7 +94,7 @@ baseline = ["ar"]
 def test_plan_json_shape_and_estimate():
     plan = make_plan(parse_recipe(BUILTIN))
     data = json.loads(json.dumps(plan.to_dict()))
-    assert set(data) == {"name", "engine_kind", "engine", "launches", "points", "warnings", "estimate"}
+    assert set(data) == {"name", "engine_kind", "engine", "launches", "points", "warnings", "repeats", "estimate"}
     assert data["engine"] is None  # builtin: nothing probed
     assert set(data["launches"][0]) >= {"index", "argv", "env", "tp", "gpus", "algorithm", "budget", "est_start_s"}
     point = data["points"][0]
