@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+import re
 import time
+
+# What a terminal would act on instead of showing: C0 controls (ESC starts CSI/OSC sequences), DEL,
+# C1 controls (U+009B is a one-character CSI), the line and paragraph separators, and the bidi
+# embeddings, overrides and isolates (U+202E reverses what follows: "Trojan Source").
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: str | None) -> str:
+    """`text` safe to print into a terminal: control and bidi characters shown as escapes
+    (ESC -> \\x1b, U+202E -> \\u202e), everything else unchanged. For every text the store holds
+    (run and recipe names, errors, messages) on its way to the screen."""
+    if not text:
+        return "" if text is None else text
+    return _UNSAFE.sub(_escape, str(text))
 
 
 def duration(seconds: float | None) -> str:
@@ -40,6 +60,7 @@ def progress(done: float | None, total: float | None) -> str:
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """Left-aligned columns separated by two spaces; the last column is not padded."""
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in rows:
         for i, cell in enumerate(row):
@@ -54,5 +75,5 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 def one_line(text: str | None, width: int = 60) -> str:
     if not text:
         return ""
-    text = " ".join(str(text).split())
+    text = printable(" ".join(str(text).split()))
     return text if len(text) <= width else text[: width - 1] + "…"

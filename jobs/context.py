@@ -21,6 +21,7 @@ from sqlite_utils import Database
 from ddtree.jobs.errors import JobCancelled, JobError
 from ddtree.jobs.procs import kill_group, start_time
 from ddtree.store.db import data_dir as store_data_dir
+from ddtree.jobs.logfile import open_log
 from ddtree.store.db import logs_dir, open_db
 from ddtree.store.queries import insert_row, now, update_row
 
@@ -66,7 +67,7 @@ class JobContext:
     def log(self, msg: str) -> None:
         """Append a timestamped line to the job's log file."""
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        with self._lock, open(self.log_path, "a", encoding="utf-8") as f:
+        with self._lock, open_log(self.log_path, binary=False) as f:
             for line in str(msg).splitlines() or [""]:
                 f.write(f"{stamp} {line}\n")
 
@@ -128,7 +129,7 @@ class JobContext:
         if env is not None:
             full_env = dict(os.environ)
             full_env.update({str(k): str(v) for k, v in env.items()})
-        log = open(log_path, "ab")
+        log = open_log(log_path)
         try:
             popen = subprocess.Popen(
                 [str(a) for a in argv],

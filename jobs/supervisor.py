@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ddtree.jobs.errors import JobStateError, RunnerStartError
 from ddtree.jobs.kinds import validate_spec
+from ddtree.jobs.logfile import open_log
 from ddtree.jobs.model import create_job, hostname, set_state
 from ddtree.jobs.procs import is_alive, kill_group, same_leader, signal_group
 from ddtree.jobs.runner import HEARTBEAT_STALE_S, execute
@@ -56,7 +57,7 @@ def submit(
 
 def _launch(path: Path, job_id: int, log_path: Path) -> None:
     argv = [sys.executable, "-m", "ddtree.jobs.run", str(job_id), "--db", str(path), "--detach"]
-    with open(log_path, "ab") as log:
+    with open_log(log_path) as log:
         try:
             launcher = subprocess.Popen(
                 argv,

@@ -51,6 +51,15 @@ def logs_dir(db_path: str | os.PathLike | None = None) -> Path:
     """data_dir/logs, created owner-only if missing."""
     folder = data_dir(db_path) / "logs"
     _make_private_dir(folder)
+    # Checked on every start, not only when made: a folder from an older version, or one loosened
+    # since (chmod, a copy), would show every job's log to the other users of the machine.
+    mode = folder.stat().st_mode & 0o777
+    if mode != 0o700:
+        try:
+            folder.chmod(0o700)
+        except OSError as exc:
+            raise DatabasePathError(f"logs folder {folder} is mode {mode:o} and cannot be made 0700: {exc.strerror}",
+                                    f"chmod 700 {folder}") from None
     return folder
 
 

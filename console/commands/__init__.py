@@ -5,13 +5,29 @@ from __future__ import annotations
 
 import argparse
 
+#: SQLite stores integers in 64 signed bits; a larger id cannot name a row and would make the
+#: driver raise OverflowError when it binds the value.
+MAX_ID = 2**63 - 1
 
-def run_id(text: str) -> int:
-    """argparse type for a run id (export, sweep --resume)."""
+
+def row_id(text: str, what: str = "run") -> int:
+    """An id of a store row (a run, a job): an integer in 1..2**63-1."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a run id (an integer), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a {what} id (an integer), got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"a run id is >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"a {what} id is >= 1, got {value}")
+    if value > MAX_ID:
+        raise argparse.ArgumentTypeError(f"a {what} id is at most {MAX_ID}, got {text}")
     return value
+
+
+def run_id(text: str) -> int:
+    """argparse type for a run id (export, sweep --resume)."""
+    return row_id(text, "run")
+
+
+def job_id(text: str) -> int:
+    """argparse type for a job id (jobs show/cancel/logs)."""
+    return row_id(text, "job")

@@ -11,12 +11,11 @@ import argparse
 import csv
 import io
 import json
-import os
 import sys
 import time
-from pathlib import Path
 
 from ddtree.console.commands import run_id
+from ddtree.console.files import write_output
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.recipe import RecipeError, recipe_from_dict, recipe_to_toml
 from ddtree.store import sweeps
@@ -48,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         db.close()
     text = render(run_row, points, args.format)
     if args.output and args.output != "-":
-        _write(Path(args.output), text)
+        write_output(args.output, text)
     else:
         sys.stdout.write(text)
     return 0
@@ -137,16 +136,3 @@ def to_markdown(run_row, points: list[sweeps.Point]) -> str:
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
-
-def _write(path: Path, text: str) -> None:
-    if path.is_dir():
-        raise ExportError(f"{path} is a folder", "give a file name with -o")
-    if not path.parent.exists():
-        raise ExportError(f"folder {path.parent} does not exist")
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from ddtree.console import fmt
+from ddtree.console.commands import job_id as _job_id
 from ddtree.jobs import supervisor
 from ddtree.jobs.errors import BadSpec, JobError
 from ddtree.jobs.kinds import available_kinds
@@ -32,16 +33,6 @@ class LogUnavailable(JobError):
     """The job (or the named process) has no log file."""
 
     exit_code = 2
-
-
-def _job_id(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a job id (an integer), got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a job id is >= 1, got {value}")
-    return value
 
 
 def _seconds(text: str) -> float:
@@ -158,28 +149,29 @@ def _show(args: argparse.Namespace) -> int:
         doc["processes"] = [dataclasses.asdict(p) for p in procs]
         print(json.dumps(doc, indent=2))
         return 0
-    print(f"job {job.id}  {job.kind}  {job.name or ''}".rstrip())
-    print(f"state     {job.state}" + (f"  ({job.error})" if job.error else ""))
-    print(f"progress  {fmt.progress(job.progress_done, job.progress_total)}  {job.progress_message or ''}".rstrip())
+    safe = fmt.printable  # names, errors and messages are stored text: never print them raw
+    print(f"job {job.id}  {job.kind}  {safe(job.name or '')}".rstrip())
+    print(f"state     {job.state}" + (f"  ({safe(job.error)})" if job.error else ""))
+    print(f"progress  {fmt.progress(job.progress_done, job.progress_total)}  {safe(job.progress_message or '')}".rstrip())
     print(f"runner    pid {job.pid or '-'} on {job.host or '-'}; heartbeat {fmt.ago(job.heartbeat_at)}")
-    print(f"log       {job.log_path or '-'}")
+    print(f"log       {safe(job.log_path or '-')}")
     print(f"spec      {json.dumps(job.spec, sort_keys=True)}")
     if job.result is not None:
         print(f"result    {json.dumps(job.result, sort_keys=True)}")
     print("history")
     for e in events:
-        print(f"  {fmt.stamp(e.at, seconds=True)}  {e.state:<10} {e.message or ''}".rstrip())
+        print(f"  {fmt.stamp(e.at, seconds=True)}  {e.state:<10} {safe(e.message or '')}".rstrip())
     if procs:
         print("processes")
         for p in procs:
             status = "running" if p.ended_at is None else f"exit {p.returncode}"
-            print(f"  {p.name:<12} pid {p.pid:<8} {status:<10} {p.log_path or ''}")
+            print(f"  {safe(p.name):<12} pid {p.pid:<8} {status:<10} {safe(p.log_path or '')}")
     return 0
 
 
 def _cancel(args: argparse.Namespace) -> int:
     job = supervisor.cancel(args.db, args.id, grace_s=args.grace)
-    print(f"job {job.id} {job.state}" + (f" ({job.error})" if job.error and job.state != "cancelled" else ""))
+    print(f"job {job.id} {job.state}" + (f" ({fmt.printable(job.error)})" if job.error and job.state != "cancelled" else ""))
     return 0 if job.state == "cancelled" else 1
 
 
@@ -240,7 +232,7 @@ def _submit(args: argparse.Namespace) -> int:
     elif args.detach:
         print(f"job {job_id} started; follow it with `ddtree-console jobs logs {job_id} --follow`")
     else:
-        print(f"job {job_id} {job.state}" + (f" ({job.error})" if job.error else ""))
+        print(f"job {job_id} {job.state}" + (f" ({fmt.printable(job.error)})" if job.error else ""))
     if args.detach:
         return 0
     return 0 if job.state == "succeeded" else 1

@@ -34,6 +34,15 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _device(text: str) -> str:
+    """cpu, cuda or cuda:N: checked here, so a typo is one line and not torch's traceback from
+    inside the server after it started."""
+    name, _, index = text.partition(":")
+    if name == "cpu" and not index or name == "cuda" and (not _ or index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown device {text!r} (cpu, cuda or cuda:N)")
+
+
 def _port(text: str) -> int:
     value = _non_negative(text)
     if value > 65535:
@@ -52,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="default algorithm; requests may override it (default: ddtree)")
     p.add_argument("--budget", type=_non_negative, help="default DDTree node budget")
     p.add_argument("--block-size", type=_non_negative, help="draft block size (default: the drafter's)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights dtype (default: auto, float32 on a CPU and for the demo pair, else bfloat16)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",

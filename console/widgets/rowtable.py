@@ -26,10 +26,21 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
+from ddtree.console.fmt import printable
+
 Cell = str | Text
 Row = tuple[str, Sequence[Cell]]
 
 _PAD = 1  # spaces either side of a cell, as DataTable's default cell padding
+
+
+def _printable(cell: Cell) -> Cell:
+    """A cell with control and bidi characters escaped (fmt.printable): cells show stored text
+    (run names, errors), and a raw ESC or U+202E would reach the terminal."""
+    if isinstance(cell, Text):
+        safe = printable(cell.plain)
+        return cell if safe == cell.plain else Text(safe, style=cell.style)
+    return printable(cell) if isinstance(cell, str) else cell
 
 
 class RowTable(ScrollView, can_focus=True):
@@ -153,7 +164,7 @@ class RowTable(ScrollView, can_focus=True):
         Rows whose cells did not change keep their drawn lines; nothing is measured beyond
         the string lengths of the new cells.
         """
-        rows = [(str(key), tuple(cells)) for key, cells in rows]
+        rows = [(str(key), tuple(_printable(cell) for cell in cells)) for key, cells in rows]
         old_rows, old_key = self._rows, self.cursor_key
         same_keys = len(rows) == len(old_rows) and all(a[0] == b[0] for a, b in zip(rows, old_rows))
         self._rows = rows

@@ -1,0 +1,30 @@
+"""Log files of jobs and their children: created owner-only (0600) whatever the umask.
+
+Logs hold command lines, environment-derived paths and engine output; they sit in the data
+folder's logs/ (0700), and each file is 0600 too, so a permissive umask (000 gives 0666) or a
+folder someone loosened later does not expose them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import IO
+
+LOG_MODE = 0o600
+
+
+def open_log(path: str | os.PathLike, *, binary: bool = True) -> IO:
+    """`path` opened for append, created 0600 if missing; an existing file of ours is set to 0600
+    too (one from an older version followed the umask)."""
+    fd = os.open(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, LOG_MODE)
+    try:
+        if os.fstat(fd).st_mode & 0o777 != LOG_MODE:
+            try:
+                os.fchmod(fd, LOG_MODE)
+            except PermissionError:
+                pass  # not ours (a shared log someone pointed us at): leave its mode to its owner
+        return os.fdopen(fd, "ab") if binary else os.fdopen(fd, "a", encoding="utf-8")
+    except BaseException:
+        os.close(fd)
+        raise
