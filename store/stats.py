@@ -132,6 +132,7 @@ class Verdict:
     mean: float | None = None
     text: str = ""
     unstable: tuple = field(default=())
+    note: str = ""  # the unstable flag, e.g. "unstable (CV > 10%): budgets 32"
 
     STATES = ("best", "tie", "untested", "single", "none")
 
@@ -139,9 +140,20 @@ class Verdict:
         if self.state not in self.STATES:
             raise ValueError(f"unknown verdict state {self.state!r}")
 
+    @property
+    def short(self) -> str:
+        """A table cell: "best 16", "tie 8,16", "16? untested", "only 16", "-" (+ " unstable")."""
+        text = {"best": f"best {self.best}", "tie": "tie " + ",".join(str(x) for x in self.tied),
+                "untested": f"{self.best}? untested", "single": f"only {self.best}", "none": "-"}[self.state]
+        return text + (" unstable" if self.unstable else "")
+
+    @property
+    def full(self) -> str:
+        return f"{self.text}; {self.note}" if self.note else self.text
+
     def to_dict(self) -> dict:
         return {"state": self.state, "best": self.best, "tied": list(self.tied), "mean": self.mean,
-                "text": self.text, "unstable": list(self.unstable)}
+                "text": self.full, "unstable": list(self.unstable)}
 
 
 def _names(labels) -> str:
@@ -157,19 +169,19 @@ def verdict(candidates: list[tuple[object, Summary]], *, noun: str = "budget", u
     shaky = tuple(label for label, s in measured if s.cv is not None and s.cv > unstable_cv)
     ranked = sorted(measured, key=lambda item: -item[1].mean)
     leader, top = ranked[0]
-    flag = f"; unstable (CV > {unstable_cv:.0%}): {noun}s {_names(shaky)}" if shaky else ""
+    flag = f"unstable (CV > {unstable_cv:.0%}): {noun}s {_names(shaky)}" if shaky else ""
     if len(ranked) == 1:
-        return Verdict("single", best=leader, mean=top.mean, unstable=shaky,
-                       text=f"only {noun} {leader}: {top.mean:.1f} {unit}{flag}")
+        return Verdict("single", best=leader, mean=top.mean, unstable=shaky, note=flag,
+                       text=f"only {noun} {leader}: {top.mean:.1f} {unit}")
     if any(not s.has_interval for _, s in ranked):
-        return Verdict("untested", best=leader, mean=top.mean, unstable=shaky,
-                       text=f"highest {noun} {leader} at {top.mean:.1f} {unit}, untested "
-                            f"(single repeats have no interval: set sweep.repeats >= 3){flag}")
+        return Verdict("untested", best=leader, mean=top.mean, unstable=shaky, note=flag,
+                       text=f"highest {noun} {leader} at {top.mean:.1f} {unit}, untested: one repeat, "
+                            f"no interval (set sweep.repeats >= 3)")
     runner = ranked[1][1]
     if top.ci_low > runner.ci_high:
-        return Verdict("best", best=leader, mean=top.mean, unstable=shaky,
+        return Verdict("best", best=leader, mean=top.mean, unstable=shaky, note=flag,
                        text=f"best {noun} {leader} at {top.mean:.1f} {unit} "
-                            f"(95% CI {top.ci_low:.1f}-{top.ci_high:.1f}, clear of {noun} {ranked[1][0]}){flag}")
+                            f"(95% CI {top.ci_low:.1f}-{top.ci_high:.1f}, clear of {noun} {ranked[1][0]})")
     tied = tuple(label for label, s in ranked if s.ci_high >= top.ci_low)
-    return Verdict("tie", best=None, tied=tied, mean=top.mean, unstable=shaky,
-                   text=f"tie within noise: {noun}s {_names(tied)}{flag}")
+    return Verdict("tie", best=None, tied=tied, mean=top.mean, unstable=shaky, note=flag,
+                   text=f"tie within noise: {noun}s {_names(tied)}")

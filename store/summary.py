@@ -107,10 +107,11 @@ class BestBudget:
                 continue
             ci = f" [{r.ci_low:.2f}-{r.ci_high:.2f}]" if r.ci_low is not None else ""
             parts.append(f"{r.value:.2f}x{ci} {BASELINE_NAMES[alg]}")
-        if not parts:
-            return self.verdict.text
-        who = f"budget {self.leader}: " if self.verdict.state == "tie" else ""
-        return f"{self.verdict.text} ({who}{', '.join(parts)})"
+        text = self.verdict.text
+        if parts:
+            who = f"budget {self.leader}: " if self.verdict.state == "tie" else ""
+            text += f" ({who}{', '.join(parts)})"
+        return f"{text}; {self.verdict.note}" if self.verdict.note else text
 
     def to_dict(self) -> dict:
         return {"setting": self.setting, "leader": self.leader, **self.verdict.to_dict(),

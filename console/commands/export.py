@@ -20,6 +20,20 @@ from ddtree.jobs.errors import JobError
 from ddtree.jobs.recipe import RecipeError, recipe_from_dict, recipe_to_toml
 from ddtree.store import sweeps
 from ddtree.store.db import open_db
+from ddtree.store.stats import UNSTABLE_CV
+from ddtree.store.summary import best_budgets, labelled
+
+#: What each figure of the exports is (README.md's Metrics section defines them in full).
+METRIC_LABELS = {
+    "output_tok_s": "output tok/s: completion tokens of successful requests / wall time of the point",
+    "tok_s_per_user": "per-user output tok/s: output tok/s / mean requests in flight (at least 1)",
+    "tau_weighted": "tau weighted by verify count: accepted tokens per verify round, pooled over requests",
+    "tau_mean": "tau mean: mean over requests of SGLang's spec_accept_length",
+    "ttft_p50": "TTFT p50 (s): time to first token",
+    "itl_p50": "ITL p50 (s): inter-token latency",
+    "e2e_p50": "E2E p50 (s): request latency, send to last token",
+    "speedup_vs_ar": "x AR: geometric mean of paired repeats' output tok/s ratios (repeat i / AR repeat i)",
+}
 
 FORMATS = ("csv", "json", "md", "recipe")
 
@@ -82,7 +96,20 @@ def to_csv(points: list[sweeps.Point]) -> str:
 def to_json(run_row, points: list[sweeps.Point]) -> dict:
     run_fields = {k: getattr(run_row, k) for k in run_row.__dataclass_fields__
                   if k not in ("points_done", "points_failed")}
-    return {"run": run_fields, "points": [p.to_dict() for p in points], "summary": sweeps.summarize(points)}
+    cv = _unstable_cv(run_row)
+    return {"run": run_fields, "points": [p.to_dict() for p in points],
+            "summary": sweeps.summarize(points, unstable_cv=cv),
+            "best_budget": [{"label": label, **best.to_dict()}
+                            for label, best in labelled(best_budgets(points, unstable_cv=cv))],
+            "metrics": METRIC_LABELS}
+
+
+def _unstable_cv(run_row) -> float:
+    """The recipe's CV threshold for unstable points (the default when the recipe cannot say)."""
+    try:
+        return recipe_from_dict(run_row.recipe).sweep.unstable_spread
+    except (RecipeError, TypeError):
+        return UNSTABLE_CV
 
 
 def to_recipe(run_row) -> str:
@@ -106,6 +133,14 @@ def _cell(value, fmt: str = ".2f") -> str:
     return str(value)
 
 
+def _ratio(ratio: dict | None) -> str:
+    if not ratio or ratio.get("value") is None:
+        return "-"
+    if ratio.get("ci_low") is None:
+        return f"{ratio['value']:.2f}"
+    return f"{ratio['value']:.2f} [{ratio['ci_low']:.2f}-{ratio['ci_high']:.2f}]"
+
+
 def to_markdown(run_row, points: list[sweeps.Point]) -> str:
     lines = [f"# Run {run_row.id}: {run_row.name}", ""]
     hw = run_row.hardware if isinstance(run_row.hardware, dict) else {}
@@ -115,24 +150,39 @@ def to_markdown(run_row, points: list[sweeps.Point]) -> str:
     lines.append(f"- engine: {run_row.engine_kind}, model {run_row.model or 'demo'}, draft {run_row.draft_model or 'demo'}")
     lines.append(f"- hardware: {device}; state: {run_row.state}; points: {len(points)}")
     lines.append("")
-    header = ["algorithm", "budget", "c", "dataset", "T", "out tok/s", "tok/s/user", "vs ar", "vs dflash",
-              "tau (weighted)", "tau (mean)", "TTFT p50 s", "ITL p50 ms", "E2E p99 s", "repeats", "note"]
+    cv_limit = _unstable_cv(run_row)
+    bests = labelled(best_budgets(points, unstable_cv=cv_limit))
+    if bests:
+        lines.append("## Best budget")
+        lines.append("")
+        lines.extend(f"- {label}: {best.line}" for label, best in bests)
+        lines.append("")
+    header = ["algorithm", "budget", "c", "dataset", "T", "out tok/s (median)", "95% CI", "CV", "tok/s/user",
+              "x AR [95% CI]", "x DFlash [95% CI]", "tau (weighted by verify)", "tau (mean of requests)",
+              "TTFT p50 s", "ITL p50 ms", "E2E p99 s", "repeats", "note"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join("---" for _ in header) + "|")
-    for row in sweeps.summarize(points):
+    for row in sweeps.summarize(points, unstable_cv=cv_limit):
         note = []
         if row["unstable"]:
-            note.append(f"unstable (spread {row['repeat_spread']:.0%})")
+            note.append(f"unstable (CV {row['cv']:.0%} > {cv_limit:.0%})")
         if row["baseline"]:
             note.append("baseline")
         if "done" not in row["states"]:
             note.append("/".join(row["states"]) + (f": {row['error']}" if row["error"] else ""))
         itl = row["itl_p50"] * 1000 if row["itl_p50"] is not None else None
+        tok = row["output_tok_s_stats"]
+        ci = f"{tok['ci_low']:.1f}-{tok['ci_high']:.1f}" if tok["ci_low"] is not None else "-"
         cells = [row["algorithm"], _cell(row["budget"]), _cell(row["concurrency"]), row["dataset"],
-                 _cell(row["temperature"], "g"), _cell(row["output_tok_s"], ".1f"), _cell(row["tok_s_per_user"], ".1f"),
-                 _cell(row["speedup_vs_ar"]), _cell(row["speedup_vs_dflash"]), _cell(row["tau_weighted"]),
+                 _cell(row["temperature"], "g"), _cell(row["output_tok_s"], ".1f"), ci,
+                 _cell(row["cv"], ".1%") if row["cv"] is not None else "-", _cell(row["tok_s_per_user"], ".1f"),
+                 _ratio(row["vs_ar"]), _ratio(row["vs_dflash"]), _cell(row["tau_weighted"]),
                  _cell(row["tau_mean"]), _cell(row["ttft_p50"], ".3f"), _cell(itl, ".1f"), _cell(row["e2e_p99"]),
                  f"{row['repeats_done']}/{row['repeats']}", "; ".join(note).replace("|", "/")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines.append("")
+    lines.append("tau (weighted by verify): accepted tokens per verify round pooled over the point's requests; "
+                 "tau (mean of requests): the mean of SGLang's per-request spec_accept_length. "
+                 "Intervals are 95% (Student's t over repeats); ratios pair repeat i with the baseline's repeat i.")
     return "\n".join(lines) + "\n"
 

@@ -11,8 +11,12 @@ import json
 
 from ddtree.console import fmt
 from ddtree.console.commands.jobs import limit
+from ddtree.jobs.recipe import RecipeError, recipe_from_dict
 from ddtree.store.db import open_db
 from ddtree.store.queries import list_runs
+from ddtree.store.stats import UNSTABLE_CV
+from ddtree.store.sweeps import list_points
+from ddtree.store.summary import best_budgets, labelled
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -30,8 +34,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     with open_db(args.db) as db:
         runs = list_runs(db, text=args.filter, limit=args.limit)
+        verdicts = {r.id: labelled(best_budgets(list_points(db, r.id), unstable_cv=_unstable_cv(r))) for r in runs}
     if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in runs], indent=2, default=str))
+        print(json.dumps([{**dataclasses.asdict(r), "best_budget": [{"label": label, **b.to_dict()}
+                                                                    for label, b in verdicts[r.id]]}
+                          for r in runs], indent=2, default=str))
         return 0
     if not runs:
         print("no runs match" if args.filter else "no runs yet (start one with `ddtree-console sweep RECIPE.toml`)")
@@ -46,8 +53,26 @@ def run(args: argparse.Namespace) -> int:
             f"{r.points_done}/{r.points_total}" if r.points_total else str(r.points_done),
             str(r.points_failed),
             fmt.stamp(r.created_at),
+            verdict_cell(verdicts[r.id]),
         ]
         for r in runs
     ]
-    print(fmt.table(["ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "FAILED", "CREATED"], rows))
+    print(fmt.table(["ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "FAILED", "CREATED", "VERDICT"], rows))
     return 0
+
+
+def verdict_cell(bests: list) -> str:
+    """The best-budget verdicts of a run in one cell: "best 16", "tie 8,16", "c=1 best 16; c=4 tie 8,16"."""
+    if not bests:
+        return "-"
+    if len(bests) == 1:
+        return bests[0][1].verdict.short
+    return fmt.one_line("; ".join(f"{label} {b.verdict.short}" for label, b in bests), 60)
+
+
+def _unstable_cv(run) -> float:
+    """The run's recipe threshold for unstable points (the default when it has none)."""
+    try:
+        return recipe_from_dict(run.recipe).sweep.unstable_spread
+    except (RecipeError, TypeError):
+        return UNSTABLE_CV

@@ -19,6 +19,8 @@ from textual.widgets import Button, Input, Label, Static
 from ddtree.console.widgets.chart import COLORS, LineChart, Series
 from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.tables import fmt_num, sync_table
+from ddtree.store.stats import UNSTABLE_CV
+from ddtree.store.summary import series_verdict
 
 POINT_COLUMNS = ("#", "ALGO", "BUDGET", "C", "TP", "STATE", "TOK/S", "TAU", "xAR", "xDFLASH", "E2E p50", "NOTE")
 BASELINE_COLORS = {"ar": "grey58", "dflash": "gold3"}
@@ -41,7 +43,7 @@ def _label(key: tuple, varying: set[int]) -> str:
 
 
 def budget_curves(points: list, *, prefix: str = "", colors: tuple[str, ...] = COLORS,
-                  baselines: bool = True) -> tuple[list[Series], list[Series], list[str]]:
+                  baselines: bool = True, unstable_cv: float = UNSTABLE_CV) -> tuple[list[Series], list[Series], list[str]]:
     """(tau series, tok/s series, best-budget lines) from a run's points (done ones count)."""
     done = [p for p in points if p.state == "done" and p.output_tok_s is not None]
     measured = [p for p in done if p.algorithm == "ddtree" and p.budget is not None]
@@ -67,17 +69,14 @@ def budget_curves(points: list, *, prefix: str = "", colors: tuple[str, ...] = C
             toks.append((float(budget), median(k_values)))
             if len(k_values) > 1:
                 tok_err.append((float(budget), min(k_values), max(k_values)))
-        best = max(toks, key=lambda xy: xy[1]) if toks else None
+        # The verdict comes from the store's one definition of "best" (runs and exports read it too).
+        verdict = series_verdict([p for p in done if _series_key(p) == key], unstable_cv=unstable_cv)
+        leader = verdict.verdict.best
+        best = next(((x, y) for x, y in toks if x == leader), None) if leader is not None else None
         tau_out.append(Series(label, tuple(taus), color, tuple(tau_err)))
         tok_out.append(Series(label, tuple(toks), color, tuple(tok_err), best=best))
-        if best is not None:
-            line = f"{label}: best budget {best[0]:g} at {best[1]:.1f} tok/s"
-            ratios = []
-            for alg in ("ar", "dflash"):
-                ref = [p.output_tok_s for p in done if p.algorithm == alg and _series_key(p) == key]
-                if ref:
-                    ratios.append(f"{best[1] / median(ref):.2f}x {BASELINE_NAMES[alg]}")
-            best_lines.append(line + (f" ({', '.join(ratios)})" if ratios else ""))
+        if verdict.verdict.state != "none":
+            best_lines.append(f"{label}: {verdict.line}")
     if baselines:
         shown = sorted({_series_key(p) for p in measured}, key=lambda k: tuple(str(v) for v in k))
         shown = shown[:2] if len(shown) <= 2 else shown[:1]

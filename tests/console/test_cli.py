@@ -149,7 +149,7 @@ def test_runs_table_filter_and_json(db_path, capsys):
         insert_row(db, "points", {"run_id": r2, "state": "done"})
     code, out, _ = main(capsys, "runs")
     lines = out.splitlines()
-    assert lines[0].split() == ["ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "FAILED", "CREATED"]
+    assert lines[0].split() == ["ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "FAILED", "CREATED", "VERDICT"]
     assert lines[1].split()[:6] == [str(r2), "demo", "builtin", "assets/demo/target", "running", "1/3"]
     code, out, _ = main(capsys, "runs", "--filter", "kimi")
     assert [line.split()[1] for line in out.splitlines()[1:]] == ["kimi-tp8"]

@@ -73,12 +73,14 @@ def test_verdict_tie_names_every_budget_within_noise():
     # a wild repeat widens the leader's interval over everything, and flags it unstable
     v = verdict([(4, _s(80, 81, 79)), (16, _s(177, 107, 105))])
     assert v.state == "tie" and v.tied == (16, 4)
-    assert v.unstable == (16,) and "unstable (CV > 10%): budgets 16" in v.text
+    assert v.unstable == (16,) and v.note == "unstable (CV > 10%): budgets 16"
+    assert v.full == "tie within noise: budgets 16, 4; unstable (CV > 10%): budgets 16"
 
 
 def test_verdict_without_repeats_is_untested_not_best():
     v = verdict([(8, _s(106.6)), (16, _s(177.0))])
     assert v.state == "untested" and v.best == 16 and "untested" in v.text and "best" not in v.text
+    assert v.short == "16? untested"
     assert verdict([]).state == "none"
     assert verdict([(8, _s(1.0, 1.1))]).state == "single"
     assert verdict([(8, Summary(0))]).state == "none"
