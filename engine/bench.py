@@ -155,7 +155,10 @@ def point_metrics(requests: list[RequestResult], *, concurrency: int, duration_s
     """The point's figures from its measured requests (warm-up already left out).
 
     Throughputs divide by the wall time from the first request's start to the last one's end.
-    `tok_s_per_user` is the mean over requests of completion tokens / E2E latency.
+    `tok_s_per_user` is the output tok/s shared among the requests in flight: output tok/s divided
+    by the mean number of requests in flight (Little's law: the sum of E2E latencies over the wall
+    time), counted as at least one. So it never exceeds output tok/s, and at concurrency 1 it equals
+    it; the mean of per-request tokens / E2E did not (short requests weigh as much as long ones).
     """
     ok = [r for r in requests if r.ok]
     failed = [r for r in requests if not r.ok]
@@ -166,7 +169,7 @@ def point_metrics(requests: list[RequestResult], *, concurrency: int, duration_s
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     itls = [x for r in ok for x in r.itl_s]
     e2es = [r.e2e_s for r in ok if r.e2e_s is not None]
-    per_user = [r.completion_tokens / r.e2e_s for r in ok if r.e2e_s]
+    busy_s = sum(r.e2e_s for r in requests if r.e2e_s)
     tau_mean, tau_weighted = tau_stats(requests)
     metrics: dict[str, Any] = {
         "requests_ok": len(ok),
@@ -175,7 +178,8 @@ def point_metrics(requests: list[RequestResult], *, concurrency: int, duration_s
         "duration_s": duration_s,
         "output_tok_s": output_tokens / duration_s if duration_s > 0 else None,
         "req_s": len(ok) / duration_s if duration_s > 0 else None,
-        "tok_s_per_user": sum(per_user) / len(per_user) if per_user else None,
+        "tok_s_per_user": (output_tokens / duration_s / max(1.0, busy_s / duration_s)
+                           if duration_s > 0 and ok else None),
         "tau_mean": tau_mean,
         "tau_weighted": tau_weighted,
         "tau_hist": merge_histograms([r.accept_hist for r in ok]),
