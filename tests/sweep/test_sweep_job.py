@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
 def _args(db, **kw):
-    base = dict(db=str(db), recipe=None, resume=None, detach=False, dry_run=False, json=True, name=None)
+    base = dict(db=str(db), recipe=None, resume=None, detach=False, dry_run=False, json=True, name=None,
+                yes_large=False)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -41,7 +42,8 @@ def _wait(predicate, timeout_s, what):
 
 def test_detached_sweep_killed_then_resumed_fills_each_point_once(tmp_path, tiny_pair, prompts_file, capsys):
     db_path = tmp_path / "ddtree.db"
-    recipe_path = write_recipe(tmp_path / "tiny.toml", tiny_pair, prompts_file, repeats=1)
+    # two repeats of three specs at one concurrency: six points, run A B C A B C
+    recipe_path = write_recipe(tmp_path / "tiny.toml", tiny_pair, prompts_file, repeats=2, concurrency=[1])
     recipe = load_recipe(recipe_path)
     planned = make_plan(recipe).points
     assert cmd.run(_args(db_path, recipe=str(recipe_path), detach=True)) == 0
@@ -69,6 +71,10 @@ def test_detached_sweep_killed_then_resumed_fills_each_point_once(tmp_path, tiny
 
     points = sweeps.list_points(db, run_id)
     assert sorted(p.point_key for p in points) == sorted(p.key for p in planned)  # each exactly once
+    cells = [(p.cell_key, p.repeat) for p in points]
+    assert len(set(cells)) == len(cells) == 6 and len({p.cell_key for p in points}) == 3
+    assert [(p.algorithm, p.budget, p.repeat) for p in points] == [
+        ("ar", None, 0), ("ddtree", 2, 0), ("ddtree", 6, 0), ("ar", None, 1), ("ddtree", 2, 1), ("ddtree", 6, 1)]
     for p in points:
         if before[p.point_key].state == "done":
             assert p.ended_at == before[p.point_key].ended_at  # not run again
@@ -99,6 +105,10 @@ def test_detached_sweep_killed_then_resumed_fills_each_point_once(tmp_path, tiny
     rows = list(csv.DictReader(io.StringIO((tmp_path / "run.tomlcsv").read_text())))
     assert len(rows) == len(planned) and float(rows[0]["output_tok_s"]) > 0
     data = json.loads((tmp_path / "run.tomljson").read_text())
-    assert len(data["points"]) == len(planned) and len(data["summary"]) == len(planned)
+    assert len(data["points"]) == len(planned) and len(data["summary"]) == 3
+    stats = data["summary"][1]["output_tok_s_stats"]
+    assert stats["n"] == 2 and stats["ci_low"] <= stats["mean"] <= stats["ci_high"]
+    assert data["summary"][1]["vs_ar"]["n"] == 2  # paired repeat by repeat
+    assert data["best_budget"][0]["state"] in ("best", "tie")
     md = (tmp_path / "run.tomlmd").read_text()
-    assert md.count("\n| ddtree |") == 4 and "| ar |" in md
+    assert md.count("\n| ddtree |") == 2 and "| ar |" in md
