@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sqlite3
 import sys
 from types import ModuleType
 from typing import NoReturn
@@ -207,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     except (EngineError, JobError, StoreError) as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return exc.exit_code
+    except sqlite3.OperationalError as exc:
+        # A write the store did not wrap: a read-only file (or folder) is bad input, with a way out.
+        if "readonly" not in str(exc) and "read-only" not in str(exc):
+            raise
+        print(f"error: the database is read-only: {one_line(exc)} (make the file and its folder writable, "
+              "or pass another path with --db or DDTREE_DB)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -346,6 +346,9 @@ def _is_done(spec: DownloadSpec, commit: str, path: str, size: int) -> bool:
 
 def _check_writable(target: Path) -> None:
     where = existing_parent(target)
+    if not where.is_dir():
+        # A file at (or above) the target: no permission would help, so say what it is.
+        raise TargetNotWritable(f"not a directory: {where}", "give --local-dir a folder, or a path that does not exist yet")
     if not os.access(where, os.W_OK | os.X_OK):
         raise TargetNotWritable(f"permission denied: cannot write under {where}",
                                 "choose a folder you can write with --local-dir")

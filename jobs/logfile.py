@@ -8,6 +8,7 @@ folder someone loosened later does not expose them.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import IO
 
@@ -28,3 +29,20 @@ def open_log(path: str | os.PathLike, *, binary: bool = True) -> IO:
     except BaseException:
         os.close(fd)
         raise
+
+
+# A tqdm bar ("Loading weights:  45%|####5     | 9/20 [00:01<00:02, 4.5it/s]"): updates are
+# separated by carriage returns, so one "line" of the log may be hundreds of them.
+_BAR = re.compile(r"\d+%\|.*\||\|\s*\d+/\d+\s*\[|\d+(?:\.\d+)?(?:it|s)/(?:s|it)\]")
+_ERROR = re.compile(r"^(?:error:|ERROR\b|\w+(?:Error|Exception)\b:?)")
+
+
+def error_tail(text: str, lines: int = 3, width: int = 400) -> str:
+    """The part of a child's log worth putting in an error message: progress bars dropped, then the
+    last line that reads as an error (`error: ...`, `ValueError: ...`), else the last `lines` lines;
+    each kept line at most `width` characters from its start (the cause comes first)."""
+    kept = [line.strip() for line in re.split(r"[\r\n]+", text)]
+    kept = [line for line in kept if line and not _BAR.search(line)]
+    errors = [line for line in kept if _ERROR.match(line)]
+    chosen = errors[-1:] if errors else kept[-lines:]
+    return " | ".join(line[:width] for line in chosen)

@@ -34,7 +34,7 @@ from ddtree.engine.launch import LaunchSpec, build_launch, free_port
 from ddtree.engine.placement import suggest
 from ddtree.engine.preflight import check_gpus, preflight
 from ddtree.engine.probe import Capabilities, probe
-from ddtree.engine.prompts import DatasetError, resolve_dataset
+from ddtree.engine.prompts import DatasetError, read_prompts, resolve_dataset
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.recipe import EngineSpec, Recipe
 
@@ -199,12 +199,47 @@ class Plan:
                             numa_nodes=launch.numa_nodes, numa_cpus=launch.numa_cpus)
 
 
+#: Grids larger than this are refused unless the operator says so (`sweep --yes-large`): a typo'd
+#: axis (1000 x 100) wrote 100,000 point rows before its first point.
+MAX_POINTS = 10_000
+
+
+def grid_size(recipe: Recipe) -> int:
+    """How many points `make_plan` would plan, counted from the axes without building them."""
+    sweep = recipe.sweep
+    return (len(_gpu_sets(recipe)) * len(_specs(recipe)) * len(sweep.dataset) * len(sweep.temperature)
+            * len(sweep.concurrency) * sweep.repeats)
+
+
+def check_size(recipe: Recipe, *, allow_large: bool = False) -> None:
+    """Refuse (exit 2) a grid over MAX_POINTS points, before it is planned or stored."""
+    size = grid_size(recipe)
+    if size > MAX_POINTS and not allow_large:
+        raise UnsupportedEngine(f"sweep grid has {size:,} points (more than {MAX_POINTS:,})",
+                                "shrink the axes of [sweep], or pass --yes-large to run it anyway")
+
+
+def _check_local(key: str, value: str | None) -> None:
+    """A model given as a local path (absolute, ./, ../ or ~) must exist; a hub repo id is checked
+    by the engine when it downloads."""
+    if value is None or not value.startswith(("/", "./", "../", "~")):
+        return
+    if not Path(value).expanduser().exists():
+        raise UnsupportedEngine(f"{key} = {value!r}: no such file or folder",
+                                "give a local model folder that exists, or a hub repo id")
+
+
 def check_plan(plan: Plan) -> None:
-    """Refuse (exit 2) a plan with a prompt set that cannot be found or a launch that cannot be
-    built; the first reason is the message."""
+    """Refuse (exit 2) a plan with a prompt set that cannot be found or read, a local model that is
+    not there, or a launch that cannot be built; the first reason is the message."""
     for name in plan.recipe.sweep.dataset:
-        # A missing prompt file is bad input: refuse it here, not as failed points an hour later.
-        resolve_dataset(name)
+        # A missing or unreadable prompt file is bad input: refuse it here, not as failed points an
+        # hour later (read in full: an empty, binary or half-JSON file fails every point).
+        path = resolve_dataset(name)
+        try:
+            read_prompts(path)
+        except DatasetError as exc:
+            raise DatasetError(f"sweep.dataset {name!r}: {exc}") from None
     bad = [launch for launch in plan.launches if launch.unsupported is not None]
     if bad:
         first = bad[0]
@@ -213,6 +248,9 @@ def check_plan(plan: Plan) -> None:
                                 + (f" budget {first.budget}" if first.budget is not None else "")
                                 + f", tp {first.tp}) cannot start{more}: {first.unsupported}",
                                 "`ddtree-console sweep RECIPE --dry-run` shows every launch")
+    # After the launches: a refusal read from the target's config says more than a missing drafter.
+    _check_local("engine.model", plan.recipe.engine.model)
+    _check_local("engine.draft_model", plan.recipe.engine.draft_model)
 
 
 def demo_pair() -> tuple[str, str]:

@@ -58,11 +58,35 @@ def _typename(value: Any) -> str:
             dict: "a table"}.get(type(value), type(value).__name__)
 
 
-def _want_int(where: str, value: Any, minimum: int = 0) -> int:
+#: Upper bounds checked before anything starts (a value past them passed validation and failed
+#: only once an engine was up, or overflowed SQLite's 64-bit integers when the points were written).
+#: MAX_BUDGET is the builtin engine's node budget maximum (engine/reference/engine.py
+#: DEFAULT_MAX_BUDGET; not imported, that module loads torch).
+MAX_BUDGET = 1024
+MAX_NEW_TOKENS = 1 << 20
+MAX_TEMPERATURE = 100.0
+MAX_PROMPTS = 1 << 20  # num_prompts and concurrency: a point sends this many requests at most
+MAX_INT = 2**63 - 1
+
+
+def _want_int(where: str, value: Any, minimum: int = 0, maximum: int = MAX_INT, why: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise RecipeError(f"{where} must be an integer, got {_typename(value)} {value!r}")
     if value < minimum:
         raise RecipeError(f"{where} must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise RecipeError(f"{where} must be <= {maximum}{why}, got {value}")
+    return value
+
+
+def _want_budget(where: str, value: Any) -> int:
+    return _want_int(where, value, 0, MAX_BUDGET, " (the engine's maximum node budget)")
+
+
+def _want_temperature(where: str, value: Any) -> float:
+    value = _want_float(where, value, 0.0)
+    if not value <= MAX_TEMPERATURE:
+        raise RecipeError(f"{where} must be a finite number <= {MAX_TEMPERATURE:g}, got {value}")
     return value
 
 
@@ -141,7 +165,7 @@ class EngineSpec:
         if self.api is not None:
             _want_str("engine.api", self.api, APIS)
         if self.budget is not None:
-            _want_int("engine.budget", self.budget, 0)
+            _want_budget("engine.budget", self.budget)
         if self.block_size is not None:
             _want_int("engine.block_size", self.block_size, 2)
         if self.draft_window is not None:
@@ -212,8 +236,8 @@ class SweepSpec:
                 raise RecipeError(f"sweep.{key} must be a tuple of values")
         if not (self.concurrency and self.dataset and self.temperature and self.tp):
             raise RecipeError("sweep axes concurrency, dataset, temperature and tp need at least one value")
-        _want_int("sweep.num_prompts", self.num_prompts, 1)
-        _want_int("sweep.max_new_tokens", self.max_new_tokens, 1)
+        _want_int("sweep.num_prompts", self.num_prompts, 1, MAX_PROMPTS)
+        _want_int("sweep.max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
         _want_int("sweep.warmup", self.warmup, 0)
         _want_int("sweep.repeats", self.repeats, 1)
         _want_int("sweep.seed", self.seed, 0)
@@ -331,11 +355,11 @@ def _sweep_from_dict(data: Any) -> SweepSpec:
     kw = dict(data)
     axes = {
         "algorithm": lambda w, v: _want_str(w, v, ALGORITHMS),
-        "budget": lambda w, v: _want_int(w, v, 0),
+        "budget": _want_budget,
         "tp": lambda w, v: _want_int(w, v, 1),
-        "concurrency": lambda w, v: _want_int(w, v, 1),
+        "concurrency": lambda w, v: _want_int(w, v, 1, MAX_PROMPTS),
         "dataset": lambda w, v: _want_str(w, v),
-        "temperature": lambda w, v: _want_float(w, v, 0.0),
+        "temperature": _want_temperature,
     }
     for key, check in axes.items():
         if key in kw:

@@ -125,6 +125,9 @@ def _classify(exc: sqlite3.OperationalError, what: str) -> StoreError:
     text = str(exc)
     if "full" in text:
         return StoreFull(f"cannot save {what}: {text}", "free disk space where the database lives, then resume the run")
+    if "readonly" in text or "read-only" in text:
+        return StoreError(f"cannot save {what}: the database is read-only",
+                          "make the file and its folder writable, or pass another path with --db or DDTREE_DB")
     return StoreError(f"cannot save {what}: {text}")
 
 

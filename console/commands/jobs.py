@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from ddtree.console import fmt
+from ddtree.console.commands import MAX_ID
 from ddtree.console.commands import job_id as _job_id
 from ddtree.jobs import supervisor
 from ddtree.jobs.errors import BadSpec, JobError
@@ -224,6 +225,13 @@ def _submit(args: argparse.Namespace) -> int:
         spec = json.loads(args.spec)
     except ValueError as exc:
         raise BadSpec(f"--spec is not valid JSON: {exc}", 'e.g. --spec \'{"seconds": 5}\'') from None
+    run_id = spec.get("run_id") if args.kind == "sweep" and isinstance(spec, dict) else None
+    if isinstance(run_id, int) and not isinstance(run_id, bool) and 1 <= run_id <= MAX_ID:
+        # A run that is not there is bad input: say so now, not as a job that fails at once.
+        from ddtree.store.sweeps import get_run
+
+        with open_db(args.db) as db:
+            get_run(db, run_id)
     job_id = supervisor.submit(args.db, args.kind, spec, name=args.name, detach=args.detach)
     with open_db(args.db) as db:
         job = get_job(db, job_id)
@@ -233,6 +241,9 @@ def _submit(args: argparse.Namespace) -> int:
         print(f"job {job_id} started; follow it with `ddtree-console jobs logs {job_id} --follow`")
     else:
         print(f"job {job_id} {job.state}" + (f" ({fmt.printable(job.error)})" if job.error else ""))
+        if job.state != "succeeded":
+            print(f"error: job {job_id} {job.state}" + (f": {fmt.one_line(job.error, 400)}" if job.error else ""),
+                  file=sys.stderr)
     if args.detach:
         return 0
     return 0 if job.state == "succeeded" else 1

@@ -112,7 +112,11 @@ def run(args: argparse.Namespace) -> int:
     if why is not None:
         raise ServeError(why, hint=SPECULATIVE_HINT)
     argv = server_argv(args)
+    # No weight-loading bar: on the terminal it printed before (and garbled) the one `error:` line
+    # of a failure after the load. Set HF_HUB_DISABLE_PROGRESS_BARS=0 to have it back.
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(argv[0], argv)
+    os.execve(argv[0], argv, env)
     return 0  # not reached: exec replaced this process

@@ -26,7 +26,8 @@ from pathlib import Path
 from ddtree.console.commands import run_id
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.kinds.sweep import check_supported
-from ddtree.jobs.plan import Hardware, check_plan, format_plan, make_plan
+from ddtree.console.fmt import printable
+from ddtree.jobs.plan import MAX_POINTS, Hardware, check_plan, check_size, format_plan, make_plan
 from ddtree.jobs.recipe import Recipe, load_recipe, recipe_to_dict
 from ddtree.store import sweeps
 from ddtree.store.db import data_dir, open_db, resolve_db_path
@@ -48,6 +49,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--detach", action="store_true", help="run in the background and return at once")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit; start nothing")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--yes-large", action="store_true",
+                   help=f"run a grid of more than {MAX_POINTS:,} points (refused without it)")
     p.add_argument("--name", help="name of the run and its job (default: the recipe's name; a resumed run keeps its own)")
     p.set_defaults(command_module=__name__)
 
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             raise SweepUsageError("--dry-run applies to a recipe file, not to --resume")
         return _resume(args)
     recipe = _absolute_paths(load_recipe(args.recipe))
+    check_size(recipe, allow_large=args.yes_large)
     db_path = resolve_db_path(getattr(args, "db", None))
     # SGLang/vLLM: the plan asks the recipe's interpreter what it accepts (cached beside the
     # database) and places the launches on this machine's GPUs.
@@ -166,7 +170,12 @@ def _start(args: argparse.Namespace, db_path: Path, run_id: int, name: str) -> i
               f"{counts['skipped']} skipped, {counts['pending'] + counts['running']} left"
               + (f"; resume with `ddtree-console sweep --resume {run_id}`" if counts['pending'] + counts['running'] else ""))
         if job.state not in ("succeeded", "cancelled") and getattr(job, "error", None):
-            print(f"error: {job.error}", file=sys.stderr)
+            print(f"error: {printable(job.error)}", file=sys.stderr)
+        elif counts["failed"]:
+            # Some points failed but the run went on: say why the first one did, not only how many.
+            first = next((p.error for p in points if p.state == "failed" and p.error), None)
+            if first:
+                print(f"first error: {printable(first)}", file=sys.stderr)
     if job.state == "cancelled":
         return 130  # Ctrl-C: the shell's code for an interrupt, as `download` returns; not a failure
     return 0 if job.state == "succeeded" else 1
@@ -211,7 +220,7 @@ class _PointPrinter:
             if p.id in self.seen or p.state not in ("done", "failed", "skipped"):
                 continue
             self.seen.add(p.id)
-            print(f"[{len(self.seen)}/{total}] {format_point(p)}", flush=True)
+            print(f"[{len(self.seen)}/{total}] {printable(format_point(p))}", flush=True)
 
 
 def format_point(p: sweeps.Point) -> str:

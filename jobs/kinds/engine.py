@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ddtree.jobs.context import JobContext
 from ddtree.jobs.errors import BadSpec, JobCancelled, JobError
+from ddtree.jobs.logfile import error_tail
 from ddtree.store.db import transaction
 from ddtree.store.queries import now
 
@@ -190,10 +191,10 @@ class _Announcement:
 
 def _tail(path: Path, lines: int = 4) -> str:
     try:
-        text = path.read_text(errors="replace").strip().splitlines()[-lines:]
+        text = path.read_text(errors="replace")
     except OSError:
         return f"see {path}"
-    return " | ".join(text)[-500:] or f"see {path}"
+    return error_tail(text, lines, 500) or f"see {path}"
 
 
 def _update_engine(ctx: JobContext, row_id: int, values: dict) -> None:

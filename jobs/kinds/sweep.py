@@ -48,6 +48,7 @@ from ddtree.engine.metrics import (SGLANG_REQUESTS, MetricsError, RunAcceptance,
 from ddtree.engine.preflight import PreflightError, check_gpus, preflight
 from ddtree.engine.prompts import load_prompts
 from ddtree.jobs.errors import JobCancelled, JobError
+from ddtree.jobs.logfile import error_tail
 from ddtree.jobs.plan import Hardware, Launch, Plan, PlanPoint, UnsupportedEngine, make_plan, repeat_note
 from ddtree.jobs.recipe import Recipe, RecipeError, recipe_from_dict, recipe_to_dict
 from ddtree.store import sweeps
@@ -77,7 +78,7 @@ def validate(spec: dict) -> dict:
         raise SweepSpecError("a sweep spec must be an object")
     if "run_id" in spec:
         run_id = spec["run_id"]
-        if isinstance(run_id, bool) or not isinstance(run_id, int) or run_id < 1:
+        if isinstance(run_id, bool) or not isinstance(run_id, int) or not 1 <= run_id < 2**63:  # SQLite's range
             raise SweepSpecError(f"run_id must be a positive integer, got {run_id!r}")
         extra = set(spec) - {"run_id"}
         if extra:
@@ -373,10 +374,10 @@ def _log_tail(path: str | None, lines: int = 3) -> str:
     if not path:
         return "no engine log"
     try:
-        tail = Path(path).read_text(errors="replace").strip().splitlines()[-lines:]
+        text = Path(path).read_text(errors="replace")
     except OSError:
         return f"see {path}"
-    return " | ".join(tail)[-400:] or f"see {path}"
+    return error_tail(text, lines) or f"see {path}"
 
 
 # -- GPU telemetry during a point ----------------------------------------------------------------
@@ -465,6 +466,9 @@ def run(ctx, spec: dict) -> dict:
     state = "succeeded" if result["points_done"] or not result["points_failed"] else "failed"
     # When no point ran, the engine's start-up failure is the cause worth showing on the job row.
     first = result["engine_failures"][0] if result["engine_failures"] else None
+    if first is None and result["points_failed"]:
+        # Points that failed one by one (requests refused, the engine died mid-point): the first one's cause.
+        first = next((p.error for p in sweeps.list_points(ctx.db, run_id) if p.state == "failed" and p.error), None)
     error = f"all {result['points_failed']} point(s) failed" + (f"; {first}" if first else "")
     sweeps.finish_run(ctx.db, run_id, state, error=None if state == "succeeded" else error[:1000])
     if state == "failed":

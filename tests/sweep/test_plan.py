@@ -123,7 +123,9 @@ def _hybrid_recipe(tmp_path, sweep: str) -> str:
     target.mkdir(exist_ok=True)
     (target / "config.json").write_text(json.dumps({
         "model_type": "qwen3_next", "layer_types": ["linear_attention", "linear_attention", "full_attention"]}))
-    return f'name = "h"\n[engine]\nmodel = "{target}"\ndraft_model = "/m/drafter"\n[sweep]\n{sweep}\n'
+    drafter = tmp_path / "drafter"  # a local model path must exist (check_plan refuses it otherwise)
+    drafter.mkdir(exist_ok=True)
+    return f'name = "h"\n[engine]\nmodel = "{target}"\ndraft_model = "{drafter}"\n[sweep]\n{sweep}\n'
 
 
 def test_builtin_plan_refuses_speculative_algorithms_on_a_hybrid_target(tmp_path):
