@@ -411,14 +411,17 @@ def load_recipe(path: str | Path) -> Recipe:
     return parse_recipe(text, source=str(path))
 
 
-def recipe_to_dict(recipe: Recipe) -> dict:
-    """The canonical dict (TOML/JSON types only); defaults and None are left out of the tables."""
+def recipe_to_dict(recipe: Recipe, *, explicit: bool = False) -> dict:
+    """The canonical dict (TOML/JSON types only); defaults and None are left out of the tables,
+    unless `explicit`, which writes every setting that has a value (None has no TOML form)."""
     def table(obj, defaults) -> dict:
         out = {}
         for key in obj.__dataclass_fields__:
             value = getattr(obj, key)
-            if value is None or value == getattr(defaults, key):
+            if value is None or (not explicit and value == getattr(defaults, key)):
                 continue
+            if explicit and value == () and value == getattr(defaults, key):
+                continue  # an axis left empty means "not an axis"; TOML's [] would read as an error
             if key == "env":
                 value = dict(value)
             elif isinstance(value, tuple):
@@ -448,9 +451,9 @@ def _toml_value(value: Any) -> str:
     raise RecipeError(f"cannot write {type(value).__name__} to TOML")
 
 
-def recipe_to_toml(recipe: Recipe, *, comment: str | None = None) -> str:
-    """TOML that `parse_recipe` reads back to an equal recipe."""
-    data = recipe_to_dict(recipe)
+def recipe_to_toml(recipe: Recipe, *, comment: str | None = None, explicit: bool = False) -> str:
+    """TOML that `parse_recipe` reads back to an equal recipe (`explicit`: every setting written)."""
+    data = recipe_to_dict(recipe, explicit=explicit)
     lines = [f"# {line}" for line in (comment or "").splitlines()]
     lines.append(f"name = {_toml_value(data['name'])}")
     for section in ("engine", "sweep"):

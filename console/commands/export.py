@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import json
 import sys
@@ -17,6 +18,7 @@ import time
 from ddtree.console.commands import run_id
 from ddtree.console.files import write_output
 from ddtree.jobs.errors import JobError
+from ddtree.jobs.plan import demo_pair
 from ddtree.jobs.recipe import RecipeError, recipe_from_dict, recipe_to_toml
 from ddtree.store import sweeps
 from ddtree.store.db import open_db
@@ -122,7 +124,21 @@ def to_recipe(run_row) -> str:
     comment = f"exported from run {run_row.id} ({run_row.name}), {stamp}" + (f" on {host}" if host else "")
     if run_row.recipe_git_rev:
         comment += f"\nrecipe file {run_row.recipe_path} at git {run_row.recipe_git_rev}"
-    return recipe_to_toml(recipe, comment=comment)
+    comment += "\nevery effective setting is written out, defaults resolved"
+    return recipe_to_toml(resolved(recipe), comment=comment, explicit=True)
+
+
+def resolved(recipe):
+    """The recipe with what it left to defaults made explicit where this machine can say: the demo
+    pair's folders for a builtin engine given no model, the interpreter, the request API."""
+    engine = recipe.engine
+    changes = {"api": engine.request_api}
+    if engine.kind == "builtin" and engine.model is None:
+        target, drafter = demo_pair()
+        changes.update(model=target, draft_model=engine.draft_model or drafter)
+    if engine.python is None:
+        changes["python"] = sys.executable
+    return dataclasses.replace(recipe, engine=dataclasses.replace(engine, **changes))
 
 
 def _cell(value, fmt: str = ".2f") -> str:

@@ -82,3 +82,37 @@ def test_overlapping_intervals_are_a_tie_naming_the_budgets(tmp_path, capsys):
     listed = json.loads(capsys.readouterr().out)
     assert listed[0]["best_budget"][0]["state"] == "tie"
     assert listed[0]["best_budget"][0]["tied"] == [32, 16, 8]
+
+
+DEMO = """
+name = "demo-defaults"
+[sweep]
+budget = [4, 16]
+baseline = ["ar", "dflash"]
+repeats = 2
+"""
+
+
+def test_exported_recipe_is_explicit_and_plans_again_point_for_point(tmp_path, capsys):
+    from ddtree.console import cli
+
+    recipe = parse_recipe(DEMO)
+    db_path = tmp_path / "d.db"
+    with open_db(db_path) as db:
+        run_id = sweeps.create_run(db, job_id=None, name=recipe.name, recipe=recipe_to_dict(recipe),
+                                   engine_kind="builtin")
+    out = tmp_path / "again.toml"
+    assert cli.main(["--db", str(db_path), "export", str(run_id), "--format", "recipe", "-o", str(out)]) == 0
+    text = out.read_text()
+    capsys.readouterr()
+    # what demo.toml left to defaults is written out: engine kind, device, backend, the demo pair's
+    # folders, the interpreter, the dataset, temperature, repeats, warm-up, seed
+    for key in ('kind = "builtin"', 'device = "cpu"', 'backend = "auto"', "model = ", "draft_model = ",
+                "python = ", 'dataset = ["builtin:code"]', "temperature = [0.0]", "repeats = 2", "warmup = 2",
+                "seed = 0", "interleave = true"):
+        assert key in text, key
+    assert cli.main(["--db", str(db_path), "sweep", str(out), "--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    original = make_plan(recipe).to_dict()
+    assert plan["points"] == original["points"]
+    assert [launch["argv"] for launch in plan["launches"]] == [launch["argv"] for launch in original["launches"]]

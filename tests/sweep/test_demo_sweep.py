@@ -35,7 +35,7 @@ def test_demo_pair_sweep_fills_points_with_real_acceptance(tmp_path, capsys):
     recipe.write_text(RECIPE)
     db_path = tmp_path / "ddtree.db"
     args = argparse.Namespace(db=str(db_path), recipe=str(recipe), resume=None, detach=False, dry_run=False,
-                              json=True, name=None)
+                              json=True, name=None, yes_large=False)
     assert cmd.run(args) == 0
     finished = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert finished["state"] == "succeeded"
