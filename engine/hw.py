@@ -36,6 +36,21 @@ LINK_MEANING = {
 _NVML_MAX_LINKS = 18  # probing stops at the first link index NVML rejects
 _CLOCK_SM, _CLOCK_MEM, _TEMPERATURE_GPU = 1, 2, 0
 _P2P_CAPS_INDEX_NVLINK, _P2P_STATUS_OK = 2, 0  # pynvml NVML_P2P_CAPS_INDEX_NVLINK, NVML_P2P_STATUS_OK
+# NVML's clocks event (formerly "throttle") reason bits, named as nvidia-smi -q names them.
+CLOCK_EVENT_REASONS = {
+    0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+    0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting",
+}
+
+
+def clock_event_names(mask: int) -> tuple[str, ...]:
+    """The named reasons set in an NVML clocks event bitmask (unknown bits as 'bit_0x...')."""
+    names = [name for bit, name in CLOCK_EVENT_REASONS.items() if mask & bit]
+    rest = mask & ~sum(CLOCK_EVENT_REASONS)
+    if rest:
+        names.append(f"bit_{rest:#x}")
+    return tuple(names)
 
 
 @dataclass(frozen=True)
@@ -464,6 +479,30 @@ class Nvml:
                 used = getattr(p, "usedGpuMemory", None)
                 seen[pid] = GpuProcess(pid=pid, name=_process_name(pid), used_memory=used)
         return sorted(seen.values(), key=lambda p: p.pid)
+
+    def clock_events(self, index: int) -> tuple[tuple[str, ...] | None, str | None]:
+        """Why GPU `index` runs below its top clock now: (reason names, None) or (None, why unknown).
+        Drivers before r535 know the query by its older name (throttle reasons)."""
+        self.start()
+        if index >= len(self._handles):
+            return None, f"no GPU {index}"
+        h = self._handles[index]
+        mask, reason = self.query("nvmlDeviceGetCurrentClocksEventReasons", h)
+        if mask is None:
+            mask, old_reason = self.query("nvmlDeviceGetCurrentClocksThrottleReasons", h)
+            reason = reason if mask is None and (old_reason or "").endswith("missing from this nvidia-ml-py") else old_reason
+        if mask is None:
+            return None, reason
+        return clock_event_names(int(mask)), None
+
+    def processes(self, index: int) -> tuple[list[GpuProcess], str | None]:
+        """The compute and graphics processes on GPU `index` now, and why the list may be incomplete."""
+        self.start()
+        if index >= len(self._handles):
+            return [], f"no GPU {index}"
+        gpu = GpuInfo(index=index)
+        procs = self._processes(gpu, self._handles[index])
+        return procs, gpu.unavailable.get("processes")
 
     def view(self) -> GpuView:
         """Everything `hw` shows about GPUs; never raises for a missing driver or GPU."""
