@@ -311,3 +311,12 @@ def m005_point_repeats(db: Database) -> None:
     for point_id, key in rows:
         db.execute("UPDATE points SET cell_key = ? WHERE id = ?", [_cell_key(key), point_id])
     db["points"].create_index(["run_id", "cell_key", "repeat"], unique=True)
+
+
+@migrations()
+def m006_point_contention(db: Database) -> None:
+    # Contention (issue 16): what competed with each point while it ran, so a busy box is visible
+    # wherever the point is shown. `contention` is JSON (engine/contention.Contention.to_dict() plus
+    # "reasons"); `contended` is 1 when any reason was found, 0 when none, NULL when not measured.
+    db["points"].add_column("contention", str)  # JSON
+    db["points"].add_column("contended", int)

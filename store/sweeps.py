@@ -54,7 +54,7 @@ class StoreFull(StoreError):
 
 @dataclass(frozen=True)
 class Point:
-    JSON_COLUMNS = ("gpus", "tau_hist", "failures", "warnings")
+    JSON_COLUMNS = ("gpus", "tau_hist", "failures", "warnings", "contention")
 
     id: int
     run_id: int
@@ -106,6 +106,8 @@ class Point:
     error: str | None = None
     cell_key: str | None = None
     cv: float | None = None
+    contention: Any = None  # JSON: what competed with the point (store/contention.py)
+    contended: int | None = None
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
