@@ -20,7 +20,7 @@ from ddtree.console.files import write_output
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.plan import demo_pair
 from ddtree.jobs.recipe import RecipeError, recipe_from_dict, recipe_to_toml
-from ddtree.store import sweeps
+from ddtree.store import contention, sweeps
 from ddtree.store.db import open_db
 from ddtree.store.stats import UNSTABLE_CV
 from ddtree.store.summary import best_budgets, labelled
@@ -84,13 +84,17 @@ def render(run_row, points: list[sweeps.Point], fmt: str) -> str:
 def to_csv(points: list[sweeps.Point]) -> str:
     buf = io.StringIO()
     names = list(sweeps.Point.__dataclass_fields__)
+    # the contention reading flattened into plain columns (the JSON `contention` column keeps it whole)
+    extra = [c for c in contention.EXPORT_COLUMNS if c not in names]
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(names)
+    writer.writerow(names + extra)
     for p in points:
         row = []
+        flat = contention.export_fields(p)
         for name in names:
             value = getattr(p, name)
             row.append(json.dumps(value) if isinstance(value, (list, dict)) else ("" if value is None else value))
+        row.extend("" if flat[c] is None else flat[c] for c in extra)
         writer.writerow(row)
     return buf.getvalue()
 
@@ -99,7 +103,8 @@ def to_json(run_row, points: list[sweeps.Point]) -> dict:
     run_fields = {k: getattr(run_row, k) for k in run_row.__dataclass_fields__
                   if k not in ("points_done", "points_failed")}
     cv = _unstable_cv(run_row)
-    return {"run": run_fields, "points": [p.to_dict() for p in points],
+    return {"run": run_fields, "points": [{**p.to_dict(), **contention.export_fields(p)} for p in points],
+            "busy_box": contention.run_busy_note(points),
             "summary": sweeps.summarize(points, unstable_cv=cv),
             "best_budget": [{"label": label, **best.to_dict()}
                             for label, best in labelled(best_budgets(points, unstable_cv=cv))],
@@ -165,6 +170,10 @@ def to_markdown(run_row, points: list[sweeps.Point]) -> str:
     device = (f"{len(gpus)} x {gpus[0].get('name')}" if gpus else (host.get("cpu_model") or "CPU"))
     lines.append(f"- engine: {run_row.engine_kind}, model {run_row.model or 'demo'}, draft {run_row.draft_model or 'demo'}")
     lines.append(f"- hardware: {device}; state: {run_row.state}; points: {len(points)}")
+    busy = contention.run_busy_note(points)
+    if busy:
+        lines.append(f"- **warning: {busy}**: other work competed with these points; their figures may be noise "
+                     "(see Contention below)")
     lines.append("")
     cv_limit = _unstable_cv(run_row)
     bests = labelled(best_budgets(points, unstable_cv=cv_limit))
@@ -197,8 +206,26 @@ def to_markdown(run_row, points: list[sweeps.Point]) -> str:
                  f"{row['repeats_done']}/{row['repeats']}", "; ".join(note).replace("|", "/")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines.append("")
+    lines.extend(_contention_section(points))
     lines.append("tau (weighted by verify): accepted tokens per verify round pooled over the point's requests; "
                  "tau (mean of requests): the mean of SGLang's per-request spec_accept_length. "
                  "Intervals are 95% (Student's t over repeats); ratios pair repeat i with the baseline's repeat i.")
     return "\n".join(lines) + "\n"
 
+
+def _contention_section(points: list[sweeps.Point]) -> list[str]:
+    """A table of the points that ran on a busy box (nothing when none did)."""
+    busy = contention.contended_points(points)
+    if not busy:
+        return []
+    header = ["point", "algorithm", "budget", "c", "repeat", "load 1m", "CPU %", "others (cores)",
+              "GPU others", "clock events", "why"]
+    lines = ["## Contention", "", "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for p in busy:
+        f = contention.export_fields(p)
+        cells = [_cell(p.idx), p.algorithm, _cell(p.budget), _cell(p.concurrency), _cell(p.repeat),
+                 _cell(f["host_load1"], ".1f"), _cell(f["host_cpu_percent"], ".0f"), _cell(f["others_cpu_cores"]),
+                 _cell(f["gpu_other_processes"]), f["gpu_clock_events"] or "-", (f["busy_reasons"] or "-")]
+        lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
+    lines.append("")
+    return lines

@@ -39,6 +39,7 @@ from importlib.metadata import PackageNotFoundError, version
 from itertools import groupby
 from pathlib import Path
 
+from ddtree.engine.contention import Watch, busy_note, busy_reasons
 from ddtree.engine.bench import BenchConfig, EngineNotReady, PointResult, run_point, wait_ready
 from ddtree.engine.errors import EngineError
 from ddtree.engine.launch import LaunchSpec
@@ -52,6 +53,7 @@ from ddtree.jobs.logfile import error_tail
 from ddtree.jobs.plan import Hardware, Launch, Plan, PlanPoint, UnsupportedEngine, make_plan, repeat_note
 from ddtree.jobs.recipe import Recipe, RecipeError, recipe_from_dict, recipe_to_dict
 from ddtree.store import sweeps
+from ddtree.store.contention import record_contention
 from ddtree.store.db import open_db
 
 STOP_GRACE_S = 10.0
@@ -590,7 +592,9 @@ def _run_one(ctx, plan: Plan, point: PlanPoint, point_id: int, engine: EnginePro
                 first = warmed.requests[0]
                 warnings.append(f"every warm-up request failed ({first.error}: {first.detail})")
         before = _scrape(engine.url, metrics_path) if not ctx.cancelled.is_set() else None
-        result = run_point(engine.url, prompts, cfg, stop=ctx.cancelled)
+        box = Watch(our_pgids=(engine.proc.pid,) if engine.proc is not None else (), gpus=tuple(point.gpus))
+        with box:
+            result = run_point(engine.url, prompts, cfg, stop=ctx.cancelled)
         after = _scrape_settled(engine.url, metrics_path, before, result.metrics["requests_ok"])
         util, power = gpu.means()
     if ctx.cancelled.is_set():
@@ -607,6 +611,10 @@ def _run_one(ctx, plan: Plan, point: PlanPoint, point_id: int, engine: EnginePro
         tx.execute("UPDATE points SET tau_counters = ?, accept_counters = ? WHERE id = ?",
                    [counters.tau if counters else None,
                     json.dumps(counters.to_dict()) if counters else None, point_id])
+    busy = busy_reasons(box.reading)
+    record_contention(db, point_id, box.reading.to_dict(), busy)
+    if busy:
+        ctx.log(f"{label}: warning: {busy_note(busy)}")
     summary = (f"{label} {state}: {metrics['requests_ok']} ok, {metrics['requests_failed']} failed, "
                f"{_fmt(metrics.get('output_tok_s'))} tok/s, tau {_fmt(metrics.get('tau_weighted'))}"
                f" (counters {_fmt(counters.tau if counters else None)})")
