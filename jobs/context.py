@@ -21,7 +21,7 @@ from sqlite_utils import Database
 from ddtree.jobs.errors import JobCancelled, JobError
 from ddtree.jobs.procs import kill_group, start_time
 from ddtree.store.db import data_dir as store_data_dir
-from ddtree.jobs.logfile import open_log
+from ddtree.jobs.logfile import create_log, open_log
 from ddtree.store.db import logs_dir, open_db
 from ddtree.store.queries import insert_row, now, update_row
 
@@ -38,6 +38,7 @@ class _Child:
     row_id: int
     pid_started: float | None
     log: IO[bytes]
+    log_path: Path
     ended: bool = False
 
 
@@ -114,7 +115,8 @@ class JobContext:
         cwd: str | os.PathLike | None = None,
         name: str,
     ) -> subprocess.Popen:
-        """Start a child in its own process group, output to data_dir/logs/job-<id>-<name>.log.
+        """Start a child in its own process group, output to a new file data_dir/logs/job-<id>-<name>.log
+        (`.2.log`, ... when that name is taken: see `child_log`).
 
         `env` adds to (and overrides) the runner's environment. The child is killed by group on
         cancel and when the job ends; a still-running child at job end is not an error.
@@ -124,12 +126,11 @@ class JobContext:
         if not argv:
             raise JobError("empty command line for a child process")
         self.check_cancelled()
-        log_path = self.log_path.parent / f"job-{self.job_id}-{name}.log"
         full_env = None
         if env is not None:
             full_env = dict(os.environ)
             full_env.update({str(k): str(v) for k, v in env.items()})
-        log = open_log(log_path)
+        log_path, log = create_log(self.log_path.parent, f"job-{self.job_id}-{name}")
         try:
             popen = subprocess.Popen(
                 [str(a) for a in argv],
@@ -149,9 +150,17 @@ class JobContext:
             row_id = insert_row(self._db, "processes", {
                 "job_id": self.job_id, "name": name, "argv": json.dumps([str(a) for a in argv]), "pid": popen.pid,
                 "pgid": popen.pid, "pid_started": started, "log_path": str(log_path), "started_at": now()})
-            self._children.append(_Child(name, popen, row_id, started, log))
+            self._children.append(_Child(name, popen, row_id, started, log, log_path))
         self.log(f"started {name} (pid {popen.pid}): {' '.join(str(a) for a in argv)}; log {log_path}")
         return popen
+
+    def child_log(self, popen: subprocess.Popen) -> Path:
+        """The log file `spawn` made for this child: it holds this launch's output and nothing else."""
+        with self._lock:
+            for child in self._children:
+                if child.popen is popen:
+                    return child.log_path
+        raise JobError(f"pid {popen.pid} was not started by this job")
 
     def poll_children(self) -> None:
         """Record the exit of children that ended by themselves."""

@@ -31,6 +31,31 @@ def open_log(path: str | os.PathLike, *, binary: bool = True) -> IO:
         raise
 
 
+def create_log(folder: str | os.PathLike, stem: str) -> tuple[Path, IO[bytes]]:
+    """A new log file `folder/stem.log` (or `stem.2.log`, `stem.3.log` ... when taken), created
+    0600 with O_EXCL and opened for binary append: (its path, the file).
+
+    Never an existing file: two databases in one folder, or a database deleted and made again,
+    reuse job ids, and a reader of this launch's output must not find an older launch's lines
+    (a stale `listening` line names a dead port).
+    """
+    folder = Path(folder)
+    for n in range(1, 10_000):
+        path = folder / (f"{stem}.log" if n == 1 else f"{stem}.{n}.log")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, LOG_MODE)
+        except FileExistsError:
+            continue
+        try:
+            if os.fstat(fd).st_mode & 0o777 != LOG_MODE:
+                os.fchmod(fd, LOG_MODE)  # the umask filtered the create mode
+            return path, os.fdopen(fd, "ab")
+        except BaseException:
+            os.close(fd)
+            raise
+    raise FileExistsError(f"no free log name for {stem} in {folder}")
+
+
 # A tqdm bar ("Loading weights:  45%|####5     | 9/20 [00:01<00:02, 4.5it/s]"): updates are
 # separated by carriage returns, so one "line" of the log may be hundreds of them.
 _BAR = re.compile(r"\d+%\|.*\||\|\s*\d+/\d+\s*\[|\d+(?:\.\d+)?(?:it|s)/(?:s|it)\]")

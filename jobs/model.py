@@ -16,6 +16,7 @@ from typing import Any
 from sqlite_utils import Database
 
 from ddtree.jobs.errors import JobStateError
+from ddtree.jobs.logfile import create_log
 from ddtree.store.db import logs_dir, transaction
 from ddtree.store.queries import get_job, now, to_json
 from ddtree.store.records import ACTIVE_STATES, JOB_STATES, TERMINAL_STATES, Job
@@ -56,7 +57,10 @@ def create_job(db: Database, kind: str, spec: dict, *, name: str | None = None) 
             [kind, name, json.dumps(spec, sort_keys=True), hostname(), at],
         )
         job_id = int(cur.lastrowid)
-        log_path = logs_dir(_db_file(db)) / f"job-{job_id}.log"
+        # A file of its own, made now: another database in this folder (or this one deleted and
+        # made again) has had a job with this id, and its log is not this job's.
+        log_path, log = create_log(logs_dir(_db_file(db)), f"job-{job_id}")
+        log.close()
         db.execute("UPDATE jobs SET log_path = ? WHERE id = ?", [str(log_path), job_id])
         db.execute(
             "INSERT INTO job_events (job_id, at, state, message) VALUES (?, ?, 'queued', ?)",

@@ -250,7 +250,7 @@ def run(ctx: JobContext, spec: dict) -> dict:
         }).last_pk
     env = launch.spawn_env() if launch else {"TOKENIZERS_PARALLELISM": "false"}
     proc = ctx.spawn(argv, env=env, name="server")
-    log_path = ctx.log_path.parent / f"job-{ctx.job_id}-server.log"
+    log_path = ctx.child_log(proc)  # made for this launch: no older server's listening line in it
     _update_engine(ctx, row_id, {"pid": proc.pid, "pgid": proc.pid, "log_path": str(log_path)})
     ctx.progress(message="starting the server")
     reader = _Announcement(log_path)

@@ -70,16 +70,17 @@ def test_saturation_skips_higher_concurrency_of_the_series(tmp_path, prompts_fil
 def test_full_disk_rolls_back_the_point_and_names_the_cause(tmp_path):
     db = open_db(tmp_path / "full.db")
     run_id = sweeps.create_run(db, job_id=None, name="x", recipe={"name": "x"})
-    ids = sweeps.ensure_points(db, run_id, [{"point_key": "k", "idx": 0, "engine_kind": "builtin",
+    key = json.dumps({"algorithm": "ar", "repeat": 0})  # point keys are JSON (their cell is the key less repeat)
+    ids = sweeps.ensure_points(db, run_id, [{"point_key": key, "idx": 0, "engine_kind": "builtin",
                                              "algorithm": "ar", "budget": None, "tp": 1, "gpus": [],
                                              "concurrency": 1, "dataset": "d", "temperature": 0.0, "repeat": 0}])
     pages = db.execute("PRAGMA page_count").fetchone()[0]
     db.execute(f"PRAGMA max_page_count = {pages}")
     requests = [{"idx": i, "ok": True, "detail": "x" * 4000} for i in range(50)]
     with pytest.raises(sweeps.StoreFull) as info:
-        sweeps.record_point(db, ids["k"], state="done", metrics={"requests_ok": 50}, requests=requests)
+        sweeps.record_point(db, ids[key], state="done", metrics={"requests_ok": 50}, requests=requests)
     assert "full" in str(info.value) and "resume" in info.value.hint
-    assert sweeps.get_point(db, ids["k"]).state == "pending"
+    assert sweeps.get_point(db, ids[key]).state == "pending"
     assert db.execute("SELECT count(*) FROM requests").fetchone()[0] == 0
     db.close()
 
@@ -88,7 +89,8 @@ def test_cli_resume_refusals(tmp_path, capsys):
     from ddtree.console.commands import sweep as cmd
     from ddtree.store.errors import NotFound
 
-    ns = dict(db=str(tmp_path / "d.db"), recipe=None, resume=None, detach=False, dry_run=False, json=False, name=None)
+    ns = dict(db=str(tmp_path / "d.db"), recipe=None, resume=None, detach=False, dry_run=False, json=False, name=None,
+              yes_large=False)
     with pytest.raises(cmd.SweepUsageError) as info:
         cmd.run(argparse.Namespace(**ns))
     assert info.value.exit_code == 2
@@ -119,3 +121,28 @@ def test_cli_resume_refusals(tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert len(plan["launches"]) == 2 and plan["launches"][0]["argv"] is None
     assert "could not import sglang" in plan["launches"][0]["unsupported"]
+
+
+def test_stale_engine_log_from_another_database_is_ignored(tmp_path, prompts_file):
+    # Another database in this folder (or this one before it was deleted) had a job 1 whose engine
+    # announced a port that is dead now; this run's job 1 must not read that line.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    logs = tmp_path / "logs"
+    logs.mkdir(mode=0o700)
+    stale = json.dumps({"event": "listening", "host": "127.0.0.1", "port": dead, "url": f"http://127.0.0.1:{dead}"})
+    for name in ("job-1.log", "job-1-engine-0-0.log"):
+        (logs / name).write_text(stale + "\n")
+    job, points = run_sweep(tmp_path, fake_recipe(tmp_path, prompts_file, "reject", budget=[2], concurrency=[1]))
+    # The fake answers 503 to every request: the point failed on its requests, not on a dead engine.
+    assert [p.error for p in points] == [points[0].error] and "every request failed" in points[0].error
+    db = open_db(tmp_path / "ddtree.db")
+    ports = [r[0] for r in db.execute("SELECT port FROM engines WHERE job_id = ?", [job.id])]
+    logs_used = [r[0] for r in db.execute("SELECT log_path FROM processes WHERE job_id = ?", [job.id])]
+    db.close()
+    assert ports and dead not in ports
+    assert str(logs / "job-1-engine-0-0.log") not in logs_used and job.log_path != str(logs / "job-1.log")
+    assert (logs / "job-1-engine-0-0.log").read_text() == stale + "\n"  # the other database's log is untouched
