@@ -16,7 +16,7 @@ from ddtree.jobs.model import create_job, hostname, set_state
 from ddtree.jobs.procs import is_alive, kill_group, same_leader, signal_group
 from ddtree.jobs.runner import HEARTBEAT_STALE_S, execute
 from ddtree.store.db import open_db, resolve_db_path, transaction
-from ddtree.store.queries import get_job, job_processes, list_jobs, now
+from ddtree.store.queries import close_engines, get_job, job_processes, list_jobs, now
 from ddtree.store.records import ACTIVE_STATES, Job
 
 #: A queued job whose runner has not recorded itself after this long is presumed never started.
@@ -139,6 +139,7 @@ def cancel(db_path: str | os.PathLike | None, job_id: int, grace_s: float = 10.0
             while time.monotonic() < deadline:
                 job = get_job(db, job_id)
                 if job.terminal and not is_alive(job.pid, job.pid_started):
+                    close_engines(db, job_id, "stopped", "its job was cancelled")  # rows its runner left open
                     return job
                 time.sleep(0.05)
             job = get_job(db, job_id)
@@ -146,6 +147,9 @@ def cancel(db_path: str | os.PathLike | None, job_id: int, grace_s: float = 10.0
                 _signal_runner(job, signal.SIGKILL)
         _kill_children(db, job_id, grace_s=0.0)
         job = get_job(db, job_id)
+        if not is_alive(job.pid, job.pid_started):
+            # A runner killed before it closed its engine rows: they would read `running` forever.
+            close_engines(db, job_id, "stopped", "its job was cancelled")
         if job.terminal:
             return job
         try:
@@ -178,7 +182,8 @@ def _kill_children(db, job_id: int, grace_s: float) -> None:
 
 def reconcile(db_path: str | os.PathLike | None, stale_s: float = HEARTBEAT_STALE_S) -> list[int]:
     """Mark `lost` the active jobs of this host whose runner is gone and whose heartbeat is older
-    than `stale_s`; stop the children they left. Returns the ids marked lost."""
+    than `stale_s`; stop the children they left and close their open engine rows (state lost).
+    Returns the ids marked lost."""
     db = open_db(db_path)
     lost = []
     try:
@@ -204,6 +209,8 @@ def reconcile(db_path: str | os.PathLike | None, stale_s: float = HEARTBEAT_STAL
                 lost.append(job.id)
             except JobStateError:
                 continue  # it ended on its own meanwhile
+            # Its servers were just stopped with its children; their rows say so, like the job's.
+            close_engines(db, job.id, "lost", f"job {job.id} was lost: {reason}")
     finally:
         db.close()
     return lost

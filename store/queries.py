@@ -36,6 +36,22 @@ def update_row(db: Database, table: str, row_id: int, values: dict[str, Any]) ->
         db.execute(f"UPDATE [{table}] SET {sets} WHERE id = ?", [*values.values(), row_id])
 
 
+#: engines.state values of a server that may still be up; any other state is final.
+OPEN_ENGINE_STATES = ("starting", "running")
+
+
+def close_engines(db: Database, job_id: int, state: str, error: str) -> int:
+    """Close the engine rows of `job_id` still `starting`/`running` (their runner is gone, so no one
+    else will): `state` (lost, stopped), `error`, ended_at now. Returns how many were closed."""
+    with transaction(db):
+        cur = db.execute(
+            "UPDATE engines SET state = ?, error = coalesce(error, ?), ended_at = ? "
+            f"WHERE job_id = ? AND state IN ({', '.join('?' for _ in OPEN_ENGINE_STATES)})",
+            [state, error, now(), job_id, *OPEN_ENGINE_STATES],
+        )
+    return cur.rowcount
+
+
 def get_job(db: Database, job_id: int) -> Job:
     rows = fetch_rows(db, "SELECT * FROM jobs WHERE id = ?", [job_id])
     if not rows:

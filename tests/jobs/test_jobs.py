@@ -178,6 +178,30 @@ def test_sigkilled_runner_becomes_lost_and_nothing_else_is_touched(db_path):
     assert reconcile(db_path, stale_s=0) == []
 
 
+def test_reconcile_closes_the_engine_rows_of_a_lost_job(db_path):
+    victim = submit(db_path, "shell", {"command": "sleep 60"})
+    bystander = submit(db_path, "shell", {"command": "sleep 60"})
+    wait_processes(db_path, victim)
+    runner = wait_state(db_path, victim, {"running"})
+    wait_state(db_path, bystander, {"running"})
+    with open_db(db_path) as db:  # the rows a sweep's runner writes for the engines it starts
+        for job_id, state in ((victim, "starting"), (victim, "running"), (victim, "failed"), (bystander, "running")):
+            db["engines"].insert({"job_id": job_id, "kind": "builtin", "state": state, "created_at": time.time()})
+    os.kill(runner.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while is_alive(runner.pid, runner.pid_started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reconcile(db_path, stale_s=0) == [victim]
+    with open_db(db_path) as db:
+        rows = db.execute("SELECT job_id, state, ended_at IS NOT NULL, error FROM engines ORDER BY id").fetchall()
+    assert [r[:3] for r in rows] == [(victim, "lost", 1), (victim, "lost", 1), (victim, "failed", 0),
+                                     (bystander, "running", 0)]
+    assert "gone" in rows[0][3]
+    cancel(db_path, bystander, grace_s=5)
+    with open_db(db_path) as db:
+        assert db.execute("SELECT state FROM engines WHERE job_id = ?", [bystander]).fetchone()[0] == "stopped"
+
+
 def test_foreground_job_is_cancelled_by_ctrl_c(db_path):
     code = textwrap.dedent(
         f"""
