@@ -9,6 +9,7 @@ a deferred transaction that reads first cannot wait for the lock, SQLite fails i
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sqlite3
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from ddtree.store.errors import (
     CorruptDatabase,
     DatabasePathError,
     ForeignDatabase,
+    NewerDatabase,
     StoreError,
 )
 from ddtree.store.migrations import APPLICATION_ID, MIGRATION_SET, migrations
@@ -142,9 +144,11 @@ def open_db(path: str | os.PathLike | None = None) -> Database:
     try:
         db = connect(db_path)
         _check_ours(db, db_path)
+        _check_not_newer(db, db_path)
         if db.journal_mode != "wal":
             db.enable_wal()
         _migrate(db)
+        _check_columns(db, db_path)
     except sqlite3.DatabaseError as exc:
         if db is not None:
             db.close()
@@ -156,14 +160,69 @@ def open_db(path: str | os.PathLike | None = None) -> Database:
     return db
 
 
+def schema_version() -> int:
+    """The schema this version writes: the number of migrations it knows. `open_db` stores it in
+    `PRAGMA user_version`, so an older ddtree-console can tell a database is past it."""
+    return len(_known_migrations())
+
+
+def _known_migrations() -> list[str]:
+    return [m.name for m in migrations._migrations]  # sqlite_utils keeps the registered list there
+
+
+def _check_not_newer(db: Database, path: Path) -> None:
+    """Refuse, before anything is written, a database a newer ddtree-console has migrated: running
+    on it would fail later, half way (a sweep after its engine started: "no such column")."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    known = _known_migrations()
+    unknown = [m.name for m in migrations.applied(db) if m.name not in known]
+    if version <= len(known) and not unknown:
+        return
+    what = f"schema version {version}" if version > len(known) else f"migration {unknown[0]}"
+    raise NewerDatabase(
+        f"{path} was written by a newer ddtree-console ({what}; this one knows up to {len(known)})",
+        "upgrade ddtree-console, or pass another database with --db or DDTREE_DB; it was left untouched",
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _expected_columns() -> dict[str, frozenset[str]]:
+    """table -> columns, from the migrations run on an empty in-memory database (once a process)."""
+    ref = Database(sqlite3.connect(":memory:"))
+    try:
+        migrations.apply(ref)
+        tables = [r[0] for r in ref.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()]
+        return {t: frozenset(c.name for c in ref[t].columns) for t in tables if not t.startswith("sqlite_")}
+    finally:
+        ref.close()
+
+
+def _check_columns(db: Database, path: Path) -> None:
+    """Every column the migrations made is there (a schema altered by hand or by another build of
+    the same migration names would otherwise fail mid-job)."""
+    for table, expected in sorted(_expected_columns().items()):
+        have = {c.name for c in db[table].columns}
+        missing = sorted(expected - have)
+        if missing:
+            raise NewerDatabase(
+                f"{path} lacks column {table}.{missing[0]} that schema version {schema_version()} has: "
+                "it was written by another ddtree-console version or changed by hand",
+                "pass another database with --db or DDTREE_DB; it was left as it is",
+            )
+
+
 def _migrate(db: Database) -> None:
+    version = schema_version()
     # Cheap read first: the common case is "nothing to do" and needs no write lock.
-    if migrations.applied(db) and not migrations.pending(db):
+    if (migrations.applied(db) and not migrations.pending(db)
+            and db.execute("PRAGMA user_version").fetchone()[0] == version):
         return
     # BEGIN IMMEDIATE serialises two processes migrating a new file at once; the second one
     # waits, then finds nothing pending. Migrations.apply nests as savepoints inside it.
     with transaction(db):
         migrations.apply(db)
+        if db.execute("PRAGMA user_version").fetchone()[0] < version:
+            db.execute(f"PRAGMA user_version = {version}")
 
 
 def _classify(exc: sqlite3.DatabaseError, path: Path) -> StoreError:

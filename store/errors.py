@@ -4,6 +4,7 @@
     ├── DatabasePathError   the path cannot be used (exit 2)
     ├── CorruptDatabase     not SQLite, or damaged; left untouched (exit 2)
     ├── ForeignDatabase     another application's database; left untouched (exit 2)
+    ├── NewerDatabase       written by a newer ddtree-console (or its schema altered); untouched (exit 2)
     └── NotFound            no row with that id (exit 2)
 
 One base class to catch (`StoreError`); subclasses name the cause. Every error carries a
@@ -42,6 +43,13 @@ class CorruptDatabase(StoreError):
 
 class ForeignDatabase(StoreError):
     """The file is a SQLite database of another application. It is never overwritten."""
+
+    exit_code = 2
+
+
+class NewerDatabase(StoreError):
+    """The schema is past what this version knows: a higher user_version, a migration it has
+    never heard of, or a column it needs is gone. Opened read-only in effect: nothing is written."""
 
     exit_code = 2
 

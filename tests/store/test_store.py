@@ -209,3 +209,51 @@ def test_reopening_in_one_process_keeps_committed_writes(tmp_path):
     out = subprocess.run([sys.executable, "-c", LOCKS, str(path)], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
     assert [r.name for r in list_runs(open_db(path))] == ["kept"]
+
+
+def _newer(tmp_path, how: str):
+    path = tmp_path / "ddtree.db"
+    db = open_db(path)
+    if how == "version":
+        db.execute("PRAGMA user_version = 999")
+    elif how == "migration":
+        db["_sqlite_migrations"].insert({"migration_set": "ddtree-console", "name": "m099_from_the_future",
+                                         "applied_at": "2030-01-01"})
+    else:
+        db.execute("ALTER TABLE points DROP COLUMN tau_counters")
+    db.close()
+    return path
+
+
+@pytest.mark.parametrize("how, words", [("version", "schema version 999"), ("migration", "m099_from_the_future"),
+                                         ("column", "points.tau_counters")])
+def test_database_from_a_newer_version_is_refused_at_open_and_untouched(tmp_path, how, words):
+    from ddtree.store.db import schema_version
+    from ddtree.store.errors import NewerDatabase
+
+    path = _newer(tmp_path, how)
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    with pytest.raises(NewerDatabase) as info:
+        open_db(path)
+    assert info.value.exit_code == 2 and words in info.value.message
+    if how != "column":
+        assert "newer ddtree-console" in info.value.message and f"knows up to {schema_version()}" in info.value.message
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+
+
+def test_cli_on_a_newer_database_prints_one_error_line_exit_2(tmp_path, capsys):
+    from ddtree.console import cli
+
+    path = _newer(tmp_path, "version")
+    assert cli.main(["--db", str(path), "runs"]) == 2
+    captured = capsys.readouterr()
+    lines = (captured.out + captured.err).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "newer ddtree-console" in lines[0]
+
+
+def test_open_records_the_schema_version(tmp_path):
+    from ddtree.store.db import schema_version
+
+    db = open_db(tmp_path / "ddtree.db")
+    assert db.execute("PRAGMA user_version").fetchone()[0] == schema_version() == len(migrations._migrations)
+    db.close()
