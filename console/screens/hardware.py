@@ -1,4 +1,4 @@
-"""Hardware: the GPU table, the link matrix, NUMA nodes and their GPUs, GPU sets for a TP size."""
+"""Hardware: host load and CPU use, the GPU table, the link matrix, NUMA nodes and their GPUs, GPU sets for a TP size."""
 
 from __future__ import annotations
 
@@ -78,6 +78,29 @@ def numa_text(view, host) -> Text:
     return out
 
 
+def host_load_text(host) -> Text:
+    """Host load and CPU use: a box busy with other work makes every figure measured on it noise."""
+    if host is None:
+        return Text("host load: reading…", style="dim")
+    out = Text()
+    cpus = host.cpus_logical or 1
+    if host.load_avg is None:
+        out.append("load average: unavailable on this platform", style="dim")
+        busy = False
+    else:
+        one, five, fifteen = host.load_avg
+        busy = one > cpus
+        out.append("load ", style="bold")
+        out.append(f"{one:.2f} {five:.2f} {fifteen:.2f}", style="bold yellow" if busy else "")
+        out.append(f" (1, 5, 15 min) on {cpus} CPUs", style="dim")
+    out.append("   CPU use ", style="bold")
+    out.append("-" if host.cpu_percent is None else f"{host.cpu_percent:.0f}%")
+    if busy:
+        out.append("\nbusy box: more runnable tasks than CPUs; sweep figures measured now will be flagged "
+                   "contended", style="yellow")
+    return out
+
+
 def suggestions(view, host, tp: int) -> Text:
     from ddtree.engine.errors import EngineError
     from ddtree.engine.placement import suggest
@@ -106,6 +129,7 @@ class HardwarePane(VerticalScroll):
 
     def compose(self) -> ComposeResult:
         yield Static("", id="gpu-reason")
+        yield Static("", id="host-load")
         yield Static("GPUs", classes="pane-title")
         yield RowTable(*GPU_COLUMNS, id="gpus")
         yield Static("Links", classes="pane-title")
@@ -136,6 +160,7 @@ class HardwarePane(VerticalScroll):
         sync_table(self.query_one("#gpus", RowTable), gpu_rows(view) if view is not None else [])
         self.query_one("#links", Static).update(link_matrix(view) if view is not None else "")
         self.query_one("#numa", Static).update(numa_text(view, host))
+        self.query_one("#host-load", Static).update(host_load_text(host))
         self._place()
 
     def _place(self) -> None:

@@ -19,6 +19,7 @@ from textual.widgets import Button, Input, Label, Static
 from ddtree.console.widgets.chart import COLORS, LineChart, Series
 from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.tables import fmt_num, sync_table
+from ddtree.store.contention import run_busy_note
 from ddtree.store.stats import UNSTABLE_CV
 from ddtree.store.summary import series_verdict
 
@@ -96,7 +97,8 @@ def budget_curves(points: list, *, prefix: str = "", colors: tuple[str, ...] = C
 
 def point_cells(p) -> tuple:
     state_style = {"done": "green", "failed": "red", "running": "yellow", "skipped": "dim", "pending": "dim"}
-    note = p.error or ("unstable repeats" if p.unstable else "") or ("baseline" if p.baseline else "")
+    busy = "busy box" if getattr(p, "contended", None) else ""
+    note = p.error or ("unstable repeats" if p.unstable else "") or busy or ("baseline" if p.baseline else "")
     return (str(p.idx + 1) if p.idx is not None else str(p.id), p.algorithm or "-",
             "-" if p.budget is None else str(p.budget), str(p.concurrency or "-"), str(p.tp or "-"),
             Text(p.state or "-", style=state_style.get(p.state, "")), fmt_num(p.output_tok_s, ".1f"),
@@ -106,6 +108,9 @@ def point_cells(p) -> tuple:
 
 class SweepsPane(Vertical):
     ALLOW_MAXIMIZE = True
+
+    _busy: tuple[int | None, str | None] = (None, None)
+    """(run id, busy-box note) of the points shown last."""
 
     BINDINGS = [
         Binding("n", "app.new_sweep", "New sweep", id="new_sweep"),
@@ -136,11 +141,17 @@ class SweepsPane(Vertical):
             title.update("Sweeps: no run yet. Press n to start one (the demo pair by default).")
             return
         total = run.points_total or 0
-        title.update(Text(f"Run {run.id} {run.name or ''} ({run.state or '-'}) {run.points_done}/{total} points"
-                          + (f", {run.points_failed} failed" if run.points_failed else "") + "   [ ] other runs"))
+        text = Text(f"Run {run.id} {run.name or ''} ({run.state or '-'}) {run.points_done}/{total} points"
+                    + (f", {run.points_failed} failed" if run.points_failed else "") + "   [ ] other runs")
+        busy_run, busy = self._busy
+        if busy and busy_run == run.id:
+            text.append(f"   {busy}", style="bold yellow")
+        title.update(text)
 
     def show(self, points) -> None:
         run_id, rows = points if points is not None else (None, [])
+        # What competed with the points (store/contention.py): a short note in the header.
+        self._busy = (run_id, run_busy_note(rows))
         tau, toks, best = budget_curves(rows)
         self.query_one("#tau-chart", LineChart).set_series(tau)
         self.query_one("#toks-chart", LineChart).set_series(toks)
