@@ -25,6 +25,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from ddtree.engine.arch import SPECULATIVE_HINT, read_config
@@ -163,6 +164,14 @@ class Plan:
     caps: Capabilities | None = None  # what the sglang/vllm interpreter accepts (None: builtin, or no answer)
     cache_dir: str | None = None
 
+    @cached_property
+    def box(self) -> dict:
+        """What competes for this machine now (measured once, when the plan is first shown; a sweep
+        then records it per point): {"busy", "note", "reasons", "load1", "cpu_percent", "others_cores",
+        "gpu_reason"}."""
+        gpus = tuple(sorted({g for launch in self.launches for g in launch.gpus}))
+        return box_check(gpus)
+
     def to_dict(self) -> dict:
         engine = None
         if self.caps is not None:
@@ -180,6 +189,7 @@ class Plan:
                         "note": repeat_note(self.recipe)},
             "estimate": {"total_s": round(self.est_total_s, 1), "stream_tok_s": self.assumed_stream_tok_s,
                          "note": "assumes this decode speed per request stream; not measured"},
+            "box": self.box,
         }
 
     def launch_of(self, point: PlanPoint) -> Launch:
@@ -520,12 +530,40 @@ def _engine_launch(recipe: Recipe, index: int, tp: int, gpus: tuple[int, ...], p
                   notes=tuple(notes) + spec.notes)
 
 
+BOX_WINDOW_S = 0.2  # how long the dry run watches the machine
+
+
+def box_check(gpus: tuple[int, ...] = (), window_s: float = BOX_WINDOW_S) -> dict:
+    """Is this machine busy right now? Everything but this process counts as other work (nothing
+    of the sweep runs yet). The same judgement as each point's (engine/contention.busy_reasons)."""
+    from ddtree.engine.contention import box_now, busy_note, busy_reasons
+
+    reading = box_now(window_s, gpus=gpus)
+    reasons = busy_reasons(reading)
+    cpu = "-" if reading.cpu_percent is None else f"{reading.cpu_percent:.0f}%"
+    load = "-" if reading.load1 is None else f"{reading.load1:.2f}"
+    quiet = f"the box is quiet now (load {load} on {reading.cpus} CPUs, CPU use {cpu})"
+    return {"busy": bool(reasons), "note": busy_note(reasons) or quiet, "reasons": reasons,
+            "load1": reading.load1, "cpus": reading.cpus, "cpu_percent": reading.cpu_percent,
+            "others_cores": reading.others_cores,
+            "gpu_reason": reading.gpu_reason if gpus else "no GPU in this plan"}
+
+
+def box_line(box: dict) -> str:
+    """The dry run's line about the machine: a warning when it is busy."""
+    if box.get("busy"):
+        return (f"warning: {box['note']}: the figures of points measured like this are noise; each point "
+                "records what competed with it and is flagged contended")
+    return f"box: {box['note']}"
+
+
 def format_plan(plan: Plan) -> str:
     """The human-readable dry run."""
     lines = [f"sweep {plan.recipe.name!r}: {len(plan.launches)} engine launch(es), {len(plan.points)} point(s), "
              f"about {_duration(plan.est_total_s)} (assuming {plan.assumed_stream_tok_s:g} tok/s per stream)"]
     for warning in plan.warnings:
         lines.append(f"warning: {warning}")
+    lines.append(box_line(plan.box))
     lines.append(repeat_note(plan.recipe))
     if plan.caps is not None:
         lines.append(f"engine: {plan.caps.label} at {plan.caps.python}")

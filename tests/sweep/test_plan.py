@@ -94,7 +94,8 @@ baseline = ["ar"]
 def test_plan_json_shape_and_estimate():
     plan = make_plan(parse_recipe(BUILTIN))
     data = json.loads(json.dumps(plan.to_dict()))
-    assert set(data) == {"name", "engine_kind", "engine", "launches", "points", "warnings", "repeats", "estimate"}
+    assert set(data) == {"name", "engine_kind", "engine", "launches", "points", "warnings", "repeats", "estimate",
+                         "box"}
     assert data["engine"] is None  # builtin: nothing probed
     assert set(data["launches"][0]) >= {"index", "argv", "env", "tp", "gpus", "algorithm", "budget", "est_start_s"}
     point = data["points"][0]
