@@ -24,6 +24,7 @@ from ddtree.store.db import data_dir as store_data_dir
 from ddtree.jobs.logfile import create_log, open_log
 from ddtree.store.db import logs_dir, open_db
 from ddtree.store.queries import insert_row, now, update_row
+from ddtree.store.redact import REDACTED
 
 #: Progress writes closer together than this are coalesced (the last value always lands).
 PROGRESS_MIN_INTERVAL_S = 0.2
@@ -129,7 +130,15 @@ class JobContext:
         full_env = None
         if env is not None:
             full_env = dict(os.environ)
-            full_env.update({str(k): str(v) for k, v in env.items()})
+            for key, value in env.items():
+                if value == REDACTED:
+                    # A secret the store holds redacted: the child inherits the real value from our
+                    # environment (the CLI put it there, or the user exported it before a resume).
+                    if str(key) not in os.environ:
+                        self.log(f"{name}: {key} is redacted in the recipe and not set in the environment; "
+                                 f"export {key} before resuming to give it to the engine")
+                    continue
+                full_env[str(key)] = str(value)
         log_path, log = create_log(self.log_path.parent, f"job-{self.job_id}-{name}")
         try:
             popen = subprocess.Popen(

@@ -18,6 +18,7 @@ from sqlite_utils import Database
 from ddtree.jobs.errors import JobStateError
 from ddtree.jobs.logfile import create_log
 from ddtree.store.db import logs_dir, transaction
+from ddtree.store.redact import redact
 from ddtree.store.queries import get_job, now, to_json
 from ddtree.store.records import ACTIVE_STATES, JOB_STATES, TERMINAL_STATES, Job
 
@@ -54,7 +55,7 @@ def create_job(db: Database, kind: str, spec: dict, *, name: str | None = None) 
     with transaction(db):
         cur = db.execute(
             "INSERT INTO jobs (kind, name, state, spec, host, created_at) VALUES (?, ?, 'queued', ?, ?, ?)",
-            [kind, name, json.dumps(spec, sort_keys=True), hostname(), at],
+            [kind, name, json.dumps(redact(spec), sort_keys=True), hostname(), at],  # no secret on disk
         )
         job_id = int(cur.lastrowid)
         # A file of its own, made now: another database in this folder (or this one deleted and

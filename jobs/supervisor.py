@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from ddtree.jobs.runner import HEARTBEAT_STALE_S, execute
 from ddtree.store.db import open_db, resolve_db_path, transaction
 from ddtree.store.queries import close_engines, get_job, job_processes, list_jobs, now
 from ddtree.store.records import ACTIVE_STATES, Job
+from ddtree.store.redact import secret_env
 
 #: A queued job whose runner has not recorded itself after this long is presumed never started.
 QUEUED_STALE_S = 120.0
@@ -33,15 +35,21 @@ def submit(
     *,
     name: str | None = None,
     detach: bool = True,
+    secrets: dict[str, str] | None = None,
 ) -> int:
     """Validate `spec`, write a queued job and run it; return the job id.
 
     detach=True: start `python -m ddtree.jobs.run JOB_ID --db DB --detach` in a new session and
     return at once (the job outlives this process). detach=False: run it here, in the
     foreground, and return when it has ended (SIGINT/SIGTERM cancel it).
+
+    Secret-looking `env` values in `spec` (store/redact.py), and `secrets` (those of a run's recipe,
+    which the store holds redacted), are stored as `<redacted>` and reach the runner only through
+    its environment, from which its engines inherit them.
     """
     path = resolve_db_path(db_path)
     spec = validate_spec(kind, spec)
+    secrets = {**secret_env(spec), **(secrets or {})}
     db = open_db(path)
     try:
         job_id = create_job(db, kind, spec, name=name)
@@ -49,13 +57,29 @@ def submit(
     finally:
         db.close()
     if not detach:
-        execute(str(path), job_id, detached=False)
+        with _environment(secrets):
+            execute(str(path), job_id, detached=False)
         return job_id
-    _launch(path, job_id, Path(log_path))
+    _launch(path, job_id, Path(log_path), secrets)
     return job_id
 
 
-def _launch(path: Path, job_id: int, log_path: Path) -> None:
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """os.environ with `values` set for the duration (a foreground runner is this process)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _launch(path: Path, job_id: int, log_path: Path, secrets: dict[str, str] | None = None) -> None:
     argv = [sys.executable, "-m", "ddtree.jobs.run", str(job_id), "--db", str(path), "--detach"]
     with open_log(log_path) as log:
         try:
@@ -64,6 +88,7 @@ def _launch(path: Path, job_id: int, log_path: Path) -> None:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                env={**os.environ, **secrets} if secrets else None,
                 start_new_session=True,
                 close_fds=True,
             )

@@ -27,6 +27,7 @@ from ddtree.store.stats import UNSTABLE_CV
 from ddtree.store.summary import cell_of, cell_rows, setting_of
 from ddtree.store.queries import fetch_rows, to_json
 from ddtree.store.records import Run, decode_json, from_row
+from ddtree.store.redact import redact
 
 def cell_key(point_key: str) -> str:
     """The grid cell a point key belongs to: the key less its repeat (the repeats of a cell share it)."""
@@ -141,7 +142,7 @@ def create_run(db: Database, *, job_id: int | None, name: str, recipe: dict, rec
                draft_model: str | None = None, hardware: Any = None, software: Any = None,
                points_total: int | None = None) -> int:
     now = time.time()
-    values = {"job_id": job_id, "name": name, "recipe": to_json(recipe), "recipe_path": recipe_path,
+    values = {"job_id": job_id, "name": name, "recipe": to_json(redact(recipe)), "recipe_path": recipe_path,
               "recipe_git_rev": recipe_git_rev, "engine_kind": engine_kind, "model": model,
               "draft_model": draft_model, "hardware": to_json(hardware), "software": to_json(software),
               "state": "running", "points_total": points_total, "created_at": now, "started_at": now}
@@ -157,6 +158,8 @@ def get_run(db: Database, run_id: int) -> Run:
 
 
 def update_run(db: Database, run_id: int, **values: Any) -> None:
+    if isinstance(values.get("recipe"), dict):
+        values["recipe"] = redact(values["recipe"])  # secrets never reach the store
     for key in ("hardware", "software", "recipe"):
         if key in values and not isinstance(values[key], str):
             values[key] = to_json(values[key])

@@ -20,6 +20,7 @@ from ddtree.console.files import write_output
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.plan import demo_pair
 from ddtree.jobs.recipe import RecipeError, recipe_from_dict, recipe_to_toml
+from ddtree.store.redact import redact
 from ddtree.store import contention, sweeps
 from ddtree.store.db import open_db
 from ddtree.store.stats import UNSTABLE_CV
@@ -102,6 +103,7 @@ def to_csv(points: list[sweeps.Point]) -> str:
 def to_json(run_row, points: list[sweeps.Point]) -> dict:
     run_fields = {k: getattr(run_row, k) for k in run_row.__dataclass_fields__
                   if k not in ("points_done", "points_failed")}
+    run_fields["recipe"] = redact(run_fields.get("recipe"))  # a row stored before redaction existed
     cv = _unstable_cv(run_row)
     return {"run": run_fields, "points": [{**p.to_dict(), **contention.export_fields(p)} for p in points],
             "busy_box": contention.run_busy_note(points),
@@ -121,7 +123,7 @@ def _unstable_cv(run_row) -> float:
 
 def to_recipe(run_row) -> str:
     try:
-        recipe = recipe_from_dict(run_row.recipe)
+        recipe = recipe_from_dict(redact(run_row.recipe))
     except RecipeError as exc:
         raise ExportError(f"run {run_row.id} holds no readable recipe: {exc}") from None
     stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(run_row.created_at))

@@ -12,6 +12,7 @@ import json
 from ddtree.console import fmt
 from ddtree.console.commands.jobs import limit
 from ddtree.jobs.recipe import RecipeError, recipe_from_dict
+from ddtree.store.redact import redact
 from ddtree.store.db import open_db
 from ddtree.store.queries import list_runs
 from ddtree.store.stats import UNSTABLE_CV
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         runs = list_runs(db, text=args.filter, limit=args.limit)
         verdicts = {r.id: labelled(best_budgets(list_points(db, r.id), unstable_cv=_unstable_cv(r))) for r in runs}
     if args.json:
-        print(json.dumps([{**dataclasses.asdict(r), "best_budget": [{"label": label, **b.to_dict()}
+        print(json.dumps([{**redact(dataclasses.asdict(r)), "best_budget": [{"label": label, **b.to_dict()}
                                                                     for label, b in verdicts[r.id]]}
                           for r in runs], indent=2, default=str))
         return 0

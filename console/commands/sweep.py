@@ -28,7 +28,8 @@ from ddtree.jobs.errors import JobError
 from ddtree.jobs.kinds.sweep import check_supported
 from ddtree.console.fmt import printable
 from ddtree.jobs.plan import MAX_POINTS, Hardware, check_plan, check_size, format_plan, make_plan
-from ddtree.jobs.recipe import Recipe, load_recipe, recipe_to_dict
+from ddtree.jobs.recipe import Recipe, load_recipe, recipe_from_dict, recipe_to_dict
+from ddtree.store.redact import redact, secret_env
 from ddtree.store import sweeps
 from ddtree.store.db import data_dir, open_db, resolve_db_path
 from ddtree.store.records import ACTIVE_STATES
@@ -64,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
             raise SweepUsageError("--dry-run applies to a recipe file, not to --resume")
         return _resume(args)
     recipe = _absolute_paths(load_recipe(args.recipe))
+    # From here on the recipe's secret env values read <redacted> (the dry run, the stored run, the
+    # logs); the real ones go to the runner's environment only.
+    secrets = secret_env(recipe_to_dict(recipe))
+    recipe = recipe_from_dict(redact(recipe_to_dict(recipe)))
     check_size(recipe, allow_large=args.yes_large)
     db_path = resolve_db_path(getattr(args, "db", None))
     # SGLang/vLLM: the plan asks the recipe's interpreter what it accepts (cached beside the
@@ -89,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         sweeps.update_run(db, run_id, state="queued")
     finally:
         db.close()
-    return _start(args, db_path, run_id, args.name or recipe.name)
+    return _start(args, db_path, run_id, args.name or recipe.name, secrets)
 
 
 def _absolute_paths(recipe: Recipe) -> Recipe:
@@ -138,12 +143,13 @@ def _resume(args: argparse.Namespace) -> int:
     return _start(args, db_path, run.id, args.name or run.name or f"run-{run.id}")
 
 
-def _start(args: argparse.Namespace, db_path: Path, run_id: int, name: str) -> int:
+def _start(args: argparse.Namespace, db_path: Path, run_id: int, name: str,
+           secrets: dict[str, str] | None = None) -> int:
     from ddtree.jobs.supervisor import submit
     from ddtree.store.queries import get_job
 
     if args.detach:
-        job_id = submit(db_path, "sweep", {"run_id": run_id}, name=name, detach=True)
+        job_id = submit(db_path, "sweep", {"run_id": run_id}, name=name, detach=True, secrets=secrets)
         if args.json:
             print(json.dumps({"job_id": job_id, "run_id": run_id}))
         else:
@@ -153,7 +159,7 @@ def _start(args: argparse.Namespace, db_path: Path, run_id: int, name: str) -> i
     watcher = _PointPrinter(db_path, run_id, quiet=args.json)
     watcher.start()
     try:
-        job_id = submit(db_path, "sweep", {"run_id": run_id}, name=name, detach=False)
+        job_id = submit(db_path, "sweep", {"run_id": run_id}, name=name, detach=False, secrets=secrets)
     finally:
         watcher.stop()
     db = open_db(db_path)

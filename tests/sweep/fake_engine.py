@@ -1,6 +1,7 @@
 """A stand-in engine for fault tests: started as `<this> -m ddtree.engine.reference.server ...` through
 the recipe's engine.python. FAKE_MODE (engine.env) picks the fault: `hang` never announces itself,
-`die` exits on its first /generate, `reject` answers 503 to every /generate."""
+`die` exits on its first /generate, `reject` answers 503 to every /generate. FAKE_ENV_OUT names a
+file to write the HF_TOKEN it was given to (to check a redacted secret still reaches the engine)."""
 
 import json
 import os
@@ -35,6 +36,9 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main():
+    if os.environ.get("FAKE_ENV_OUT") and "-c" not in sys.argv[1:2]:
+        with open(os.environ["FAKE_ENV_OUT"], "a") as fh:
+            fh.write(json.dumps({"HF_TOKEN": os.environ.get("HF_TOKEN")}) + "\n")
     if "-c" in sys.argv[1:2]:
         return 1  # the version probe: this is not a Python with packages
     if MODE == "hang":

@@ -146,3 +146,70 @@ def test_stale_engine_log_from_another_database_is_ignored(tmp_path, prompts_fil
     assert ports and dead not in ports
     assert str(logs / "job-1-engine-0-0.log") not in logs_used and job.log_path != str(logs / "job-1.log")
     assert (logs / "job-1-engine-0-0.log").read_text() == stale + "\n"  # the other database's log is untouched
+
+
+SECRET = "hf_Sekrit1234567890"
+
+
+def _everything_stored(data_dir: Path) -> str:
+    """The database (every row, as SQL) and every log, as one text."""
+    import sqlite3
+
+    conn = sqlite3.connect(data_dir / "ddtree.db")
+    text = "\n".join(conn.iterdump())
+    conn.close()
+    return text + "".join(p.read_text(errors="replace") for p in (data_dir / "logs").iterdir())
+
+
+def test_secret_env_is_redacted_everywhere_and_still_reaches_the_engine(tmp_path, prompts_file, capsys):
+    from ddtree.console import cli
+
+    out_file = tmp_path / "engine-env.jsonl"
+    recipe = fake_recipe(tmp_path, prompts_file, "reject", budget=[2], concurrency=[1])
+    recipe["engine"]["env"].update({"HF_TOKEN": SECRET, "FAKE_ENV_OUT": str(out_file), "MY_API_KEY": SECRET})
+    (tmp_path / "model").mkdir()
+    recipe["engine"]["model"] = str(tmp_path / "model")  # the CLI checks a local model exists
+    lines = [f'name = "{recipe["name"]}"', "[engine]"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in recipe["engine"].items() if k != "env"]
+    lines += ["[engine.env]"] + [f"{k} = {json.dumps(v)}" for k, v in recipe["engine"]["env"].items()]
+    lines += ["[sweep]"] + [f"{k} = {json.dumps(v)}" for k, v in recipe["sweep"].items()]
+    path = tmp_path / "secret.toml"
+    path.write_text("\n".join(lines) + "\n")
+    db = str(tmp_path / "ddtree.db")
+
+    for extra in ([], ["--json"]):
+        assert cli.main(["--db", db, "sweep", str(path), "--dry-run", *extra]) == 0
+        shown = capsys.readouterr().out
+        assert SECRET not in shown and "<redacted>" in shown
+    assert cli.main(["--db", db, "sweep", str(path), "--detach", "--json"]) == 0
+    started = json.loads(capsys.readouterr().out)
+    from ddtree.jobs.supervisor import wait
+
+    assert wait(db, started["job_id"], timeout=60).terminal
+    # The engine got the real value, through the runner's environment.
+    assert json.loads(out_file.read_text().splitlines()[0]) == {"HF_TOKEN": SECRET}
+    stored = _everything_stored(tmp_path)
+    assert SECRET not in stored and "<redacted>" in stored  # runs.recipe, the launch line in the job log
+    for argv in (["export", str(started["run_id"]), "--format", "json"],
+                 ["export", str(started["run_id"]), "--format", "recipe"], ["runs", "--json"],
+                 ["jobs", "show", str(started["job_id"])]):
+        cli.main(["--db", db, *argv])
+        shown = capsys.readouterr().out
+        assert SECRET not in shown, argv
+    # A job spec given straight to submit (the engine kind, the console) is stored redacted too.
+    (tmp_path / "direct").mkdir()
+    run_sweep(tmp_path / "direct", recipe)
+    assert SECRET not in _everything_stored(tmp_path / "direct")
+    assert len(out_file.read_text().splitlines()) == 2
+    assert json.loads(out_file.read_text().splitlines()[1]) == {"HF_TOKEN": SECRET}
+
+
+def test_secret_names():
+    from ddtree.store.redact import REDACTED, is_secret, redact, secret_env
+
+    assert all(is_secret(n) for n in ("HF_TOKEN", "hf_token", "OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD"))
+    assert not any(is_secret(n) for n in ("CUDA_VISIBLE_DEVICES", "FAKE_MODE", "HF_HOME"))
+    doc = {"recipe": {"engine": {"env": {"HF_TOKEN": "x", "HF_HOME": "/h"}}}, "env": [["API_KEY", "y"]]}
+    assert redact(doc) == {"recipe": {"engine": {"env": {"HF_TOKEN": REDACTED, "HF_HOME": "/h"}}},
+                           "env": [("API_KEY", REDACTED)]}
+    assert secret_env(doc) == {"HF_TOKEN": "x", "API_KEY": "y"} and secret_env(redact(doc)) == {}
