@@ -34,7 +34,8 @@ from ddtree.engine.errors import EngineError
 from ddtree.engine.launch import LaunchSpec, build_launch, free_port
 from ddtree.engine.placement import suggest
 from ddtree.engine.preflight import check_gpus, preflight
-from ddtree.engine.probe import Capabilities, probe
+from ddtree.engine.probe import Capabilities
+from ddtree.engine.probe import probe as probe_engine
 from ddtree.engine.prompts import DatasetError, read_prompts, resolve_dataset
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.recipe import EngineSpec, Recipe
@@ -405,12 +406,13 @@ def _fit(recipe: Recipe, tp: int, gpus: tuple[int, ...], hardware: Hardware | No
 
 
 def make_plan(recipe: Recipe, *, stream_tok_s: float | None = None, hardware: Hardware | None = None,
-              caps: Capabilities | None = None, cache_dir: str | Path | None = None) -> Plan:
+              caps: Capabilities | None = None, cache_dir: str | Path | None = None, probe: bool = True) -> Plan:
     """The whole sweep in run order. `stream_tok_s` overrides the assumed decode speed.
 
     For sglang/vllm: `caps` are the engine's capabilities (None: probe the recipe's python, cached
     under `cache_dir`); `hardware` (None: not checked) places NUMA pinning and checks that the
-    launch's GPUs exist and the model fits on them."""
+    launch's GPUs exist and the model fits on them. probe=False (`sweep --dry-run --no-probe`): the
+    interpreter is not run, and the sglang/vllm launches are shown without a command."""
     engine, sweep = recipe.engine, recipe.sweep
     profile = f"builtin-{engine.device}" if engine.kind == "builtin" else engine.kind
     rate = stream_tok_s or ASSUMED_STREAM_TOK_S[profile]
@@ -428,9 +430,12 @@ def make_plan(recipe: Recipe, *, stream_tok_s: float | None = None, hardware: Ha
         except DatasetError as exc:
             warnings.append(f"dataset: {exc}")
     no_engine = None
-    if engine.kind != "builtin" and caps is None:
+    if engine.kind != "builtin" and caps is None and not probe:
+        no_engine = f"not probed (--no-probe): {engine.kind}'s flags are unknown, so no launch command"
+        warnings.append(no_engine)
+    elif engine.kind != "builtin" and caps is None:
         try:
-            caps = probe(engine.kind, engine.python or sys.executable, cache_dir=cache_dir)
+            caps = probe_engine(engine.kind, engine.python or sys.executable, cache_dir=cache_dir)
         except EngineError as exc:
             no_engine = str(exc)
             warnings.append(no_engine)

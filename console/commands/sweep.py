@@ -1,6 +1,6 @@
 """`ddtree-console sweep`: run a recipe's grid as a job, show its plan, or resume a run.
 
-    sweep RECIPE.toml [--detach] [--dry-run] [--json] [--name NAME]
+    sweep RECIPE.toml [--detach] [--dry-run [--no-probe]] [--json] [--name NAME]
     sweep --resume RUN_ID [--detach] [--json]
 
 For kind sglang/vllm the dry run shows each launch exactly as it will be typed (env, argv), built
@@ -44,11 +44,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "sweep", help="run a benchmark sweep from a recipe (or show its plan, or resume a run)",
         description="Run the grid of a recipe (TOML) against an engine as a job that outlives this terminal, "
                     "filling the store point by point. --dry-run prints every engine launch and point with an "
-                    "estimated duration and starts nothing.")
+                    "estimated duration and starts no server and writes no run; for an sglang/vllm recipe it runs "
+                    "the recipe's interpreter once to read its version and flags (cached beside the database), "
+                    "unless --no-probe.")
     p.add_argument("recipe", nargs="?", help="the recipe file (TOML), e.g. assets/recipes/demo.toml")
     p.add_argument("--resume", type=run_id, metavar="RUN_ID", help="resume a run: skip its finished points")
     p.add_argument("--detach", action="store_true", help="run in the background and return at once")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and exit; start nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan and exit; no server starts (sglang/vllm: the interpreter is probed)")
+    p.add_argument("--no-probe", action="store_true",
+                   help="with --dry-run: do not run the recipe's sglang/vllm interpreter (no launch commands then)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--yes-large", action="store_true",
                    help=f"run a grid of more than {MAX_POINTS:,} points (refused without it)")
@@ -63,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None:
         if args.dry_run:
             raise SweepUsageError("--dry-run applies to a recipe file, not to --resume")
+    if getattr(args, "no_probe", False) and not args.dry_run:
+        raise SweepUsageError("--no-probe applies to --dry-run only", "a sweep needs the probe to build its commands")
         return _resume(args)
     recipe = _absolute_paths(load_recipe(args.recipe))
     # From here on the recipe's secret env values read <redacted> (the dry run, the stored run, the
@@ -75,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     # database) and places the launches on this machine's GPUs.
     hardware = Hardware.detect() if recipe.engine.kind != "builtin" else None
     if args.dry_run:
-        plan = make_plan(recipe, hardware=hardware, cache_dir=data_dir(db_path))
+        plan = make_plan(recipe, hardware=hardware, cache_dir=data_dir(db_path),
+                         probe=not getattr(args, "no_probe", False))
         if args.json:
             print(json.dumps(plan.to_dict(), indent=2))
         else:

@@ -24,6 +24,29 @@ def test_dry_run_json_of_the_demo_recipe_starts_nothing(tmp_path):
     assert not (tmp_path / "d.db").exists()
 
 
+def test_dry_run_probes_an_sglang_interpreter_unless_no_probe(tmp_path):
+    # The documented behaviour: a dry run starts no server, but an sglang/vllm recipe's interpreter is
+    # run once to read what it accepts; --no-probe runs nothing at all.
+    calls = tmp_path / "calls.txt"
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nexit 1\n")
+    python.chmod(0o755)
+    (tmp_path / "model").mkdir()
+    recipe = tmp_path / "sglang.toml"
+    recipe.write_text(f'name = "x"\n[engine]\nkind = "sglang"\nmodel = "{tmp_path / "model"}"\n'
+                      f'python = "{python}"\n[sweep]\nbudget = [8]\n')
+    out = cli(tmp_path, "sweep", str(recipe), "--dry-run", "--no-probe", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert not calls.exists()
+    assert plan["launches"][0]["argv"] is None and "--no-probe" in plan["launches"][0]["unsupported"]
+    out = cli(tmp_path, "sweep", str(recipe), "--dry-run", "--json")
+    assert out.returncode == 0, out.stderr
+    assert calls.exists()  # the probe ran the interpreter (and found no sglang in it)
+    out = cli(tmp_path, "sweep", str(recipe), "--no-probe")
+    assert out.returncode == 2 and out.stderr.startswith("error: --no-probe applies to --dry-run only")
+
+
 def test_bad_input_is_one_line_with_exit_2(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "x"\n[engine]\nalgorithm = "ar"\n[sweep]\nbudget = [4]\n')
