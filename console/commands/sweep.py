@@ -65,11 +65,11 @@ def run(args: argparse.Namespace) -> int:
     if (args.recipe is None) == (args.resume is None):
         raise SweepUsageError("give either a recipe file or --resume RUN_ID",
                               "e.g. `ddtree-console sweep assets/recipes/demo.toml`")
+    if getattr(args, "no_probe", False) and not args.dry_run:
+        raise SweepUsageError("--no-probe applies to --dry-run only", "a sweep needs the probe to build its commands")
     if args.resume is not None:
         if args.dry_run:
             raise SweepUsageError("--dry-run applies to a recipe file, not to --resume")
-    if getattr(args, "no_probe", False) and not args.dry_run:
-        raise SweepUsageError("--no-probe applies to --dry-run only", "a sweep needs the probe to build its commands")
         return _resume(args)
     recipe = _absolute_paths(load_recipe(args.recipe))
     # From here on the recipe's secret env values read <redacted> (the dry run, the stored run, the

@@ -1,6 +1,7 @@
 """A stand-in engine for fault tests: started as `<this> -m ddtree.engine.reference.server ...` through
 the recipe's engine.python. FAKE_MODE (engine.env) picks the fault: `hang` never announces itself,
-`die` exits on its first /generate, `reject` answers 503 to every /generate. FAKE_ENV_OUT names a
+`die` exits on its first /generate, `reject` answers 503 to every /generate, `ok` answers each one
+(a JSON body of 4 tokens) after FAKE_DELAY_S seconds. FAKE_ENV_OUT names a
 file to write the HF_TOKEN it was given to (to check a redacted secret still reaches the engine)."""
 
 import json
@@ -27,6 +28,17 @@ class Handler(BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get("content-length") or 0))
         if MODE == "die":
             os._exit(3)
+        if MODE == "ok":
+            import time
+
+            time.sleep(float(os.environ.get("FAKE_DELAY_S", "0")))
+            body = json.dumps({"text": "abcd", "meta_info": {"prompt_tokens": 3, "completion_tokens": 4}}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         body = json.dumps({"object": "error", "message": "overloaded"}).encode()
         self.send_response(503)
         self.send_header("content-type", "application/json")

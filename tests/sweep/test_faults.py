@@ -213,3 +213,77 @@ def test_secret_names():
     assert redact(doc) == {"recipe": {"engine": {"env": {"HF_TOKEN": REDACTED, "HF_HOME": "/h"}}},
                            "env": [("API_KEY", REDACTED)]}
     assert secret_env(doc) == {"HF_TOKEN": "x", "API_KEY": "y"} and secret_env(redact(doc)) == {}
+
+
+def test_runner_killed_at_several_moments_then_resumed_records_every_point_once(tmp_path, prompts_file, capsys):
+    """Fault injection: SIGKILL of the detached runner after the first point, mid-point, and after
+    further points, each followed by `sweep --resume`; the grid ends with every point done exactly
+    once (one row, its requests once), no engine row left starting/running and no engine alive."""
+    import os
+    import signal
+    import time
+
+    from ddtree.console.commands import sweep as cmd
+    from ddtree.jobs.procs import is_alive
+
+    db_path = tmp_path / "ddtree.db"
+    recipe = fake_recipe(tmp_path, prompts_file, "ok", budget=[2, 4, 6], concurrency=[1], repeats=2,
+                         num_prompts=2)
+    recipe["engine"]["env"]["FAKE_DELAY_S"] = "0.15"
+    total = 3 * 2  # three budgets, two repeats each
+    job_id = submit(db_path, "sweep", {"recipe": recipe}, detach=True)
+    db = open_db(db_path)
+
+    def until(predicate, what, timeout_s=60.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def run_id():
+        row = db.execute("SELECT id FROM runs").fetchone()
+        return row[0] if row else None
+
+    def states():
+        return [p.state for p in sweeps.list_points(db, run_id())] if run_id() else []
+
+    def kill_runner(job):
+        until(lambda: get_job(db, job).pid is not None, "the runner")
+        runner = get_job(db, job)
+        os.kill(runner.pid, signal.SIGKILL)
+        until(lambda: not is_alive(runner.pid, runner.pid_started), "the runner to die")
+
+    def resume():
+        assert cmd.run(argparse.Namespace(db=str(db_path), recipe=None, resume=run_id(), detach=True, dry_run=False,
+                                          json=True, name=None, yes_large=False)) == 0
+        return json.loads(capsys.readouterr().out)["job_id"]
+
+    moments = [lambda: states().count("done") >= 1,  # between points
+               lambda: "running" in states(),  # in the middle of a point
+               lambda: states().count("done") >= 4]  # later, after a restart of the engine
+    killed = []
+    for moment in moments:
+        until(moment, "the moment to kill the runner")
+        kill_runner(job_id)
+        killed.append(job_id)
+        if states().count("done") == total:
+            break
+        job_id = resume()
+    else:
+        until(lambda: get_job(db, job_id).terminal, "the last resume to finish", 90)
+
+    assert len(killed) == len(moments)
+    points = sweeps.list_points(db, run_id())
+    assert len(points) == total and len({p.point_key for p in points}) == total
+    assert [p.state for p in points] == ["done"] * total
+    requests = db.execute("SELECT point_id, count(*), count(DISTINCT idx) FROM requests GROUP BY point_id").fetchall()
+    assert sorted(r[0] for r in requests) == sorted(p.id for p in points)
+    assert all(n == distinct == 2 for _, n, distinct in requests)  # each request once, not once per attempt
+    open_rows = db.execute("SELECT id, job_id, state FROM engines WHERE state IN ('starting', 'running')").fetchall()
+    assert open_rows == []
+    assert {get_job(db, j).state for j in killed} == {"lost"} and get_job(db, job_id).state == "succeeded"
+    pids = [r[0] for r in db.execute("SELECT pid FROM engines WHERE pid IS NOT NULL")]
+    assert pids and not any(is_alive(pid) for pid in pids)
+    db.close()
