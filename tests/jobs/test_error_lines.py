@@ -89,7 +89,7 @@ def test_sweep_final_line_names_the_first_error(tmp_path, capsys, monkeypatch):
         run = sweeps.create_run(db, job_id=None, name="r", recipe={"name": "r"}, engine_kind="builtin",
                                 points_total=2)
 
-    def fake_submit(path, kind, spec, *, name, detach):
+    def fake_submit(path, kind, spec, *, name, detach, secrets=None):
         from ddtree.jobs.model import create_job, set_state
 
         with open_db(path) as db:
