@@ -86,6 +86,9 @@ def cell_rows(points: list, *, unstable_cv: float = UNSTABLE_CV) -> list[dict]:
             row[f"vs_{alg}"] = ratio.to_dict() if ratio is not None else None
             row[f"speedup_vs_{alg}"] = ratio.value if ratio is not None else None
         row["error"] = next((p.error for p in group if p.error), None)
+        # repeats measured on a busy box (store/contention.py); None when none was measured
+        measured = [p for p in group if getattr(p, "contended", None) is not None]
+        row["contended"] = sum(bool(p.contended) for p in measured) if measured else None
         out.append(row)
     return out
 

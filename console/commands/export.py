@@ -193,6 +193,8 @@ def to_markdown(run_row, points: list[sweeps.Point]) -> str:
         note = []
         if row["unstable"]:
             note.append(f"unstable (CV {row['cv']:.0%} > {cv_limit:.0%})")
+        if row.get("contended"):
+            note.append(f"busy box ({row['contended']}/{row['repeats']} repeats)")
         if row["baseline"]:
             note.append("baseline")
         if "done" not in row["states"]:

@@ -211,6 +211,7 @@ def test_a_point_run_under_a_cpu_hog_is_flagged_in_store_pane_and_exports(tmp_pa
     # the exports
     md = export.render(run_row, points, "md")
     assert "**warning: busy box: 2/2 point(s)" in md and "## Contention" in md
+    assert md.count("busy box (1/1 repeats)") == 2  # each cell's note in the main table
     rows = list(csv.DictReader(io.StringIO(export.render(run_row, points, "csv"))))
     assert [r["contended"] for r in rows] == ["1", "1"] and all("others" in r["busy_reasons"] for r in rows)
     assert all(float(r["others_cpu_cores"]) > 0.1 for r in rows)
