@@ -429,6 +429,7 @@ class ConsoleApp(App[int]):
         from ddtree.jobs.supervisor import submit
         from ddtree.store import sweeps
         from ddtree.store.db import open_db
+        from ddtree.store.redact import secret_env
 
         recipe, path = spec["recipe"], spec.get("recipe_path")
         engine = recipe.get("engine") or {}
@@ -442,7 +443,10 @@ class ConsoleApp(App[int]):
         finally:
             db.close()
         self.sweep_run_id = run_id
-        job_id = submit(self.db_path, "sweep", {"run_id": run_id}, name=recipe["name"], detach=True)
+        # The run row keeps the recipe redacted; the real secret values go to the runner's
+        # environment only, as the CLI's sweep does.
+        job_id = submit(self.db_path, "sweep", {"run_id": run_id}, name=recipe["name"], detach=True,
+                        secrets=secret_env(recipe))
         self.call_from_thread(self.notify, f"sweep run {run_id} started as job {job_id}", title="started")
         self._wake.set()
 
