@@ -50,7 +50,8 @@ from ddtree.engine.preflight import PreflightError, check_gpus, preflight
 from ddtree.engine.prompts import load_prompts
 from ddtree.jobs.errors import JobCancelled, JobError
 from ddtree.jobs.logfile import error_tail
-from ddtree.jobs.plan import Hardware, Launch, Plan, PlanPoint, UnsupportedEngine, make_plan, repeat_note
+from ddtree.jobs.plan import (Hardware, Launch, Plan, PlanPoint, UnsupportedEngine, box_line, make_plan,
+                              repeat_note)
 from ddtree.jobs.recipe import Recipe, RecipeError, recipe_from_dict, recipe_to_dict
 from ddtree.store import sweeps
 from ddtree.store.contention import record_contention
@@ -486,6 +487,7 @@ def _sweep(ctx, run_id: int, recipe: Recipe) -> dict:
         ctx.log(f"engine: {plan.caps.label} at {plan.caps.python}")
     for warning in plan.warnings:
         ctx.log(f"warning: {warning}")
+    ctx.log(box_line(plan.box))  # the machine before the first point; each point records its own
     ctx.log(repeat_note(recipe))
     ids = sweeps.ensure_points(db, run_id, _planned_rows(plan))
     sweeps.update_run(db, run_id, points_total=len(plan.points))
