@@ -14,6 +14,7 @@ from textual.validation import Function, Number, ValidationResult, Validator
 from textual.widgets import Button, Input, Label, Static
 
 from ddtree.console import fmt
+from ddtree.console.screens.modals import FOCUS_KEYS
 from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.tables import bar, fmt_bytes, fmt_rate, sync_table
 
@@ -123,7 +124,7 @@ def split_list(text: str) -> list[str]:
 class DownloadForm(ModalScreen[dict | None]):
     """Repo id, include globs, reserve; the Start button works only when every field is valid."""
 
-    BINDINGS = [Binding("escape", "cancel", "Cancel", id="form_cancel")]
+    BINDINGS = [Binding("escape", "cancel", "Cancel", id="form_cancel"), *FOCUS_KEYS]
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog form"):

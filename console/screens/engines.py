@@ -15,6 +15,7 @@ from textual.widgets import Button, Input, Label, Select, Static
 
 from ddtree.console import fmt
 from ddtree.console.widgets.logview import LogView
+from ddtree.console.screens.modals import FOCUS_KEYS
 from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.tables import sync_table
 
@@ -152,7 +153,7 @@ class EngineForm(ModalScreen[dict | None]):
     """An engine server: the builtin one (model and drafter, empty = the demo pair), or SGLang/vLLM
     from a given interpreter on chosen GPUs."""
 
-    BINDINGS = [Binding("escape", "cancel", "Cancel", id="form_cancel")]
+    BINDINGS = [Binding("escape", "cancel", "Cancel", id="form_cancel"), *FOCUS_KEYS]
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog form"):

@@ -22,6 +22,7 @@ from ddtree.console import fmt
 from ddtree.console.poll import HISTORY_PAGE
 from ddtree.console.screens.sweeps import budget_curves, tau_of
 from ddtree.console.widgets.chart import COLORS, LineChart
+from ddtree.console.screens.modals import FOCUS_KEYS
 from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.tables import fmt_num
 
@@ -322,7 +323,7 @@ def export_run(db, run_id: int, fmt_name: str, path: Path) -> Path:
 
 
 class ExportForm(ModalScreen[tuple[str, str] | None]):
-    BINDINGS = [Binding("escape", "cancel", "Cancel", id="form_cancel")]
+    BINDINGS = [Binding("escape", "cancel", "Cancel", id="form_cancel"), *FOCUS_KEYS]
 
     def __init__(self, run_id: int, folder: Path) -> None:
         super().__init__()

@@ -11,6 +11,15 @@ from textual.widgets import Button, Static
 
 from ddtree.console.palette import ACTIONS, PANES
 
+# Textual (8.2.8 and earlier; no release fixes it) routes a key to the widget focused when the app
+# takes the key off its queue, but runs a screen's ordinary Tab binding only after the key has come
+# back up from that widget. Keys typed right behind Tab were already routed to the old field, so
+# fast typing lost the Tab. Priority bindings run before routing, so focus moves first.
+FOCUS_KEYS = [
+    Binding("tab", "app.focus_next", "Next field", show=False, priority=True),
+    Binding("shift+tab", "app.focus_previous", "Previous field", show=False, priority=True),
+]
+
 
 class ConfirmScreen(ModalScreen[bool]):
     """Yes/no; Enter or y confirms, Escape or n declines."""
@@ -18,6 +27,7 @@ class ConfirmScreen(ModalScreen[bool]):
     BINDINGS = [
         Binding("y", "answer(True)", "Yes", id="confirm_yes"),
         Binding("n,escape", "answer(False)", "No", id="confirm_no"),
+        *FOCUS_KEYS,
     ]
 
     def __init__(self, question: str, *, yes: str = "Stop it") -> None:

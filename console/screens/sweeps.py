@@ -17,6 +17,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
 from ddtree.console.widgets.chart import COLORS, LineChart, Series
+from ddtree.console.screens.modals import FOCUS_KEYS
 from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.tables import fmt_num, sync_table
 from ddtree.store.contention import run_busy_note
@@ -185,7 +186,7 @@ def _ints(text: str) -> list[int]:
 class SweepForm(ModalScreen[dict | None]):
     """A sweep from a few fields or a recipe file; the dry-run plan is shown before anything starts."""
 
-    BINDINGS = [Binding("escape", "cancel", "Cancel", id="form_cancel")]
+    BINDINGS = [Binding("escape", "cancel", "Cancel", id="form_cancel"), *FOCUS_KEYS]
 
     FIELDS = (
         ("recipe", "Recipe file", "a .toml recipe; when given, the fields below are ignored", ""),
