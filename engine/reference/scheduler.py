@@ -1,9 +1,11 @@
 """Round-robin scheduling of decoding sessions on one engine thread, and the server's counters.
 
-One thread owns the engine. Each turn it admits waiting requests, then advances every running
-session by exactly one round (one token for AR, one draft + one verify for DFlash/DDTree; a new
-session's first round is its prefill). A long request therefore delays a new one by at most one
-round of each other running request, never by its whole generation.
+One thread owns the engine (`EngineThread`): the server loads the model, warms it up and runs
+every round on it, so torch's CPU kernels keep one OpenMP pool (EngineThread says why). Each turn
+it admits waiting requests, then advances every running session by exactly one round (one token
+for AR, one draft + one verify for DFlash/DDTree; a new session's first round is its prefill). A
+long request therefore delays a new one by at most one round of each other running request, never
+by its whole generation.
 
 With `batch=True` and an engine that has `step_many`, the turn prefills new sessions together
 (each publishes its first token at once), then runs one batched round over the other running
@@ -27,9 +29,11 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -88,6 +92,49 @@ class Ticket:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+
+class EngineThread:
+    """One long-lived thread that runs, in order, every call that touches the engine.
+
+    Why one thread for loading, warm-up and decoding: torch's CPU kernels run on an OpenMP pool
+    per calling thread, and a thread keeps its pool until it exits. A server that loaded and
+    warmed up on the main thread and decoded on another held two pools; with more pool threads
+    than cores, libgomp stops spinning between parallel regions, so each of a DDTree round's
+    hundreds of small parallel ops put its worker to sleep and woke it through the kernel (about
+    300 context switches a round on a 2-core CPU, 4-5 ms a round more than in process).
+    """
+
+    def __init__(self, name: str = "engine") -> None:
+        self._calls: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue fn(*args) on the engine thread; the future holds its result or its exception."""
+        future: Future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run fn(*args) on the engine thread and wait for it; its exception is raised here."""
+        return self.submit(fn, *args).result()
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
+    def _serve(self) -> None:
+        while True:
+            future, fn, args = self._calls.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # boundary: the caller gets it from the future
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
 
 
 @dataclass
@@ -218,7 +265,7 @@ class Scheduler:
     """Runs sessions of `engine` (the `Engine.start -> Session` API) round by round on one thread."""
 
     def __init__(self, engine: Any, *, max_running: int = 8, max_queued: int = 64, stats: Stats | None = None,
-                 batch: bool = False) -> None:
+                 batch: bool = False, thread: EngineThread | None = None) -> None:
         if max_running < 1 or max_queued < 0:
             raise ValueError("max_running must be >= 1 and max_queued >= 0")
         self.engine = engine
@@ -230,14 +277,23 @@ class Scheduler:
         self._waiting: deque[Ticket] = deque()
         self._running: list[_Active] = []
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        #: The thread the rounds run on: pass the one that loaded the engine (see EngineThread).
+        self._engine_thread = thread
+        self._looping: Future | None = None
         #: Turns started so far (each admits, then advances every running session by one round).
         self.turns = 0
 
     # -- any thread ---------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
-        self._thread.start()
+        if self._engine_thread is None:
+            self._engine_thread = EngineThread("engine-scheduler")
+        self._looping = self._engine_thread.submit(self._loop)
+        self._looping.add_done_callback(self._loop_ended)
+
+    @staticmethod
+    def _loop_ended(looping: Future) -> None:
+        if looping.exception() is not None:
+            log.error("the scheduler loop failed", exc_info=looping.exception())
 
     def submit(self, input_ids: list[int], gen: Any, spec: Any, sink: Callable[[Update], None]) -> Ticket:
         ticket = Ticket(input_ids, gen, spec, sink)
@@ -264,10 +320,13 @@ class Scheduler:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
+        if self._looping is not None:
+            try:
+                self._looping.result(timeout)
+            except TimeoutError:
                 log.warning("the engine thread did not stop within %.0f s; closing its sessions anyway", timeout)
+            except Exception:  # logged by _loop_ended; its sessions are closed below all the same
+                pass
         with self._cond:
             leftovers = [a.ticket for a in self._running] + list(self._waiting)
             sessions = [a.session for a in self._running]

@@ -42,7 +42,7 @@ from starlette.routing import Route
 from ddtree.engine.errors import EngineError
 from ddtree.engine.reference.backends import BACKENDS
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
-from ddtree.engine.reference.scheduler import QueueFull, ShuttingDown, render_metrics
+from ddtree.engine.reference.scheduler import EngineThread, QueueFull, ShuttingDown, render_metrics
 from ddtree.engine.reference.serving import ALGORITHMS, DEFAULT_BUDGET, Api, BadRequest, Run, ServerConfig
 
 log = logging.getLogger("ddtree.engine.server")
@@ -418,6 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
+    """Loads the engine (on the engine thread: see main)."""
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model, draft = args.model, args.draft
     if model is None:
         from ddtree.engine.demo import demo_paths
@@ -447,18 +452,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Loading, warm-up and every round run on this one thread, so torch keeps one OpenMP pool
+    # (scheduler.EngineThread says why); the main thread runs the event loop and no torch.
+    engine_thread = EngineThread()
     try:
         if args.port < 0 or args.port > 65535:
             raise BadRequest(f"--port must be in 0..65535, got {args.port}")
         if args.block_size is not None and args.block_size < 2:
             raise BadRequest(f"--block-size must be at least 2, got {args.block_size}")
-        if args.threads is not None:
-            if args.threads < 1:
-                raise BadRequest(f"--threads must be at least 1, got {args.threads}")
-            import torch
-
-            torch.set_num_threads(args.threads)
-        engine, model_path, draft_path = _load(args)
+        if args.threads is not None and args.threads < 1:
+            raise BadRequest(f"--threads must be at least 1, got {args.threads}")
+        engine, model_path, draft_path = engine_thread.call(_load, args)
         # A target served without a drafter has max_budget 0: the default must follow it down, not up.
         default_budget = DEFAULT_BUDGET if engine.max_budget is None else min(DEFAULT_BUDGET, engine.max_budget)
         budget = args.budget if args.budget is not None else default_budget
@@ -473,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_running=args.max_running_requests, max_queued=args.max_queued_requests,
                               graceful_timeout_s=args.graceful_timeout,
                               batch=DEFAULT_BATCH if args.batch is None else args.batch)
-        warm_up(engine, config)
+        engine_thread.call(warm_up, engine, config)
         sock = bind_socket(args.host, args.port)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -486,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"event": "listening", "host": host, "port": port, "url": f"http://{url_host}:{port}",
                           "backend": engine.backend}), flush=True)
 
-    api = Api(engine, config)
+    api = Api(engine, config, engine_thread)
     server = _uvicorn_server(build_app(api), api, announce, args.graceful_timeout)
     server.run(sockets=[sock])
     return 0

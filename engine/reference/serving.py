@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator
 from ddtree.engine.errors import EngineError
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 from ddtree.engine.reference.params import ALGORITHMS
-from ddtree.engine.reference.scheduler import Scheduler, Update, proposed_per_round
+from ddtree.engine.reference.scheduler import EngineThread, Scheduler, Update, proposed_per_round
 
 DEFAULT_BUDGET = 16
 
@@ -121,11 +121,12 @@ def _token_ids(value: Any, vocab_size: int | None, *, what: str) -> list[int]:
 class Api:
     """The request handlers; one instance per server, bound to one engine and scheduler."""
 
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, engine: Engine, config: ServerConfig, thread: EngineThread | None = None) -> None:
+        """`thread`: the one that loaded and warmed up the engine, which then runs its rounds."""
         self.engine = engine
         self.config = config
         self.scheduler = Scheduler(engine, max_running=config.max_running, max_queued=config.max_queued,
-                                   batch=config.batch)
+                                   batch=config.batch, thread=thread)
         self.stats = self.scheduler.stats
         self.draining = False
         self.started_at = time.time()

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddtree.engine.errors import EngineError
-from ddtree.engine.reference.scheduler import QueueFull, Scheduler, ShuttingDown, render_metrics
+from ddtree.engine.reference.scheduler import EngineThread, QueueFull, Scheduler, ShuttingDown, render_metrics
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class FakeSession:
 
     def step(self):
         self.engine.log.append(self.tag)
+        self.engine.step_threads.add(threading.get_ident())
         if self.tag == 666:
             raise RuntimeError("boom")
         if self.engine.gate is not None:
@@ -60,6 +61,7 @@ class FakeEngine:
     def __init__(self):
         self.log, self.open_sessions, self.gate = [], set(), None
         self.after_step = None  # called on the engine thread after each round, with the session
+        self.step_threads = set()
 
     def start(self, ids, gen, spec):
         if not ids:
@@ -117,17 +119,19 @@ def test_a_request_submitted_mid_run_waits_rounds_not_the_long_run(batch):
     order of events is fixed and nothing races."""
     engine = BatchingEngine() if batch else FakeEngine()
     sched = Scheduler(engine, max_running=2, max_queued=2, batch=batch)
-    short = {}
+    short, submitted = {}, threading.Event()
 
     def submit_short(session):
         if session.tag == 1 and len(session.output_ids) == 6 and not short:
             short["log_at"] = len(engine.log)
             short["ticket"], short["queue"] = collect(sched, 2, 4)
+            submitted.set()
 
     engine.after_step = submit_short
     _, long_q = collect(sched, 1, 40)
     sched.start()
     try:
+        assert submitted.wait(timeout=10)
         short_updates = drain(short["queue"])
         long_updates = drain(long_q)
     finally:
@@ -272,3 +276,33 @@ def test_batching_needs_an_engine_with_step_many():
     assert not Scheduler(FakeEngine(), batch=True).batch
     assert Scheduler(BatchingEngine(), batch=True).batch
     assert not Scheduler(BatchingEngine()).batch
+
+
+def test_engine_thread_runs_calls_in_order_on_one_thread_and_raises_their_errors():
+    worker = EngineThread("test-engine")
+    seen = []
+    futures = [worker.submit(lambda i=i: seen.append((i, threading.get_ident()))) for i in range(5)]
+    for f in futures:
+        f.result(timeout=5)
+    assert [i for i, _ in seen] == list(range(5))
+    assert {ident for _, ident in seen} == {worker.ident} and worker.ident != threading.get_ident()
+    with pytest.raises(EngineError, match="bad model"):
+        worker.call(lambda: (_ for _ in ()).throw(EngineError("bad model")))
+    assert worker.call(lambda: 41 + 1) == 42  # a failed call leaves the thread serving
+
+
+def test_rounds_run_on_the_thread_that_loaded_the_engine():
+    """The server loads and warms up on an EngineThread and hands it to the scheduler: one thread
+    touches the engine from start to end (one OpenMP pool; see EngineThread)."""
+    worker = EngineThread("test-engine")
+    engine = worker.call(FakeEngine)
+    sched = Scheduler(engine, max_running=2, max_queued=2, thread=worker)
+    sched.start()
+    try:
+        _, q = collect(sched, 1, 6)
+        drain(q)
+    finally:
+        sched.stop(timeout=5)
+    assert engine.step_threads == {worker.ident}
+    # The loop has returned: the thread takes further calls (nothing else is left on it).
+    assert worker.call(threading.get_ident) == worker.ident
