@@ -335,7 +335,7 @@ def print_progress(message: str) -> None:
 def warm_up(engine: Engine, config: ServerConfig, progress=print_progress) -> None:
     """The backend's own warm-up (CUDA graph capture on the fast backend), then short generations
     (alone, and two batched), so the first real requests do not pay for lazy initialisation."""
-    engine.warmup(progress=progress)
+    engine.warmup(progress=progress, budgets=(config.budget,) if config.algorithm == "ddtree" else ())
     ids = list(engine.tokenizer.encode("def main():\n    ")) or list(engine.eos_token_ids or [0])
     gen = GenParams(max_new_tokens=8, temperature=0.0)
     spec = SpecParams(algorithm=config.algorithm, budget=config.budget)

@@ -58,7 +58,7 @@ def test_warm_up_prints_backend_progress_as_json_lines_before_anything_else(tiny
     engine = Engine.load(*tiny_pair, backend="fast")
     steps = []
 
-    def capture(progress=None):  # what the fast backend does on CUDA, where it captures graphs
+    def capture(progress=None, budgets=()):  # what the fast backend does on CUDA, where it captures graphs
         steps.append("warmup")
         progress("captured CUDA graphs for session slot 1/1")
 
