@@ -34,6 +34,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -51,7 +52,8 @@ log = logging.getLogger("ddtree.engine.server")
 # -- HTTP ----------------------------------------------------------------------------------------
 
 def _error(status: int, message: str) -> JSONResponse:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 503: "ServiceUnavailable"}
+    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 413: "PayloadTooLarge",
+            503: "ServiceUnavailable"}
     return JSONResponse({"object": "error", "message": message, "type": kind.get(status, "InternalServerError"),
                          "param": None, "code": status}, status_code=status)
 
@@ -81,15 +83,34 @@ class _EventStream(StreamingResponse):
             self.on_close()
 
 
+# A request body at most this large: a 40k-token prompt as input_ids is about 300 kB of JSON.
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
 async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"malformed JSON: {exc}") from None
+    """The request's JSON object, parsed off the event loop; 413 past MAX_BODY_BYTES, read or declared."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise HTTPException(413, f"request body of {int(declared)} bytes exceeds {MAX_BODY_BYTES}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise HTTPException(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    body = await run_in_threadpool(_parse_json, b"".join(chunks))
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
+
+
+def _parse_json(raw: bytes):
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"malformed JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("malformed JSON: nested too deeply") from None
 
 
 async def _collect(run: Run, request: Request) -> Run:
@@ -165,7 +186,8 @@ def build_app(api: Api) -> Starlette:
             "max_model_len": api.engine.context_window}]})
 
     async def generate(request: Request) -> Response:
-        req = api.parse_generate(await _json_body(request))
+        # Parsing tokenizes the prompt: a thread, so a long one never stalls /health or streams.
+        req = await run_in_threadpool(api.parse_generate, await _json_body(request))
         run = api.submit(req)
         if not req.stream:
             await _collect(run, request)
@@ -191,7 +213,7 @@ def build_app(api: Api) -> Starlette:
 
     async def _openai(request: Request, *, chat: bool) -> Response:
         body = await _json_body(request)
-        req = api.parse_openai(body, chat=chat)
+        req = await run_in_threadpool(api.parse_openai, body, chat=chat)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         model = body.get("model") or api.config.served_model_name
         rid = ("chatcmpl-" if chat else "cmpl-") + req.rid

@@ -24,6 +24,10 @@ from ddtree.engine.reference.scheduler import EngineThread, Scheduler, Update, p
 DEFAULT_BUDGET = 16
 
 
+# No tokenizer in use packs more characters than this into one token on real text.
+MAX_CHARS_PER_TOKEN = 32
+
+
 class BadRequest(EngineError):
     """A request the server refuses as malformed (HTTP 400)."""
 
@@ -137,10 +141,16 @@ class Api:
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
 
     # -- request building ----------------------------------------------------------------------
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, **kwargs) -> list[int]:
         if self.engine.tokenizer is None:
             raise BadRequest("this model has no tokenizer", hint="send input_ids instead of text")
-        return list(self.engine.tokenizer.encode(text))
+        # Refused before tokenizing: a text this long cannot fit the context window, and
+        # tokenizing megabytes would hold a CPU for seconds first.
+        limit = self.engine.context_window * MAX_CHARS_PER_TOKEN
+        if len(text) > limit:
+            raise BadRequest(f"prompt of {len(text)} characters cannot fit the context window "
+                             f"({self.engine.context_window} tokens)", hint="shorten the prompt")
+        return list(self.engine.tokenizer.encode(text, **kwargs))
 
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.engine.tokenizer is None:
@@ -314,7 +324,7 @@ class Api:
                 text = self.engine.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
             except Exception as exc:  # a template can raise anything (jinja errors, raise_exception)
                 raise BadRequest(f"the chat template rejected these messages: {exc}") from None
-            return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+            return self._encode(text, add_special_tokens=False)
         # A model without a chat template (the demo target is a plain LM): a minimal transcript
         # format, announced in /server_info as chat_template "fallback".
         text = "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"

@@ -299,6 +299,9 @@ BAD = [
     ("prompt beyond context window", {"input_ids": [5] * (CONTEXT_WINDOW + 10)}),
     ("prompt + max_new_tokens beyond window", {"input_ids": [5] * 400, "sampling_params": {"max_new_tokens": 200}}),
     ("batch text", {"text": ["a", "b"]}),
+    ("deeply nested JSON", b"[" * 100_000),
+    ("deeply nested object", b'{"text": ' + b"[" * 100_000),
+    ("prompt text far beyond the window", {"text": "x" * (CONTEXT_WINDOW * 40)}),
 ]
 
 
@@ -309,6 +312,27 @@ def test_bad_generate_gets_400_and_server_keeps_serving(server, body):
     assert r.status_code == 400, r.text
     err = r.json()
     assert err["object"] == "error" and err["code"] == 400 and err["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_long_prompt_is_refused_before_tokenizing(server):
+    """The length check runs first: the error names characters, not tokens."""
+    r = httpx.post(server.url + "/generate", json={"text": "def f():\n" * (CONTEXT_WINDOW * 8)}, timeout=30)
+    assert r.status_code == 400 and "characters" in r.json()["message"]
+
+
+@pytest.mark.parametrize("declare", [True, False], ids=["content-length", "chunked"])
+def test_an_oversized_body_gets_413_and_server_keeps_serving(server, declare):
+    from ddtree.engine.reference.server import MAX_BODY_BYTES
+
+    payload = b'{"text": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
+    if declare:
+        r = httpx.post(server.url + "/generate", content=payload, timeout=60)
+    else:
+        r = httpx.post(server.url + "/generate", content=iter([payload[i:i + (1 << 20)] for i in range(0, len(payload), 1 << 20)]),
+                       timeout=60)
+    assert r.status_code == 413, r.text[:200]
+    assert r.json()["code"] == 413
     assert httpx.get(server.url + "/health").status_code == 200
 
 
