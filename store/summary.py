@@ -172,3 +172,38 @@ def labelled(bests: list[BestBudget]) -> list[tuple[str, BestBudget]]:
     keys = ("concurrency", "tp", "gpus", "dataset", "temperature")
     varying = {k for k in keys if len({json.dumps(b.setting.get(k)) for b in bests}) > 1} or {"concurrency"}
     return [(setting_label(b.setting, varying), b) for b in bests]
+
+
+def _match_key(row: dict) -> tuple:
+    """What two runs' cells must share to be compared: the grid coordinates, not the machine."""
+    return (row["algorithm"], row["budget"], row["tp"], row["concurrency"], row["dataset"], row["temperature"])
+
+
+def compare_cells(base_points: list, other_points: list) -> list[dict]:
+    """Per grid cell present in both runs: both output tok/s summaries, the change of the median
+    in percent, and whether it is significant (both 95% intervals exist and do not overlap).
+
+    `verdict` is "faster", "slower", "tie within noise" (the intervals overlap) or "untested"
+    (a run has fewer than two repeats of the cell, so no interval)."""
+    base = {_match_key(r): r for r in cell_rows(base_points)}
+    out = []
+    for row in cell_rows(other_points):
+        ref = base.get(_match_key(row))
+        if ref is None:
+            continue
+        a, b = ref["output_tok_s_stats"], row["output_tok_s_stats"]
+        if a["median"] is None or b["median"] is None:
+            continue
+        delta = (b["median"] - a["median"]) / a["median"] * 100 if a["median"] else None
+        tested = a["ci_low"] is not None and b["ci_low"] is not None
+        apart = tested and (b["ci_low"] > a["ci_high"] or a["ci_low"] > b["ci_high"])
+        if not tested:
+            verdict = "untested"
+        elif not apart:
+            verdict = "tie within noise"
+        else:
+            verdict = "faster" if b["median"] > a["median"] else "slower"
+        out.append({"algorithm": row["algorithm"], "budget": row["budget"], "concurrency": row["concurrency"],
+                    "tp": row["tp"], "dataset": row["dataset"], "temperature": row["temperature"],
+                    "base": a, "other": b, "delta_pct": delta, "significant": bool(apart), "verdict": verdict})
+    return out
