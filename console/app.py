@@ -22,11 +22,12 @@ from pathlib import Path
 
 from rich.text import Text
 from textual import work
+from textual.actions import SkipAction
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.reactive import var
 from textual.widget import Widget
-from textual.widgets import ContentSwitcher, Static, Tab, Tabs
+from textual.widgets import ContentSwitcher, Input, Static, Tab, Tabs
 from textual.worker import Worker, WorkerState
 
 from ddtree.console import fmt
@@ -410,6 +411,8 @@ class ConsoleApp(App[int]):
         (await self._pane("engines")).toggle_wrap()
 
     async def action_engine_search(self) -> None:
+        if isinstance(self.focused, Input):
+            raise SkipAction()  # its binding is a priority one: a / typed into a box stays there
         (await self._pane("engines")).start_search()
 
     async def action_new_sweep(self) -> None:
@@ -467,6 +470,8 @@ class ConsoleApp(App[int]):
         self._step_run(-1)
 
     async def action_history_filter(self) -> None:
+        if isinstance(self.focused, Input):
+            raise SkipAction()  # its binding is a priority one: a / typed into a box stays there
         (await self._pane("history")).focus_filter()
 
     async def action_history_mark(self) -> None:

@@ -17,6 +17,7 @@ from ddtree.console import fmt
 from ddtree.console.widgets.logview import LogView
 from ddtree.console.screens.modals import FOCUS_KEYS
 from ddtree.console.widgets.rowtable import RowTable
+from ddtree.console.widgets.searchinput import SearchInput
 from ddtree.console.widgets.tables import sync_table
 
 COLUMNS = ("JOB", "KIND", "BACKEND", "MODEL", "ALGO", "BUDGET", "GPUS", "PORT", "HEALTH", "UPTIME", "STATE")
@@ -59,7 +60,8 @@ class EnginesPane(Vertical):
         Binding("x", "app.stop_engine", "Stop", id="stop_engine"),
         Binding("f", "app.engine_follow", "Follow", id="engine_follow"),
         Binding("w", "app.engine_wrap", "Wrap", id="engine_wrap"),
-        Binding("slash", "app.engine_search", "Search", id="engine_search"),
+        # Priority, so the keys typed right behind / reach the box (the app skips it while typing).
+        Binding("slash", "app.engine_search", "Search", id="engine_search", priority=True),
     ]
 
     def compose(self) -> ComposeResult:
@@ -70,7 +72,7 @@ class EnginesPane(Vertical):
         yield RowTable(*COLUMNS, id="engine-table")
         with Horizontal(classes="pane-bar"):
             yield Static("Log", id="log-title", classes="pane-title grow")
-            yield Input(placeholder="search the log", id="log-search", compact=True)
+            yield SearchInput(placeholder="search the log", id="log-search", compact=True, leave_to="engine-table")
         yield LogView(id="engine-log")
 
     def on_mount(self) -> None:
@@ -127,7 +129,7 @@ class EnginesPane(Vertical):
     def start_search(self) -> None:
         field = self.query_one("#log-search", Input)
         field.display = True
-        field.focus()
+        self.screen.set_focus(field)  # at once: the keys typed behind / are already queued
 
     @on(Input.Changed, "#log-search")
     def _search(self, event: Input.Changed) -> None:
@@ -138,7 +140,12 @@ class EnginesPane(Vertical):
     def _search_done(self, event: Input.Submitted) -> None:
         if not event.value:
             event.input.display = False
-        self.query_one("#engine-table", RowTable).focus()
+        self.screen.set_focus(self.query_one("#engine-table", RowTable))
+
+    @on(SearchInput.Left, "#log-search")
+    def _search_left(self, event: SearchInput.Left) -> None:
+        if not event.field.value:
+            event.field.display = False
 
     @on(Button.Pressed, "#new-engine")
     async def _new(self) -> None:

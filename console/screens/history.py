@@ -24,6 +24,7 @@ from ddtree.console.screens.sweeps import budget_curves, tau_of
 from ddtree.console.widgets.chart import COLORS, LineChart
 from ddtree.console.screens.modals import FOCUS_KEYS
 from ddtree.console.widgets.rowtable import RowTable
+from ddtree.console.widgets.searchinput import SearchInput
 from ddtree.console.widgets.tables import fmt_num
 
 COLUMNS = ("ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "BEST TOK/S", "CREATED")
@@ -53,7 +54,8 @@ class HistoryPane(Vertical):
     ALLOW_MAXIMIZE = True
 
     BINDINGS = [
-        Binding("slash", "app.history_filter", "Filter", id="history_filter"),
+        # Priority, so the keys typed right behind / reach the box (the app skips it while typing).
+        Binding("slash", "app.history_filter", "Filter", id="history_filter", priority=True),
         Binding("space", "app.history_mark", "Select", id="history_mark"),
         Binding("c", "app.history_compare", "Compare", id="history_compare"),
         Binding("e", "app.history_export", "Export", id="history_export"),
@@ -63,7 +65,8 @@ class HistoryPane(Vertical):
     def compose(self) -> ComposeResult:
         with Horizontal(classes="pane-bar"):
             yield Static("History", id="history-title", classes="pane-title grow")
-            yield Input(placeholder="filter: name, model, engine, state…", id="history-filter", compact=True)
+            yield SearchInput(placeholder="filter: name, model, engine, state…", id="history-filter", compact=True,
+                              leave_to="runs")
             yield Button("Compare (c)", id="compare", compact=True)
             yield Button("Export (e)", id="export", compact=True)
         yield RowTable(*COLUMNS, id="runs")
@@ -114,10 +117,11 @@ class HistoryPane(Vertical):
 
     @on(Input.Submitted, "#history-filter")
     def _filter_done(self, _event) -> None:
-        self.query_one("#runs", RowTable).focus()
+        self.screen.set_focus(self.query_one("#runs", RowTable))
 
     def focus_filter(self) -> None:
-        self.query_one("#history-filter", Input).focus()
+        # At once, not on the next turn of the queue as Widget.focus does: keys are already queued.
+        self.screen.set_focus(self.query_one("#history-filter", Input))
 
     def cycle_sort(self) -> None:
         self.sort = (self.sort + 1) % len(SORTS)
@@ -251,12 +255,47 @@ def compare_tables(runs: list, points: dict[int, list]) -> tuple[Text, Text, str
                 style = "green" if good and abs(delta) >= 0.5 else ("red" if abs(delta) >= 0.5 else "")
             table.append(f"{cell:<{width}}", style=style)
         table.append("\n")
+    table.append(delta_table(runs, points))
     keys = {json.dumps(hardware_key(r.hardware), default=str) for r in runs}
-    warning = None
+    warnings = []
     if len(keys) > 1:
-        warning = ("hardware differs between these runs (" + " | ".join(f"run {r.id}: {hardware_summary(r.hardware)}"
-                                                                     for r in runs) + "): compare with care")
+        warnings.append("hardware differs between these runs (" + " | ".join(
+            f"run {r.id}: {hardware_summary(r.hardware)}" for r in runs) + ")")
+    if len({settings[r.id]["software"] for r in runs}) > 1:
+        warnings.append("software versions differ (" + " | ".join(
+            f"run {r.id}: {settings[r.id]['software']}" for r in runs) + ")")
+    warning = "; ".join(warnings) + ": compare with care" if warnings else None
     return out, table, warning
+
+
+def delta_table(runs: list, points: dict[int, list]) -> Text:
+    """Per grid cell, each later run against the first: both medians with their 95% intervals,
+    the change, and whether it is significant (store.summary.compare_cells decides)."""
+    from ddtree.store.summary import compare_cells
+
+    out = Text()
+    base = runs[0]
+
+    def cell(s: dict) -> str:
+        if s["ci_low"] is None:
+            return f"{fmt_num(s['median'])} (n={s['n']})"
+        return f"{fmt_num(s['median'])} [{fmt_num(s['ci_low'])}-{fmt_num(s['ci_high'])}]"
+    for run in runs[1:]:
+        rows = compare_cells(points.get(base.id, []), points.get(run.id, []))
+        out.append(f"\nper cell, run {run.id} against run {base.id} (output tok/s, median [95% CI])\n", style="bold")
+        if not rows:
+            out.append("  no grid cell in common\n", style="dim")
+            continue
+        out.append(f"  {'algorithm':<9}{'budget':>7}{'c':>4}  {'run ' + str(base.id):<24}{'run ' + str(run.id):<24}"
+                   f"{'change':>8}  verdict\n", style="bold")
+        for r in rows:
+            budget = "-" if r["budget"] is None else str(r["budget"])
+            change = "-" if r["delta_pct"] is None else f"{r['delta_pct']:+.1f}%"
+            style = {"faster": "green", "slower": "red"}.get(r["verdict"], "dim")
+            out.append(f"  {r['algorithm']:<9}{budget:>7}{r['concurrency']:>4}  {cell(r['base']):<24}"
+                       f"{cell(r['other']):<24}{change:>8}  ")
+            out.append(r["verdict"] + "\n", style=style)
+    return out
 
 
 class CompareScreen(ModalScreen[None]):

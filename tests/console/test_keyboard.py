@@ -43,3 +43,41 @@ async def test_fast_tab_moves_between_sweep_form_fields(tmp_path):
         assert (got["f-recipe"], got["f-name"], got["f-model"], got["f-draft"]) == ("", "abc", "def", "ghi")
         burst(app, "shift+tab", *"xy")
         await until(pilot, lambda: values(app.screen)["f-model"] == "xy")
+
+
+def focused_id(app):
+    return getattr(app.focused, "id", None)
+
+
+async def test_escape_leaves_the_history_filter_at_once(tmp_path):
+    app = make_app(str(tmp_path / "ddtree.db"), poll_s=0.1)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("6")
+        await until(pilot, lambda: focused_id(app) == "runs")
+        burst(app, "slash", *"big", "escape", "s")
+        await until(pilot, lambda: app.query_one("#history").sort == 1)
+        assert app.query_one("#history-filter").value == "big"  # kept; the s sorted instead
+        assert focused_id(app) == "runs"
+        burst(app, "slash", "escape", "5")
+        await until(pilot, lambda: app.current_pane == "sweeps")
+        assert app.query_one("#history-filter").value == "big"
+
+
+async def test_escape_leaves_the_engine_log_search_at_once(tmp_path):
+    app = make_app(str(tmp_path / "ddtree.db"), poll_s=0.1)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("4")
+        await until(pilot, lambda: focused_id(app) == "engine-table")
+        burst(app, "slash", *"GET", "escape", "5")
+        await until(pilot, lambda: app.current_pane == "sweeps")
+        assert app.query_one("#log-search").value == "GET"
+        assert app.query_one("#engine-log").search == "GET"
+        await pilot.press("4")
+        await until(pilot, lambda: focused_id(app) == "engine-table")
+        burst(app, "slash")
+        await until(pilot, lambda: focused_id(app) == "log-search")
+        await pilot.press("end", "backspace", "backspace", "backspace")
+        burst(app, "escape")
+        # an empty search box goes away
+        await until(pilot, lambda: not app.query_one("#log-search").display)
+        assert focused_id(app) == "engine-table" and app.query_one("#log-search").value == ""
