@@ -48,6 +48,8 @@ from ddtree.console.widgets.keybar import KeyBar
 
 #: Seconds between polls of the store: at most two UI updates a second, fine over slow SSH.
 POLL_S = 0.5
+NOTIFY_S = 5.0
+"""The longest a toast stays: a few seconds, as Textual's own; errors that matter stay in the panes."""
 
 #: Where each pane's class lives. Only the Overview is built at start; the others are imported
 #: and composed on their first visit, so the first frame pays for one pane, not six.
@@ -107,6 +109,7 @@ class ConsoleApp(App[int]):
         self._db_arg = db_path
         self._db_path: Path | None = None
         self.poll_s = poll_s
+        self._toasts_until: dict[tuple[str, str], float] = {}  # (title, message): when its toast goes
         self.sources = sources or Sources()
         self.clock = clock
         """Now, for ages and uptimes (tests freeze it)."""
@@ -265,8 +268,7 @@ class ConsoleApp(App[int]):
         if event.worker.group == "poll":
             self._status(Text.assemble(("store error: ", "bold red"), fmt.one_line(str(error), 120)))
         else:
-            self.notify(fmt.one_line(str(error), 200), title=f"{event.worker.group} failed", severity="error",
-                        timeout=10)
+            self.notify(fmt.one_line(str(error), 200), title=f"{event.worker.group} failed", severity="error")
 
     # -- the Sweeps pane's run -----------------------------------------------------------------
     def runs(self) -> list:
@@ -333,6 +335,21 @@ class ConsoleApp(App[int]):
     def action_toggle_theme(self) -> None:
         self.theme = "textual-light" if self.theme == "textual-dark" else "textual-dark"
 
+    def notify(self, message: str, *, title: str = "", severity="information", timeout: float | None = None,
+               markup: bool = True) -> None:
+        """A toast that goes within NOTIFY_S. One already on screen is not raised again: a failure
+        repeated every poll would otherwise keep a toast up for good, over the pane's own error."""
+        # Notifications reach app._notifications a turn of the queue later, so keep our own record.
+        now, key = time.time(), (title, str(message))
+        shown = self._toasts_until
+        if shown.get(key, 0.0) > now:
+            return
+        timeout = NOTIFY_S if timeout is None else min(timeout, NOTIFY_S)
+        shown[key] = now + timeout
+        for old in [k for k, until in shown.items() if until <= now]:
+            del shown[old]
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
+
     def action_refresh(self) -> None:
         self._wake.set()
 
@@ -371,6 +388,8 @@ class ConsoleApp(App[int]):
         def answered(yes: bool | None) -> None:
             if yes:
                 self.cancel_job(job_id)
+            else:  # say so: a declined stop must not look like one that silently failed
+                self.notify(f"{what} (job {job_id}) left running", title="not stopped")
 
         from ddtree.console.screens.modals import ConfirmScreen
 

@@ -22,28 +22,52 @@ FOCUS_KEYS = [
 
 
 class ConfirmScreen(ModalScreen[bool]):
-    """Yes/no; Enter or y confirms, Escape or n declines."""
+    """Yes/no: y confirms, n or Escape declines, Enter presses the focused button (the one named
+    under the buttons; No to begin with, so a stray Enter stops nothing)."""
 
     BINDINGS = [
         Binding("y", "answer(True)", "Yes", id="confirm_yes"),
         Binding("n,escape", "answer(False)", "No", id="confirm_no"),
         *FOCUS_KEYS,
+        Binding("left,right", "app.focus_next", "Other button", show=False, priority=True),
     ]
 
-    def __init__(self, question: str, *, yes: str = "Stop it") -> None:
+    def __init__(self, question: str, *, yes: str = "Stop it", no: str = "Keep it running") -> None:
         super().__init__()
         self.question = question
         self.yes = yes
+        self.no = no
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="dialog"):
             yield Static(self.question, id="question")
             with Horizontal(classes="buttons"):
-                yield Button(self.yes, variant="error", id="yes")
-                yield Button("Cancel", id="no")
+                yield Button(f"{self.yes} (y)", variant="error", id="yes")
+                yield Button(f"{self.no} (n/Esc)", id="no")
+            yield Static("", id="confirm-keys", classes="dialog-keys")
 
     def on_mount(self) -> None:
-        self.query_one("#no", Button).focus()
+        self.set_focus(self.query_one("#no", Button))
+
+    def on_descendant_focus(self, event) -> None:
+        self._show_enter(event.widget)
+
+    def _show_enter(self, widget) -> None:
+        label = {"yes": self.yes, "no": self.no}.get(getattr(widget, "id", None))
+        keys = Text()
+        keys.append("y", style="bold")
+        keys.append(f" {self.yes.lower()}   ")
+        keys.append("n", style="bold")
+        keys.append(" or ")
+        keys.append("Esc", style="bold")
+        keys.append(f" {self.no.lower()}   ")
+        keys.append("Tab", style="bold")
+        keys.append(" other button")
+        if label:
+            keys.append("\nEnter", style="bold")
+            keys.append(": ")
+            keys.append(label, style="reverse")
+        self.query_one("#confirm-keys", Static).update(keys)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "yes")

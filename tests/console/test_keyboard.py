@@ -81,3 +81,55 @@ async def test_escape_leaves_the_engine_log_search_at_once(tmp_path):
         # an empty search box goes away
         await until(pilot, lambda: not app.query_one("#log-search").display)
         assert focused_id(app) == "engine-table" and app.query_one("#log-search").value == ""
+
+
+def confirm_keys(app):
+    return str(app.screen.query_one("#confirm-keys").render())
+
+
+async def test_confirm_dialog_names_its_keys_and_what_enter_does(tmp_path):
+    from ddtree.console.screens.modals import ConfirmScreen
+
+    app = make_app(str(tmp_path / "ddtree.db"), poll_s=0.1)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+        answers = []
+        app.push_screen(ConfirmScreen("Stop sweep run 3?"), answers.append)
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen) and "Enter" in confirm_keys(app))
+        keys = confirm_keys(app)
+        assert "y stop it" in keys and "n or Esc keep it running" in keys
+        assert keys.rstrip().endswith("Enter: Keep it running")  # a stray Enter stops nothing
+        burst(app, "tab")
+        await until(pilot, lambda: confirm_keys(app).rstrip().endswith("Enter: Stop it"))
+        burst(app, "enter")
+        await until(pilot, lambda: answers == [True])
+
+
+async def test_x_then_enter_says_the_job_was_left_running(tmp_path):
+    from ddtree.console.screens.modals import ConfirmScreen
+
+    app = make_app(str(tmp_path / "ddtree.db"), poll_s=0.1)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+        app.confirm_stop(7, "sweep run 3")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        burst(app, "enter")
+        await until(pilot, lambda: not isinstance(app.screen, ConfirmScreen))
+        await until(pilot, lambda: any("left running" in n.message for n in app._notifications))
+
+
+async def test_toasts_expire_soon_are_not_stacked_and_sit_at_the_top(tmp_path):
+    app = make_app(str(tmp_path / "ddtree.db"), poll_s=0.1)
+    async with app.run_test(size=(100, 30), notifications=True) as pilot:
+        await pilot.pause()
+        for _ in range(3):  # a failure seen on every poll
+            app.notify("disk full", title="download failed", severity="error", timeout=120)
+        app.notify("started")
+        await pilot.pause()
+        notes = list(app._notifications)
+        assert [n.message for n in notes] == ["disk full", "started"]
+        assert all(n.timeout <= 5 for n in notes)
+        await until(pilot, lambda: app.screen.query("Toast"))
+        for toast in app.screen.query("Toast"):
+            assert toast.region.y < 15  # the top half; errors in panes sit low
+            assert not toast.region.overlaps(app.query_one("#status").region)
