@@ -517,6 +517,31 @@ class ConsoleApp(App[int]):
             points = {run_id: sweeps.list_points(db, run_id) for run_id in ids}
         self.call_from_thread(self.push_screen, CompareScreen(runs, points))
 
+    async def action_history_open(self) -> None:
+        run_id = (await self._pane("history")).current()
+        if run_id is None:
+            self.notify("no run selected", severity="warning")
+            return
+        self.open_run(run_id)
+
+    @work(thread=True, exit_on_error=False, group="run")
+    def open_run(self, run_id: int) -> None:
+        from ddtree.console.screens.rundetail import RunScreen
+        from ddtree.store import sweeps
+        from ddtree.store.errors import NotFound
+        from ddtree.store.queries import get_job
+
+        with self.reading() as db:
+            run = sweeps.get_run(db, run_id)
+            points = sweeps.list_points(db, run_id)
+            log_path = None
+            if run.job_id is not None:
+                try:
+                    log_path = get_job(db, run.job_id).log_path
+                except NotFound:  # the job row was pruned; the run and its points stand alone
+                    pass
+        self.call_from_thread(self.push_screen, RunScreen(run, points, log_path))
+
     async def action_history_export(self) -> None:
         pane = await self._pane("history")
         run_id = pane.current()

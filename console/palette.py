@@ -45,6 +45,7 @@ ACTIONS: tuple[Action, ...] = (
     Action("[", "sweep_prev", "Previous run", "show the previous run's curves", "sweeps"),
     Action("]", "sweep_next", "Next run", "show the next run's curves", "sweeps"),
     Action("/", "history_filter", "Filter runs", "name, model, engine, state or recipe text", "history"),
+    Action("enter", "history_open", "Open the run", "its points, settings, environment and log", "history"),
     Action("space", "history_mark", "Select a run", "select two or more to compare", "history"),
     Action("c", "history_compare", "Compare selected runs", "settings, metric deltas, overlaid curves", "history"),
     Action("e", "history_export", "Export the run", "csv, json, md or recipe", "history"),

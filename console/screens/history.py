@@ -143,7 +143,10 @@ class HistoryPane(Vertical):
 
     @on(RowTable.RowSelected, "#runs")
     def _selected(self) -> None:
-        self.toggle_mark()
+        # Enter opens the run; Space (the pane's binding) marks it for compare.
+        run_id = self.current()
+        if run_id is not None:
+            self.app.open_run(run_id)
 
     @on(Button.Pressed, "#compare")
     async def _compare(self) -> None:

@@ -133,3 +133,52 @@ async def test_toasts_expire_soon_are_not_stacked_and_sit_at_the_top(tmp_path):
         for toast in app.screen.query("Toast"):
             assert toast.region.y < 15  # the top half; errors in panes sit low
             assert not toast.region.overlaps(app.query_one("#status").region)
+
+
+def seed_runs(db_path, tmp_path):
+    from ddtree.jobs.model import create_job
+    from ddtree.store import open_db
+    from ddtree.store.queries import insert_row, update_row
+
+    log = tmp_path / "sweep.log"
+    log.write_text("loading model\npoint 1 done\n")
+    with open_db(db_path) as db:
+        job = create_job(db, "sweep", {}, name="budgets")
+        update_row(db, "jobs", job, {"log_path": str(log)})
+        ids = []
+        for name in ("older", "newer"):
+            run = insert_row(db, "runs", {"name": name, "engine_kind": "builtin", "model": "demo/target",
+                                          "state": "done", "points_total": 2, "created_at": time.time(),
+                                          "job_id": job, "recipe": '{"sweep": {"budget": [4, 16]}}'})
+            for idx, budget in enumerate((4, 16)):
+                insert_row(db, "points", {"run_id": run, "idx": idx, "algorithm": "ddtree", "budget": budget,
+                                          "state": "done", "output_tok_s": 10.0 + budget})
+            ids.append(run)
+    return ids
+
+
+async def test_history_enter_opens_the_run_and_space_marks_it(tmp_path):
+    from ddtree.console.screens.rundetail import RunScreen
+
+    db_path = str(tmp_path / "ddtree.db")
+    seed_runs(db_path, tmp_path)
+    app = make_app(db_path, poll_s=0.1)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("6")
+        await until(pilot, lambda: app.query_one("#runs").row_count == 2 and focused_id(app) == "runs")
+        burst(app, "space", "space")
+        await until(pilot, lambda: len(app.query_one("#history").marked) == 2)
+        burst(app, "space")  # the cursor stays on the last row: Space unmarks it
+        await until(pilot, lambda: len(app.query_one("#history").marked) == 1)
+        burst(app, "enter")
+        await until(pilot, lambda: isinstance(app.screen, RunScreen))
+        screen = app.screen
+        run_id = app.query_one("#history").current()
+        assert screen.run.id == run_id
+        assert screen.query_one("#run-points").row_count == 2
+        assert "budget" in str(screen.query_one("#run-settings").render()).lower()
+        assert "hardware" in str(screen.query_one("#run-env").render())
+        assert "point 1 done" in str(screen.query_one("#run-log").render())
+        burst(app, "escape")
+        await until(pilot, lambda: not isinstance(app.screen, RunScreen))
+        assert len(app.query_one("#history").marked) == 1  # Enter did not touch the selection
