@@ -388,6 +388,11 @@ class ExportForm(ModalScreen[tuple[str, str] | None]):
                 yield Button("Export", id="start", variant="primary")
                 yield Button("Cancel", id="cancel")
 
+    def on_mount(self) -> None:
+        # On the button, so Enter exports at once; on the format Select (the first field) Enter
+        # would only open its list. Tab reaches the fields.
+        self.set_focus(self.query_one("#start", Button))
+
     def on_select_changed(self, event: Select.Changed) -> None:
         field = self.query_one("#path", Input)
         if Path(field.value).parent == self.folder:

@@ -182,3 +182,21 @@ async def test_history_enter_opens_the_run_and_space_marks_it(tmp_path):
         burst(app, "escape")
         await until(pilot, lambda: not isinstance(app.screen, RunScreen))
         assert len(app.query_one("#history").marked) == 1  # Enter did not touch the selection
+
+
+async def test_export_dialog_opens_where_enter_exports(tmp_path):
+    from ddtree.console.screens.history import ExportForm
+
+    db_path = str(tmp_path / "ddtree.db")
+    seed_runs(db_path, tmp_path)
+    app = make_app(db_path, poll_s=0.1)
+    results = []
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("6")
+        await until(pilot, lambda: app.query_one("#runs").row_count == 2)
+        app.push_screen(ExportForm(1, tmp_path), results.append)
+        await until(pilot, lambda: isinstance(app.screen, ExportForm) and focused_id(app) == "start")
+        burst(app, "enter")
+        await until(pilot, lambda: results)
+    fmt_name, path = results[0]
+    assert fmt_name == "md" and path.endswith(".md")
