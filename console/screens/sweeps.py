@@ -143,7 +143,13 @@ class SweepsPane(Vertical):
             return
         total = run.points_total or 0
         text = Text(f"Run {run.id} {run.name or ''} ({run.state or '-'}) {run.points_done}/{total} points"
-                    + (f", {run.points_failed} failed" if run.points_failed else "") + "   [ ] other runs")
+                    + (f", {run.points_failed} failed" if run.points_failed else ""))
+        # A key hint, spelled out: a bare "[ ]" read as a checkbox that could not be ticked.
+        text.append("   keys ", style="dim")
+        text.append("[", style="bold")
+        text.append(" ", style="dim")
+        text.append("]", style="bold")
+        text.append(": older/newer run", style="dim")
         busy_run, busy = self._busy
         if busy and busy_run == run.id:
             text.append(f"   {busy}", style="bold yellow")

@@ -200,3 +200,18 @@ async def test_export_dialog_opens_where_enter_exports(tmp_path):
         await until(pilot, lambda: results)
     fmt_name, path = results[0]
     assert fmt_name == "md" and path.endswith(".md")
+
+
+async def test_sweeps_header_hints_the_run_keys_and_they_switch_runs(tmp_path):
+    db_path = str(tmp_path / "ddtree.db")
+    older, newer = seed_runs(db_path, tmp_path)
+    app = make_app(db_path, poll_s=0.1)
+    async with app.run_test(size=(160, 40)) as pilot:
+        await pilot.press("5")
+        title = lambda: str(app.query_one("#sweep-title").render())  # noqa: E731
+        await until(pilot, lambda: f"Run {newer} " in title())
+        assert "[ ] other runs" not in title() and "keys [ ]: older/newer run" in title()
+        burst(app, "left_square_bracket")
+        await until(pilot, lambda: f"Run {older} " in title())
+        burst(app, "right_square_bracket")
+        await until(pilot, lambda: f"Run {newer} " in title())
