@@ -24,7 +24,9 @@ from ddtree.store.contention import run_busy_note
 from ddtree.store.stats import UNSTABLE_CV
 from ddtree.store.summary import series_verdict
 
-POINT_COLUMNS = ("#", "ALGO", "BUDGET", "C", "TP", "STATE", "TOK/S", "TAU", "xAR", "xDFLASH", "E2E p50", "NOTE")
+# TAUw: tau weighted by verify count (README, Metrics: tau_weighted), the mean where an engine
+# reports no verify counts; tau_of picks it.
+POINT_COLUMNS = ("#", "ALGO", "BUDGET", "C", "TP", "STATE", "TOK/S", "TAUw", "xAR", "xDFLASH", "E2E p50", "NOTE")
 BASELINE_COLORS = {"ar": "grey58", "dflash": "gold3"}
 BASELINE_NAMES = {"ar": "AR", "dflash": "DFlash"}
 
@@ -126,7 +128,8 @@ class SweepsPane(Vertical):
             yield Button("New (n)", id="new-sweep", compact=True)
             yield Button("Stop (x)", id="stop-sweep", compact=True, variant="error")
         with Horizontal(id="charts"):
-            yield LineChart("tau", x_label="budget", id="tau-chart", empty="waiting for the first point…")
+            yield LineChart("tau, weighted by verify count", x_label="budget", id="tau-chart",
+                            empty="waiting for the first point…")
             yield LineChart("output tok/s", x_label="budget", id="toks-chart", empty="waiting for the first point…")
         yield Static("", id="best")
         yield RowTable(*POINT_COLUMNS, id="points")
@@ -205,6 +208,9 @@ class SweepForm(ModalScreen[dict | None]):
         ("prompts", "Prompts", "prompts per point", "8"),
         ("tokens", "Max tokens", "new tokens per request", "48"),
         ("baseline", "Baselines", "ar, dflash (or empty)", "ar, dflash"),
+        ("repeats", "Repeats", "measured passes per point (medians and spread over them)", "1"),
+        ("warmup", "Warm-up", "unmeasured requests before each point", "1"),
+        ("interleave", "Interleave", "yes: repeats cycle over the grid (A B A B); no: back to back", "yes"),
         ("device", "Device", "cpu or cuda", "cpu"),
     )
 
@@ -241,6 +247,11 @@ class SweepForm(ModalScreen[dict | None]):
         if self.value("draft"):
             engine["draft_model"] = self.value("draft")
         sweep: dict = {"dataset": self.value("dataset") or "builtin:code", "warmup": 1}
+        interleave = self.value("interleave").lower()
+        if interleave:
+            if interleave not in ("yes", "no", "true", "false"):
+                raise _FormError("interleave: yes or no")
+            sweep["interleave"] = interleave in ("yes", "true")
         for key, field_id in (("budget", "budgets"), ("concurrency", "concurrency")):
             try:
                 values = _ints(self.value(field_id))
@@ -248,7 +259,8 @@ class SweepForm(ModalScreen[dict | None]):
                 raise _FormError(f"{key}: whole numbers separated by commas") from None
             if values:
                 sweep[key] = values
-        for key, field_id in (("num_prompts", "prompts"), ("max_new_tokens", "tokens")):
+        for key, field_id in (("num_prompts", "prompts"), ("max_new_tokens", "tokens"), ("repeats", "repeats"),
+                              ("warmup", "warmup")):
             text = self.value(field_id)
             if text:
                 try:

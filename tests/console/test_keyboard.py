@@ -215,3 +215,29 @@ async def test_sweeps_header_hints_the_run_keys_and_they_switch_runs(tmp_path):
         await until(pilot, lambda: f"Run {older} " in title())
         burst(app, "right_square_bracket")
         await until(pilot, lambda: f"Run {newer} " in title())
+
+
+async def test_sweep_form_sets_repeats_warmup_and_interleave(tmp_path):
+    app = make_app(str(tmp_path / "ddtree.db"), poll_s=0.1)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("5")
+        await pilot.press("n")
+        await until(pilot, lambda: type(app.screen).__name__ == "SweepForm")
+        form = app.screen
+        for field_id, text in (("repeats", "3"), ("warmup", "0"), ("interleave", "no")):
+            form.query_one(f"#f-{field_id}").value = text
+        await pilot.pause()
+        data, path = form.recipe_data()
+        assert path is None
+        assert (data["sweep"]["repeats"], data["sweep"]["warmup"], data["sweep"]["interleave"]) == (3, 0, False)
+        form.query_one("#f-interleave").value = "sometimes"
+        await until(pilot, lambda: "interleave: yes or no" in str(form.query_one("#plan").render()))
+
+
+async def test_sweeps_pane_says_which_tau(tmp_path):
+    app = make_app(str(tmp_path / "ddtree.db"), poll_s=0.1)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("5")
+        await until(pilot, lambda: app.current_pane == "sweeps")
+        assert "TAUw" in app.query_one("#points")._labels
+        assert "weighted by verify count" in app.query_one("#tau-chart").title
