@@ -80,8 +80,8 @@ def start_server(log_path: str) -> tuple[subprocess.Popen, str]:
 
 
 def ours(url: str, n: int, concurrency: int) -> tuple[float, float]:
-    from ddtree.engine.bench import BenchConfig, run_point
-    from ddtree.engine.prompts import Prompt
+    from ddtree.engine.serving.bench import BenchConfig, run_point
+    from ddtree.engine.serving.prompts import Prompt
 
     prompts = [Prompt(f"prompt {i}") for i in range(n)]
     cpu0, t0 = time.process_time(), time.perf_counter()

@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_download.py [--files 4] [--mb 512] [--rounds 3] [--max-workers 8]
 
 Generates FILES x MB of incompressible files in a temp folder (checks free space first, deletes
-everything at the end), serves them with tests/download/hub_server.py in its own process on a free
+everything at the end), serves them with tests/engine/machine/download/hub_server.py in its own process on a free
 loopback port (no throttle), then alternates, round by round, between
   (a) ours:  `ddtree-console --db TMP download REPO --local-dir DIR --max-workers N` (foreground job:
       preflight, job row, runner, progress in the store), and
@@ -41,11 +41,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
-HUB = ROOT / "tests" / "download" / "hub_server.py"
+HUB = ROOT / "tests" / "engine" / "machine" / "download" / "hub_server.py"
 REPO = "bench/blob"
 TINY = "bench/tiny"
 # What the download job runs, minus the CLI, the store and the job runner.
-LIB = ("import sys; from ddtree.engine.download import Download, DownloadSpec, plan; "
+LIB = ("import sys; from ddtree.engine.machine.download import Download, DownloadSpec, plan; "
        "Download(plan(DownloadSpec(repo_id=sys.argv[1], local_dir=sys.argv[2], max_workers=int(sys.argv[3])))).run()")
 
 

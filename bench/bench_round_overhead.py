@@ -170,8 +170,8 @@ def main() -> int:
 
     import torch
 
-    from ddtree.engine.client import EngineClient
-    from ddtree.engine.prompts import load_prompts
+    from ddtree.engine.serving.client import EngineClient
+    from ddtree.engine.serving.prompts import load_prompts
     from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 
     if args.threads:

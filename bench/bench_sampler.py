@@ -40,8 +40,8 @@ def main() -> int:
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     args = parser.parse_args()
 
-    from ddtree.engine.hw import nvml
-    from ddtree.engine.sampler import Sampler, SamplerConfig
+    from ddtree.engine.machine.hw import nvml
+    from ddtree.engine.machine.sampler import Sampler, SamplerConfig
 
     session = nvml()
     reason = session.reason  # NVML initialised once, outside the measured window

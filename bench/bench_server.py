@@ -60,7 +60,7 @@ def build_random_pair(root: Path, shape: str, device: str) -> tuple[str, str]:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     sys.path.insert(0, str(ROOT))
-    from tests.server.conftest import _build_tokenizer
+    from tests.engine.reference.server.conftest import _build_tokenizer
 
     from ddtree.engine.reference.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids, save_drafter
 
@@ -139,7 +139,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def point(url: str, prompts, warm, concurrency: int, max_new_tokens: int, speculative: dict) -> dict:
-    from ddtree.engine.bench import BenchConfig, run_point
+    from ddtree.engine.serving.bench import BenchConfig, run_point
 
     cfg = BenchConfig(concurrency=concurrency, max_new_tokens=max_new_tokens, temperature=0.0,
                       warmup=len(warm), speculative=speculative)
@@ -151,7 +151,7 @@ def point(url: str, prompts, warm, concurrency: int, max_new_tokens: int, specul
 
 def serving_bench(args: argparse.Namespace, urls: dict[str, str]) -> dict:
     """urls: {"batch": URL, "no-batch": URL}."""
-    from ddtree.engine.prompts import load_prompts
+    from ddtree.engine.serving.prompts import load_prompts
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -210,7 +210,7 @@ def batching_bench(args: argparse.Namespace, model: str, draft: str, budget: int
     import torch
 
     from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
-    from ddtree.engine.prompts import load_prompts
+    from ddtree.engine.serving.prompts import load_prompts
 
     engine = Engine.load(model, draft, device=args.device)
     net = engine.model
@@ -284,7 +284,7 @@ def batching_bench(args: argparse.Namespace, model: str, draft: str, budget: int
 
 def step_many_bench(engine, args: argparse.Namespace, budget: int, k: int) -> dict:
     """k requests of different prompts decoded to the end: Engine.step_many vs one step at a time."""
-    from ddtree.engine.prompts import load_prompts
+    from ddtree.engine.serving.prompts import load_prompts
     from ddtree.engine.reference.engine import GenParams, SpecParams
 
     prompts = [list(engine.tokenizer.encode(p.text)) for p in load_prompts(args.dataset, k, seed=k)]

@@ -30,7 +30,7 @@ python3 "$src/bench/capture_pane.py" --pane 2 --out "$OUT/hardware-pane.svg" > "
 log "sampler 60 s at 1 Hz, all GPUs"
 python3 "$src/bench/bench_sampler.py" --seconds 60 --rate 1 --db
 log "engine cuda tests"
-cd "$src" && python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | tail -15; cd /tmp
+cd "$src" && python3 -m pytest -q -p no:cacheprovider tests/engine/reference/test_cuda.py 2>&1 | tail -15; cd /tmp
 log "engine forward cost on cuda"
 timeout 150 python3 "$src/bench/bench_engine.py" forward --device cuda --shapes 8b,1.7b --out "$OUT/bench-forward.json" 2>&1 | tail -40
 log "builtin server on cuda, demo pair: batched rounds vs one request per forward"

@@ -14,6 +14,6 @@ python3 -c 'import torch, transformers; print(torch.__version__, transformers.__
 shapes=${SHAPES:-1.7b,8b}
 timeout ${BENCH_TIMEOUT:-380} python3 bench/bench_fast.py --device cuda --shapes "$shapes" --out "$OUT/bench-fast.json" ${BENCH_ARGS:-} \
     2>&1 | grep -v "Loading weights" | tee "$OUT/bench-fast.txt"
-tests=${CUDA_TESTS:-tests/engine/test_cuda.py tests/engine/test_cuda_fast.py tests/engine/test_fast_target.py tests/engine/test_fast_draft.py tests/engine/test_tree_device.py}
+tests=${CUDA_TESTS:-tests/engine/reference/test_cuda.py tests/engine/reference/test_cuda_fast.py tests/engine/reference/test_fast_target.py tests/engine/reference/test_fast_draft.py tests/engine/reference/test_tree_device.py}
 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m cuda $tests > "$OUT/cuda-tests.txt" 2>&1
 tail -3 "$OUT/cuda-tests.txt"

@@ -44,7 +44,7 @@ from ddtree.engine.errors import EngineError
 from ddtree.engine.reference.backends import BACKENDS
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 from ddtree.engine.reference.scheduler import EngineThread, QueueFull, ShuttingDown, render_metrics
-from ddtree.engine.reference.serving import ALGORITHMS, DEFAULT_BUDGET, Api, BadRequest, Run, ServerConfig
+from ddtree.engine.reference.api import ALGORITHMS, DEFAULT_BUDGET, Api, BadRequest, Run, ServerConfig
 
 log = logging.getLogger("ddtree.engine.server")
 

@@ -122,7 +122,7 @@ def _fake_nvml_module():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "hw" / "fake_nvml.py"
+    path = Path(__file__).resolve().parent.parent / "engine" / "machine" / "fake_nvml.py"
     spec = importlib.util.spec_from_file_location("cockpit_fake_nvml", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -130,7 +130,7 @@ def _fake_nvml_module():
 
 
 def fixed_view(gpus: bool = True):
-    from ddtree.engine.hw import GpuView, Nvml
+    from ddtree.engine.machine.hw import GpuView, Nvml
 
     if not gpus:
         return GpuView(reason="NVML library not found (libnvidia-ml.so.1): no NVIDIA driver on this machine",
@@ -144,7 +144,7 @@ def fixed_view(gpus: bool = True):
 
 
 def fixed_host():
-    from ddtree.engine.host import DiskInfo, HostInfo, NumaNode
+    from ddtree.engine.machine.host import DiskInfo, HostInfo, NumaNode
 
     return HostInfo(hostname="gpu-a", cpu_model="AMD EPYC 9654 96-Core Processor", cpus_logical=192,
                     cpus_physical=96, cpu_percent=12.0, load_avg=(3.0, 2.5, 2.0), memory_total=1_540_000_000_000,
@@ -159,7 +159,7 @@ def fixed_host():
 
 
 def fixed_sample(view):
-    from ddtree.engine.sampler import GpuSample, Sample
+    from ddtree.engine.machine.sampler import GpuSample, Sample
 
     gpus = [GpuSample(index=g.index, util=(37 * g.index) % 100, mem_used=g.memory_total // (g.index + 2),
                       mem_total=g.memory_total, power_w=300.0, temperature_c=50.0, clock_sm_mhz=1900)
@@ -198,11 +198,11 @@ def text_of(app, widget_id: str) -> str:
 
 
 def load_conftest_pair_builder():
-    """tests/sweep/conftest.py's tiny random Qwen3 + DFlash pair builder (torch in the test process only)."""
+    """tests/jobs/sweep/conftest.py's tiny random Qwen3 + DFlash pair builder (torch in the test process only)."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "sweep" / "conftest.py"
+    path = Path(__file__).resolve().parent.parent / "jobs" / "sweep" / "conftest.py"
     spec = importlib.util.spec_from_file_location("cockpit_sweep_conftest", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

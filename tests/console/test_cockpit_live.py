@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from cockpit_support import fixed_sources, load_conftest_pair_builder, table_rows, until
+from .cockpit_support import fixed_sources, load_conftest_pair_builder, table_rows, until
 
 from ddtree.console.app import make_app
 from ddtree.console.poll import Sources

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cockpit_support import NOW, fixed_sources, seed_store, table_rows, text_of, until
+from .cockpit_support import NOW, fixed_sources, seed_store, table_rows, text_of, until
 
 from ddtree.console.app import make_app
 from ddtree.console.screens.downloads import DownloadForm

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from cockpit_support import NOW, fixed_sources, seed_store, table_rows, text_of, until
+from .cockpit_support import NOW, fixed_sources, seed_store, table_rows, text_of, until
 
 from ddtree.console.app import make_app
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from cockpit_support import NOW, fixed_host, fixed_sources, seed_store, text_of, until
+from .cockpit_support import NOW, fixed_host, fixed_sources, seed_store, text_of, until
 
 from ddtree.console.app import make_app
 from ddtree.store import open_db, sweeps

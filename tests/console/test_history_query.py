@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cockpit_support import NOW, fixed_sources, table_rows, until
+from .cockpit_support import NOW, fixed_sources, table_rows, until
 
 from ddtree.console.app import make_app
 from ddtree.store import open_db, transaction

@@ -12,7 +12,7 @@ import textwrap
 import time
 
 import pytest
-from cockpit_support import NOW, fixed_sources, seed_store, until
+from .cockpit_support import NOW, fixed_sources, seed_store, until
 
 from ddtree.console import cli
 from ddtree.console.app import make_app

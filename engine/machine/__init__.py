@@ -1,0 +1,1 @@
+"""The machine: GPUs, NUMA, placement, telemetry sampling, downloads and preflight checks."""

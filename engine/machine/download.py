@@ -1,0 +1,616 @@
+"""Model downloads from the Hugging Face Hub with a disk-headroom guard.
+
+`plan(spec)` is the preflight: it lists the repo at the revision (huggingface_hub's repo info and
+tree metadata, the same listing `snapshot_download` uses), applies the include/exclude globs with
+huggingface_hub's own matcher, sees which files are already complete on disk, and measures the
+target filesystem. `check_disk` refuses, with the numbers, when the download would leave less than
+the reserve free (default max(5% of the disk, 10 GB)).
+
+`Download(plan, ...).run()` fetches the missing files through `hf_hub_download` (one call per file,
+a pool of workers, hf_xet where the hub offers it) into the HF cache or a local folder, and reports
+bytes and files done, a smoothed rate, ETA and stalls. It stops hard, between two chunks, when it is
+cancelled or when free space falls under the reserve (or can no longer hold what is left above it).
+Finished files survive a stop, so a rerun fetches only what is missing; huggingface_hub discards
+the partial file of an interrupted one (its temp files are unique per process).
+
+Tokens come from the usual huggingface_hub places and are never put in results, logs or messages.
+
+Errors (all EngineError): DownloadInputError (bad repo id, glob, revision; exit 2) with
+RepoNotFound and RevisionNotFound; GatedRepo; HubUnreachable; TargetNotWritable (exit 2);
+InsufficientSpace (the preflight refusal); DiskReserveReached; DownloadCancelled; DownloadFailed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ddtree.engine.errors import EngineError
+from ddtree.engine.machine.host import existing_parent
+
+GB = 1_000_000_000
+RESERVE_FRACTION = 0.05
+RESERVE_FLOOR = 10 * GB
+_REPO_ID = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?(?:/[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?)?$")
+_BAD_GLOB = re.compile(r"(^/|(^|/)\.\.(/|$)|[\x00-\x1f])")
+
+DiskUsage = Callable[[Path], tuple[int, int]]  # path -> (total bytes, free bytes)
+
+
+# -- errors -------------------------------------------------------------------------------------
+class DownloadError(EngineError):
+    pass
+
+
+class DownloadInputError(DownloadError):
+    exit_code = 2
+
+
+class RepoNotFound(DownloadInputError):
+    pass
+
+
+class RevisionNotFound(DownloadInputError):
+    pass
+
+
+class TargetNotWritable(DownloadInputError):
+    pass
+
+
+class GatedRepo(DownloadError):
+    pass
+
+
+class HubUnreachable(DownloadError):
+    pass
+
+
+class InsufficientSpace(DownloadError):
+    pass
+
+
+class DiskReserveReached(DownloadError):
+    pass
+
+
+class DownloadCancelled(DownloadError):
+    pass
+
+
+class DownloadFailed(DownloadError):
+    pass
+
+
+# -- spec ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DownloadSpec:
+    repo_id: str
+    revision: str | None = None  # None: the default branch
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    local_dir: str | None = None  # None: the HF cache (cache_dir, else HF_HUB_CACHE)
+    cache_dir: str | None = None
+    reserve_bytes: int | None = None  # None: max(5% of the disk, 10 GB)
+    repo_type: str = "model"
+    endpoint: str | None = None  # None: HF_ENDPOINT or huggingface.co
+    max_workers: int = 8
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.repo_id, str) or not _REPO_ID.match(self.repo_id) or ".." in self.repo_id \
+                or "--" in self.repo_id:
+            raise DownloadInputError(f"not a Hugging Face repo id: {self.repo_id!r}",
+                                     "expected NAMESPACE/NAME, e.g. Qwen/Qwen3-8B")
+        if self.revision is not None and (not self.revision.strip() or any(c.isspace() for c in self.revision)
+                                          or ".." in self.revision):
+            raise DownloadInputError(f"not a valid revision: {self.revision!r}", "a branch, tag or commit hash")
+        for glob in (*self.include, *self.exclude):
+            if not isinstance(glob, str) or not glob.strip() or _BAD_GLOB.search(glob):
+                raise DownloadInputError(f"bad glob: {glob!r}", "a pattern relative to the repo root, e.g. '*.safetensors'")
+        if self.repo_type not in ("model", "dataset", "space"):
+            raise DownloadInputError(f"unknown repo type {self.repo_type!r}", "model, dataset or space")
+        if self.reserve_bytes is not None and (not isinstance(self.reserve_bytes, int) or self.reserve_bytes < 0):
+            raise DownloadInputError(f"reserve must be a non-negative number of bytes, got {self.reserve_bytes!r}")
+        if not isinstance(self.max_workers, int) or not 1 <= self.max_workers <= 64:
+            raise DownloadInputError(f"max_workers must be in 1..64, got {self.max_workers!r}")
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["include"], out["exclude"] = list(self.include), list(self.exclude)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DownloadSpec:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise DownloadInputError(f"unknown download spec field(s): {', '.join(unknown)}")
+        data = dict(data)
+        for key in ("include", "exclude"):
+            value = data.get(key) or ()
+            if isinstance(value, str):
+                value = (value,)
+            if not isinstance(value, (list, tuple)):
+                raise DownloadInputError(f"{key} must be a list of globs")
+            data[key] = tuple(value)
+        return cls(**data)
+
+
+# -- disk ---------------------------------------------------------------------------------------
+def _disk_usage(path: Path) -> tuple[int, int]:
+    usage = shutil.disk_usage(path)
+    return usage.total, usage.free
+
+
+def default_reserve(disk_total: int) -> int:
+    return max(int(disk_total * RESERVE_FRACTION), RESERVE_FLOOR)
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+@dataclass(frozen=True)
+class DiskCheck:
+    path: str  # the existing folder measured
+    total: int
+    free: int
+    reserve: int
+    needed: int
+
+    @property
+    def ok(self) -> bool:
+        return self.free - self.needed >= self.reserve
+
+    @property
+    def shortfall(self) -> int:
+        return max(0, self.reserve + self.needed - self.free)
+
+    def describe(self) -> str:
+        return (f"needs {fmt_bytes(self.needed)}, {fmt_bytes(self.free)} free on {self.path} "
+                f"(disk {fmt_bytes(self.total)}, reserve {fmt_bytes(self.reserve)})")
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), ok=self.ok, shortfall=self.shortfall)
+
+
+def check_disk(target: str | os.PathLike, needed: int, reserve: int | None = None, *,
+               usage: DiskUsage = _disk_usage) -> DiskCheck:
+    where = existing_parent(target)
+    total, free = usage(where)
+    return DiskCheck(path=str(where), total=total, free=free,
+                     reserve=default_reserve(total) if reserve is None else reserve, needed=needed)
+
+
+def require_space(check: DiskCheck) -> None:
+    if not check.ok:
+        raise InsufficientSpace(
+            f"will not fit: {check.describe()}; short by {fmt_bytes(check.shortfall)}",
+            "free some space, choose another --local-dir, or lower --reserve-gb")
+
+
+# -- the hub ------------------------------------------------------------------------------------
+def token_source() -> str:
+    """Where huggingface_hub takes its token from, for messages (never the token itself)."""
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        if os.environ.get(name):
+            return f"the {name} environment variable"
+    from huggingface_hub import constants
+
+    path = Path(getattr(constants, "HF_TOKEN_PATH", "") or "")
+    if path and path.is_file():
+        return f"the token file {path}"
+    return "no token"
+
+
+def _scrub(text: str) -> str:
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        token = os.environ.get(name)
+        if token and len(token) >= 4:
+            text = text.replace(token, "<token>")
+    return re.sub(r"hf_[A-Za-z0-9]{8,}", "<token>", text)
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for module in ("httpx2", "httpx"):
+        try:
+            mod = __import__(module)
+            errors.append(mod.TransportError)
+        except (ImportError, AttributeError):
+            pass
+    try:
+        import requests
+
+        errors.append(requests.exceptions.ConnectionError)
+        errors.append(requests.exceptions.Timeout)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _hub_failures() -> tuple[type[BaseException], ...]:
+    from huggingface_hub import errors as hf
+
+    return (hf.HfHubHTTPError, hf.LocalEntryNotFoundError, hf.OfflineModeIsEnabled, hf.HFValidationError,
+            OSError, *_transport_errors())
+
+
+def _endpoint(spec: DownloadSpec) -> str:
+    if spec.endpoint:
+        return spec.endpoint.rstrip("/")
+    from huggingface_hub import constants
+
+    return str(constants.ENDPOINT).rstrip("/")
+
+
+def hub_error(error: BaseException, spec: DownloadSpec) -> DownloadError:
+    """Turn a huggingface_hub / transport error into one of ours, with a hint and no token."""
+    from huggingface_hub import errors as hf
+
+    endpoint = _endpoint(spec)
+    where = f"{endpoint}/{spec.repo_id}"
+    if isinstance(error, hf.GatedRepoError):
+        return GatedRepo(f"{spec.repo_id} is gated and this token has no access",
+                         f"request access at {where}; token used: {token_source()}")
+    if isinstance(error, hf.RepositoryNotFoundError):
+        return RepoNotFound(f"repository {spec.repo_id} not found on {endpoint}",
+                            f"check the name; a private repo needs a token (token used: {token_source()})")
+    if isinstance(error, hf.RevisionNotFoundError):
+        return RevisionNotFound(f"revision {spec.revision!r} not found in {spec.repo_id}",
+                                f"see the branches and tags at {where}")
+    if isinstance(error, hf.EntryNotFoundError) and not isinstance(error, hf.LocalEntryNotFoundError):
+        return DownloadFailed(f"a file of {spec.repo_id} vanished from the hub during the download",
+                              "the revision moved; rerun to fetch the new listing")
+    if isinstance(error, (hf.LocalEntryNotFoundError, hf.OfflineModeIsEnabled, *_transport_errors())):
+        hint = "HF_HUB_OFFLINE is set" if os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0") else \
+            "check the network, or set HF_ENDPOINT to a reachable mirror"
+        return HubUnreachable(f"cannot reach {endpoint}: {_scrub(type(error).__name__)}", hint)
+    if isinstance(error, hf.HfHubHTTPError):
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        return DownloadFailed(f"the hub answered {status} for {spec.repo_id}", _scrub(str(error).splitlines()[0])[:200])
+    if isinstance(error, hf.HFValidationError):
+        return DownloadInputError(_scrub(str(error).splitlines()[0])[:200])
+    if isinstance(error, PermissionError):
+        return TargetNotWritable(f"permission denied: {error.filename}", "choose a folder you can write")
+    return DownloadFailed(_scrub(f"{type(error).__name__}: {error}")[:300])
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    path: str
+    size: int
+    done: bool  # already complete on disk
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: DownloadSpec
+    commit: str
+    files: tuple[PlanFile, ...]
+    target: str  # the local folder or the repo's cache folder
+    disk: DiskCheck
+    gated: bool = False
+    repo_files: int = 0  # files in the repo before the globs
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def bytes_needed(self) -> int:
+        return sum(f.size for f in self.files if not f.done)
+
+    @property
+    def files_needed(self) -> int:
+        return sum(not f.done for f in self.files)
+
+    def to_dict(self) -> dict:
+        return {
+            "repo_id": self.spec.repo_id, "revision": self.spec.revision, "commit": self.commit,
+            "target": self.target, "gated": self.gated, "repo_files": self.repo_files,
+            "files_total": len(self.files), "files_needed": self.files_needed,
+            "bytes_total": self.bytes_total, "bytes_needed": self.bytes_needed,
+            "disk": self.disk.to_dict(),
+            "files": [asdict(f) for f in self.files],
+        }
+
+
+def _repo_folder(spec: DownloadSpec) -> Path:
+    from huggingface_hub import constants
+
+    cache = Path(spec.cache_dir or constants.HF_HUB_CACHE).expanduser()
+    return cache / f"{spec.repo_type}s--{spec.repo_id.replace('/', '--')}"
+
+
+def _is_done(spec: DownloadSpec, commit: str, path: str, size: int) -> bool:
+    if spec.local_dir is not None:
+        local = Path(spec.local_dir).expanduser() / path
+        return local.is_file() and local.stat().st_size == size
+    return (_repo_folder(spec) / "snapshots" / commit / path).is_file()
+
+
+def _check_writable(target: Path) -> None:
+    where = existing_parent(target)
+    if not where.is_dir():
+        # A file at (or above) the target: no permission would help, so say what it is.
+        raise TargetNotWritable(f"not a directory: {where}", "give --local-dir a folder, or a path that does not exist yet")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise TargetNotWritable(f"permission denied: cannot write under {where}",
+                                "choose a folder you can write with --local-dir")
+
+
+def plan(spec: DownloadSpec, *, usage: DiskUsage = _disk_usage) -> Plan:
+    """The preflight: what the revision holds, what the globs keep, what is missing, the disk."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+    from huggingface_hub.utils import filter_repo_objects
+
+    target = Path(spec.local_dir).expanduser() if spec.local_dir else _repo_folder(spec)
+    _check_writable(target)
+    api = HfApi(endpoint=spec.endpoint)
+    try:
+        info = api.repo_info(spec.repo_id, revision=spec.revision, repo_type=spec.repo_type)
+        commit = info.sha
+        entries = [f for f in api.list_repo_tree(spec.repo_id, revision=commit, repo_type=spec.repo_type,
+                                                 recursive=True) if isinstance(f, RepoFile)]
+    except _hub_failures() as error:
+        raise hub_error(error, spec) from None
+    if not commit:
+        raise DownloadFailed(f"the hub gave no commit for {spec.repo_id}")
+    kept = list(filter_repo_objects(entries, allow_patterns=list(spec.include) or None,
+                                    ignore_patterns=list(spec.exclude) or None, key=lambda f: f.path))
+    if entries and not kept:
+        raise DownloadInputError(
+            f"no file of {spec.repo_id} matches the globs (include {list(spec.include)}, exclude {list(spec.exclude)})",
+            f"the repo has {len(entries)} files, e.g. {', '.join(sorted(f.path for f in entries)[:3])}")
+    files = tuple(PlanFile(path=f.path, size=int(f.size or 0), done=_is_done(spec, commit, f.path, int(f.size or 0)))
+                  for f in sorted(kept, key=lambda f: f.path))
+    needed = sum(f.size for f in files if not f.done)
+    disk = check_disk(target, needed, spec.reserve_bytes, usage=usage)
+    return Plan(spec=spec, commit=commit, files=files, target=str(target), disk=disk,
+                gated=bool(getattr(info, "gated", False)), repo_files=len(entries))
+
+
+# -- progress -----------------------------------------------------------------------------------
+@dataclass
+class Progress:
+    bytes_done: int = 0
+    bytes_total: int = 0
+    files_done: int = 0
+    files_total: int = 0
+    rate_bps: float | None = None  # smoothed
+    eta_s: float | None = None
+    stalled_s: float = 0.0  # seconds without a byte, once past the stall threshold
+    disk_free: int | None = None
+    reserve: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def stalled(self) -> bool:
+        return self.stalled_s > 0
+
+    def line(self) -> str:
+        pct = 100.0 * self.bytes_done / self.bytes_total if self.bytes_total else 100.0
+        rate = f"{fmt_bytes(self.rate_bps)}/s" if self.rate_bps else "-"
+        eta = _fmt_duration(self.eta_s) if self.eta_s is not None else "-"
+        text = (f"{pct:5.1f}% {fmt_bytes(self.bytes_done)}/{fmt_bytes(self.bytes_total)} "
+                f"files {self.files_done}/{self.files_total} {rate} eta {eta} free {fmt_bytes(self.disk_free)}")
+        if self.stalled:
+            text += f" STALLED {self.stalled_s:.0f}s"
+        return text
+
+
+def _fmt_duration(s: float) -> str:
+    s = int(round(s))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+class _Stop(Exception):
+    """Raised inside huggingface_hub's download loop (from the progress callback) to abort a file."""
+
+
+class _FileBar:
+    """Stands in for tqdm in `hf_hub_download`: counts bytes of one file and aborts on request."""
+
+    def __init__(self, owner: Download, path: str, **kwargs: Any) -> None:
+        self._owner, self._path = owner, path
+        self.n = int(kwargs.get("initial") or 0)
+        self.total = kwargs.get("total")
+        owner._bar_started(path, self)
+
+    def update(self, n: float | None = 1) -> None:
+        if self._owner._abort is not None:
+            raise _Stop()
+        self.n += int(n or 0)
+        self._owner._last_byte_at = time.monotonic()
+
+    def update_transfer(self, n: float | None = 1) -> None:
+        pass
+
+    def set_postfix_str(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def set_transfer_postfix_str(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def refresh(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _FileBar:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+class Download:
+    """Fetch the missing files of a plan, reporting progress every `interval_s`."""
+
+    def __init__(self, plan: Plan, *, stop: threading.Event | None = None,
+                 on_progress: Callable[[Progress], None] | None = None, interval_s: float = 0.5,
+                 stall_s: float = 30.0, rate_window_s: float = 5.0, usage: DiskUsage = _disk_usage) -> None:
+        self.plan = plan
+        self.stop = stop or threading.Event()
+        self.on_progress = on_progress
+        self.interval_s = interval_s
+        self.stall_s = stall_s
+        self.rate_window_s = rate_window_s
+        self.usage = usage
+        self._lock = threading.Lock()
+        self._bars: dict[str, _FileBar] = {}
+        self._finished: set[str] = {f.path for f in plan.files if f.done}
+        self._abort: DownloadError | None = None
+        self._last_byte_at = time.monotonic()
+        self.progress = Progress(bytes_total=plan.bytes_total, files_total=len(plan.files),
+                                 reserve=plan.disk.reserve)
+
+    def _bar_started(self, path: str, bar: _FileBar) -> None:
+        with self._lock:
+            self._bars[path] = bar
+
+    def _fetch(self, path: str) -> None:
+        from huggingface_hub import hf_hub_download
+
+        spec = self.plan.spec
+        if self._abort is not None:
+            raise _Stop()
+        hf_hub_download(
+            spec.repo_id, filename=path, revision=self.plan.commit, repo_type=spec.repo_type,
+            cache_dir=spec.cache_dir, local_dir=spec.local_dir, endpoint=spec.endpoint,
+            tqdm_class=lambda **kw: _FileBar(self, path, **kw),
+        )
+
+    def _bytes_done(self) -> int:
+        sizes = {f.path: f.size for f in self.plan.files}
+        with self._lock:
+            done = sum(sizes[p] for p in self._finished)
+            done += sum(max(0, bar.n) for p, bar in self._bars.items() if p not in self._finished)
+        return done
+
+    def _measure(self, t0: float, history: list[tuple[float, int]]) -> Progress:
+        now = time.monotonic()
+        p = self.progress
+        p.bytes_done = self._bytes_done()
+        p.files_done = len(self._finished)
+        p.elapsed_s = now - t0
+        history.append((now, p.bytes_done))
+        while len(history) > 2 and history[1][0] < now - self.rate_window_s:
+            history.pop(0)
+        span = history[-1][0] - history[0][0]
+        if span > 0:
+            window_rate = (history[-1][1] - history[0][1]) / span
+            # an EMA over the window rate: steady numbers without hiding a real slowdown for long
+            p.rate_bps = window_rate if p.rate_bps is None else 0.7 * p.rate_bps + 0.3 * window_rate
+        remaining = max(0, p.bytes_total - p.bytes_done)
+        p.eta_s = remaining / p.rate_bps if p.rate_bps and p.rate_bps > 0 else (0.0 if not remaining else None)
+        idle = now - self._last_byte_at
+        p.stalled_s = idle if idle >= self.stall_s and remaining else 0.0
+        _, p.disk_free = self.usage(existing_parent(self.plan.target))
+        return replace(p)  # a copy: callers keep samples
+
+    def _check_limits(self, p: Progress) -> None:
+        if self._abort is not None:
+            return
+        if self.stop.is_set():
+            self._abort = DownloadCancelled("download cancelled", "rerun the same command to resume: finished files are kept")
+            return
+        remaining = max(0, p.bytes_total - p.bytes_done)
+        free = p.disk_free if p.disk_free is not None else 0
+        # allow for filesystem overhead on what is left before calling it a shortfall
+        slack = max(64 * 1024**2, p.bytes_total // 100)
+        if free < p.reserve or free - remaining < p.reserve - slack:
+            self._abort = DiskReserveReached(
+                f"stopped: {fmt_bytes(free)} free under {self.plan.disk.path}, reserve {fmt_bytes(p.reserve)}, "
+                f"{fmt_bytes(remaining)} still to fetch",
+                "something else is filling the disk; free space and rerun to resume")
+
+    def run(self) -> dict:
+        """Download; returns a result dict. Raises DownloadCancelled, DiskReserveReached, or a hub error."""
+        require_space(self.plan.disk)
+        t0 = time.monotonic()
+        history: list[tuple[float, int]] = []
+        todo = [f.path for f in self.plan.files if not f.done]
+        errors: list[BaseException] = []
+        self._last_byte_at = time.monotonic()
+        pool = ThreadPoolExecutor(max_workers=min(self.plan.spec.max_workers, max(1, len(todo))),
+                                  thread_name_prefix="ddtree-download")
+        try:
+            futures: dict[Future, str] = {pool.submit(self._fetch, path): path for path in todo}
+            pending = set(futures)
+            next_report = 0.0
+            while pending:
+                done, pending = wait(pending, timeout=self.interval_s, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    if fut.cancelled():
+                        continue
+                    error = fut.exception()
+                    if error is None:
+                        with self._lock:
+                            self._finished.add(futures[fut])
+                    elif not isinstance(error, _Stop):
+                        errors.append(error)
+                        if self._abort is None:
+                            self._abort = hub_error(error, self.plan.spec)
+                p = self._measure(t0, history)
+                self._check_limits(p)
+                if self._abort is not None:
+                    for fut in pending:
+                        fut.cancel()
+                if self.on_progress is not None and (time.monotonic() >= next_report or not pending):
+                    next_report = time.monotonic() + self.interval_s
+                    self.on_progress(p)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        p = self._measure(t0, history)
+        if self.on_progress is not None:
+            self.on_progress(p)
+        if self._abort is not None:
+            raise self._abort
+        self._finalize()
+        return {
+            "repo_id": self.plan.spec.repo_id, "commit": self.plan.commit, "path": self._snapshot_path(),
+            "bytes_total": p.bytes_total, "files_total": p.files_total,
+            "bytes_fetched": self.plan.bytes_needed, "files_fetched": self.plan.files_needed,
+            "elapsed_s": round(p.elapsed_s, 3),
+            "mean_rate_bps": round(self.plan.bytes_needed / p.elapsed_s, 1) if p.elapsed_s > 0 else None,
+        }
+
+    def _snapshot_path(self) -> str:
+        if self.plan.spec.local_dir:
+            return str(Path(self.plan.spec.local_dir).expanduser().resolve())
+        return str(_repo_folder(self.plan.spec) / "snapshots" / self.plan.commit)
+
+    def _finalize(self) -> None:
+        """Record the branch -> commit ref in the cache, as snapshot_download does, so that loading
+        by repo id and branch name works offline afterwards."""
+        spec = self.plan.spec
+        revision = spec.revision or "main"
+        if spec.local_dir or re.fullmatch(r"[0-9a-f]{40}", revision):
+            return
+        ref = _repo_folder(spec) / "refs" / revision
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ref.with_name(ref.name + ".tmp")
+        tmp.write_text(self.plan.commit)
+        tmp.replace(ref)

@@ -1,0 +1,1 @@
+"""Engines as processes: launch specs, probes, SGLang and vLLM, the benchmark client and metrics."""

@@ -1,0 +1,256 @@
+"""How to start an engine server: one frozen LaunchSpec per (engine, algorithm, budget, tp, GPUs).
+
+`build_launch(engine_table, algorithm=..., budget=..., tp=..., gpus=..., port=...)` turns the
+recipe's [engine] table (a dict, or the recipe's EngineSpec dataclass) into the exact argv, the
+environment overrides (CUDA_VISIBLE_DEVICES, the recipe's env), the health and metrics paths and
+the address it will listen on, for kind "builtin", "sglang" or "vllm". SGLang and vLLM commands
+are built from the capabilities of the recipe's interpreter (engine/serving/probe.py), so a flag the
+installed build lacks is refused here, before anything is launched.
+
+NUMA pinning (numa_bind = "auto", sglang/vllm only), given the GPUs' NUMA node and local CPUs:
+`numactl --cpunodebind=N --membind=N` when numactl is installed; else `taskset -c CPUS` (CPUs
+pinned, memory left to first-touch, which lands on the local node); else neither, and
+`LaunchSpec.cpu_affinity` carries the CPUs for the runner to apply with os.sched_setaffinity.
+`LaunchSpec.numa` says which of these happened.
+
+Nothing here starts a process; the job runner spawns `argv` with `spawn_env()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import shutil
+import socket
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ddtree.engine.serving import sglang as sglang_cmd
+from ddtree.engine.serving import vllm as vllm_cmd
+from ddtree.engine.serving.probe import (Capabilities, LaunchConfigError, ProbeError, UnsupportedAlgorithmError,
+                                 UnsupportedFlagError, probe)
+
+__all__ = ["KINDS", "ALGORITHMS", "LaunchSpec", "build_launch", "free_port", "LaunchConfigError",
+           "UnsupportedAlgorithmError", "UnsupportedFlagError", "ProbeError"]
+
+KINDS = ("builtin", "sglang", "vllm")
+ALGORITHMS = ("ar", "dflash", "ddtree")
+HOST = "127.0.0.1"
+BUILTIN_MODULE = "ddtree.engine.reference.server"
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One engine server to start. `env` holds only the overrides; `spawn_env()` merges them."""
+
+    kind: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    host: str = HOST
+    port: int = 0  # 0: the builtin server picks one and announces it (announces_url)
+    health_path: str = "/health"
+    metrics_path: str | None = "/metrics"
+    api: str = "generate"  # "generate" (SGLang-shaped /generate) or "openai" (vLLM)
+    announces_url: bool = False  # prints {"event": "listening", "url": ...} on stdout when ready
+    algorithm: str = "ar"
+    budget: int | None = None
+    tp: int = 1
+    gpus: tuple[int, ...] = ()
+    numa: str = "off"  # "numactl" | "taskset" | "runner" | "off" | "unknown"
+    cpu_affinity: tuple[int, ...] = ()  # only with numa == "runner": apply before exec
+    engine_version: str | None = None
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise LaunchConfigError(f"unknown engine kind {self.kind!r}", "use one of: " + ", ".join(KINDS))
+        if not self.argv or not all(isinstance(a, str) and a != "" for a in self.argv):
+            raise LaunchConfigError("a launch needs a non-empty argv of non-empty strings")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise LaunchConfigError(f"port must be 0..65535, got {self.port!r}")
+        if self.port == 0 and not self.announces_url:
+            raise LaunchConfigError(f"{self.kind} needs a concrete port", "pass free_port()")
+        env = dict(self.env)
+        for key, value in env.items():
+            if not isinstance(key, str) or not key or "=" in key or not isinstance(value, str):
+                raise LaunchConfigError(f"bad environment entry {key!r}={value!r}")
+        object.__setattr__(self, "env", env)
+        object.__setattr__(self, "argv", tuple(self.argv))
+        object.__setattr__(self, "gpus", tuple(self.gpus))
+
+    @property
+    def base_url(self) -> str | None:
+        """Where it will listen; None until a builtin server on port 0 announces its port."""
+        return f"http://{self.host}:{self.port}" if self.port else None
+
+    @property
+    def health_url(self) -> str | None:
+        return self.base_url + self.health_path if self.base_url else None
+
+    def spawn_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        env.update(self.env)
+        return env
+
+    def command_line(self) -> str:
+        """What an operator would type: env overrides, then the shell-quoted argv."""
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return (prefix + " " if prefix else "") + shlex.join(self.argv)
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data.update(argv=list(self.argv), env=dict(self.env), gpus=list(self.gpus),
+                    cpu_affinity=list(self.cpu_affinity), notes=list(self.notes),
+                    base_url=self.base_url, command=self.command_line())
+        return data
+
+
+def free_port(host: str = HOST) -> int:
+    """A port free right now on `host` (the engine binds it moments later; a lost race shows up
+    as "port in use" in the engine log, which the runner retries with a new port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _as_dict(engine_table) -> dict:
+    if dataclasses.is_dataclass(engine_table) and not isinstance(engine_table, type):
+        data = {f.name: getattr(engine_table, f.name) for f in dataclasses.fields(engine_table)}
+    elif isinstance(engine_table, Mapping):
+        data = dict(engine_table)
+    else:
+        raise LaunchConfigError(f"the engine table must be a table, got {type(engine_table).__name__}")
+    env = data.get("env") or {}
+    if isinstance(env, (list, tuple)):  # EngineSpec keeps env as sorted (key, value) pairs
+        env = dict(env)
+    if not isinstance(env, Mapping):
+        raise LaunchConfigError("engine.env must be a table of strings")
+    data["env"] = {str(k): v for k, v in env.items()}
+    extra = data.get("extra_args") or ()
+    if isinstance(extra, str) or not all(isinstance(a, str) for a in extra):
+        raise LaunchConfigError("engine.extra_args must be a list of strings", 'e.g. ["--attention-backend", "fa3"]')
+    data["extra_args"] = tuple(extra)
+    return data
+
+
+def _check_common(kind: str, algorithm: str, budget, tp, gpus: Sequence[int]) -> None:
+    if kind not in KINDS:
+        raise LaunchConfigError(f"unknown engine kind {kind!r}", "use one of: " + ", ".join(KINDS))
+    if algorithm not in ALGORITHMS:
+        raise LaunchConfigError(f"unknown algorithm {algorithm!r}", "use one of: " + ", ".join(ALGORITHMS))
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise LaunchConfigError(f"tp must be a positive integer, got {tp!r}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise LaunchConfigError(f"budget must be an integer >= 0, got {budget!r}")
+    if any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus):
+        raise LaunchConfigError(f"gpus must be GPU indices, got {list(gpus)!r}")
+    if len(set(gpus)) != len(gpus):
+        raise LaunchConfigError(f"gpus lists a GPU twice: {list(gpus)}")
+    if gpus and len(gpus) != tp:
+        raise LaunchConfigError(f"tp {tp} needs {tp} GPUs, the launch got {len(gpus)}: {list(gpus)}",
+                                "pass the tp GPUs this server uses (e.g. engine.gpus[:tp])")
+
+
+def _numa_prefix(numa_bind, numa_node, numa_cpus, which: Callable[[str], str | None]
+                 ) -> tuple[list[str], str, tuple[int, ...], list[str]]:
+    """(argv prefix, how, cpu_affinity for the runner, notes)."""
+    if numa_bind in (None, False, "off", "none", ""):
+        return [], "off", (), []
+    nodes: list[int] = []
+    if numa_node is not None:
+        nodes = [numa_node] if isinstance(numa_node, int) else [int(n) for n in numa_node]
+    cpus = tuple(sorted(set(numa_cpus or ())))
+    if not nodes and not cpus:
+        return [], "unknown", (), ["numa_bind auto: the GPUs' NUMA node is unknown, so nothing is pinned"]
+    if nodes and which("numactl"):
+        spec = ",".join(str(n) for n in sorted(set(nodes)))
+        return ["numactl", f"--cpunodebind={spec}", f"--membind={spec}"], "numactl", (), []
+    if cpus and which("taskset"):
+        from ddtree.engine.machine.hw import format_cpulist
+
+        return (["taskset", "-c", format_cpulist(list(cpus))], "taskset", (),
+                ["numactl not found: CPUs pinned with taskset, memory left to first-touch on the local node"])
+    if cpus:
+        return [], "runner", cpus, ["neither numactl nor taskset found: the runner sets the CPU affinity itself"]
+    return [], "unknown", (), ["numactl not found and the GPUs' local CPUs are unknown: nothing is pinned"]
+
+
+def _builtin(table: dict, *, algorithm: str, budget, tp: int, gpus, port: int) -> tuple[list[str], dict, list[str]]:
+    if tp != 1:
+        raise LaunchConfigError(f"the builtin engine runs on one device, tp {tp} asked", "use tp = 1 for builtin")
+    if table.get("numa_bind") not in (None, "off"):
+        raise LaunchConfigError("engine.numa_bind applies to sglang and vllm only", "leave it out for builtin")
+    if table.get("extra_args"):
+        raise LaunchConfigError("engine.extra_args applies to sglang and vllm only", "leave it out for builtin")
+    argv = [table.get("python") or sys.executable, "-m", BUILTIN_MODULE]
+    if table.get("model"):
+        argv += ["--model", str(table["model"])]
+    if table.get("draft_model"):
+        argv += ["--draft", str(table["draft_model"])]
+    argv += ["--algorithm", algorithm]
+    if budget is not None:
+        argv += ["--budget", str(budget)]
+    if table.get("block_size") is not None:
+        argv += ["--block-size", str(table["block_size"])]
+    device = table.get("device") or ("cuda" if gpus else "cpu")
+    argv += ["--device", device, "--backend", table.get("backend") or "auto", "--host", HOST, "--port", str(port)]
+    env = {}
+    if gpus and device.startswith("cuda"):
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    return argv, env, []
+
+
+def build_launch(engine_table, *, algorithm: str, budget: int | None, tp: int, gpus: Sequence[int], port: int,
+                 numa_cpus: Sequence[int] | None = None, numa_node: int | Sequence[int] | None = None,
+                 caps: Capabilities | None = None, cache_dir: str | os.PathLike | None = None,
+                 which: Callable[[str], str | None] = shutil.which) -> LaunchSpec:
+    """The LaunchSpec for one server setting.
+
+    engine_table: the recipe's [engine] table (dict or EngineSpec): kind, python, model,
+        draft_model, block_size, device, backend (builtin only), numa_bind, extra_args, env.
+    algorithm/budget/tp/gpus: this launch's server setting (gpus: exactly the tp GPUs it uses,
+        or empty for CPU).
+    port: a free port (free_port()); 0 only for the builtin engine, which then announces its own.
+    numa_cpus/numa_node: the GPUs' local CPUs and NUMA node(s) (engine/machine/placement.py knows them).
+    caps: the engine's capabilities; None probes the recipe's python (cached under cache_dir).
+    """
+    table = _as_dict(engine_table)
+    kind = table.get("kind") or "builtin"
+    gpus = tuple(gpus)
+    _check_common(kind, algorithm, budget, tp, gpus)
+    env_user = {}
+    for key, value in table["env"].items():
+        if not isinstance(value, str):
+            raise LaunchConfigError(f"engine.env.{key} must be a string, got {value!r}")
+        env_user[key] = value
+
+    if kind == "builtin":
+        argv, env, notes = _builtin(table, algorithm=algorithm, budget=budget, tp=tp, gpus=gpus, port=port)
+        env = {**env_user, **env}
+        return LaunchSpec(kind=kind, argv=tuple(argv), env=env, port=port, api="generate",
+                          announces_url=True, algorithm=algorithm, budget=budget, tp=tp, gpus=gpus,
+                          notes=tuple(notes))
+
+    if table.get("backend") not in (None, "auto"):
+        raise LaunchConfigError(f"engine.backend applies to the builtin engine only, not {kind}", "leave it out")
+    if port == 0:
+        raise LaunchConfigError(f"{kind} needs a concrete port", "pass free_port()")
+    python = table.get("python") or sys.executable
+    if caps is None:
+        caps = probe(kind, python, cache_dir=cache_dir)
+    elif caps.kind != kind:
+        raise LaunchConfigError(f"capabilities of {caps.kind} given for a {kind} launch")
+    builder = sglang_cmd.build_argv if kind == "sglang" else vllm_cmd.build_argv
+    argv, notes = builder(table, algorithm=algorithm, budget=budget, tp=tp, port=port, caps=caps)
+    prefix, how, affinity, numa_notes = _numa_prefix(table.get("numa_bind"), numa_node, numa_cpus, which)
+    env = dict(env_user)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    return LaunchSpec(kind=kind, argv=tuple(prefix + argv), env=env, port=port,
+                      api="generate" if kind == "sglang" else "openai", announces_url=False,
+                      metrics_path="/metrics", algorithm=algorithm, budget=budget if algorithm == "ddtree" else None,
+                      tp=tp, gpus=gpus, numa=how, cpu_affinity=affinity, engine_version=caps.version,
+                      notes=tuple(notes + numa_notes))

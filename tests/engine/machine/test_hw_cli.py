@@ -1,0 +1,110 @@
+"""`ddtree-console hw`: rendering on the synthetic fixture, --json round trip, --tp, bad input."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+from contextlib import redirect_stdout
+
+import pytest
+
+from ddtree.console.commands import hw as hw_cmd
+from ddtree.engine.errors import EngineError
+from ddtree.engine.machine.host import host_info, numa_nodes
+from ddtree.engine.machine.hw import Nvml
+from ddtree.engine.machine.placement import suggest
+
+from .fake_nvml import FakeNvml, load_fixture, write_sysfs
+
+
+def run_hw(argv: list[str], db: str | None = None) -> tuple[int, str]:
+    """Parse and run like the CLI main does (errors become `error: ...` with their exit code)."""
+    parser = argparse.ArgumentParser(prog="ddtree-console")
+    parser.add_argument("--db")
+    hw_cmd.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args([*(["--db", db] if db else []), "hw", *argv])
+    out = io.StringIO()
+    try:
+        with redirect_stdout(out):
+            rc = hw_cmd.run(args)
+    except EngineError as exc:
+        return exc.exit_code, f"error: {exc}"
+    return rc, out.getvalue()
+
+
+@pytest.fixture
+def report(tmp_path):
+    fx = load_fixture()
+    sys_root = write_sysfs(fx, tmp_path / "sys")
+    view = Nvml(FakeNvml(fx), sys_root=sys_root).view()
+    host = host_info(data_dir=tmp_path, sys_root=sys_root)
+    data = view.to_dict()
+    data["host"] = host.to_dict()
+    path = tmp_path / "box.json"
+    path.write_text(json.dumps(data))
+    return view, host, path
+
+
+def test_render_tables(report):
+    view, host, _ = report
+    text = hw_cmd.render(view, host)
+    assert "GPUs: 8  driver 570.124.06  CUDA 12.8" in text
+    lines = text.splitlines()
+    gpu5 = next(line for line in lines if line.startswith("5 "))
+    assert "NVIDIA H100 PCIe" in gpu5 and "x8/16 DEGRADED" in gpu5
+    gpu2 = next(line for line in lines if line.startswith("2 "))
+    assert "62.0/79.6 GiB" in gpu2 and "97%" in gpu2 and "(4242)" in gpu2
+    gpu3 = next(line for line in lines if line.startswith("3 "))
+    assert "n/a/350 W" in gpu3
+    assert "GPU3 power_w: not supported on this GPU" in text
+    row6 = next(line for line in lines if line.startswith("GPU6 "))
+    assert row6.split()[1:9] == ["SYS", "SYS", "SYS", "SYS", "NODE", "NODE", "X", "NV12"]
+    assert row6.split()[-2:] == ["24-47,72-95", "1"]
+    assert "NV#   bonded set of # NVLinks" in text and "PHB" not in text.split("Legend:")[1].split("Host")[0]
+    assert "NUMA nodes" in text and "Disks" in text and "data" in text
+
+
+def test_json_round_trip_and_placement(report):
+    view, host, path = report
+    rc, out = run_hw(["--from", str(path), "--json", "--tp", "2"])
+    assert rc == 0
+    data = json.loads(out)
+    assert len(data["gpus"]) == 8 and data["links"][6][7] == "NV12"
+    assert data["placement"]["suggestions"][0]["gpus"] == [6, 7]
+    assert data["placement"]["suggestions"][0]["numactl"] == ["numactl", "--cpunodebind=1", "--membind=1"]
+    assert data == json.loads(run_hw(["--from", str(path), "--json", "--tp", "2"])[1])
+    expected = suggest(view.gpus, view.links, 2, numa=numa_nodes(path.parent / "sys"), limit=3)
+    assert [s["gpus"] for s in data["placement"]["suggestions"]] == [list(p.gpus) for p in expected]
+
+
+def test_text_placement(report):
+    _, _, path = report
+    rc, out = run_hw(["--from", str(path), "--tp", "4"])
+    assert rc == 0
+    assert "Placement for TP 4" in out and "1. GPUs 4,5,6,7  worst link NODE  NUMA 1" in out
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=4,5,6,7 numactl --cpunodebind=1 --membind=1" in out
+
+
+def test_real_machine_without_gpu(tmp_path):
+    rc, out = run_hw([], db=str(tmp_path / "x.db"))
+    assert rc == 0 and "GPUs: none (" in out and "Disks" in out
+    rc, out = run_hw(["--json"])
+    data = json.loads(out)
+    assert data["gpus"] == [] and data["reason"] and data["host"]["cpus_logical"] >= 1
+
+
+@pytest.mark.parametrize("tp, words", [("0", "must be a positive integer"), ("9", "size 9 needs 9 GPUs")])
+def test_bad_tp_is_one_line_exit_2(report, tp, words):
+    _, _, path = report
+    rc, out = run_hw(["--from", str(path), "--tp", tp])
+    assert rc == 2 and out.startswith("error: ") and words in out and "\n" not in out
+
+
+def test_bad_from_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert run_hw(["--from", str(bad)]) == (2, f"error: {bad} is not JSON (write it with `ddtree-console hw --json`)")
+    assert run_hw(["--from", str(tmp_path / "missing.json")])[0] == 2
+    bad.write_text("[1, 2]")
+    assert run_hw(["--from", str(bad)])[0] == 2

@@ -1,0 +1,108 @@
+"""The serve command's arguments and failures that never reach a running server.
+
+(The running server, started through `ddtree-console serve`, and its SIGTERM drain are tested at
+the end of test_api.py, so the suite starts one server, not two.)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ddtree.console.commands import serve
+
+from .conftest import CLI
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    serve.add_parser(p.add_subparsers())
+    return p.parse_args(["serve", *argv])
+
+
+def test_serve_arguments_map_to_the_server_command_line():
+    argv = serve.server_argv(parse("--model", "m", "--draft", "d", "--budget", "12", "--port", "0"))
+    assert argv[:3] == [sys.executable, "-m", "ddtree.engine.reference.server"]
+    joined = " ".join(argv)
+    assert "--model m" in joined and "--draft d" in joined and "--budget 12" in joined
+    assert "--host 127.0.0.1" in joined and "--algorithm ddtree" in joined
+
+def test_serve_passes_batching_through_only_when_asked():
+    assert "--no-batch" in serve.server_argv(parse("--no-batch"))
+    assert "--batch" in serve.server_argv(parse("--batch"))
+    plain = serve.server_argv(parse())
+    assert "--batch" not in plain and "--no-batch" not in plain
+
+
+def test_serve_passes_the_backend_through():
+    argv = serve.server_argv(parse("--backend", "fast"))
+    assert argv[argv.index("--backend") + 1] == "fast"
+    assert "--backend transformers" in " ".join(serve.server_argv(parse("--backend", "transformers")))
+    assert "--backend auto" in " ".join(serve.server_argv(parse()))  # the default, said out loud
+
+
+def test_serve_refuses_an_unknown_backend_in_one_line():
+    out = subprocess.run([*CLI, "serve", "--backend", "bogus"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "--backend" in out.stderr and "transformers" in out.stderr
+
+
+def test_warm_up_prints_backend_progress_as_json_lines_before_anything_else(tiny_pair, capsys):
+    from ddtree.engine.reference.engine import Engine
+    from ddtree.engine.reference.server import warm_up
+    from ddtree.engine.reference.api import ServerConfig
+
+    engine = Engine.load(*tiny_pair, backend="fast")
+    steps = []
+
+    def capture(progress=None, budgets=()):  # what the fast backend does on CUDA, where it captures graphs
+        steps.append("warmup")
+        progress("captured CUDA graphs for session slot 1/1")
+
+    engine.warmup = capture
+    warm_up(engine, ServerConfig(algorithm="ddtree", budget=4, served_model_name="t", model_path="t",
+                                 draft_path="d", max_running=2, max_queued=2, graceful_timeout_s=1.0, batch=True))
+    lines = capsys.readouterr().out.splitlines()
+    assert steps == ["warmup"]
+    assert [json.loads(line) for line in lines] == [
+        {"event": "warmup", "message": "captured CUDA graphs for session slot 1/1"}]
+
+
+@pytest.mark.parametrize("argv", [["--budget", "-1"], ["--port", "70000"], ["--algorithm", "medusa"],
+                                  ["--backend", "bogus"]])
+def test_serve_rejects_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse(*argv)
+    assert info.value.code == 2
+
+
+def test_serve_help_documents_the_options():
+    out = subprocess.run([*CLI, "serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for flag in ("--model", "--draft", "--algorithm", "--budget", "--block-size", "--device", "--host", "--port",
+                 "--backend"):
+        assert flag in out.stdout
+    bad = subprocess.run([*CLI, "serve", "--budget", "-1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--budget" in bad.stderr
+
+
+def test_bad_model_directory_is_a_clean_error(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "ddtree.engine.reference.server", "--model", str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stdout == ""
+    assert out.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "Traceback" not in out.stderr
+
+
+def test_batch_flag():
+    from ddtree.engine.reference.server import DEFAULT_BATCH, build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([]).batch is None
+    assert parser.parse_args(["--batch"]).batch is True
+    assert parser.parse_args(["--no-batch"]).batch is False
+    assert DEFAULT_BATCH is True
