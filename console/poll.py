@@ -39,13 +39,13 @@ HISTORY_PAGE = 200
 
 
 def _gpu_view() -> Any:
-    from ddtree.engine.hw import gpu_view
+    from ddtree.engine.machine.hw import gpu_view
 
     return gpu_view()
 
 
 def _host_info(folder: Path) -> Any:
-    from ddtree.engine.host import host_info
+    from ddtree.engine.machine.host import host_info
 
     return host_info(data_dir=folder)
 
@@ -58,19 +58,16 @@ class _SampleSource:
 
     def __call__(self) -> Any:
         if self.sampler is None:
-            from ddtree.engine.sampler import Sampler
+            from ddtree.engine.machine.sampler import Sampler
 
             self.sampler = Sampler()
         return self.sampler.sample()
 
 
 def _health(url: str) -> bool:
-    import httpx
+    from ddtree.engine.serving.http import health
 
-    try:
-        return httpx.get(url.rstrip("/") + "/health", timeout=0.5).status_code == 200
-    except httpx.HTTPError:
-        return False
+    return health(url, timeout_s=0.5)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 `Api` turns SGLang-native (/generate) and OpenAI-shaped bodies into one `GenRequest` (400 on
 anything malformed, out of range or unsupported, never a silent default for a value that changes
-the output), submits it to the round-robin scheduler, and builds SGLang's meta_info. `Run` is one
+the output), submits it to the round-robin scheduler, and builds SGLang's meta_info. `Reply` is one
 request on the event loop: it gathers the engine thread's updates, decodes text, applies stop
 strings, and cancels the request when its consumer goes away.
 """
@@ -331,10 +331,10 @@ class Api:
         return self._encode(text)
 
     # -- running a request ---------------------------------------------------------------------
-    def submit(self, req: GenRequest) -> "Run":
-        return Run(self, req)
+    def submit(self, req: GenRequest) -> "Reply":
+        return Reply(self, req)
 
-    def meta_info(self, req: GenRequest, run: "Run", *, final: bool) -> dict:
+    def meta_info(self, req: GenRequest, run: "Reply", *, final: bool) -> dict:
         ids = run.ids
         meta: dict[str, Any] = {
             "id": req.rid,
@@ -398,7 +398,7 @@ class IncrementalText:
         return self.text
 
 
-class Run:
+class Reply:
     """One request on the event loop: submits the ticket, gathers updates, applies stop strings."""
 
     def __init__(self, api: Api, req: GenRequest) -> None:
@@ -438,7 +438,7 @@ class Run:
             return {"type": "abort", "message": self.finish_reason}
         return None
 
-    async def updates(self) -> AsyncIterator["Run"]:
+    async def updates(self) -> AsyncIterator["Reply"]:
         """Yields self after every update that changed anything; the last has done=True."""
         try:
             while not self.done:

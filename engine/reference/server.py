@@ -44,7 +44,7 @@ from ddtree.engine.errors import EngineError
 from ddtree.engine.reference.backends import BACKENDS
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 from ddtree.engine.reference.scheduler import EngineThread, QueueFull, ShuttingDown, render_metrics
-from ddtree.engine.reference.api import ALGORITHMS, DEFAULT_BUDGET, Api, BadRequest, Run, ServerConfig
+from ddtree.engine.reference.api import ALGORITHMS, DEFAULT_BUDGET, Api, BadRequest, Reply, ServerConfig
 
 log = logging.getLogger("ddtree.engine.server")
 
@@ -113,7 +113,7 @@ def _parse_json(raw: bytes):
         raise BadRequest("malformed JSON: nested too deeply") from None
 
 
-async def _collect(run: Run, request: Request) -> Run:
+async def _collect(run: Reply, request: Request) -> Reply:
     """Runs a non-streaming request to the end, cancelling it if the client disconnects."""
 
     async def watch() -> None:

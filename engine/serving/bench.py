@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 import httpx
 
-from ddtree.engine.serving.client import EngineNotReady
+from ddtree.engine.serving.http import EngineNotReady, health_status, sse_payload
 from ddtree.engine.errors import EngineError
 from ddtree.engine.serving.metrics import MetricsError, request_acceptance
 from ddtree.engine.serving.prompts import Prompt
@@ -204,15 +204,6 @@ def spread(values: list[float]) -> float | None:
 # -- the HTTP side -------------------------------------------------------------------------------
 
 
-def _sse_payload(line: bytes) -> bytes | None:
-    line = line.strip()
-    if not line or line.startswith(b":"):
-        return None
-    if line.startswith(b"data:"):
-        return line[5:].strip()
-    return line
-
-
 async def _sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
     """The JSON objects of an SSE stream, up to `[DONE]`; ValueError on anything else.
 
@@ -220,7 +211,7 @@ async def _sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
     """
     done = False
     async for line in response.content:
-        payload = None if done else _sse_payload(line)
+        payload = None if done else sse_payload(line)
         if payload is None:
             continue
         if payload == b"[DONE]":
@@ -499,13 +490,9 @@ def wait_ready(url: str, *, timeout_s: float, alive=None, interval_s: float = 0.
                 gone = alive()
                 if gone:
                     raise EngineNotReady(f"engine exited before it was ready: {gone}")
-            try:
-                response = client.get(url + "/health")
-                if response.status_code == 200:
-                    return time.monotonic() - t0
-                last = f"GET /health answered {response.status_code}"
-            except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}"
+            last = health_status(client, url) or ""
+            if not last:
+                return time.monotonic() - t0
             if time.monotonic() - t0 > timeout_s:
                 raise EngineNotReady(f"engine at {url} not ready after {timeout_s:g}s ({last})",
                                      "raise engine.ready_timeout_s, or read the engine log")

@@ -33,8 +33,7 @@ class EngineUnreachable(EngineClientError):
     """No HTTP answer at all: nothing listening, connection reset, or timed out."""
 
 
-class EngineNotReady(EngineClientError):
-    """The server did not become healthy in time (or its process exited)."""
+from ddtree.engine.serving.http import EngineNotReady  # noqa: E402,F401  (re-exported for the tests' client)
 
 
 class EngineHTTPError(EngineClientError):
