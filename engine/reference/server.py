@@ -44,7 +44,9 @@ from ddtree.engine.errors import EngineError
 from ddtree.engine.reference.backends import BACKENDS
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 from ddtree.engine.reference.scheduler import EngineThread, QueueFull, ShuttingDown, render_metrics
+from ddtree.engine.reference.access import AccessLog, access_log
 from ddtree.engine.reference.api import ALGORITHMS, DEFAULT_BUDGET, Api, BadRequest, Reply, ServerConfig
+from ddtree.engine.serving.names import display_name
 
 log = logging.getLogger("ddtree.engine.server")
 
@@ -146,7 +148,7 @@ def build_app(api: Api) -> Starlette:
         return JSONResponse({
             "engine": "builtin",
             "version": _version(),
-            "model": engine.model_name, "model_path": config.model_path,
+            "model": config.served_model_name, "model_path": config.model_path,
             "served_model_name": config.served_model_name,
             "draft_model": engine.draft_name, "speculative_draft_model_path": config.draft_path,
             "algorithm": config.algorithm, "budget": config.budget, "block_size": engine.block_size,
@@ -182,7 +184,7 @@ def build_app(api: Api) -> Starlette:
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": api.config.served_model_name, "object": "model", "created": int(api.started_at),
-            "owned_by": "ddtree-console", "root": api.config.model_path,
+            "owned_by": "ddtree-console", "root": display_name(api.config.model_path),
             "max_model_len": api.engine.context_window}]})
 
     async def generate(request: Request) -> Response:
@@ -401,7 +403,8 @@ def _uvicorn_server(app: Starlette, api: Api, announce: Any, graceful_timeout_s:
                 self.force_exit = True
             self.should_exit = True
 
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+    # uvicorn's access log stays off: AccessLog writes ours, one line per request, polls left out.
+    config = uvicorn.Config(AccessLog(app), log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=graceful_timeout_s, timeout_keep_alive=30)
     return Server(config)
 
@@ -474,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Request lines at INFO whatever --log-level says, unless it asks for errors only: they are what
+    # makes following the engine's log worth it.
+    access_log.setLevel(logging.ERROR if args.log_level == "error" else logging.INFO)
     # Loading, warm-up and every round run on this one thread, so torch keeps one OpenMP pool
     # (scheduler.EngineThread says why); the main thread runs the event loop and no torch.
     engine_thread = EngineThread()
@@ -494,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.algorithm != "ar" and engine.draft_name is None:
             log.warning("no drafter loaded: serving %s requests as ar", args.algorithm)
         config = ServerConfig(algorithm=algorithm, budget=budget,
-                              served_model_name=args.served_model_name or engine.model_name or model_path,
+                              # the name a user gave, or the repo id; never the demo's install path
+                              served_model_name=args.served_model_name or display_name(model_path),
                               model_path=model_path, draft_path=draft_path,
                               max_running=args.max_running_requests, max_queued=args.max_queued_requests,
                               graceful_timeout_s=args.graceful_timeout,
