@@ -10,6 +10,8 @@ from ddtree.jobs.recipe import recipe_from_dict, recipe_to_dict
 from ddtree.store import open_db, sweeps
 from ddtree.store.queries import insert_row, update_row
 
+from ..support.pilot import until  # noqa: F401  (the console tests import it from here)
+
 #: A fixed "now" so ages and uptimes in snapshots do not move.
 NOW = 1_790_000_000.0
 
@@ -113,9 +115,6 @@ def seed_store(db_path) -> dict:
     return ids
 
 
-
-
-
 # -- fixed hardware, so panes and snapshots do not depend on the machine -------------------------
 
 def _fake_nvml_module():
@@ -177,17 +176,6 @@ def fixed_sources(gpus: bool = True, healthy: bool = True):
                    sample_s=1e9, health_s=1e9, hardware_s=1e9)
 
 
-async def until(pilot, predicate, timeout: float = 10.0, what: str = "it"):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        await pilot.pause(0.05)
-        if predicate():
-            return
-    raise AssertionError(f"the console never showed {what}")
-
-
 def table_rows(app, table_id: str) -> list[list[str]]:
     table = app.query_one(f"#{table_id}")
     return [[str(c) for c in table.get_row_at(i)] for i in range(table.row_count)]
@@ -195,15 +183,3 @@ def table_rows(app, table_id: str) -> list[list[str]]:
 
 def text_of(app, widget_id: str) -> str:
     return str(app.query_one(f"#{widget_id}").render())
-
-
-def load_conftest_pair_builder():
-    """tests/jobs/sweep/conftest.py's tiny random Qwen3 + DFlash pair builder (torch in the test process only)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "jobs" / "sweep" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("cockpit_sweep_conftest", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build_tiny_pair

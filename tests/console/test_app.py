@@ -16,26 +16,15 @@ from ddtree.jobs.model import create_job, set_state
 from ddtree.store import open_db
 from ddtree.store.queries import insert_row, update_row
 
+from ..support.pilot import until
+from .cockpit_support import table_rows as rows
+
 pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture
 def db_path(tmp_path):
     return str(tmp_path / "ddtree.db")
-
-
-def rows(app, table_id):
-    table = app.query_one(f"#{table_id}")
-    return [[str(c) for c in table.get_row_at(i)] for i in range(table.row_count)]
-
-
-async def until(pilot, predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        await pilot.pause(0.05)
-        if predicate():
-            return
-    raise AssertionError("the console never showed it")
 
 
 def status(app):

@@ -8,6 +8,8 @@ from textual import events
 
 from ddtree.console.app import make_app
 
+from ..support.pilot import until
+
 pytestmark = pytest.mark.timeout(90)
 
 CHARS = {"tab": "\t", "escape": "\x1b", "enter": "\r", "space": " "}
@@ -16,15 +18,6 @@ CHARS = {"tab": "\t", "escape": "\x1b", "enter": "\r", "space": " "}
 def burst(app, *keys):
     for key in keys:
         app.post_message(events.Key(key, CHARS.get(key, key if len(key) == 1 else None)))
-
-
-async def until(pilot, predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        await pilot.pause(0.05)
-        if predicate():
-            return
-    raise AssertionError("the console never showed it")
 
 
 def values(screen):

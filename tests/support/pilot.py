@@ -1,0 +1,15 @@
+"""Waiting on a Textual pilot for what the console should come to show."""
+
+from __future__ import annotations
+
+import time
+
+
+async def until(pilot, predicate, timeout: float = 10.0, what: str = "it") -> None:
+    """Let the app run until predicate() holds; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        await pilot.pause(0.05)
+        if predicate():
+            return
+    raise AssertionError(f"the console never showed {what}")
