@@ -1,14 +1,18 @@
 """The fast backend as decode.Session sees it (the surface of backends.TransformersPath).
 
 Caches are preallocated per session slot. On CUDA, `warmup` captures each slot's graphs once
-(target verify buckets, drafter block and appends); a session takes a free slot and gives it back
-when it ends, so nothing is allocated or captured per request. Sessions beyond the slots get
-caches of their own and run the same code eagerly. Trees are built and walked on the device; a
-round brings one packed tensor to the host (the accepted length, path and tokens).
+(target verify buckets at each KV span, the walk+commit, drafter block and appends); a session
+takes a free slot and gives it back when it ends, so nothing is allocated or captured per
+request. A session gets its own cache objects over the slot's buffers (StaticKVCache.share), so
+one dropped without close() gives its slot back when it is garbage-collected (weakref.finalize).
+Sessions beyond the slots get caches of their own and run the same code eagerly. Trees are built
+and walked on the device; a round brings one packed tensor to the host (the accepted length, path
+and tokens), and after a static verify the walk also moves the accepted K/V rows (commit.py).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable
@@ -63,8 +67,10 @@ class FastPath:
         self.want_compile = bool(compile) and self.want_graphs
         self.graphs = False
         self.compile_error: str | None = None
-        self._free: list[tuple] = []
-        self._pair: dict[int, tuple] = {}  # id(target cache) -> its slot's (target, draft) caches
+        self._free: list[tuple] = []       # slots (target cache, draft cache) no session holds
+        self._slots: list[tuple] = []
+        # id(a session's target cache) -> the finalizer that gives its slot back (once).
+        self._leases: dict[int, weakref.finalize] = {}
         # (budget, depth) -> a captured tree build: dozens of small kernels, about 4 ms launched
         # one by one on an H200 and 0.6 ms as one graph replay.
         self._trees: dict[tuple[int, int], _TreeGraph] = {}
@@ -81,7 +87,7 @@ class FastPath:
                 if budget > 0:
                     self._tree_graph(int(budget), self.engine.block_size - 1)
                     say(f"captured the DDTree build for budget {budget}")
-        if self._pair:
+        if self._slots:
             return
         if self.want_compile:
             say("compiling the decoder layer (torch.compile, once for every layer) and the drafter block")
@@ -112,27 +118,45 @@ class FastPath:
                     say(f"torch.compile of the drafter failed ({self.compile_error}); capturing without it")
                     self.drafts._compiled_block = None
                     self.drafts.capture(draft_cache)
-            pair = (cache, draft_cache)
-            self._pair[id(cache)] = pair
-            self._free.append(pair)
+            self.add_slot(cache, draft_cache)
+            spans = sorted({kv for _, kv in cache.graphs})
             say(f"captured CUDA graphs for session slot {i + 1}/{self.slots} "
-                f"(verify buckets {list(cache.graphs)})")
+                f"(verify buckets {sorted(cache.stages)} at KV spans {spans}, {len(cache.graphs)} graphs)")
         self.graphs = True
+
+    def add_slot(self, cache, draft_cache) -> None:
+        """Put a (target cache, drafter cache) pair in the pool that sessions draw from."""
+        pair = (cache, draft_cache)
+        self._slots.append(pair)
+        self._free.append(pair)
+
+    def slot_of(self, cache) -> tuple | None:
+        """The slot a session's cache was drawn from, or None (a cache of its own)."""
+        lease = self._leases.get(id(cache)) if cache is not None else None
+        info = lease.peek() if lease is not None else None  # (cache, func, (key, slot), kwargs)
+        return info[2][1] if info is not None else None
 
     def new_caches(self, drafting: bool):
         if self._free:
-            cache, draft_cache = self._free.pop()
-            cache.set_length(0)
-            if draft_cache is not None:
-                draft_cache.reset()
-            return cache, draft_cache if drafting else None
+            slot = self._free.pop()
+            cache = slot[0].share()
+            draft_cache = slot[1].share() if drafting and slot[1] is not None else None
+            key = id(cache)
+            # Held by the session only: when it goes without release(), the slot comes back.
+            self._leases[key] = weakref.finalize(cache, self._give_back, key, slot)
+            return cache, draft_cache
         cache = self.target.new_cache()
         return cache, self.drafts.new_cache() if drafting else None
 
     def release(self, cache, draft_cache) -> None:
-        pair = self._pair.get(id(cache)) if cache is not None else None
-        if pair is not None and pair not in self._free:
-            self._free.append(pair)
+        lease = self._leases.get(id(cache)) if cache is not None else None
+        if lease is not None:
+            lease()  # runs _give_back once; the finalizer is dead afterwards
+
+    def _give_back(self, key: int, slot: tuple) -> None:
+        self._leases.pop(key, None)
+        if not any(slot is free for free in self._free):
+            self._free.append(slot)
 
     def draft(self, bonus: int, start: int, pending: torch.Tensor, draft_cache, depth: int) -> torch.Tensor:
         return self.drafts.draft(bonus, start, pending, draft_cache, depth)
@@ -177,6 +201,11 @@ class FastPath:
         return self.target.tree_mask(tree, start)
 
     def walk(self, tree: Tree, posterior: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """After a static verify: the walk+commit graph (or its code on a CPU), which also moves
+        the accepted K/V rows; after an eager one, the device walk. One host sync either way."""
+        last = self.target.take_verify(int(posterior.shape[0]))
+        if last is not None and tree.size == last.n:
+            return self.target.walk_commit(last, tree.parents, posterior)
         order, count = walk_device(tree, posterior)
         return fetch_walk(tree, posterior, order, count)
 

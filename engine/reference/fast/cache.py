@@ -5,8 +5,15 @@ compacted), exactly what a DynamicCache's get_seq_length would say after the sam
 `length` hold stale or padding values that no query ever sees. The buffers are zero-initialised
 because a masked key still multiplies its value row by a zero probability, and 0 * NaN is NaN.
 
-CUDA graphs bake in these buffers' addresses, so the graphs captured for a cache live on it
-(`graphs`, bucket size -> captured graph), and one cache serves one session at a time.
+CUDA graphs bake in these buffers' addresses, so what is captured for a cache lives on it:
+`stages` (query bucket -> the static input and output buffers), `graphs` ((query bucket, KV
+bucket) -> captured forward) and `walks` (query bucket -> the walk and commit). One cache serves
+one session at a time; `share()` hands a session its own object over the same buffers, so that a
+session dropped without being closed can be noticed (the slot pool in backend.py watches it).
+
+Attention on the static path reads the first `kv` rows only, kv the smallest of `kv_buckets(rows)`
+that holds the context and the new rows: a 1k-token context in an 8k window reads 1k-2k rows,
+not 8k. The buckets double from KV_MIN, so a session passes through a handful of them.
 """
 
 from __future__ import annotations
@@ -18,6 +25,31 @@ from ddtree.engine.reference.errors import DecodeError
 # Rows are rounded up to this so that masks over all rows keep an aligned last dimension
 # (the memory-efficient SDPA kernel otherwise pads a copy of the mask on every call).
 ROW_ALIGN = 64
+# The smallest attended length of the static path: below it the KV read costs less than a launch.
+KV_MIN = 256
+
+
+def kv_buckets(rows: int, smallest: int = KV_MIN) -> tuple[int, ...]:
+    """Attended lengths of a cache of `rows` rows: smallest, 2*smallest, ... below rows, then rows.
+
+    Each is a multiple of ROW_ALIGN when smallest is (rows always is)."""
+    if rows < 1 or smallest < 1:
+        raise DecodeError(f"KV buckets need rows >= 1 and smallest >= 1, got {rows} and {smallest}")
+    out = []
+    size = smallest
+    while size < rows:
+        out.append(size)
+        size *= 2
+    out.append(rows)
+    return tuple(out)
+
+
+def kv_bucket(rows: int, needed: int, buckets: tuple[int, ...] | None = None) -> int:
+    """The smallest bucket >= needed (rows when none is)."""
+    for size in buckets if buckets is not None else kv_buckets(rows):
+        if size >= needed:
+            return size
+    return rows
 
 
 class StaticKVCache:
@@ -36,7 +68,23 @@ class StaticKVCache:
         self.length = 0
         # The same number on the device, for graphs: they read it instead of a baked-in constant.
         self.length_t = torch.zeros((), dtype=torch.long, device=device)
-        self.graphs: dict[int, object] = {}
+        self.stages: dict[int, object] = {}
+        self.graphs: dict[tuple[int, int], object] = {}
+        self.walks: dict[int, object] = {}
+        # (start, kept): the walk already moved this verify's accepted rows (see compact).
+        self.moved: tuple[int, int] | None = None
+
+    def share(self) -> StaticKVCache:
+        """A new, empty cache object over these same buffers, stages and graphs (graphs read the
+        buffers by address, so they serve it). The two must not be used at the same time."""
+        other = StaticKVCache.__new__(StaticKVCache)
+        other.k, other.v = self.k, self.v
+        other.capacity, other.slack = self.capacity, self.slack
+        other.length_t = self.length_t
+        other.stages, other.graphs, other.walks = self.stages, self.graphs, self.walks
+        other.moved = None
+        other.set_length(0)
+        return other
 
     @property
     def rows(self) -> int:
@@ -59,6 +107,7 @@ class StaticKVCache:
     def crop(self, length: int) -> None:
         """Keep the first `length` rows (a longer length is a no-op, as for DynamicCache)."""
         if length < self.length:
+            self.moved = None
             self.set_length(max(0, int(length)))
 
     def compact(self, start: int, keep: torch.Tensor, keep_list: list[int]) -> None:
@@ -66,7 +115,10 @@ class StaticKVCache:
         n = len(keep_list)
         if n == 0 or start + keep_list[-1] >= self.length:
             raise DecodeError(f"compact keeps rows {start}+{keep_list} of a cache of {self.length} rows")
-        if keep_list[-1] != n - 1:
+        moved, self.moved = self.moved, None
+        if moved == (start, n):
+            pass  # the walk's graph already gathered these rows into place (FastTarget.walk_commit)
+        elif keep_list[-1] != n - 1:
             # Rows only move to lower indices and index_select reads them all before the write.
             rows = keep.to(self.k.device) + start
             self.k[:, :, start:start + n] = self.k.index_select(2, rows)

@@ -110,6 +110,15 @@ class DraftContextCache:
         """Bytes of the key/value buffers (the static inputs and graph pools are small beside them)."""
         return self.keys.numel() * self.keys.element_size() * 2
 
+    def share(self) -> DraftContextCache:
+        """A new, empty cache object over these same buffers, static inputs and graphs (see
+        StaticKVCache.share). The two must not be used at the same time."""
+        other = DraftContextCache(self.keys, self.values, self.capacity)
+        other.length_t = self.length_t
+        other.static, other.graphs = self.static, self.graphs
+        other.reset()
+        return other
+
     def reset(self) -> None:
         """Empty the cache in place, keeping its buffers and graphs for the next sequence."""
         self.length = 0

@@ -9,15 +9,20 @@ Two code paths compute that:
 - eager: shapes follow n; attention reads rows [:length+n] only. Prefill and anything larger than
   the largest bucket run here.
 - static: n padded to a bucket q (a power of two), K/V written with index_copy_ at length+arange(q),
-  attention over every cache row with a [q, rows] mask built on the device from `cache.length_t`.
-  Nothing in it reads a device value on the host, so `capture` records it as one CUDA graph per
-  bucket; on a CPU `static=True` runs it without graphs so its logic is testable. Padded rows land
-  past the real ones (the cache's slack) and no later query sees them: a row becomes visible only
-  once a real token has been written there.
+  attention over the first kv rows (kv: the cache's smallest KV bucket >= length+q, cache.py) with
+  a [q, kv] mask built on the device from `cache.length_t`. Nothing in it reads a device value on
+  the host, so `capture` records it as one CUDA graph per (q, kv); on a CPU `static=True` runs it
+  without graphs so its logic is testable. Padded rows land past the real ones (the cache's
+  slack) and no later query sees them: a row becomes visible only once a real token has been
+  written there. The graphs of one q share their input and output buffers (a `_Stage`).
+
+After a static verify, `walk_commit` walks the tree on the device and gathers the accepted K/V
+rows into place in one more graph (commit.py), then reads the round's one packed result.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,7 +30,8 @@ from types import SimpleNamespace
 import torch
 
 from ddtree.engine.reference.errors import BadParams, DecodeError, ModelLoadError
-from ddtree.engine.reference.fast.cache import StaticKVCache
+from ddtree.engine.reference.fast.cache import StaticKVCache, kv_bucket, kv_buckets
+from ddtree.engine.reference.fast.commit import WalkIO, new_walk_io, walk_commit_static
 from ddtree.engine.reference.fast.model import (
     AttentionPlan,
     DenseDecoder,
@@ -51,14 +57,23 @@ def bucket_sizes(max_query: int) -> tuple[int, ...]:
 
 
 @dataclass
-class _Graph:
-    """One captured bucket: the graph and the static buffers it reads and writes."""
-    graph: torch.cuda.CUDAGraph
+class _Stage:
+    """One query bucket's static buffers, shared by its graphs of every KV bucket (and the walk)."""
     ids: torch.Tensor                 # [q] long (input)
     positions: torch.Tensor           # [q] long (input)
     tree: torch.Tensor                # [q, q] bool (input): visibility among the new rows
     logits: torch.Tensor              # [q, V] float32 (output)
     features: torch.Tensor | None     # [q, K*H] (output)
+
+
+@dataclass
+class _Verify:
+    """The last static forward on a cache, for walk_commit (the cache is held weakly)."""
+    cache: weakref.ref
+    stage: _Stage
+    q: int
+    n: int
+    start: int
 
 
 class FastTarget:
@@ -101,6 +116,9 @@ class FastTarget:
         self.buckets = bucket_sizes(max_query)
         self.static = bool(static)
         self.compiled = False  # static forwards run torch.compile'd layers (see compile())
+        # The static path without graphs attends over the smallest KV bucket that holds the
+        # context, as the graphs do; False reads every row (what tests compare it against).
+        self.bucket_kv = True
         qmax = self.buckets[-1]
         self._eye = torch.eye(qmax, dtype=torch.bool, device=self.device)
         self._tril = torch.ones(qmax, qmax, dtype=torch.bool, device=self.device).tril()
@@ -112,6 +130,7 @@ class FastTarget:
             attention = "matmul" if matmul_attention_works(self.device) else "sdpa"
         self.attention = attention
         self._graph_pool = None  # one CUDA graph memory pool for every cache's graphs
+        self._last: _Verify | None = None
         model.rope(self._arange[:1], self.dtype)  # moves the RoPE table to the device now, not in a capture
 
     @property
@@ -152,13 +171,24 @@ class FastTarget:
                             f"{tuple(input_ids.shape)} and {tuple(position_ids.shape)}")
         visible = self._visible(attention_mask, n, cache.length)
         start = cache.length
-        graph = self._graph_for(cache, n)
-        if graph is not None:
-            logits, feats = self._replay(graph, input_ids, position_ids, visible)
+        cache.moved = None
+        self._last = None
+        found = self._graph_for(cache, n)
+        if found is not None:
+            q, graph = found
+            stage = cache.stages[q]
+            self._stage(stage, input_ids, position_ids, visible)
+            graph.replay()
         elif self.static and n <= self.buckets[-1] and start + self._bucket(n) <= cache.rows:
-            logits, feats = self._padded(input_ids, position_ids, visible, cache)
+            q = self._bucket(n)
+            stage = self._stage_for(cache, q)
+            self._stage(stage, input_ids, position_ids, visible)
+            span = kv_bucket(cache.rows, start + q) if self.bucket_kv else cache.rows
+            self.static_forward(stage.ids, stage.positions, stage.tree, cache, span, stage)
         else:
             return self._eager(input_ids, position_ids, visible, cache, features, last_only)
+        logits, feats = stage.logits, stage.features
+        self._last = _Verify(weakref.ref(cache), stage, q, n, start)
         cache.set_length(start + n)
         logits = logits[n - 1:n] if last_only else logits[:n]
         feats = feats[:n] if features and feats is not None else None
@@ -209,23 +239,37 @@ class FastTarget:
         return ForwardOut(logits=logits, features=self._features(feats, n, features, False))
 
     def static_forward(self, ids: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor,
-                       cache: StaticKVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       cache: StaticKVCache, kv: int | None = None,
+                       into: _Stage | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The graph-ready forward: ids/positions [q], tree bool [q, q] -> logits [q, V], features.
 
-        Every shape depends on q and the cache only; the context length is read on the device.
+        Every shape depends on q, kv and the cache only; the context length is read on the device.
         It writes K/V rows length+arange(q) and leaves cache.length alone (the caller adds n).
+        kv: attend over rows [:kv] (None: all rows); it must hold length+q, which the caller picks
+        it for (a graph replays only where that holds). into: write the logits and features into
+        this stage's buffers (what the graphs of one query bucket share) and return them.
         """
         q = int(ids.shape[0])
+        span = cache.rows if kv is None else int(kv)
         length = cache.length_t
         rows = length + self._arange[:q]
-        rel = torch.arange(cache.rows, device=cache.device) - length        # [S]: column - length
+        rel = torch.arange(span, device=cache.device) - length              # [S]: column - length
         among_new = (rel >= 0) & (rel < q)
         tree_cols = tree.index_select(1, rel.clamp(0, q - 1))               # [q, S]
         seen = (rel < 0)[None, :] | (among_new[None, :] & tree_cols)
-        plan = AttentionPlan(rows, None, self._fold(seen), kernel=self.attention)
+        plan = AttentionPlan(rows, span, self._fold(seen), kernel=self.attention)
         hidden, feats = self.model(ids, positions, cache.k, cache.v, plan, self.feature_layers,
                                    compiled=self.compiled)
-        return self.lm_head(hidden).float(), feats
+        if into is None:
+            return self.lm_head(hidden).float(), feats
+        weight = self.lm_head.weight
+        if weight.dtype == torch.float32 and self.lm_head.bias is None:
+            torch.mm(hidden, weight.t(), out=into.logits)  # straight into the shared buffer
+        else:
+            into.logits.copy_(self.lm_head(hidden))        # the cast to float32 is this copy
+        if into.features is not None and feats is not None:
+            into.features.copy_(feats)
+        return into.logits, into.features
 
     def _fold(self, seen: torch.Tensor) -> torch.Tensor:
         mask_dtype = torch.float32 if self.attention == "matmul" else self.dtype
@@ -234,34 +278,76 @@ class FastTarget:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _padded(self, ids, positions, visible, cache: StaticKVCache):
-        """The static path without a graph: pad to the bucket, run, return the padded outputs."""
-        n = int(ids.shape[0])
-        q = self._bucket(n)
-        pad_ids = torch.zeros(q, dtype=torch.long, device=self.device)
-        pad_pos = torch.zeros(q, dtype=torch.long, device=self.device)
-        tree = self._eye[:q, :q].clone()
-        self._stage(pad_ids, pad_pos, tree, ids, positions, visible)
-        return self.static_forward(pad_ids, pad_pos, tree, cache)
+    def _stage_for(self, cache: StaticKVCache, q: int) -> _Stage:
+        """The cache's buffers for query bucket q (made on first use)."""
+        stage = cache.stages.get(q)
+        if stage is None:
+            width = len(self.feature_layers) * self.hidden_size
+            stage = _Stage(ids=torch.zeros(q, dtype=torch.long, device=self.device),
+                           positions=torch.zeros(q, dtype=torch.long, device=self.device),
+                           tree=self._eye[:q, :q].clone(),
+                           logits=torch.zeros((q, self.vocab_size), dtype=torch.float32, device=self.device),
+                           features=(torch.zeros((q, width), dtype=self.dtype, device=self.device)
+                                     if width else None))
+            cache.stages[q] = stage
+        return stage
 
-    def _stage(self, pad_ids, pad_pos, tree, ids, positions, visible) -> None:
-        """Write n real rows into static buffers of a bucket; padded rows see only themselves."""
-        n, q = int(ids.shape[0]), int(pad_ids.shape[0])
-        pad_ids[:n].copy_(ids)
-        pad_pos[:n].copy_(positions)
+    def _stage(self, stage: _Stage, ids, positions, visible) -> None:
+        """Write n real rows into a bucket's static buffers; padded rows see only themselves."""
+        n, q = int(ids.shape[0]), int(stage.ids.shape[0])
+        stage.ids[:n].copy_(ids)
+        stage.positions[:n].copy_(positions)
         # Padded ids/positions keep whatever valid values they held: nobody reads their outputs.
-        tree.copy_(self._eye[:q, :q])
-        tree[:n, :n].copy_(visible if visible is not None else self._tril[:n, :n])
+        stage.tree.copy_(self._eye[:q, :q])
+        stage.tree[:n, :n].copy_(visible if visible is not None else self._tril[:n, :n])
 
     # ---- CUDA graphs ------------------------------------------------------------------------
-    def _graph_for(self, cache: StaticKVCache, n: int) -> _Graph | None:
-        fits = [b for b in cache.graphs if b >= n and cache.length + b <= cache.rows]
-        return cache.graphs[min(fits)] if fits else None
+    def _graph_for(self, cache: StaticKVCache, n: int):
+        """(q, graph): the smallest captured query bucket >= n that fits, at the smallest KV
+        bucket that holds the context and its q rows; None when nothing captured fits."""
+        if not cache.graphs:
+            return None
+        start = cache.length
+        fits = [q for q in cache.stages if q >= n and start + q <= cache.rows]
+        for q in sorted(fits):
+            spans = sorted(kv for (bq, kv) in cache.graphs if bq == q and kv >= start + q)
+            if spans:
+                return q, cache.graphs[(q, spans[0])]
+        return None
 
-    def _replay(self, g: _Graph, ids, positions, visible):
-        self._stage(g.ids, g.positions, g.tree, ids, positions, visible)
-        g.graph.replay()
-        return g.logits, g.features
+    def take_verify(self, n: int) -> _Verify | None:
+        """The last forward's record if it ran on the static path with n rows (else None); once."""
+        last, self._last = self._last, None
+        if last is None or last.n != n or last.cache() is None:
+            return None
+        return last
+
+    @torch.no_grad()
+    def walk_commit(self, last: _Verify, parents: torch.Tensor,
+                    posterior: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The walk and commit of a static verify: (path, path_list, new_tokens) as fetch_walk.
+
+        parents [n] and posterior [n] long: the tree's parents and the target's choice at each node.
+        One graph (or on a CPU the same code) walks the tree held in the stage, gathers the
+        accepted K/V rows to start.. and packs count, order and tokens; one transfer reads them.
+        The cache then skips the row move in compact(start, path, path_list).
+        """
+        cache, stage, q, n = last.cache(), last.stage, last.q, last.n
+        io = cache.walks.get(q)
+        if io is None:
+            io = cache.walks[q] = new_walk_io(q, self.device)
+        io.posterior[:n].copy_(posterior)
+        io.parents[:n].copy_(parents)
+        io.count.fill_(n)
+        if io.graph is not None:
+            io.graph.replay()
+        else:
+            walk_commit_static(stage.ids, stage.tree, io, cache)
+        packed = io.packed.tolist()  # the round's one host sync
+        c = packed[0]
+        cache.moved = (last.start, c)
+        path = io.packed[1:1 + c].clone()  # the buffer is rewritten by the next walk
+        return path, packed[1:1 + c], packed[1 + q:1 + q + c]
 
     def compile(self) -> None:
         """Run the static path's layers through torch.compile (fuses the small elementwise ops a
@@ -270,14 +356,18 @@ class FastTarget:
         self.model.compile_layers()
         self.compiled = True
 
-    def capture(self, cache: StaticKVCache, buckets: tuple[int, ...] | None = None) -> None:
-        """Capture one CUDA graph per bucket for this cache (they bake in its buffers' addresses).
+    def capture(self, cache: StaticKVCache, buckets: tuple[int, ...] | None = None,
+                spans: tuple[int, ...] | None = None, walks: bool = True) -> None:
+        """Capture this cache's graphs (they bake in its buffers' addresses): a forward for each
+        query bucket q and each KV bucket kv >= q (spans: default kv_buckets(cache.rows)), and
+        with walks a walk+commit per query bucket (walk_commit).
 
-        Afterwards forward replays the smallest captured bucket >= n. Capturing writes padding
-        K/V rows past cache.length (never visible) and leaves the length alone, so it may run on
-        a fresh cache or between rounds. All graphs of this target (every cache's) share one
-        memory pool: replays run one at a time on one stream, each graph keeps its own output
-        buffers alive, and forward copies the outputs out before any other replay.
+        Afterwards forward replays the smallest captured q >= n at the smallest kv that holds
+        the context. Capturing writes padding K/V rows past cache.length (never visible) and
+        leaves the length alone, so it may run on a fresh cache or between rounds. All graphs of
+        this target (every cache's) share one memory pool: replays run one at a time on one
+        stream, the outputs live in each query bucket's stage, allocated outside the pool, and
+        forward copies them out before any other replay.
         """
         if self.device.type != "cuda":
             raise BadParams("CUDA graphs need the target on a CUDA device",
@@ -287,31 +377,54 @@ class FastTarget:
             raise BadParams(f"buckets {sizes} must lie in 1..{self.buckets[-1]} (max_query's bucket)")
         if cache.length + sizes[-1] > cache.rows:
             raise DecodeError(f"no room to capture: {cache.length} rows + bucket {sizes[-1]} > {cache.rows}")
+        lengths = sorted({int(kv) for kv in (spans if spans is not None else kv_buckets(cache.rows))}
+                         | {cache.rows})
+        if lengths[0] < 1 or lengths[-1] > cache.rows:
+            raise BadParams(f"KV spans {lengths} must lie in 1..{cache.rows} (the cache's rows)")
         cache.graphs = {}
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         pool = self._graph_pool
         current = torch.cuda.current_stream(self.device)
-        graphs: dict[int, _Graph] = {}
+        graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         with torch.inference_mode():
             for q in reversed(sizes):  # largest first: smaller captures reuse its freed blocks
-                ids = torch.zeros(q, dtype=torch.long, device=self.device)
-                positions = torch.zeros(q, dtype=torch.long, device=self.device)
-                tree = self._eye[:q, :q].clone()
-                # Warm up on a side stream (lazy kernel and cuBLAS initialisation stays out of the
-                # graph), as torch.cuda.graph's documentation asks.
-                side = torch.cuda.Stream(device=self.device)
-                side.wait_stream(current)
-                with torch.cuda.stream(side):
-                    for _ in range(_WARMUP_RUNS):
-                        self.static_forward(ids, positions, tree, cache)
-                current.wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits, feats = self.static_forward(ids, positions, tree, cache)
-                graphs[q] = _Graph(graph, ids, positions, tree, logits, feats)
+                stage = self._stage_for(cache, q)
+                first = True
+                for kv in reversed([kv for kv in lengths if kv >= q]):
+                    def run(kv=kv, stage=stage):
+                        return self.static_forward(stage.ids, stage.positions, stage.tree, cache, kv, stage)
+                    # Warm up on a side stream (lazy kernel, cuBLAS and compile work stays out of
+                    # the graph), as torch.cuda.graph's documentation asks; once the first span
+                    # of a bucket has warmed up, one run is enough for the others.
+                    graphs[(q, kv)] = _record(run, pool, self.device, _WARMUP_RUNS if first else 1)
+                    first = False
+                if walks:
+                    io = cache.walks.get(q)
+                    if io is None:
+                        io = cache.walks[q] = new_walk_io(q, self.device)
+                    # The walk's row gather reads and writes rows [length, length+q): padding rows.
+                    io.count.fill_(0)  # no real nodes: start = length, every moved row is padding
+                    io.graph = None
+                    io.graph = _record(lambda stage=stage, io=io: walk_commit_static(stage.ids, stage.tree, io, cache),
+                                       pool, self.device, _WARMUP_RUNS)
         torch.cuda.synchronize(self.device)
         cache.graphs = graphs
+
+
+def _record(fn, pool, device, runs: int) -> torch.cuda.CUDAGraph:
+    """fn warmed up `runs` times on a side stream, then captured into a graph of this pool."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(runs):
+            fn()
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph
 
 
 def load_fast_target(directory: str | Path, *, device: str | torch.device = "cpu",

@@ -365,8 +365,7 @@ def _add_slots(engine: Engine, n: int, *, static: bool) -> list[tuple]:
     for _ in range(n):
         draft = impl.drafts.new_cache(append_buckets=default_buckets(engine.drafter.block_size) if static else None)
         pair = (impl.target.new_cache(), draft)
-        impl._pair[id(pair[0])] = pair
-        impl._free.append(pair)
+        impl.add_slot(*pair)
         pairs.append(pair)
     return pairs
 
@@ -438,7 +437,7 @@ def test_a_reused_slot_decodes_like_a_fresh_cache(demo, monkeypatch):
     order = sorted(prompts[:4], key=len, reverse=True)  # the longest first: later ones see its stale rows
     for prompt, spec in zip(order, [SpecParams("ddtree", 64), SpecParams("dflash"), AR, SpecParams("ddtree", 63)]):
         sess = fast.start(prompt, gen, spec)
-        assert id(sess._cache) in fast.impl._pair  # the slot, not a new cache
+        assert fast.impl.slot_of(sess._cache) is not None  # the slot, not a new cache
         while not sess.done:
             sess.step()
         want = auto.generate(prompt, gen, spec)
