@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from .cockpit_support import fixed_sources, load_conftest_pair_builder, table_rows, until
+from .cockpit_support import fixed_sources, table_rows, until
 
 from ddtree.console.app import make_app
 from ddtree.console.poll import Sources
@@ -22,11 +22,6 @@ from ddtree.store.queries import list_jobs
 HEALTH, STATE = COLUMNS.index("HEALTH"), COLUMNS.index("STATE")
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return load_conftest_pair_builder()(tmp_path_factory.mktemp("cockpit-pair"))
 
 
 @pytest.fixture
@@ -44,8 +39,8 @@ def _stop_all(db_path) -> None:
             pass
 
 
-async def test_engine_from_the_form_serves_then_stops(pair, db_path):
-    target, drafter = pair
+async def test_engine_from_the_form_serves_then_stops(tiny_pair, db_path):
+    target, drafter = tiny_pair
     sources = fixed_sources()
     sources.health, sources.health_s = Sources().health, 1.0  # the real check over HTTP
     app = make_app(db_path, poll_s=0.2, sources=sources)
@@ -83,8 +78,8 @@ async def test_engine_from_the_form_serves_then_stops(pair, db_path):
         _stop_all(db_path)
 
 
-async def test_sweep_from_the_form_lands_points_and_the_chart_follows(pair, db_path, tmp_path):
-    target, drafter = pair
+async def test_sweep_from_the_form_lands_points_and_the_chart_follows(tiny_pair, db_path, tmp_path):
+    target, drafter = tiny_pair
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(4)))
     app = make_app(db_path, poll_s=0.2, sources=fixed_sources())

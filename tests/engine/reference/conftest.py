@@ -1,44 +1,14 @@
-"""Tiny models built on the fly, and drafter test doubles."""
+"""Tiny models built on the fly (tests/support/pair.py, imported from here by this folder's
+tests), and drafter test doubles."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ddtree.engine.reference.drafter import DFlashConfig, DFlashDrafter, DraftCache
+from ddtree.engine.reference.drafter import DraftCache
 
-
-def make_target(seed: int = 0, *, vocab: int = 64, layers: int = 4, hidden: int = 64,
-                attn: str = "sdpa", scale: float = 4.0, max_pos: int = 512):
-    """A random Qwen3 in float32. `scale` sharpens the logits so greedy ties are vanishingly rare."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=hidden // 4, max_position_embeddings=max_pos, tie_word_embeddings=False,
-                      eos_token_id=None, bos_token_id=None, pad_token_id=None, rope_theta=10000.0)
-    cfg._attn_implementation = attn
-    model = Qwen3ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)
-        model.model.embed_tokens.weight.mul_(scale / 2)
-    return model
-
-
-def make_drafter(target, *, block_size: int = 8, seed: int = 1, layers: int = 1) -> DFlashDrafter:
-    cfg = target.config
-    n = cfg.num_hidden_layers
-    ids = (1, n - 2)[:layers] if layers > 1 else (n // 2,)
-    dcfg = DFlashConfig(hidden_size=cfg.hidden_size, intermediate_size=2 * cfg.hidden_size,
-                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                        vocab_size=cfg.vocab_size, num_target_layers=n, target_layer_ids=ids,
-                        mask_token_id=cfg.vocab_size - 1, block_size=block_size, rope_theta=10000.0)
-    torch.manual_seed(seed)
-    drafter = DFlashDrafter(dcfg).float().eval()
-    with torch.no_grad():  # wider weights than the init so drafts vary with the context
-        drafter.fc.weight.mul_(10)
-    return drafter
+from ...support.pair import make_drafter, make_target  # noqa: F401  (this folder's tests import them from here)
 
 
 class _CountingCache(DraftCache):

@@ -5,7 +5,7 @@ import socket
 import pytest
 
 from ddtree.engine.serving.bench import BenchConfig, EngineNotReady, run_point, wait_ready
-from ddtree.engine.serving.client import EngineClient
+from ...support.client import EngineClient
 from ddtree.engine.serving.prompts import Prompt, load_prompts
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]

@@ -13,15 +13,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddtree.engine.serving.client import (
-    AsyncEngineClient,
-    EngineBadRequest,
-    EngineClient,
-    EngineOverloaded,
-    EngineUnreachable,
-)
-
-from .conftest import CLI, CONTEXT_WINDOW, ServerProcess
+from ....support.client import AsyncEngineClient, EngineBadRequest, EngineClient, EngineOverloaded, EngineUnreachable
+from ....support.pair import CONTEXT_WINDOW
+from ....support.server import CLI, ServerProcess
 
 PROMPTS = ["def parse(s):\n    ", "import json\n", "class Decoder:\n", "for key, value in", "return self."]
 

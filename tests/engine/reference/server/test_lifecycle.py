@@ -14,7 +14,7 @@ import pytest
 
 from ddtree.console.commands import serve
 
-from .conftest import CLI
+from ....support.server import CLI
 
 
 def parse(*argv: str) -> argparse.Namespace:
