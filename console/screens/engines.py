@@ -14,22 +14,35 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
 from ddtree.console import fmt
+from ddtree.console.words import plural
 from ddtree.console.widgets.logview import LogView
 from ddtree.console.screens.modals import FOCUS_KEYS
 from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.searchinput import SearchInput
 from ddtree.console.widgets.tables import sync_table
 
-COLUMNS = ("JOB", "KIND", "BACKEND", "MODEL", "ALGO", "BUDGET", "GPUS", "PORT", "HEALTH", "UPTIME", "STATE")
+# What tells engines apart and whether they serve comes first, so 80 columns keep it on screen.
+COLUMNS = ("JOB", "MODEL", "ALGO", "BUDGET", "STATE", "HEALTH", "UPTIME", "PORT", "GPUS", "KIND", "BACKEND")
+
+
+#: Engines that are up or coming up; the rest (stopped, failed) sit behind the `a` filter.
+LIVE_STATES = ("running", "starting")
 
 
 def short_model(name: str | None) -> str:
-    if not name:
-        return "-"
-    if "/" in name and name.startswith("/"):
-        parts = name.rstrip("/").split("/")
-        return "/".join(parts[-2:])
-    return name
+    """The model as a user knows it: the name given or the repo id (names.display_name)."""
+    from ddtree.engine.serving.names import display_name
+
+    return display_name(name)
+
+
+def engine_order(rows: list[dict], show_stopped: bool = False, keep: str | None = None) -> list[dict]:
+    """Running engines first, then starting ones, then (if asked for) the stopped and failed;
+    newest first within each. `keep` (a row id) stays listed whatever its state: an engine that
+    stops while the cursor is on it does not vanish from under it."""
+    order = {"running": 0, "starting": 1}
+    kept = [r for r in rows if show_stopped or r.get("state") in LIVE_STATES or str(r.get("id")) == keep]
+    return sorted(kept, key=lambda r: (order.get(r.get("state"), 2), -(r.get("created_at") or 0), -(r.get("id") or 0)))
 
 
 def engine_cells(row: dict, health: bool | None, now: float) -> tuple:
@@ -43,13 +56,27 @@ def engine_cells(row: dict, health: bool | None, now: float) -> tuple:
     up = None
     if state == "running" and row.get("ready_at"):
         up = now - row["ready_at"]
+    elif state == "starting" and row.get("created_at"):
+        up = now - row["created_at"]  # how long it has been loading
     gpus = ",".join(map(str, json.loads(row.get("gpus") or "[]"))) or "cpu"
     # The backend the builtin server chose (auto resolves at load); "-" until it is up, and for sglang/vllm.
-    return (str(row.get("job_id") or "-"), row.get("kind") or "-", row.get("backend") or "-",
-            fmt.one_line(short_model(row.get("model")), 28),
-            row.get("algorithm") or "-", "-" if row.get("budget") is None else str(row["budget"]), gpus,
-            str(row.get("port") or "-"), health_text, fmt.duration(up),
-            Text(state, style={"running": "green", "failed": "red", "starting": "yellow"}.get(state, "dim")))
+    cells = {"JOB": str(row.get("job_id") or "-"), "KIND": row.get("kind") or "-",
+             "BACKEND": row.get("backend") or "-", "MODEL": fmt.one_line(short_model(row.get("model")), 28),
+             "ALGO": row.get("algorithm") or "-", "BUDGET": "-" if row.get("budget") is None else str(row["budget"]),
+             "GPUS": gpus, "PORT": str(row.get("port") or "-"), "HEALTH": health_text, "UPTIME": fmt.duration(up),
+             "STATE": Text(state, style={"running": "green", "failed": "red", "starting": "yellow"}.get(state, "dim"))}
+    return tuple(cells[c] for c in COLUMNS)
+
+
+def engines_title(rows: list[dict], show_stopped: bool) -> Text:
+    live = sum(1 for r in rows if r.get("state") in LIVE_STATES)
+    stopped = len(rows) - live
+    out = Text.assemble(("Engines", "bold"), f"  {plural(live, 'running or starting engine', 'running or starting engines')}")
+    if stopped:
+        out.append(f", {plural(stopped, 'stopped')} " + ("shown" if show_stopped else "hidden"), style="dim")
+        out.append("  a", style="bold")
+        out.append(" hides them" if show_stopped else " shows them", style="dim")
+    return out
 
 
 class EnginesPane(Vertical):
@@ -62,11 +89,15 @@ class EnginesPane(Vertical):
         Binding("w", "app.engine_wrap", "Wrap", id="engine_wrap"),
         # Priority, so the keys typed right behind / reach the box (the app skips it while typing).
         Binding("slash", "app.engine_search", "Search", id="engine_search", priority=True),
+        Binding("a", "toggle_stopped", "Stopped too", id="engine_show_stopped"),
     ]
+
+    #: Seconds between redraws of the uptimes (the store does not change while an engine just runs).
+    TICK_S = 1.0
 
     def compose(self) -> ComposeResult:
         with Horizontal(classes="pane-bar"):
-            yield Static("Engines", classes="pane-title grow")
+            yield Static("Engines", id="engines-title", classes="pane-title grow")
             yield Button("New (n)", id="new-engine", compact=True)
             yield Button("Stop (x)", id="stop-engine", compact=True, variant="error")
         yield RowTable(*COLUMNS, id="engine-table")
@@ -78,15 +109,33 @@ class EnginesPane(Vertical):
     def on_mount(self) -> None:
         self.query_one("#log-search", Input).display = False
         self.follow, self.wrap = True, False
+        self.show_stopped = False
+        """Whether stopped and failed engines are listed too (key a)."""
         self.watch(self.app, "engines", self.show)
         self.set_interval(0.5, self._tail)
+        self.set_interval(self.TICK_S, self.tick)
 
     def show(self, engines) -> None:
+        self._sync(engines)
+        self._open_selected()
+
+    def _sync(self, engines) -> None:
         rows, health = engines
         now = self.app.clock()
         table = self.query_one("#engine-table", RowTable)
-        sync_table(table, [(str(r["id"]), engine_cells(r, health.get(r["id"]), now)) for r in rows])
-        self._open_selected()
+        shown = engine_order(rows, self.show_stopped, keep=table.cursor_key)
+        sync_table(table, [(str(r["id"]), engine_cells(r, health.get(r["id"]), now)) for r in shown])
+        self.query_one("#engines-title", Static).update(engines_title(rows, self.show_stopped))
+
+    def tick(self) -> None:
+        """Redraw the rows with the clock's now, so uptimes move between polls (only changed
+        cells are redrawn)."""
+        if self.display:
+            self._sync(self.app.engines)
+
+    def action_toggle_stopped(self) -> None:
+        self.show_stopped = not self.show_stopped
+        self.show(self.app.engines)
 
     def selected(self) -> dict | None:
         key = self.query_one("#engine-table", RowTable).cursor_key
@@ -98,10 +147,12 @@ class EnginesPane(Vertical):
         title = self.query_one("#log-title", Static)
         if row is None:
             title.update("Log")
-            if not self.app.engines[0]:
+            if not self.app.engines[0] or not self.query_one("#engine-table", RowTable).row_count:
                 log.open(None)
                 log.clear()
-                log.write(Text("No engines yet. Press n to start one (the builtin server; the demo pair by default).",
+                hint = ("No engines yet." if not self.app.engines[0]
+                        else "No engine running (a lists the stopped ones).")
+                log.write(Text(f"{hint} Press n to start one (the builtin server; the demo pair by default).",
                                style="dim"))
             return
         flags = " ".join(f for f, on_ in (("follow", self.follow), ("wrap", self.wrap)) if on_)

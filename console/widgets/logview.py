@@ -26,8 +26,8 @@ class LogView(RichLog):
     }
     """
 
-    def __init__(self, *, id: str | None = None) -> None:
-        super().__init__(id=id, max_lines=MAX_LINES, wrap=False, markup=False, highlight=False, auto_scroll=True)
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes, max_lines=MAX_LINES, wrap=False, markup=False, highlight=False, auto_scroll=True)
         self.path: Path | None = None
         self.read_at = 0
         self.inode: int | None = None

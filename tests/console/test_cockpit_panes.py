@@ -11,7 +11,7 @@ from .cockpit_support import NOW, fixed_sources, seed_store, table_rows, text_of
 
 from ddtree.console.app import make_app
 from ddtree.console.screens.downloads import DownloadForm
-from ddtree.console.screens.engines import EngineForm
+from ddtree.console.screens.engines import COLUMNS, EngineForm
 from ddtree.console.screens.history import CompareScreen, ExportForm
 from ddtree.console.screens.modals import ConfirmScreen, HelpScreen
 from ddtree.console.screens.sweeps import SweepForm
@@ -39,9 +39,13 @@ async def test_overview_jobs_gpu_strip_disks(seeded):
     app = app_for(db_path)
     async with app.run_test(size=(100, 30)) as pilot:
         await until(pilot, lambda: len(table_rows(app, "jobs")) == 3, what="the jobs")
+        # 9 of 14 points, each took 25 s: 5 to go is 2m05s (once the points are in; before, the
+        # run's elapsed time over its points done)
+        sweep = lambda: {r[0]: r for r in table_rows(app, "jobs")}[str(ids["sweep_job"])]  # noqa: E731
+        await until(pilot, lambda: sweep()[6] == "2m05s", what="the sweep's ETA from its points")
         rows = {r[0]: r for r in table_rows(app, "jobs")}
-        assert rows[str(ids["sweep_job"])][3:5] == ["running", "64%"]
-        assert rows[str(ids["sweep_job"])][6] == "point 10/14"
+        assert rows[str(ids["sweep_job"])][3:7] == ["running", "9/14 pts", "10m00s", "2m05s"]
+        assert rows[str(ids["sweep_job"])][7] == "point 10/14"
         await until(pilot, lambda: "GPU0" in text_of(app, "gpu-strip"), what="the GPU strip")
         assert "GPU7" in text_of(app, "gpu-strip")
         await until(pilot, lambda: "models (HF cache)" in text_of(app, "disks"), what="the disks")
@@ -156,9 +160,10 @@ async def test_engines_pane_health_and_log_follow_search_wrap(seeded, tmp_path):
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.press("4")
         await until(pilot, lambda: table_rows(app, "engine-table"), what="the engine")
-        row = table_rows(app, "engine-table")[0]
-        assert row[1:9] == ["builtin", "transformers", "demo", "ddtree", "32", "cpu", "40123", "ok"]
-        assert row[9] == "14m40s"
+        row = dict(zip(COLUMNS, table_rows(app, "engine-table")[0]))
+        assert row == {"JOB": str(ids["engine_job"]), "MODEL": "demo/target", "ALGO": "ddtree", "BUDGET": "32",
+                       "STATE": "running", "HEALTH": "ok", "UPTIME": "14m40s", "PORT": "40123", "GPUS": "cpu",
+                       "KIND": "builtin", "BACKEND": "transformers"}
         view = app.query_one("#engine-log")
         await until(pilot, lambda: len(view.raw_lines) == 3, what="the log")
         with log.open("a") as fh:
@@ -291,7 +296,7 @@ async def test_sweeps_pane_curves_baselines_best_and_points(seeded):
         assert "highest budget 32 at 77.5 tok/s, untested" in best and "(3.52x AR, 1.41x DFlash)" in best
         assert "Run 3 k26-ddtree (running) 9/14" in text_of(app, "sweep-title")
         # a point lands: the table and the curve follow on the next poll
-        from cockpit_support import metrics_for
+        from .cockpit_support import metrics_for
 
         from ddtree.store import sweeps
 
