@@ -206,12 +206,15 @@ class SentinelReport:
 
     @property
     def short(self) -> str:
-        """A table cell: "" (nothing to say), "ok 5 runs", "! tau collapsed >= 32"."""
+        """A table cell: "" (nothing to say), "ok vs 5" (checked against 5 runs, nothing fell),
+        "⚠ c=4: tau collapsed at budget >= 32 (+1)" (the first flag, how many more lines)."""
         if not self.history or not (self.flags or self.checked):
             return ""
         if not self.flags:
             return f"ok vs {len(self.history)}"
-        return "! " + self.lines[0].split(": ", 1)[-1]
+        lines = [line for line in self.lines if not line.startswith("changed since")]
+        more = f" (+{len(lines) - 1})" if len(lines) > 1 else ""
+        return "⚠ " + lines[0].split(" (", 1)[0] + more
 
     @property
     def summary_text(self) -> str:
@@ -291,7 +294,10 @@ def flag_lines(flags, causes: dict | None = None, checked: dict | None = None) -
     for f in flags:
         groups[(f.concurrency, f.tp, f.dataset, f.temperature, f.metric, f.algorithm)].append(f)
     lines = []
-    for (_c, _tp, _ds, _t, metric, algorithm), group in groups.items():
+    # DDTree before the baselines, tau before throughput (a collapse explains a slowdown).
+    order = sorted(groups, key=lambda k: (str(k[:4]), k[5] != "ddtree", k[4] != "tau"))
+    for key in order:
+        (_c, _tp, _ds, _t, metric, algorithm), group = key, groups[key]
         group.sort(key=lambda f: (f.budget is None, f.budget or 0))
         where = _setting_name(group[0])
         n = max(len(f.runs) for f in group)

@@ -1,6 +1,8 @@
 """Sweeps: live budget curves (tau and output tok/s against the DDTree node budget, one line per
 concurrency/TP, error bars over repeats, AR/DFlash baselines as dotted reference lines, the best
-budget starred) above the table of points; start a sweep from a form or a recipe file."""
+budget starred), or the acceptance heatmap in their place (h), above the budget to serve with
+(store.insight), any regression against earlier runs of the same fingerprint (store.sentinel)
+and the table of points; start a sweep from a form or a recipe file."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 from statistics import median
 
 from rich.text import Text
-from textual import on
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -17,11 +19,13 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
 from ddtree.console.widgets.chart import COLORS, LineChart, Series
+from ddtree.console.widgets.heatmap import heatmap_text
 from ddtree.console.screens.modals import FOCUS_KEYS
 from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.tables import fmt_num, sync_table
 from ddtree.store.contention import run_busy_note
 from ddtree.store.stats import UNSTABLE_CV
+from ddtree.store.insight import labelled_recommendations
 from ddtree.store.summary import series_verdict
 
 # TAUw: tau weighted by verify count (README, Metrics: tau_weighted), the mean where an engine
@@ -109,17 +113,58 @@ def point_cells(p) -> tuple:
             Text((note or "")[:60], style="red" if p.error else "dim"))
 
 
+def insight_text(rows: list, *, prefix: str = "") -> Text:
+    """The lines under the charts: the budget to serve with per setting (store.insight), then
+    failures. Empty when there is nothing to say."""
+    lines = [(f"{prefix}{label}: {rec.line}", "bold") for label, rec in labelled_recommendations(rows)]
+    failed = [p for p in rows if p.state == "failed"]
+    if failed:
+        lines.append((f"{len(failed)} point(s) failed: {failed[-1].error or '?'}"[:200], "red"))
+    text = Text()
+    for n, (line, style) in enumerate(lines):
+        text.append(("\n" if n else "") + line, style=style)
+    return text
+
+
+def sentinel_text(report) -> Text | None:
+    """The regression flags of a run against its history (store.sentinel), or None for none."""
+    if report is None or not report.flagged:
+        return None
+    return Text("\n".join("⚠ " + line for line in report.lines), style="bold red")
+
+
 class SweepsPane(Vertical):
     ALLOW_MAXIMIZE = True
 
+    DEFAULT_CSS = """
+    SweepsPane #heatmap {
+        height: 1fr;
+        min-height: 8;
+        display: none;
+        padding: 0 1;
+    }
+    SweepsPane #sentinel {
+        height: auto;
+        max-height: 3;
+        display: none;
+        padding: 0 1;
+    }
+    """
+
     _busy: tuple[int | None, str | None] = (None, None)
     """(run id, busy-box note) of the points shown last."""
+    _rows: list = []
+    """The points shown last (the heatmap and the sentinel redraw from them)."""
+    _run_id: int | None = None
+    _history: dict = {}
+    """run id -> (run, [(earlier run, its points)]) for the sentinel, read once per run by a worker."""
 
     BINDINGS = [
         Binding("n", "app.new_sweep", "New sweep", id="new_sweep"),
         Binding("x", "app.stop_sweep", "Stop", id="stop_sweep"),
         Binding("left_square_bracket", "app.sweep_prev", "Prev run", id="sweep_prev"),
         Binding("right_square_bracket", "app.sweep_next", "Next run", id="sweep_next"),
+        Binding("h", "toggle_heatmap", "Heatmap", id="sweep_heatmap"),
     ]
 
     def compose(self) -> ComposeResult:
@@ -131,10 +176,14 @@ class SweepsPane(Vertical):
             yield LineChart("tau, weighted by verify count", x_label="budget", id="tau-chart",
                             empty="waiting for the first point…")
             yield LineChart("output tok/s", x_label="budget", id="toks-chart", empty="waiting for the first point…")
+        with VerticalScroll(id="heatmap"):
+            yield Static("", id="heatmap-body")
+        yield Static("", id="sentinel")
         yield Static("", id="best")
         yield RowTable(*POINT_COLUMNS, id="points")
 
     def on_mount(self) -> None:
+        self._history = {}
         self.watch(self.app, "points", self.show)
         self.watch(self.app, "snapshot", self.show_title)
 
@@ -160,19 +209,79 @@ class SweepsPane(Vertical):
 
     def show(self, points) -> None:
         run_id, rows = points if points is not None else (None, [])
+        self._run_id, self._rows = run_id, rows
         # What competed with the points (store/contention.py): a short note in the header.
         self._busy = (run_id, run_busy_note(rows))
-        tau, toks, best = budget_curves(rows)
+        tau, toks, _best = budget_curves(rows)
         self.query_one("#tau-chart", LineChart).set_series(tau)
         self.query_one("#toks-chart", LineChart).set_series(toks)
-        failed = [p for p in rows if p.state == "failed"]
-        text = Text("\n".join(best) if best else "", style="bold")
-        if failed:
-            text.append(("\n" if best else "") + f"{len(failed)} point(s) failed: {failed[-1].error or '?'}"[:200],
-                        style="red")
-        self.query_one("#best", Static).update(text)
+        self.show_insight()
+        if self.heatmap_shown:
+            self.show_heatmap()
         sync_table(self.query_one("#points", RowTable), [(str(p.id), point_cells(p)) for p in rows])
         self.show_title(None)
+        if run_id is not None and run_id not in self._history:
+            self._history[run_id] = None  # asked once; the worker fills it in
+            self._load_history(run_id)
+
+    def sentinel_report(self):
+        """The run's points against earlier runs of its fingerprint, once their history is read."""
+        from ddtree.store.sentinel import sentinel
+
+        known = self._history.get(self._run_id)
+        if known is None or not self._rows:
+            return None
+        run, history = known
+        return sentinel(run, self._rows, history)
+
+    def show_insight(self) -> None:
+        self.query_one("#best", Static).update(insight_text(self._rows))
+        flags = sentinel_text(self.sentinel_report())
+        box = self.query_one("#sentinel", Static)
+        box.display = flags is not None
+        box.update(flags or "")
+
+    @work(thread=True, group="sweep-history", exit_on_error=False)
+    def _load_history(self, run_id: int) -> None:
+        from ddtree.store.errors import StoreError
+        from ddtree.store.sentinel import history_for
+        from ddtree.store.sweeps import get_run
+
+        try:
+            with self.app.reading() as db:
+                run = get_run(db, run_id)
+                history = history_for(db, run)
+        except StoreError:
+            return  # the sentinel stays silent; the pane itself still works
+        self.app.call_from_thread(self._history_read, run_id, run, history)
+
+    def _history_read(self, run_id: int, run, history: list) -> None:
+        if len(self._history) > 16:  # a long session of paging through runs: keep the newest asks
+            for old in list(self._history)[:-16]:
+                del self._history[old]
+        self._history[run_id] = (run, history)
+        if run_id == self._run_id:
+            self.show_insight()
+
+    @property
+    def heatmap_shown(self) -> bool:
+        return bool(self.query_one("#heatmap").display)
+
+    def show_heatmap(self) -> None:
+        width = max(40, self.size.width - 4)
+        self.query_one("#heatmap-body", Static).update(heatmap_text(self._rows, width))
+
+    def action_toggle_heatmap(self) -> None:
+        """h: the acceptance heatmap in place of the charts, and back."""
+        shown = not self.heatmap_shown
+        self.query_one("#heatmap").display = shown
+        self.query_one("#charts").display = not shown
+        if shown:
+            self.show_heatmap()
+
+    def on_resize(self, _event) -> None:
+        if self.heatmap_shown:
+            self.show_heatmap()
 
     @on(Button.Pressed, "#new-sweep")
     async def _new(self) -> None:

@@ -47,7 +47,7 @@ def test_a_planted_slowdown_is_flagged_with_its_size_and_likely_cause():
     assert lines[0].startswith("c=1: budgets 8-64 18% slower than the last 5 runs (")
     assert lines[1].startswith("c=1: AR 18% slower than the last 5 runs")
     assert lines[-1] == "changed since the last run: driver 575 -> 580"
-    assert report.to_dict()["flagged"] is True and report.short.startswith("! budgets 8-64")
+    assert report.to_dict()["flagged"] is True and report.short == "⚠ c=1: budgets 8-64 18% slower than the last 5 runs (+1)"
 
 
 def test_tau_collapsing_at_large_budgets_is_named_so():
