@@ -14,7 +14,6 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
 from ddtree.console import fmt
-from ddtree.console.words import plural
 from ddtree.console.widgets.logview import LogView
 from ddtree.console.screens.modals import FOCUS_KEYS
 from ddtree.console.widgets.rowtable import RowTable
@@ -71,9 +70,9 @@ def engine_cells(row: dict, health: bool | None, now: float) -> tuple:
 def engines_title(rows: list[dict], show_stopped: bool) -> Text:
     live = sum(1 for r in rows if r.get("state") in LIVE_STATES)
     stopped = len(rows) - live
-    out = Text.assemble(("Engines", "bold"), f"  {plural(live, 'running or starting engine', 'running or starting engines')}")
+    out = Text.assemble(("Engines", "bold"), f"  {live} up")
     if stopped:
-        out.append(f", {plural(stopped, 'stopped')} " + ("shown" if show_stopped else "hidden"), style="dim")
+        out.append(f", {stopped} stopped " + ("shown" if show_stopped else "hidden"), style="dim")
         out.append("  a", style="bold")
         out.append(" hides them" if show_stopped else " shows them", style="dim")
     return out
