@@ -15,6 +15,8 @@ class Action:
     title: str
     help: str
     pane: str | None = None  # the pane whose key it is (None: everywhere)
+    #: The action is the pane's own (run on the pane widget, the pane shown first), not the app's.
+    local: bool = False
 
 
 PANES = (
@@ -33,6 +35,11 @@ ACTIONS: tuple[Action, ...] = (
     Action("t", "toggle_theme", "Dark / light theme", "switch between the dark and the light theme"),
     Action("r", "refresh", "Refresh now", "read the store at once instead of at the next poll"),
     Action("q", "quit", "Quit", "close the console; jobs keep running"),
+    Action("l", "toggle_log", "Show the job's log", "the selected job's log instead of GPUs and disks",
+           "overview", local=True),
+    Action("x", "cancel_job", "Cancel the selected job", "asks for confirmation", "overview", local=True),
+    Action("g", "goto_job", "Go to the job's pane", "its sweep, engine or download (Enter too)", "overview",
+           local=True),
     Action("d", "new_download", "Start a download", "repo id, include globs and disk reserve", "downloads"),
     Action("x", "stop_download", "Stop the selected download", "asks for confirmation", "downloads"),
     Action("n", "new_engine", "Start an engine", "the builtin server on a model and drafter", "engines"),
@@ -40,6 +47,8 @@ ACTIONS: tuple[Action, ...] = (
     Action("f", "engine_follow", "Follow the engine log", "keep the log scrolled to its end", "engines"),
     Action("w", "engine_wrap", "Wrap the engine log", "wrap long log lines", "engines"),
     Action("/", "engine_search", "Search the engine log", "show only lines containing a text", "engines"),
+    Action("a", "toggle_stopped", "Stopped engines too", "list stopped and failed engines as well", "engines",
+           local=True),
     Action("n", "new_sweep", "Start a sweep", "from a form or a recipe file, with the plan shown first", "sweeps"),
     Action("x", "stop_sweep", "Stop the shown sweep", "asks for confirmation; resume later", "sweeps"),
     Action("[", "sweep_prev", "Previous run", "show the previous run's curves", "sweeps"),
@@ -58,4 +67,13 @@ def system_commands(app: App) -> Iterator[SystemCommand]:
     for a in ACTIONS:
         key = f" ({a.key})" if a.key else ""
         where = f" ({a.pane})" if a.pane else ""
-        yield SystemCommand(a.title + key, a.help + where, lambda a=a: app.run_action(a.action))
+        yield SystemCommand(a.title + key, a.help + where, lambda a=a: run(app, a))
+
+
+async def run(app: App, a: Action) -> None:
+    """Run an action from the palette: the app's, or the pane's own with that pane shown first."""
+    if not a.local:
+        await app.run_action(a.action)
+        return
+    await app.run_action(f"show_pane('{a.pane}')")
+    await app.query_one(f"#{a.pane}").run_action(a.action)

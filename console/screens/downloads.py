@@ -18,7 +18,8 @@ from ddtree.console.screens.modals import FOCUS_KEYS
 from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.tables import bar, fmt_bytes, fmt_rate, sync_table
 
-COLUMNS = ("JOB", "REPO", "STATE", "PROGRESS", "BYTES", "FILES", "RATE", "ETA", "FREE AFTER")
+# Progress, rate, ETA and headroom before the byte and file counts: at 80 columns those stay on screen.
+COLUMNS = ("JOB", "REPO", "STATE", "PROGRESS", "RATE", "ETA", "FREE AFTER", "BYTES", "FILES")
 
 
 def headroom_after(row: dict) -> int | None:
@@ -39,9 +40,9 @@ def download_cells(row: dict) -> tuple:
     eta = row.get("eta_s") if state in ("running", "stalled") else None
     return (str(row.get("job_id") or "-"), fmt.one_line(row.get("repo_id"), 34),
             Text(state, style={"stalled": "yellow", "failed": "red", "succeeded": "green"}.get(state, "")),
-            bar(frac, 10), f"{fmt_bytes(done)}/{fmt_bytes(total)}",
-            f"{row.get('files_done') or 0}/{row.get('files_total') or 0}",
-            fmt_rate(row.get("rate_bps")) if state in ("running", "stalled") else "-", fmt.duration(eta), after_text)
+            bar(frac, 8), fmt_rate(row.get("rate_bps")) if state in ("running", "stalled") else "-",
+            fmt.duration(eta), after_text, f"{fmt_bytes(done)}/{fmt_bytes(total)}",
+            f"{row.get('files_done') or 0}/{row.get('files_total') or 0}")
 
 
 class DownloadsPane(Vertical):
@@ -96,7 +97,7 @@ class DownloadsPane(Vertical):
 
 class RepoId(Validator):
     def validate(self, value: str) -> ValidationResult:
-        from ddtree.engine.download import DownloadError, DownloadSpec
+        from ddtree.engine.machine.download import DownloadError, DownloadSpec
 
         try:
             DownloadSpec(repo_id=value.strip())
@@ -107,7 +108,7 @@ class RepoId(Validator):
 
 class Globs(Validator):
     def validate(self, value: str) -> ValidationResult:
-        from ddtree.engine.download import DownloadError, DownloadSpec
+        from ddtree.engine.machine.download import DownloadError, DownloadSpec
 
         globs = split_list(value)
         try:

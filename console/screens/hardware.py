@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.containers import Horizontal, VerticalScroll
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.validation import Integer
 from textual.widgets import Input, Label, Static
 
 from ddtree.console.widgets.rowtable import RowTable
+from ddtree.console.words import plural
 from ddtree.console.widgets.tables import fmt_bytes, sync_table
 
-GPU_COLUMNS = ("GPU", "NAME", "MEMORY", "UTIL", "TEMP", "POWER", "PCIE", "NUMA", "PROCS")
+# PCIe last: at 80 columns the figures that change (memory, util, power) and the NUMA node stay on screen.
+GPU_COLUMNS = ("GPU", "NAME", "MEMORY", "UTIL", "TEMP", "POWER", "NUMA", "PROCS", "PCIE")
 
 
 def _num(value, unit: str = "", spec: str = ".0f") -> str:
@@ -27,13 +29,13 @@ def gpu_rows(view) -> list[tuple[str, tuple]]:
             pcie = Text(pcie + f" (<x{g.pcie_width_max})", style="red")
         power = "-" if g.power_w is None else f"{g.power_w:.0f}/{_num(g.power_cap_w)}W"
         rows.append((str(g.index), (str(g.index), (g.name or "-").replace("NVIDIA ", ""), mem, _num(g.util_gpu, "%"),
-                                    _num(g.temperature_c, "C"), power, pcie, _num(g.numa_node, "", "d"),
-                                    str(len(g.processes)))))
+                                    _num(g.temperature_c, "C"), power, _num(g.numa_node, "", "d"),
+                                    str(len(g.processes)), pcie)))
     return rows
 
 
 def link_matrix(view) -> Text:
-    from ddtree.engine.hw import LINK_MEANING
+    from ddtree.engine.machine.hw import LINK_MEANING
 
     n = len(view.links)
     if not n:
@@ -58,7 +60,7 @@ def numa_text(view, host) -> Text:
     out = Text()
     if host is None:
         return Text("NUMA: reading…", style="dim")
-    from ddtree.engine.hw import format_cpulist
+    from ddtree.engine.machine.hw import format_cpulist
 
     gpus_of: dict[int | None, list[int]] = {}
     for g in (view.gpus if view is not None else []):
@@ -92,9 +94,12 @@ def host_load_text(host) -> Text:
         busy = one > cpus
         out.append("load ", style="bold")
         out.append(f"{one:.2f} {five:.2f} {fifteen:.2f}", style="bold yellow" if busy else "")
-        out.append(f" (1, 5, 15 min) on {cpus} CPUs", style="dim")
-    out.append("   CPU use ", style="bold")
+        out.append(f" (1/5/15 min) on {cpus} CPUs", style="dim")
+    out.append("  CPU use ", style="bold")
     out.append("-" if host.cpu_percent is None else f"{host.cpu_percent:.0f}%")
+    if host.memory_total:
+        out.append("  memory ", style="bold")
+        out.append(f"{host.memory_percent:.0f}% used")
     if busy:
         out.append("\nbusy box: more runnable tasks than CPUs; sweep figures measured now will be flagged "
                    "contended", style="yellow")
@@ -103,7 +108,7 @@ def host_load_text(host) -> Text:
 
 def suggestions(view, host, tp: int) -> Text:
     from ddtree.engine.errors import EngineError
-    from ddtree.engine.placement import suggest
+    from ddtree.engine.machine.placement import suggest
 
     if view is None or not view.gpus:
         return Text("no GPU to place a server on", style="dim")
@@ -122,26 +127,28 @@ def suggestions(view, host, tp: int) -> Text:
     return out
 
 
-class HardwarePane(VerticalScroll):
-    """Read-only: what NVML and /sys say about the machine."""
+class HardwarePane(Vertical):
+    """Read-only: what NVML and /sys say about the machine. The driver line and the host's load
+    stay at the top; the rest scrolls (at 80x24 it does not fit)."""
 
     ALLOW_MAXIMIZE = True
 
     def compose(self) -> ComposeResult:
         yield Static("", id="gpu-reason")
         yield Static("", id="host-load")
-        yield Static("GPUs", classes="pane-title")
-        yield RowTable(*GPU_COLUMNS, id="gpus")
-        yield Static("Links", classes="pane-title")
-        yield Static("", id="links")
-        yield Static("NUMA", classes="pane-title")
-        yield Static("", id="numa")
-        yield Static("GPU sets for a tensor-parallel size", classes="pane-title")
-        with Horizontal(classes="form-row"):
-            yield Label("TP size")
-            yield Input("2", id="tp", type="integer", validators=[Integer(minimum=1, maximum=64)],
-                        restrict=r"[0-9]*", max_length=2, compact=True)
-        yield Static("", id="placements")
+        with VerticalScroll(id="hw-body"):
+            yield Static("GPUs", classes="pane-title")
+            yield RowTable(*GPU_COLUMNS, id="gpus")
+            yield Static("Links", classes="pane-title")
+            yield Static("", id="links")
+            yield Static("NUMA", classes="pane-title")
+            yield Static("", id="numa")
+            yield Static("GPU sets for a tensor-parallel size", classes="pane-title")
+            with Horizontal(classes="form-row"):
+                yield Label("TP size")
+                yield Input("2", id="tp", type="integer", validators=[Integer(minimum=1, maximum=64)],
+                            restrict=r"[0-9]*", max_length=2, compact=True)
+            yield Static("", id="placements")
 
     def on_mount(self) -> None:
         self.watch(self.app, "hardware", self.show)
@@ -156,7 +163,7 @@ class HardwarePane(VerticalScroll):
                                         ("\nEverything else works: the builtin engine runs on the CPU.", "dim")))
         else:
             reason.update(Text(f"driver {view.driver_version or '?'}, CUDA {view.cuda_driver_version or '?'}, "
-                               f"{len(view.gpus)} GPU(s)", style="dim"))
+                               f"{plural(len(view.gpus), 'GPU')}", style="dim"))
         sync_table(self.query_one("#gpus", RowTable), gpu_rows(view) if view is not None else [])
         self.query_one("#links", Static).update(link_matrix(view) if view is not None else "")
         self.query_one("#numa", Static).update(numa_text(view, host))

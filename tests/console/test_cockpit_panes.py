@@ -10,7 +10,7 @@ import pytest
 from .cockpit_support import NOW, fixed_sources, seed_store, table_rows, text_of, until
 
 from ddtree.console.app import make_app
-from ddtree.console.screens.downloads import DownloadForm
+from ddtree.console.screens.downloads import COLUMNS as DOWNLOAD_COLUMNS, DownloadForm
 from ddtree.console.screens.engines import COLUMNS, EngineForm
 from ddtree.console.screens.history import CompareScreen, ExportForm
 from ddtree.console.screens.modals import ConfirmScreen, HelpScreen
@@ -98,8 +98,10 @@ async def test_downloads_pane_form_validates_as_typed(seeded, monkeypatch):
         await pilot.press("3")
         await until(pilot, lambda: table_rows(app, "download-table"), what="the download")
         row = table_rows(app, "download-table")[0]
-        assert row[1] == "Qwen/Qwen3-8B" and row[3].endswith("37%") and row[6] == "85.0 MB/s"
-        assert row[8] == "401.7 GB"  # free now minus what is still to come
+        row = dict(zip(DOWNLOAD_COLUMNS, row))
+        assert row["REPO"] == "Qwen/Qwen3-8B" and row["PROGRESS"].endswith("37%") and row["RATE"] == "85.0 MB/s"
+        assert row["FREE AFTER"] == "401.7 GB"  # free now minus what is still to come
+        assert row["BYTES"] == "6.1 GB/16.4 GB" and row["FILES"] == "4/12"
         await pilot.click("#new-download")  # the mouse opens the form too
         assert isinstance(app.screen, DownloadForm)
         form = app.screen
