@@ -16,6 +16,8 @@ import sys
 from types import ModuleType
 from typing import NoReturn
 
+from ddtree.engine.units import one_line
+
 #: Subcommands, in the order `--help` lists them.
 COMMANDS = ("serve", "sweep", "download", "hw", "jobs", "runs", "export")
 
@@ -47,12 +49,7 @@ class _Parser(argparse.ArgumentParser):
     of a usage block plus `prog: error:` (subcommand parsers inherit the class)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {one_line(message)} (see `{self.prog} --help`)\n")
-
-
-def one_line(text: str) -> str:
-    """A message on one line: third-party errors (the hub's, for one) carry newlines."""
-    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+        self.exit(2, f"error: {one_line(message, None)} (see `{self.prog} --help`)\n")
 
 
 def distribution_version() -> str:
@@ -206,13 +203,13 @@ def main(argv: list[str] | None = None) -> int:
             return _run_console(args)
         return int(modules[args.command].run(args) or 0)
     except (EngineError, JobError, StoreError) as exc:
-        print(f"error: {one_line(exc)}", file=sys.stderr)
+        print(f"error: {one_line(exc, None)}", file=sys.stderr)
         return exc.exit_code
     except sqlite3.OperationalError as exc:
         # A write the store did not wrap: a read-only file (or folder) is bad input, with a way out.
         if "readonly" not in str(exc) and "read-only" not in str(exc):
             raise
-        print(f"error: the database is read-only: {one_line(exc)} (make the file and its folder writable, "
+        print(f"error: the database is read-only: {one_line(exc, None)} (make the file and its folder writable, "
               "or pass another path with --db or DDTREE_DB)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from ddtree.console.widgets.rowtable import RowTable
+from ddtree.engine.units import fmt_bytes  # noqa: F401 - the panes import it from here with bar and fmt_rate
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -13,10 +14,6 @@ def sync_table(table: RowTable, rows: list[tuple[str, tuple]]) -> None:
     """Make `table` show `rows` (key, cells), redrawing only rows that changed and keeping the
     cursor on the same key, so a poll does not redraw the whole table."""
     table.set_rows(rows)
-
-
-def selected_key(table: RowTable) -> str | None:
-    return table.cursor_key
 
 
 def bar(fraction: float | None, width: int = 12) -> Text:
@@ -45,16 +42,6 @@ def sparkline(values: list[float | None], lo: float = 0.0, hi: float | None = No
         else:
             out.append(_SPARK[max(0, min(7, int((v - lo) / span * 7.999)))])
     return "".join(out)
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def fmt_rate(bps: float | None) -> str:
