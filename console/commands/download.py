@@ -17,19 +17,16 @@ import sys
 import threading
 import time
 
-from ddtree.engine.download import DownloadSpec, Plan, fmt_bytes, plan, require_space
-from ddtree.engine.errors import EngineError
+from ddtree.engine.machine.download import DownloadPlan, DownloadSpec, plan, progress_line, require_space
+from ddtree.engine.units import fmt_bytes
 from ddtree.jobs import submit
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.kinds.download import validate
 from ddtree.store.db import open_db, resolve_db_path
+from ddtree.store.downloads import download_of_runner
 from ddtree.store.queries import get_job
 
 BAR_WIDTH = 28
-
-
-class DownloadArgError(EngineError):
-    exit_code = 2
 
 
 class DownloadJobFailed(JobError):
@@ -75,7 +72,7 @@ def build_spec(args: argparse.Namespace) -> DownloadSpec:
     )
 
 
-def describe(p: Plan) -> str:
+def describe(p: DownloadPlan) -> str:
     d = p.disk
     lines = [f"{p.spec.repo_id} @ {p.spec.revision or 'main'} ({p.commit[:12]}) -> {p.target}",
              f"  {len(p.files)} of {p.repo_files} files, {fmt_bytes(p.bytes_total)}; "
@@ -87,7 +84,7 @@ def describe(p: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _files_table(p: Plan) -> str:
+def _files_table(p: DownloadPlan) -> str:
     return "".join(f"  {'done ' if f.done else 'fetch'} {fmt_bytes(f.size):>10}  {f.path}\n" for f in p.files)
 
 
@@ -146,10 +143,6 @@ def _foreground(db_path, job_spec: dict, name: str, *, json_out: bool) -> int:
     raise DownloadJobFailed(job.error or f"download job {job_id} {job.state}")
 
 
-_ROW_SQL = ("SELECT d.* FROM downloads d JOIN jobs j ON d.job_id = j.id "
-            "WHERE j.pid = ? AND d.created_at >= ? ORDER BY d.id DESC LIMIT 1")
-
-
 def _print_progress(db_path, stop: threading.Event) -> None:
     """Poll the download row of the job this process runs and draw a bar on stderr."""
     tty = sys.stderr.isatty()
@@ -159,9 +152,7 @@ def _print_progress(db_path, stop: threading.Event) -> None:
     try:
         while True:
             ended = stop.wait(0.5 if tty else 1.0)
-            cur = db.execute(_ROW_SQL, [os.getpid(), started])
-            found = cur.fetchone()
-            row = dict(zip([c[0] for c in cur.description], found)) if found else None
+            row = download_of_runner(db, os.getpid(), started)
             if row is not None and row.get("bytes_total"):
                 text = _bar(row)
                 if tty:
@@ -180,14 +171,8 @@ def _print_progress(db_path, stop: threading.Event) -> None:
 def _bar(row: dict) -> str:
     total = row.get("bytes_total") or 0
     done = row.get("bytes_done") or 0
-    frac = done / total if total else 1.0
-    filled = int(frac * BAR_WIDTH)
-    rate = row.get("rate_bps")
-    eta = row.get("eta_s")
-    eta_text = "-" if eta is None else (f"{eta / 60:.0f}m" if eta >= 120 else f"{eta:.0f}s")
-    text = (f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {100 * frac:5.1f}% {fmt_bytes(done)}/{fmt_bytes(total)} "
-            f"files {row.get('files_done') or 0}/{row.get('files_total') or 0} "
-            f"{fmt_bytes(rate) + '/s' if rate else '-'} eta {eta_text} free {fmt_bytes(row.get('disk_free_bytes'))}")
-    if row.get("state") == "stalled":
-        text += " STALLED"
-    return text
+    filled = int((done / total if total else 1.0) * BAR_WIDTH)
+    line = progress_line(done, total, row.get("files_done") or 0, row.get("files_total") or 0,
+                         rate_bps=row.get("rate_bps"), eta_s=row.get("eta_s"), disk_free=row.get("disk_free_bytes"),
+                         stalled=row.get("state") == "stalled")
+    return f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {line}"

@@ -35,6 +35,7 @@ from typing import Any
 
 from ddtree.engine.errors import EngineError
 from ddtree.engine.machine.host import existing_parent
+from ddtree.engine.units import duration, fmt_bytes
 
 GB = 1_000_000_000
 RESERVE_FRACTION = 0.05
@@ -152,16 +153,6 @@ def _disk_usage(path: Path) -> tuple[int, int]:
 
 def default_reserve(disk_total: int) -> int:
     return max(int(disk_total * RESERVE_FRACTION), RESERVE_FLOOR)
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 @dataclass(frozen=True)
@@ -291,17 +282,17 @@ def hub_error(error: BaseException, spec: DownloadSpec) -> DownloadError:
 
 
 @dataclass(frozen=True)
-class PlanFile:
+class DownloadPlanFile:
     path: str
     size: int
     done: bool  # already complete on disk
 
 
 @dataclass(frozen=True)
-class Plan:
+class DownloadPlan:
     spec: DownloadSpec
     commit: str
-    files: tuple[PlanFile, ...]
+    files: tuple[DownloadPlanFile, ...]
     target: str  # the local folder or the repo's cache folder
     disk: DiskCheck
     gated: bool = False
@@ -354,7 +345,7 @@ def _check_writable(target: Path) -> None:
                                 "choose a folder you can write with --local-dir")
 
 
-def plan(spec: DownloadSpec, *, usage: DiskUsage = _disk_usage) -> Plan:
+def plan(spec: DownloadSpec, *, usage: DiskUsage = _disk_usage) -> DownloadPlan:
     """The preflight: what the revision holds, what the globs keep, what is missing, the disk."""
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile
@@ -378,11 +369,11 @@ def plan(spec: DownloadSpec, *, usage: DiskUsage = _disk_usage) -> Plan:
         raise DownloadInputError(
             f"no file of {spec.repo_id} matches the globs (include {list(spec.include)}, exclude {list(spec.exclude)})",
             f"the repo has {len(entries)} files, e.g. {', '.join(sorted(f.path for f in entries)[:3])}")
-    files = tuple(PlanFile(path=f.path, size=int(f.size or 0), done=_is_done(spec, commit, f.path, int(f.size or 0)))
+    files = tuple(DownloadPlanFile(path=f.path, size=int(f.size or 0), done=_is_done(spec, commit, f.path, int(f.size or 0)))
                   for f in sorted(kept, key=lambda f: f.path))
     needed = sum(f.size for f in files if not f.done)
     disk = check_disk(target, needed, spec.reserve_bytes, usage=usage)
-    return Plan(spec=spec, commit=commit, files=files, target=str(target), disk=disk,
+    return DownloadPlan(spec=spec, commit=commit, files=files, target=str(target), disk=disk,
                 gated=bool(getattr(info, "gated", False)), repo_files=len(entries))
 
 
@@ -405,23 +396,23 @@ class Progress:
         return self.stalled_s > 0
 
     def line(self) -> str:
-        pct = 100.0 * self.bytes_done / self.bytes_total if self.bytes_total else 100.0
-        rate = f"{fmt_bytes(self.rate_bps)}/s" if self.rate_bps else "-"
-        eta = _fmt_duration(self.eta_s) if self.eta_s is not None else "-"
-        text = (f"{pct:5.1f}% {fmt_bytes(self.bytes_done)}/{fmt_bytes(self.bytes_total)} "
-                f"files {self.files_done}/{self.files_total} {rate} eta {eta} free {fmt_bytes(self.disk_free)}")
-        if self.stalled:
-            text += f" STALLED {self.stalled_s:.0f}s"
-        return text
+        return progress_line(self.bytes_done, self.bytes_total, self.files_done, self.files_total,
+                             rate_bps=self.rate_bps, eta_s=self.eta_s, disk_free=self.disk_free,
+                             stalled=self.stalled, stalled_s=self.stalled_s)
 
 
-def _fmt_duration(s: float) -> str:
-    s = int(round(s))
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    if s >= 60:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s}s"
+def progress_line(bytes_done: int, bytes_total: int, files_done: int, files_total: int, *,
+                  rate_bps: float | None, eta_s: float | None, disk_free: int | None,
+                  stalled: bool = False, stalled_s: float | None = None) -> str:
+    """The one progress line of a download, for its job log and the CLI's bar (which reads the
+    same numbers back from the `downloads` row, where the stall's length is not kept)."""
+    pct = 100.0 * bytes_done / bytes_total if bytes_total else 100.0
+    rate = f"{fmt_bytes(rate_bps)}/s" if rate_bps else "-"
+    text = (f"{pct:5.1f}% {fmt_bytes(bytes_done)}/{fmt_bytes(bytes_total)} "
+            f"files {files_done}/{files_total} {rate} eta {duration(eta_s)} free {fmt_bytes(disk_free)}")
+    if stalled:
+        text += " STALLED" + (f" {stalled_s:.0f}s" if stalled_s else "")
+    return text
 
 
 class _Stop(Exception):
@@ -468,7 +459,7 @@ class _FileBar:
 class Download:
     """Fetch the missing files of a plan, reporting progress every `interval_s`."""
 
-    def __init__(self, plan: Plan, *, stop: threading.Event | None = None,
+    def __init__(self, plan: DownloadPlan, *, stop: threading.Event | None = None,
                  on_progress: Callable[[Progress], None] | None = None, interval_s: float = 0.5,
                  stall_s: float = 30.0, rate_window_s: float = 5.0, usage: DiskUsage = _disk_usage) -> None:
         self.plan = plan

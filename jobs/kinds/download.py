@@ -14,14 +14,13 @@ ctx.progress (bytes).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from ddtree.engine.download import Download, DownloadCancelled, DownloadError, DownloadSpec, Progress, plan
-from ddtree.engine.host import hf_cache_dir
+from ddtree.engine.machine.download import Download, DownloadCancelled, DownloadError, DownloadSpec, Progress, plan
+from ddtree.engine.machine.host import hf_cache_dir
 from ddtree.jobs.context import JobContext
 from ddtree.jobs.errors import BadSpec, JobCancelled, JobError
-from ddtree.store.db import transaction
+from ddtree.store.downloads import create_download, update_download
 from ddtree.store.queries import now
 
 #: Seconds between two writes of the downloads row (the last value always lands).
@@ -58,10 +57,7 @@ class _Recorder:
         self.last: Progress | None = None
 
     def write(self, values: dict) -> None:
-        values["updated_at"] = now()
-        sets = ", ".join(f"[{k}] = ?" for k in values)
-        with transaction(self.ctx.db):
-            self.ctx.db.execute(f"UPDATE downloads SET {sets} WHERE id = ?", [*values.values(), self.row_id])
+        update_download(self.ctx.db, self.row_id, values)
 
     def __call__(self, p: Progress, *, force: bool = False) -> None:
         self.last = p
@@ -80,13 +76,8 @@ class _Recorder:
 
 def run(ctx: JobContext, spec: dict) -> dict:
     dspec = DownloadSpec.from_dict(spec)
-    created = now()
-    with transaction(ctx.db):
-        row_id = ctx.db["downloads"].insert({
-            "job_id": ctx.job_id, "repo_id": dspec.repo_id, "revision": dspec.revision,
-            "include": json.dumps(list(dspec.include)), "local_dir": dspec.local_dir,
-            "state": "planning", "created_at": created, "updated_at": created,
-        }).last_pk
+    row_id = create_download(ctx.db, ctx.job_id, repo_id=dspec.repo_id, revision=dspec.revision,
+                             include=list(dspec.include), local_dir=dspec.local_dir)
     recorder = _Recorder(ctx, row_id)
     try:
         ctx.log(f"listing {dspec.repo_id} at {dspec.revision or 'the default branch'}")

@@ -1,0 +1,43 @@
+"""The `downloads` table: one row per download job, written by the job and read by its watchers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlite_utils import Database
+
+from ddtree.store.db import transaction
+from ddtree.store.queries import fetch_rows, now
+
+
+def create_download(db: Database, job_id: int, *, repo_id: str, revision: str | None, include: list[str],
+                    local_dir: str | None) -> int:
+    """The row of a download that starts `planning`; returns its id."""
+    at = now()
+    with transaction(db):
+        return int(db["downloads"].insert({
+            "job_id": job_id, "repo_id": repo_id, "revision": revision, "include": json.dumps(list(include)),
+            "local_dir": local_dir, "state": "planning", "created_at": at, "updated_at": at,
+        }).last_pk)
+
+
+def update_download(db: Database, row_id: int, values: dict[str, Any]) -> None:
+    """Set columns of the row (the names are ours, never user text) and stamp updated_at."""
+    values = {**values, "updated_at": now()}
+    sets = ", ".join(f"[{k}] = ?" for k in values)
+    with transaction(db):
+        db.execute(f"UPDATE downloads SET {sets} WHERE id = ?", [*values.values(), row_id])
+
+
+def recent_downloads(db: Database, limit: int) -> list[dict[str, Any]]:
+    """The newest `limit` rows, newest first."""
+    return fetch_rows(db, "SELECT * FROM downloads ORDER BY id DESC LIMIT ?", [int(limit)])
+
+
+def download_of_runner(db: Database, pid: int, since: float) -> dict[str, Any] | None:
+    """The newest row made since `since` by a job whose runner is process `pid` (the CLI's
+    foreground download runs its job in its own process), or None before there is one."""
+    rows = fetch_rows(db, "SELECT d.* FROM downloads d JOIN jobs j ON d.job_id = j.id "
+                          "WHERE j.pid = ? AND d.created_at >= ? ORDER BY d.id DESC LIMIT 1", [pid, since])
+    return rows[0] if rows else None
