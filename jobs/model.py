@@ -17,7 +17,8 @@ from sqlite_utils import Database
 
 from ddtree.jobs.errors import JobStateError
 from ddtree.jobs.logfile import create_log
-from ddtree.store.db import logs_dir, transaction
+from ddtree.store import jobs as store_jobs
+from ddtree.store.db import db_file, logs_dir, transaction
 from ddtree.store.redact import redact
 from ddtree.store.queries import get_job, now, to_json
 from ddtree.store.records import ACTIVE_STATES, JOB_STATES, TERMINAL_STATES, Job
@@ -52,26 +53,16 @@ def hostname() -> str:
 def create_job(db: Database, kind: str, spec: dict, *, name: str | None = None) -> int:
     """Write a `queued` row (and its first event); return the job id. The spec must be valid."""
     at = now()
+    spec_json = json.dumps(redact(spec), sort_keys=True)  # no secret on disk
     with transaction(db):
-        cur = db.execute(
-            "INSERT INTO jobs (kind, name, state, spec, host, created_at) VALUES (?, ?, 'queued', ?, ?, ?)",
-            [kind, name, json.dumps(redact(spec), sort_keys=True), hostname(), at],  # no secret on disk
-        )
-        job_id = int(cur.lastrowid)
+        job_id = store_jobs.insert_job(db, kind=kind, name=name, spec_json=spec_json, host=hostname(), at=at)
         # A file of its own, made now: another database in this folder (or this one deleted and
         # made again) has had a job with this id, and its log is not this job's.
-        log_path, log = create_log(logs_dir(_db_file(db)), f"job-{job_id}")
+        log_path, log = create_log(logs_dir(db_file(db)), f"job-{job_id}")
         log.close()
-        db.execute("UPDATE jobs SET log_path = ? WHERE id = ?", [str(log_path), job_id])
-        db.execute(
-            "INSERT INTO job_events (job_id, at, state, message) VALUES (?, ?, 'queued', ?)",
-            [job_id, at, f"submitted {kind}"],
-        )
+        store_jobs.set_job_log_path(db, job_id, str(log_path))
+        store_jobs.add_job_event(db, job_id, at=at, state="queued", message=f"submitted {kind}")
     return job_id
-
-
-def _db_file(db: Database) -> str:
-    return db.execute("PRAGMA database_list").fetchone()[2]
 
 
 def set_state(
@@ -112,10 +103,6 @@ def set_state(
             values["error"] = error
         if result is not _UNSET:
             values["result"] = to_json(result)
-        sets = ", ".join(f"[{c}] = ?" for c in values)
-        db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*values.values(), job_id])
-        db.execute(
-            "INSERT INTO job_events (job_id, at, state, message) VALUES (?, ?, ?, ?)",
-            [job_id, at, state, message],
-        )
+        store_jobs.update_job(db, job_id, values)
+        store_jobs.add_job_event(db, job_id, at=at, state=state, message=message)
         return get_job(db, job_id)

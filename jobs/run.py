@@ -26,16 +26,16 @@ def main(argv: list[str] | None = None) -> int:
     import sqlite3
 
     from ddtree.jobs.errors import JobError
-    from ddtree.jobs.runner import _mark_failed, execute
+    from ddtree.jobs.runner import mark_failed, run_job
     from ddtree.store.errors import StoreError
 
     try:
-        return execute(args.db, args.job_id, detached=args.detach)
+        return run_job(args.db, args.job_id, detached=args.detach)
     except BaseException as exc:  # boundary: record what killed the runner, on the row and in the log
         traceback.print_exc()
         sys.stderr.flush()
         try:
-            _mark_failed(args.db, args.job_id, f"runner crashed: {type(exc).__name__}: {exc}")
+            mark_failed(args.db, args.job_id, f"runner crashed: {type(exc).__name__}: {exc}")
         except (sqlite3.Error, StoreError, JobError):
             traceback.print_exc()
         return 1

@@ -1,4 +1,4 @@
-"""The runner's work: `execute(db_path, job_id)` runs one queued job to its end.
+"""The runner's work: `run_job(db_path, job_id)` runs one queued job to its end.
 
 It records its pid, heartbeats, runs the kind in a worker thread, turns SIGTERM/SIGINT/SIGHUP
 into a cancel, stops its children by process group, and records the outcome through set_state.
@@ -19,9 +19,10 @@ from ddtree.jobs.errors import JobCancelled, JobError, JobStateError
 from ddtree.jobs.kinds import load_kind
 from ddtree.jobs.model import hostname, set_state
 from ddtree.jobs.procs import start_time
-from ddtree.store.db import open_db, transaction
+from ddtree.store import jobs as store_jobs
+from ddtree.store.db import open_db
 from ddtree.store.errors import StoreError
-from ddtree.store.queries import get_job, now
+from ddtree.store.queries import get_job
 
 #: Seconds between heartbeats; a runner silent for HEARTBEAT_STALE_S is presumed dead.
 HEARTBEAT_S = 2.0
@@ -48,13 +49,10 @@ class _Heartbeat(threading.Thread):
 
     def beat(self, db) -> None:
         try:
-            with transaction(db):
-                db.execute("UPDATE jobs SET heartbeat_at = ? WHERE id = ?", [now(), self.ctx.job_id])
-            row = db.execute(
-                "SELECT cancel_requested_at, cancel_grace_s FROM jobs WHERE id = ?", [self.ctx.job_id]
-            ).fetchone()
-            if row and row[0] is not None and not self.ctx.cancelled.is_set():
-                self.cancel_grace_s = row[1]
+            store_jobs.record_heartbeat(db, self.ctx.job_id)
+            request = store_jobs.cancel_request(db, self.ctx.job_id)
+            if request is not None and not self.ctx.cancelled.is_set():
+                self.cancel_grace_s = request[1]
                 self.ctx.log("cancel requested (seen in the store)")
                 self.ctx.cancelled.set()
             self.ctx.poll_children()
@@ -65,14 +63,14 @@ class _Heartbeat(threading.Thread):
 
 
 def _child_grace(db, job_id: int) -> float:
-    row = db.execute("SELECT cancel_grace_s FROM jobs WHERE id = ?", [job_id]).fetchone()
-    if row and row[0] is not None:
+    grace = store_jobs.cancel_grace(db, job_id)
+    if grace is not None:
         # Finish well inside the canceller's own grace, which ends in SIGKILL for us.
-        return max(0.2, min(DEFAULT_CHILD_GRACE_S, 0.5 * float(row[0])))
+        return max(0.2, min(DEFAULT_CHILD_GRACE_S, 0.5 * grace))
     return DEFAULT_CHILD_GRACE_S
 
 
-def execute(db_path: str, job_id: int, *, detached: bool = True) -> int:
+def run_job(db_path: str, job_id: int, *, detached: bool = True) -> int:
     """Run queued job `job_id` in this process until it ends. Returns 0 if it succeeded."""
     db = open_db(db_path)
     try:
@@ -80,11 +78,8 @@ def execute(db_path: str, job_id: int, *, detached: bool = True) -> int:
         if job.state != "queued":
             return 0 if job.state == "succeeded" else 1
         pid = os.getpid()
-        with transaction(db):
-            db.execute(
-                "UPDATE jobs SET pid = ?, pgid = ?, pid_started = ?, host = ?, heartbeat_at = ? WHERE id = ?",
-                [pid, os.getpgid(0) if detached else None, start_time(pid), hostname(), now(), job_id],
-            )
+        store_jobs.record_runner(db, job_id, pid=pid, pgid=os.getpgid(0) if detached else None,
+                                 pid_started=start_time(pid), host=hostname())
         try:
             set_state(db, job_id, "starting", f"runner pid {pid}")
         except JobStateError:
@@ -184,7 +179,7 @@ def _restore_signal_handlers(old: dict) -> None:
         signal.signal(sig, handler)
 
 
-def _mark_failed(db_path: str, job_id: int, message: str) -> None:
+def mark_failed(db_path: str, job_id: int, message: str) -> None:
     db = open_db(db_path)
     try:
         job = get_job(db, job_id)

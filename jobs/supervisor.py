@@ -15,8 +15,9 @@ from ddtree.jobs.kinds import validate_spec
 from ddtree.jobs.logfile import open_log
 from ddtree.jobs.model import create_job, hostname, set_state
 from ddtree.jobs.procs import is_alive, kill_group, same_leader, signal_group
-from ddtree.jobs.runner import HEARTBEAT_STALE_S, execute
-from ddtree.store.db import open_db, resolve_db_path, transaction
+from ddtree.jobs.runner import HEARTBEAT_STALE_S, run_job
+from ddtree.store import jobs as store_jobs
+from ddtree.store.db import open_db, resolve_db_path
 from ddtree.store.queries import close_engines, get_job, job_processes, list_jobs, now
 from ddtree.store.records import ACTIVE_STATES, Job
 from ddtree.store.redact import secret_env
@@ -58,7 +59,7 @@ def submit(
         db.close()
     if not detach:
         with _environment(secrets):
-            execute(str(path), job_id, detached=False)
+            run_job(str(path), job_id, detached=False)
         return job_id
     _launch(path, job_id, Path(log_path), secrets)
     return job_id
@@ -142,11 +143,7 @@ def cancel(db_path: str | os.PathLike | None, job_id: int, grace_s: float = 10.0
         job = get_job(db, job_id)
         if job.terminal:
             raise JobStateError(f"job {job_id} already {job.state}", "only queued or running jobs can be cancelled")
-        with transaction(db):
-            db.execute(
-                "UPDATE jobs SET cancel_requested_at = ?, cancel_grace_s = ? WHERE id = ?",
-                [now(), float(grace_s), job_id],
-            )
+        store_jobs.request_cancel(db, job_id, grace_s)
         job = get_job(db, job_id)
         if job.pid is None:
             try:
@@ -201,8 +198,7 @@ def _kill_children(db, job_id: int, grace_s: float) -> None:
     """Stop child process groups a dead runner left behind, and close their rows."""
     for proc in job_processes(db, job_id, running_only=True):
         kill_group(proc.pgid or proc.pid, grace_s, leader_started=proc.pid_started)
-        with transaction(db):
-            db.execute("UPDATE processes SET ended_at = ? WHERE id = ? AND ended_at IS NULL", [now(), proc.id])
+        store_jobs.close_process(db, proc.id)
 
 
 def reconcile(db_path: str | os.PathLike | None, stale_s: float = HEARTBEAT_STALE_S) -> list[int]:

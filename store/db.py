@@ -49,6 +49,17 @@ def data_dir(db_path: str | os.PathLike | None = None) -> Path:
     return resolve_db_path(db_path).parent
 
 
+def db_file(db: Database) -> str:
+    """The file an open connection is on (where its logs folder belongs)."""
+    return db.execute("PRAGMA database_list").fetchone()[2]
+
+
+def data_version(db: Database) -> int:
+    """SQLite's counter that moves only when another connection commits: one cheap read tells a
+    poller whether anything is new."""
+    return db.execute("PRAGMA data_version").fetchone()[0]
+
+
 def logs_dir(db_path: str | os.PathLike | None = None) -> Path:
     """data_dir/logs, created owner-only if missing."""
     folder = data_dir(db_path) / "logs"

@@ -13,7 +13,7 @@ from ddtree.jobs.context import JobContext
 from ddtree.jobs.errors import BadSpec, JobStateError, UnknownKind
 from ddtree.jobs.model import create_job
 from ddtree.jobs.procs import group_exists, is_alive
-from ddtree.jobs.runner import execute
+from ddtree.jobs.runner import run_job
 from ddtree.store import open_db
 from ddtree.store.errors import NotFound
 from ddtree.store.queries import get_job, job_events, job_processes, list_jobs
@@ -159,7 +159,7 @@ def test_cancel_errors_finished_unknown_and_queued(db_path):
     with open_db(db_path) as db:
         queued = create_job(db, "sleep", {"seconds": 5.0, "fail": False, "message": ""})
     assert cancel(db_path, queued).state == "cancelled"
-    assert execute(db_path, queued) == 1  # a runner arriving late does nothing
+    assert run_job(db_path, queued) == 1  # a runner arriving late does nothing
     assert events(db_path, queued) == ["queued", "cancelled"]
 
 
