@@ -85,12 +85,6 @@ class Sources:
     hardware_s: float = 5.0
 
 
-def _rows(db, sql: str, params: list | None = None) -> list[dict]:
-    cur = db.execute(sql, params or [])
-    names = [d[0] for d in cur.description]
-    return [dict(zip(names, row)) for row in cur.fetchall()]
-
-
 class Poller:
     """Reads what changed; `watched_run()` names the run whose points to follow (or None)."""
 
@@ -152,12 +146,14 @@ class Poller:
         return out
 
     def _store(self, force: bool) -> list[Message]:
-        from ddtree.store.queries import list_jobs, list_runs, runs_page
+        from ddtree.store.db import data_version
+        from ddtree.store.downloads import recent_downloads
+        from ddtree.store.queries import list_jobs, list_runs, recent_engines, runs_page, runs_signature
         from ddtree.store.sweeps import list_points
 
         db = self.db
         out: list[Message] = []
-        version = db.execute("PRAGMA data_version").fetchone()[0]
+        version = data_version(db)
         watched = self.watched_run()
         stale = force or version != self._data_version
         self._data_version = version
@@ -167,17 +163,15 @@ class Poller:
             runs = list_runs(db, limit=MAX_ROWS)
             if self._changed("snapshot", (jobs, runs)):
                 out.append(Snapshot(jobs, runs, self.sources.now()))
-            downloads = _rows(db, "SELECT * FROM downloads ORDER BY id DESC LIMIT ?", [MAX_ROWS])
+            downloads = recent_downloads(db, MAX_ROWS)
             if self._changed("downloads", downloads):
                 out.append(DownloadsChanged(downloads))
-            self._engines = _rows(db, "SELECT * FROM engines ORDER BY id DESC LIMIT ?", [MAX_ROWS])
-            sig = tuple(db.execute("SELECT count(*), max(id), max(coalesce(ended_at, 0)), max(coalesce(state, '')) "
-                                   "FROM runs").fetchone())
-            points_sig = tuple(db.execute("SELECT max(id), max(coalesce(ended_at, 0)) FROM points").fetchone())
-            if self._changed("runs_sig", (sig, points_sig)):
+            self._engines = recent_engines(db, MAX_ROWS)
+            sig = runs_signature(db)
+            if self._changed("runs_sig", sig):
                 # The History pane's first page comes along (a few ms here), so opening the pane
                 # draws it at once instead of after a query of its own.
-                out.append(RunsChanged((sig, points_sig), runs_page(db, limit=HISTORY_PAGE)))
+                out.append(RunsChanged(sig, runs_page(db, limit=HISTORY_PAGE)))
         if watched is not None and (stale or self._sent.get("watched") != watched):
             points = list_points(db, watched)
             if self._changed("points", (watched, points)) or self._sent.get("watched") != watched:

@@ -52,6 +52,11 @@ def close_engines(db: Database, job_id: int, state: str, error: str) -> int:
     return cur.rowcount
 
 
+def recent_engines(db: Database, limit: int) -> list[dict[str, Any]]:
+    """The newest `limit` engines rows, newest first."""
+    return fetch_rows(db, "SELECT * FROM engines ORDER BY id DESC LIMIT ?", [int(limit)])
+
+
 def get_job(db: Database, job_id: int) -> Job:
     rows = fetch_rows(db, "SELECT * FROM jobs WHERE id = ?", [job_id])
     if not rows:
@@ -139,6 +144,15 @@ def runs_page(db: Database, text: str = "", *, order: str = "newest", limit: int
     if len(rows) < limit:
         return rows, len(rows)  # all of them: no second scan for the count
     return rows, db.execute(f"SELECT count(*) FROM runs r {where}", params).fetchone()[0]
+
+
+def runs_signature(db: Database) -> tuple[tuple, tuple]:
+    """A value that changes whenever a run or a point is added, ends or changes state: cheaper
+    than reading the History pane's page to see whether it changed."""
+    runs = db.execute("SELECT count(*), max(id), max(coalesce(ended_at, 0)), max(coalesce(state, '')) "
+                      "FROM runs").fetchone()
+    points = db.execute("SELECT max(id), max(coalesce(ended_at, 0)) FROM points").fetchone()
+    return tuple(runs), tuple(points)
 
 
 def _runs(db: Database, where: str, params: list[Any], suffix: str = "") -> list[Run]:
