@@ -66,7 +66,10 @@ def main() -> int:
     ticks: list[float] = []
     stop = threading.Event()
     c0, w0 = cpu_s(), time.monotonic()
-    thread = sampler.start(stop, db=db, on_sample=lambda s: ticks.append(s.cost_s))
+    from ddtree.store.telemetry import TelemetryWriter
+
+    sink = TelemetryWriter(db) if db is not None else None
+    thread = sampler.start(stop, sink=sink, on_sample=lambda s: ticks.append(s.cost_s))
     stop.wait(args.seconds)
     stop.set()
     thread.join()

@@ -5,9 +5,9 @@ GPU; CPU and memory use of the host); names, limits and topology stay cached in 
 measures the CPU time each tick costs and stretches its interval whenever the cost would exceed
 `max_duty` of one core (1% by default), so a slow driver cannot make it a load of its own.
 
-With a database (a sqlite_utils Database with the `telemetry` table) it writes one row per GPU per
-tick in one short transaction and deletes rows older than the retention every minute; without one
-it hands samples to a callback or yields them.
+It knows no schema: it yields samples, or hands each to a `sink` (the store's
+`ddtree.store.telemetry.TelemetryWriter`, whose CPU time counts as the sampler's own) and/or an
+`on_sample` callback.
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ import psutil
 
 from ddtree.engine.errors import EngineError
 from ddtree.engine.machine.hw import Nvml, nvml
-
-PRUNE_EVERY_S = 60.0
-
 
 class SamplerConfigError(EngineError):
     exit_code = 2
@@ -42,7 +39,7 @@ class GpuSample:
 
 
 @dataclass(frozen=True)
-class Sample:
+class TelemetrySample:
     at: float  # unix time
     gpus: list[GpuSample] = field(default_factory=list)
     cpu_percent: float | None = None
@@ -58,7 +55,6 @@ class Sample:
 class SamplerConfig:
     rate_hz: float = 1.0
     max_duty: float = 0.01  # most CPU time per wall second the sampler may use
-    retention_s: float = 24 * 3600.0
     host: bool = True
 
     def __post_init__(self) -> None:
@@ -66,8 +62,6 @@ class SamplerConfig:
             raise SamplerConfigError(f"sample rate must be in (0, 100] Hz, got {self.rate_hz}")
         if not (0 < self.max_duty <= 1):
             raise SamplerConfigError(f"max_duty must be in (0, 1], got {self.max_duty}")
-        if self.retention_s <= 0:
-            raise SamplerConfigError(f"retention must be positive, got {self.retention_s} s")
 
 
 class Sampler:
@@ -77,8 +71,6 @@ class Sampler:
         self._cost_ema: float | None = None
         self.ticks = 0
         self.cpu_s = 0.0  # total CPU time spent sampling
-        self._columns: set[str] | None = None
-        self._last_prune = 0.0
         if self.config.host:
             psutil.cpu_percent(interval=None)  # primes the counter: the first reading is since now
 
@@ -90,7 +82,7 @@ class Sampler:
             return base
         return max(base, self._cost_ema / self.config.max_duty)
 
-    def sample(self) -> Sample:
+    def sample(self) -> TelemetrySample:
         t0 = time.thread_time()
         gpus = []
         if self._nvml.reason is None:
@@ -106,7 +98,7 @@ class Sampler:
             mem_used, mem_total = vm.total - vm.available, vm.total
         cost = time.thread_time() - t0
         self._account(cost)
-        return Sample(at=time.time(), gpus=gpus, cpu_percent=cpu, mem_used=mem_used, mem_total=mem_total,
+        return TelemetrySample(at=time.time(), gpus=gpus, cpu_percent=cpu, mem_used=mem_used, mem_total=mem_total,
                       cost_s=cost)
 
     def _account(self, cost: float) -> None:
@@ -114,7 +106,7 @@ class Sampler:
         self.cpu_s += cost
         self._cost_ema = cost if self._cost_ema is None else 0.8 * self._cost_ema + 0.2 * cost
 
-    def samples(self, stop: threading.Event) -> Iterator[Sample]:
+    def samples(self, stop: threading.Event) -> Iterator[TelemetrySample]:
         """Yield a sample every interval until `stop` is set (the first one at once)."""
         next_at = time.monotonic()
         while not stop.is_set():
@@ -126,42 +118,21 @@ class Sampler:
             if stop.wait(next_at - now):
                 return
 
-    def run(self, stop: threading.Event, *, db: Any = None, on_sample: Callable[[Sample], None] | None = None,
-            labels: dict[str, Any] | None = None) -> None:
-        """Sample until `stop` is set, writing to `db` (rows carry `labels`, e.g. job_id) and/or
-        calling `on_sample`."""
+    def run(self, stop: threading.Event, *, sink: Callable[[TelemetrySample], Any] | None = None,
+            on_sample: Callable[[TelemetrySample], None] | None = None) -> None:
+        """Sample until `stop` is set, handing each sample to `sink` (a store writer: its CPU time
+        is counted in `cpu_s`) and then to `on_sample`."""
         for s in self.samples(stop):
-            if db is not None:
+            if sink is not None:
                 t0 = time.thread_time()
-                self.write(db, s, labels=labels)
+                sink(s)
                 self.cpu_s += time.thread_time() - t0
             if on_sample is not None:
                 on_sample(s)
 
     def start(self, stop: threading.Event, **kwargs: Any) -> threading.Thread:
-        """`run` on a daemon thread. A db connection passed here must allow use from that thread."""
+        """`run` on a daemon thread. A sink that writes to a database must own a connection that
+        allows use from that thread."""
         thread = threading.Thread(target=self.run, args=(stop,), kwargs=kwargs, name="ddtree-sampler", daemon=True)
         thread.start()
         return thread
-
-    # -- store ----------------------------------------------------------------------------------
-    def write(self, db: Any, s: Sample, *, labels: dict[str, Any] | None = None) -> int:
-        """Insert one telemetry row per GPU (only columns the table has); prune old rows now and then."""
-        table = db["telemetry"]
-        if self._columns is None:
-            self._columns = set(table.columns_dict) if table.exists() else set()
-        if not self._columns:
-            return 0
-        rows = []
-        for g in s.gpus:
-            row = {"at": s.at, "gpu_index": g.index, "util": g.util, "mem_used": g.mem_used,
-                   "mem_total": g.mem_total, "power_w": g.power_w, "temperature_c": g.temperature_c,
-                   "temp_c": g.temperature_c, "clock_sm_mhz": g.clock_sm_mhz, **(labels or {})}
-            rows.append({k: v for k, v in row.items() if k in self._columns})
-        with db.conn:
-            if rows:
-                table.insert_all(rows)
-            if s.at - self._last_prune >= PRUNE_EVERY_S:
-                self._last_prune = s.at
-                db.execute("DELETE FROM telemetry WHERE at < ?", [s.at - self.config.retention_s])
-        return len(rows)

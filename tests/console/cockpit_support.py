@@ -158,12 +158,12 @@ def fixed_host():
 
 
 def fixed_sample(view):
-    from ddtree.engine.machine.sampler import GpuSample, Sample
+    from ddtree.engine.machine.sampler import GpuSample, TelemetrySample
 
     gpus = [GpuSample(index=g.index, util=(37 * g.index) % 100, mem_used=g.memory_total // (g.index + 2),
                       mem_total=g.memory_total, power_w=300.0, temperature_c=50.0, clock_sm_mhz=1900)
             for g in view.gpus]
-    return Sample(at=NOW, gpus=gpus, cpu_percent=10.0, mem_used=1, mem_total=2)
+    return TelemetrySample(at=NOW, gpus=gpus, cpu_percent=10.0, mem_used=1, mem_total=2)
 
 
 def fixed_sources(gpus: bool = True, healthy: bool = True):

@@ -221,23 +221,29 @@ def test_sampler_stretches_interval_when_ticks_are_costly(box):
     assert sampler.interval_s == pytest.approx(0.5)
 
 
-def test_sampler_writes_telemetry_with_retention(box, tmp_path):
+def test_sampler_hands_samples_to_the_store_writer_with_retention(box, tmp_path):
     from sqlite_utils import Database
+
+    from ddtree.store.telemetry import TelemetryWriter
 
     _, session, _ = box
     db = Database(tmp_path / "t.db")
     db["telemetry"].create({"id": int, "at": float, "gpu_index": int, "util": float, "mem_used": int,
                             "mem_total": int, "power_w": float, "temp_c": float, "job_id": int}, pk="id")
-    sampler = Sampler(SamplerConfig(retention_s=10), session=session)
     db["telemetry"].insert({"at": time.time() - 3600, "gpu_index": 0, "util": 1.0})
-    assert sampler.write(db, sampler.sample(), labels={"job_id": 7}) == 8
+    writer = TelemetryWriter(db, labels={"job_id": 7}, retention_s=10)
+    sampler = Sampler(SamplerConfig(rate_hz=20, max_duty=1.0), session=session)
+    stop = threading.Event()
+    written = []
+    sampler.run(stop, sink=lambda s: written.append(writer(s)), on_sample=lambda s: stop.set())
+    assert written == [8]
     rows = list(db["telemetry"].rows)
     assert len(rows) == 8 and {r["job_id"] for r in rows} == {7}
     assert rows[2]["util"] == 97.0 and rows[3]["power_w"] is None and rows[0]["temp_c"] == 34.0
 
 
 def test_sampler_config_validation():
-    for kwargs in ({"rate_hz": 0}, {"rate_hz": 1000}, {"max_duty": 0}, {"retention_s": -1}):
+    for kwargs in ({"rate_hz": 0}, {"rate_hz": 1000}, {"max_duty": 0}):
         with pytest.raises(SamplerConfigError):
             SamplerConfig(**kwargs)
 
