@@ -73,13 +73,6 @@ class Job:
     def label(self) -> str:
         return self.name or f"{self.kind}-{self.id}"
 
-    @property
-    def progress_fraction(self) -> float | None:
-        if self.progress_total and self.progress_done is not None and self.progress_total > 0:
-            return max(0.0, min(1.0, self.progress_done / self.progress_total))
-        return None
-
-
 @dataclass(frozen=True)
 class JobEvent:
     id: int
