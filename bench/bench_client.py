@@ -20,13 +20,13 @@ import asyncio
 import json
 import os
 import re
-import selectors
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support: the server process
 
 SERVER = r'''
 import json, socket, sys, asyncio
@@ -69,14 +69,11 @@ server.run(sockets=[sock])
 '''
 
 
-def start_server(log_path: str) -> tuple[subprocess.Popen, str]:
-    log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, stderr=log, start_new_session=True)
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    if not sel.select(timeout=60):
-        raise SystemExit("trivial server did not start; see " + log_path)
-    return proc, json.loads(proc.stdout.readline())["url"]
+def start_server(log_path: str):
+    """The trivial server above as a subprocess (tests/support/server.py's ServerProcess)."""
+    from tests.support.server import ServerProcess
+
+    return ServerProcess([sys.executable, "-c", SERVER], Path(log_path), timeout_s=60, env={})
 
 
 def ours(url: str, n: int, concurrency: int) -> tuple[float, float]:
@@ -146,7 +143,8 @@ def main() -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     other = sglang_python(args.sglang_python)
     tokenizer = str(Path(__file__).resolve().parents[1] / "assets" / "demo" / "target")
-    proc, url = start_server(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench-client-{os.getpid()}.log"))
+    server = start_server(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench-client-{os.getpid()}.log"))
+    url = server.url
     n = args.requests
     rows: dict[tuple[int, str], list[tuple[float, float]]] = {}
     try:
@@ -157,8 +155,7 @@ def main() -> int:
                 if other is not None:
                     rows.setdefault((c, "sglang.benchmark.serving"), []).append(theirs(other, url, n, c, tokenizer))
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(10)
+        server.stop(10)
     print(f"{n} requests x 16 chunks each, median of {args.repeats}; higher req/s and lower CPU are better")
     if other is None:
         print("  sglang.benchmark.serving: not installed here (pass --sglang-python to compare)")

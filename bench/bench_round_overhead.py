@@ -27,14 +27,13 @@ import argparse
 import json
 import os
 import platform
-import selectors
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support: client, server process
 
 SIDES = ("in-process", "server")
 
@@ -74,33 +73,15 @@ def counted(pid: int, fn, *args) -> dict:
 
 
 def start_server(model: str, draft: str, threads: int | None, batch: bool, log_path: Path):
-    argv = [sys.executable, "-m", "ddtree.engine.reference.server", "--model", model, "--draft", draft,
-            "--port", "0", "--max-running-requests", "4", "--batch" if batch else "--no-batch"]
+    """A builtin server subprocess (tests/support/server.py's ServerProcess), with this process's
+    thread settings rather than the tests' one thread."""
+    from tests.support.server import SERVER, ServerProcess
+
+    argv = [*SERVER, "--model", model, "--draft", draft, "--port", "0", "--max-running-requests", "4",
+            "--batch" if batch else "--no-batch"]
     if threads:
         argv += ["--threads", str(threads)]
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if sel.select(timeout=1.0):
-            line = proc.stdout.readline()
-            if not line:
-                break
-            return proc, json.loads(line)["url"]
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    raise SystemExit(f"the server did not start; see {log_path}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    return ServerProcess(argv, log_path, timeout_s=300, env={})
 
 
 def run_in_process(engine, prompts: list[list[int]], spec, max_new: int) -> dict:
@@ -170,7 +151,7 @@ def main() -> int:
 
     import torch
 
-    from ddtree.engine.serving.client import EngineClient
+    from tests.support.client import EngineClient
     from ddtree.engine.serving.prompts import load_prompts
     from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 
@@ -188,10 +169,10 @@ def main() -> int:
     specs = {"ar": SpecParams(algorithm="ar"), f"ddtree-{args.budget}": SpecParams(algorithm="ddtree",
                                                                                      budget=args.budget)}
     workdir = Path(tempfile.mkdtemp(prefix="bench-round-overhead-"))
-    proc, url = start_server(model, draft, args.threads, args.batch, workdir / "server.log")
+    server = start_server(model, draft, args.threads, args.batch, workdir / "server.log")
     runs: dict[tuple[str, str], list[dict]] = {(name, side): [] for name in specs for side in SIDES}
     try:
-        with EngineClient(url, timeout=600) as client:
+        with EngineClient(server.url, timeout=600) as client:
             for spec in specs.values():  # warm-up, unmeasured
                 run_in_process(engine, warm, spec, args.max_new_tokens)
                 run_server(client, warm, spec, args.max_new_tokens)
@@ -201,11 +182,11 @@ def main() -> int:
                         if side == "in-process":
                             run = counted(os.getpid(), run_in_process, engine, prompts, spec, args.max_new_tokens)
                         else:
-                            run = counted(proc.pid, run_server, client, prompts, spec, args.max_new_tokens)
+                            run = counted(server.proc.pid, run_server, client, prompts, spec, args.max_new_tokens)
                         runs[(name, side)].append(run)
                 print(f"  repeat {r + 1}/{args.repeats} done", flush=True)
     finally:
-        stop_server(proc)
+        server.stop(60)
 
     table = {f"{name} {side}": summarise(runs[(name, side)]) for name, side in runs}
     print(f"\n{len(prompts)} prompts x {args.max_new_tokens} new tokens, one request at a time, "

@@ -32,15 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import selectors
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # tests.support: the tests' tokenizer and server process
 
 
 # Random pairs of published shapes: (target hidden, layers, intermediate, heads, kv heads, vocab,
@@ -59,14 +57,13 @@ def build_random_pair(root: Path, shape: str, device: str) -> tuple[str, str]:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    sys.path.insert(0, str(ROOT))
-    from tests.engine.reference.server.conftest import _build_tokenizer
+    from tests.support.pair import build_tokenizer
 
     from ddtree.engine.reference.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids, save_drafter
 
     hidden, layers, inter, heads, kv, vocab, tied, draft_layers = SHAPES[shape]
     target_dir, drafter_dir = root / "target", root / "drafter"
-    vocab = max(vocab, _build_tokenizer(target_dir))
+    vocab = max(vocab, build_tokenizer(target_dir))
     config_path = target_dir / "tokenizer_config.json"
     config_path.write_text(config_path.read_text().replace('"model_max_length": 512', '"model_max_length": 4096'))
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -108,34 +105,17 @@ def resolve_pair(args: argparse.Namespace, workdir: Path) -> tuple[str, str, str
 
 
 def start_server(model: str, draft: str, max_running: int, log_path: Path,
-                 threads: int | None, batch: bool = True, device: str = "cpu") -> tuple[subprocess.Popen, str]:
-    argv = [sys.executable, "-m", "ddtree.engine.reference.server", "--model", model, "--draft", draft,
-            "--device", device, "--port", "0", "--max-running-requests", str(max_running), "--max-queued-requests", str(4 * max_running),
+                 threads: int | None, batch: bool = True, device: str = "cpu"):
+    """A builtin server subprocess (tests/support/server.py's ServerProcess), with this process's
+    thread settings rather than the tests' one thread."""
+    from tests.support.server import SERVER, ServerProcess
+
+    argv = [*SERVER, "--model", model, "--draft", draft, "--device", device, "--port", "0",
+            "--max-running-requests", str(max_running), "--max-queued-requests", str(4 * max_running),
             "--batch" if batch else "--no-batch"]
     if threads:
         argv += ["--threads", str(threads)]
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if sel.select(timeout=1.0):
-            line = proc.stdout.readline()
-            if not line:
-                break
-            return proc, json.loads(line)["url"]
-    proc.kill()
-    raise SystemExit(f"server did not start; see {log_path}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    return ServerProcess(argv, log_path, timeout_s=600, env={})
 
 
 def point(url: str, prompts, warm, concurrency: int, max_new_tokens: int, speculative: dict) -> dict:
@@ -360,14 +340,14 @@ def main() -> int:
         try:
             urls = {}
             for mode in ("batch", "no-batch"):
-                proc, urls[mode] = start_server(model, draft, max_running, workdir / f"server-{mode}.log",
-                                                args.threads, batch=mode == "batch", device=args.device)
-                procs.append(proc)
+                procs.append(start_server(model, draft, max_running, workdir / f"server-{mode}.log",
+                                          args.threads, batch=mode == "batch", device=args.device))
+                urls[mode] = procs[-1].url
             report["serving"] = serving_bench(args, urls)
             best = report["serving"]["best_budget"]
         finally:
             for proc in procs:
-                stop_server(proc)
+                proc.stop(60)
     if not args.skip_batching:
         print("batching verification across requests:", flush=True)
         report["batching"] = batching_bench(args, model, draft, best)

@@ -3,10 +3,7 @@ ar only, exactly, and refuses dflash/ddtree before any output (their recurrent s
 rejected draft nodes)."""
 
 import json
-import os
-import signal
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +12,7 @@ from ddtree.engine.arch import builtin_refusal, hybrid_reason, read_config
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 from ddtree.engine.reference.errors import BadParams
 
+from ...support.server import CLI, SERVER, ServerProcess
 from .conftest import make_drafter
 
 SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -165,10 +163,6 @@ def served_pair(tmp_path_factory):
     return _served_pair(tmp_path_factory.mktemp("served"), _built(transformers.Qwen3NextForCausalLM, cfg, 3))
 
 
-CLI = [sys.executable, "-m", "ddtree.console.cli"]
-SERVER = [sys.executable, "-m", "ddtree.engine.reference.server"]
-
-
 def test_serve_refuses_a_speculative_default_with_one_line(served_pair):
     target, drafter = served_pair
     for argv in ([*CLI, "serve"], SERVER):  # before exec (config.json only), and the server itself
@@ -183,21 +177,8 @@ def test_serve_refuses_a_speculative_default_with_one_line(served_pair):
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "refuses dflash" in out.stderr
 
 
-def test_serve_with_algorithm_ar_starts(served_pair):
+def test_serve_with_algorithm_ar_starts(served_pair, tmp_path):
     target, drafter = served_pair
-    proc = subprocess.Popen([*CLI, "serve", "--model", str(target), "--draft", str(drafter), "--algorithm", "ar",
-                             "--port", "0", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        line = proc.stdout.readline()
-        assert json.loads(line)["event"] == "listening", proc.stderr.read()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
-    assert proc.returncode == 0
+    proc = ServerProcess([*CLI, "serve", "--model", str(target), "--draft", str(drafter), "--algorithm", "ar",
+                          "--port", "0", "--threads", "1"], tmp_path / "server.log")
+    assert proc.stop(60) == 0, proc.log_tail()
