@@ -155,22 +155,24 @@ class Recommendation:
 
     @property
     def line(self) -> str:
-        """A short form for a pane: "serve 16 (74.0 tok/s, 3.36x AR); 16-64 tie within 5%"."""
-        gains = self._gains()
-        head = {"clear": f"serve {self.budget}", "tie": f"serve {self.budget}", "single": f"only {self.budget}",
-                "undecided": f"serve {self.budget}?", "untested": f"serve {self.budget}?",
-                "none": "no budget yet"}[self.state]
+        """A short form for a pane: "serve budget 16 at 74.0 tok/s (3.36x AR); budgets 16-64 tie within 5%"."""
         if self.state == "none":
-            return head
+            return "no DDTree budget measured yet"
         s = self.throughput
-        tok = f"{s.mean:.1f} tok/s" if s is not None and s.mean is not None else "-"
-        head += f" ({tok}{', ' + gains if gains else ''})"
+        at = f" at {s.mean:.1f} tok/s" if s is not None and s.mean is not None else ""
+        gains = self._gains()
+        gains = f" ({gains})" if gains else ""
         span = budget_span(self.tied, self.measured)
-        note = {"clear": "clear of the rest", "tie": f"{span} tie within {self.margin:.0%}",
-                "single": "one budget", "undecided": f"{span} tie; measure more repeats ({self._asks()})",
-                "untested": f"one repeat; measure {MIN_REPEATS} of "
-                            f"{budget_span([a.budget for a in self.more], self.measured)}"}[self.state]
-        return f"{head}; {note}"
+        if self.state == "clear":
+            return f"serve budget {self.budget}{at}{gains}; clear of the rest"
+        if self.state == "tie":
+            return f"serve budget {self.budget}{at}{gains}; budgets {span} tie within {self.margin:.0%}"
+        if self.state == "single":
+            return f"only budget {self.budget}{at}{gains}"
+        if self.state == "undecided":
+            return f"budgets {span} tie; measure more repeats ({self._asks()}); until then budget {self.budget}{at}{gains}"
+        asked = budget_span([a.budget for a in self.more], self.measured)
+        return f"highest budget {self.best}{at}, untested{gains}; measure {MIN_REPEATS} repeats of budgets {asked}"
 
     def to_dict(self) -> dict:
         return {"setting": self.setting, "state": self.state, "decided": self.decided, "budget": self.budget,

@@ -29,7 +29,7 @@ async def test_the_pane_shows_the_recommendation_and_the_heatmap(tmp_path):
         await until(pilot, lambda: "serve" in text_of(app, "best"), what="the recommendation")
         best = text_of(app, "best")
         # budgets 32 (120 tok/s) is clear of 64 (115) and the rest: serve it, 2.40x AR
-        assert "c=1: serve 32 (120.0 tok/s, 2.40x" in best and "clear of the rest" in best
+        assert "c=1: serve budget 32 at 120.0 tok/s (2.40x [" in best and "clear of the rest" in best
         assert not app.query_one("#heatmap").display and not app.query_one("#sentinel").display
         await pilot.press("h")
         assert app.query_one("#heatmap").display and not app.query_one("#charts").display
@@ -52,4 +52,4 @@ async def test_the_pane_flags_a_run_slower_than_its_history(tmp_path):
         flags = text_of(app, "sentinel").splitlines()
         assert flags[0].startswith("⚠ c=1: budgets 8-64 20% slower than the last 3 runs")
         assert flags[1].startswith("⚠ c=1: AR 20% slower") and "torch 2.13.0 -> 2.14.0" in flags[2]
-        assert "c=1: serve 32" in text_of(app, "best")
+        assert "c=1: serve budget 32" in text_of(app, "best")

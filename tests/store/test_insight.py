@@ -19,7 +19,7 @@ def test_a_clear_winner_is_served_with_its_gains():
     assert ar.value == pytest.approx(2.4, rel=0.01) and ar.ci_low < ar.value < ar.ci_high
     assert dflash.value == pytest.approx(1.5, rel=0.01)
     assert "serve budget 16" in rec.text and "AR" in rec.text and "DFlash" in rec.text
-    assert rec.line.startswith("serve 16 (120.0 tok/s")
+    assert rec.line.startswith("serve budget 16 at 120.0 tok/s (2.40x [")
 
 
 def test_a_tie_within_the_margin_serves_the_smallest_budget():
