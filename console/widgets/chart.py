@@ -53,6 +53,49 @@ def _fmt(value: float) -> str:
     return f"{value:.2f}"
 
 
+def nice_step(span: float) -> float:
+    """A round step (1, 2 or 5 times a power of ten) near span / 8, to round the axis ends to."""
+    if span <= 0 or not math.isfinite(span):
+        return 1.0
+    raw = span / 8
+    power = 10 ** math.floor(math.log10(raw))
+    for m in (1, 2, 5, 10):
+        if raw <= m * power:
+            return m * power
+    return 10 * power
+
+
+def y_range(values: list[float]) -> tuple[float, float]:
+    """The y-axis for these values: near the data, not from 0 (a tau of 3.1 to 4.5 fills the
+    plot instead of its top third), padded a tenth of the span each way and rounded out to a round
+    step; never below 0 for data that are not."""
+    if not values:
+        return 0.0, 1.0
+    lo, hi = min(values), max(values)
+    span = hi - lo
+    if span == 0:
+        span = abs(hi) * 0.2 or 1.0
+    pad = span * 0.1
+    step = nice_step(span + 2 * pad)
+    y0 = math.floor((lo - pad) / step) * step
+    y1 = math.ceil((hi + pad) / step) * step
+    if lo >= 0:
+        y0 = max(0.0, y0)
+    return float(y0), float(y1)
+
+
+def _label_rows(rows: int) -> list[int]:
+    """Rows that get a y label: top and bottom, and between them evenly spaced rows at least three
+    apart (a tall chart gets more than three labels; an even split keeps their values round)."""
+    if rows <= 1:
+        return [0]
+    last = rows - 1
+    for parts in (5, 4, 3, 2):
+        if last % parts == 0 and last // parts >= 3:
+            return [last * i // parts for i in range(parts + 1)]
+    return [0, last // 2, last] if last >= 4 else [0, last]
+
+
 class Canvas:
     """A braille dot grid of `cols` x `rows` cells with a colour per cell."""
 
@@ -174,12 +217,7 @@ class LineChart(Widget):
         x0, x1 = (min(xs), max(xs)) if xs else (0.0, 1.0)
         if x1 == x0:
             x0, x1 = x0 - 1, x1 + 1
-        y0, y1 = (min(ys), max(ys)) if ys else (0.0, 1.0)
-        if y0 >= 0:
-            y0 = 0.0
-        if y1 == y0:
-            y1 = y0 + 1
-        y1 += (y1 - y0) * 0.08
+        y0, y1 = y_range(ys)
         return x0, x1, y0, y1
 
     def render_lines(self, crop: Region) -> list[Strip]:
@@ -208,8 +246,8 @@ class LineChart(Widget):
             return title
         if not any(not s.reference for s in drawable):
             return Text.assemble(title, "\n", Text(self.empty, style="dim italic"))
-        legend_rows = 1
-        rows = height - 2 - legend_rows
+        legend = self._legend(drawable, width)
+        rows = height - 2 - len(legend)
         cols = width - _Y_LABEL_W - 1
         canvas = Canvas(cols, rows)
         x0, x1, y0, y1 = self._ranges()
@@ -243,15 +281,16 @@ class LineChart(Widget):
         if self.x_label:
             out.append(f" vs {self.x_label}", style="dim")
         out.append("\n")
-        label_rows = {0: y1, rows // 2: (y0 + y1) / 2, rows - 1: y0}
+        label_rows = {r: y1 - (y1 - y0) * r / max(1, rows - 1) for r in _label_rows(rows)}
         for row in range(rows):
             label = _fmt(label_rows[row]) if row in label_rows else ""
             out.append(label.rjust(_Y_LABEL_W - 1)[: _Y_LABEL_W - 1] + "│", style="dim")
             out.append_text(canvas.row_text(row))
             out.append("\n")
         out.append(self._x_ticks(cols, px), style="dim")
-        out.append("\n")
-        out.append_text(self._legend(drawable, width))
+        for line in legend:
+            out.append("\n")
+            out.append_text(line)
         return out
 
     def _x_ticks(self, cols: int, px) -> str:
@@ -268,15 +307,29 @@ class LineChart(Widget):
         return " " * _Y_LABEL_W + "".join(line)
 
     @staticmethod
-    def _legend(series: list[Series], width: int) -> Text:
-        out = Text(no_wrap=True, overflow="ellipsis")
+    def _legend(series: list[Series], width: int) -> list[Text]:
+        """The legend, on as many lines as it needs at this width (at most 3): a legend cut off
+        leaves a line nobody can name."""
+        items = []
         for s in series:
-            out.append("┄ " if s.reference else "─ ", style=s.color)
-            out.append(s.label + "  ")
+            item = Text()
+            item.append("┄ " if s.reference else "─ ", style=s.color)
+            item.append(s.label)
+            items.append(item)
         if any(s.best is not None for s in series):
-            out.append("★ best", style="bold")
-        out.truncate(width)
-        return out
+            items.append(Text("★ best", style="bold"))
+        lines = [Text(no_wrap=True, overflow="ellipsis")]
+        for item in items:
+            line = lines[-1]
+            if line.cell_len and line.cell_len + 2 + item.cell_len > width and len(lines) < 3:
+                lines.append(Text(no_wrap=True, overflow="ellipsis"))
+                line = lines[-1]
+            if line.cell_len:
+                line.append("  ")
+            line.append_text(item)
+        for line in lines:
+            line.truncate(width)
+        return lines
 
     def watch_series(self) -> None:
         self.refresh()
