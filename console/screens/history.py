@@ -1,6 +1,8 @@
 """History: every run, filtered and sorted in SQL (a page at a time, so 10,000 runs stay fast);
 select two or more to compare (differing settings highlighted, metric deltas, overlaid curves,
-a warning when the hardware differs); export a run as csv, json, md or a recipe."""
+a warning when the hardware differs); export a run as csv, json, md or a recipe. FLAGS is the
+regression sentinel (store.sentinel): a run's figures against earlier runs of its fingerprint,
+read for the rows shown on a worker and kept until the run's points change."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.searchinput import SearchInput
 from ddtree.console.widgets.tables import fmt_num
 
-COLUMNS = ("ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "BEST TOK/S", "CREATED")
+COLUMNS = ("ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "BEST TOK/S", "CREATED", "FLAGS")
 #: Rows shown at once; the filter narrows the rest (the poller reads the default page: same size).
 PAGE = HISTORY_PAGE
 SORTS = ("newest", "oldest", "name", "model", "best tok/s")  # store.queries.RUN_ORDERS
@@ -41,13 +43,24 @@ def load_runs(db, text: str = "", sort: int = 0, limit: int = PAGE) -> tuple[lis
     return runs_page(db, text, order=SORTS[sort % len(SORTS)], limit=limit)
 
 
-def run_cells(row: dict, marked: bool) -> tuple:
+def flag_cell(short: str | None) -> Text:
+    """The FLAGS cell from a SentinelReport's `short`: red when a figure fell, dim when checked."""
+    short = short or ""
+    return Text(fmt.one_line(short, 48), style="bold red" if short.startswith("⚠") else "dim")
+
+
+def run_cells(row: dict, marked: bool, flags: str | None = None) -> tuple:
     total = row.get("points_total")
     points = f"{row['points_done']}/{total}" if total else str(row["points_done"])
     ident = Text(f"✓{row['id']}", style="bold reverse") if marked else str(row["id"])
     return (ident, fmt.one_line(row.get("name"), 24) or "-", row.get("engine_kind") or "-",
             fmt.one_line(row.get("model"), 28) or "-", row.get("state") or "-", points, fmt_num(row.get("best"), ".1f"),
-            fmt.stamp(row.get("created_at")))
+            fmt.stamp(row.get("created_at")), flag_cell(flags))
+
+
+def _flag_key(row: dict) -> tuple:
+    """What a run's sentinel depends on that a page row shows changing: its points and state."""
+    return (row.get("points_done"), row.get("state"), row.get("best"))
 
 
 class HistoryPane(Vertical):
@@ -77,6 +90,8 @@ class HistoryPane(Vertical):
         self.rows: list[dict] = []
         self.total = 0
         self._asked = 0  # the newest request; older answers are dropped
+        self.flags: dict[int, tuple[tuple, str]] = {}  # run id -> (its _flag_key, SentinelReport.short)
+        self._flagging: set[int] = set()
         self.watch(self.app, "runs_signature", lambda _sig: self.reload())
 
     def reload(self) -> None:
@@ -104,12 +119,42 @@ class HistoryPane(Vertical):
 
     def show(self, rows: list[dict], total: int) -> None:
         self.rows, self.total = rows, total
-        self.query_one("#runs", RowTable).set_rows([(str(r["id"]), run_cells(r, r["id"] in self.marked))
-                                                    for r in rows])
+        self._render_rows()
+        stale = {r["id"]: _flag_key(r) for r in rows
+                 if r["id"] not in self._flagging and self.flags.get(r["id"], (None,))[0] != _flag_key(r)}
+        if stale:
+            self._flagging |= set(stale)
+            self._check(stale)
         shown = f"{len(rows)} of {total}" if total > len(rows) else str(total)
         sel = f", {len(self.marked)} selected" if self.marked else ""
         self.query_one("#history-title", Static).update(
             Text(f"History: {shown} runs, {SORTS[self.sort]} first{sel}"))
+
+    def _render_rows(self) -> None:
+        self.query_one("#runs", RowTable).set_rows(
+            [(str(r["id"]), run_cells(r, r["id"] in self.marked, self.flags.get(r["id"], (None, ""))[1]))
+             for r in self.rows])
+
+    @work(thread=True, group="history-sentinel", exit_on_error=False)
+    def _check(self, keys: dict[int, tuple]) -> None:
+        from ddtree.store.errors import StoreError
+        from ddtree.store.sentinel import check_runs
+
+        try:
+            with self.app.reading() as db:
+                reports = check_runs(db, list(keys))
+        except StoreError:
+            reports = {}
+        self.app.call_from_thread(self._checked, keys, {rid: r.short for rid, r in reports.items()})
+
+    def _checked(self, keys: dict[int, tuple], shorts: dict[int, str]) -> None:
+        self._flagging -= set(keys)
+        changed = False
+        for rid, key in keys.items():
+            changed |= self.flags.get(rid, (None, ""))[1] != shorts.get(rid, "")
+            self.flags[rid] = (key, shorts.get(rid, ""))
+        if changed and self.is_attached:
+            self._render_rows()
 
     @on(Input.Changed, "#history-filter")
     def _filter(self, _event) -> None:

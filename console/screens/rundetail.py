@@ -1,4 +1,6 @@
-"""One run from History: its points, settings, environment and logs (Enter on a run opens it)."""
+"""One run from History: the budget to serve with, regressions against earlier runs of its
+fingerprint, its points, the acceptance heatmap, settings, environment and logs (Enter on a run
+opens it)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import json
 from pathlib import Path
 
 from rich.text import Text
+from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
@@ -14,7 +17,8 @@ from textual.widgets import Static
 
 from ddtree.console import fmt
 from ddtree.console.screens.modals import FOCUS_KEYS
-from ddtree.console.screens.sweeps import POINT_COLUMNS, point_cells
+from ddtree.console.screens.sweeps import POINT_COLUMNS, insight_text, point_cells
+from ddtree.console.widgets.heatmap import heatmap_text
 from ddtree.console.widgets.rowtable import RowTable
 
 LOG_LINES = 40
@@ -47,6 +51,15 @@ def _block(title: str, value) -> Text:
     return out
 
 
+def sentinel_block(report) -> Text:
+    """The Sentinel section: what the run was compared with, then each flag in red."""
+    out = Text("Sentinel\n", style="bold underline")
+    out.append(f"  {report.summary_text}\n", style="" if report.flagged else "dim")
+    for line in report.lines:
+        out.append(f"  ⚠ {line}\n", style="bold red")
+    return out
+
+
 class RunScreen(ModalScreen[None]):
     """A run's points, settings (the recipe), environment (hardware, software) and log tail."""
 
@@ -75,8 +88,15 @@ class RunScreen(ModalScreen[None]):
             yield Static(head, classes="dialog-title")
             if run.error:
                 yield Static(Text(f"error: {run.error}", style="red"), id="run-error")
+            rec = Text("Budget to serve with\n", style="bold underline")
+            rec.append_text(insight_text(self.points, prefix="  ") or Text("  no DDTree budget measured", style="dim"))
+            yield Static(rec, id="run-recommendation")
+            yield Static(Text("Sentinel\n  reading earlier runs of this fingerprint…", style="dim"), id="run-sentinel")
             yield Static(Text(f"Points ({len(self.points)})", style="bold underline"))
             yield RowTable(*POINT_COLUMNS, id="run-points")
+            heat = Text("Acceptance per round\n", style="bold underline")
+            heat.append_text(heatmap_text(self.points, 96))
+            yield Static(heat, id="run-heatmap")
             yield Static(_block("Settings", _recipe_settings(run)), id="run-settings")
             env = {"hardware": hardware_summary(run.hardware), "software": _software(run),
                    "recipe file": run.recipe_path or "(typed in the form)", "git rev": run.recipe_git_rev or "-"}
@@ -90,6 +110,25 @@ class RunScreen(ModalScreen[None]):
         table = self.query_one("#run-points", RowTable)
         table.set_rows([(str(p.id), point_cells(p)) for p in self.points])
         self.set_focus(table)
+        self._sentinel()
+
+    @work(thread=True, group="run-sentinel", exit_on_error=False)
+    def _sentinel(self) -> None:
+        from ddtree.store.errors import StoreError
+        from ddtree.store.sentinel import check_run
+
+        try:
+            with self.app.reading() as db:
+                report = check_run(db, self.run, self.points)
+        except StoreError as exc:
+            self.app.call_from_thread(self._show_sentinel, Text(f"Sentinel\n  cannot read the history: {exc}",
+                                                                 style="red"))
+            return
+        self.app.call_from_thread(self._show_sentinel, sentinel_block(report))
+
+    def _show_sentinel(self, text: Text) -> None:
+        if self.is_attached:
+            self.query_one("#run-sentinel", Static).update(text)
 
     def action_close(self) -> None:
         self.dismiss(None)

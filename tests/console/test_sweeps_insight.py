@@ -53,3 +53,30 @@ async def test_the_pane_flags_a_run_slower_than_its_history(tmp_path):
         assert flags[0].startswith("⚠ c=1: budgets 8-64 20% slower than the last 3 runs")
         assert flags[1].startswith("⚠ c=1: AR 20% slower") and "torch 2.13.0 -> 2.14.0" in flags[2]
         assert "c=1: serve budget 32" in text_of(app, "best")
+
+
+async def test_history_flags_the_slow_run_and_its_detail_says_why(tmp_path):
+    from ddtree.console.screens.rundetail import RunScreen
+
+    db_path = tmp_path / "ddtree.db"
+    with open_db(db_path) as db:
+        fine = [store_run(db, scale=1 + 0.01 * (i - 1)) for i in range(3)]
+        slow = store_run(db, scale=0.8)
+    app = _app(db_path)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await pilot.press("6")
+        await until(pilot, lambda: len(table_rows(app, "runs")) == 4, what="the runs")
+
+        def flags() -> dict:
+            return {row[0]: row[-1] for row in table_rows(app, "runs")}
+        await until(pilot, lambda: flags()[str(slow)].startswith("⚠"), what="the flag")
+        assert flags()[str(slow)].startswith("⚠ c=1: budgets 8-64 20% slower than the last 3")
+        assert flags()[str(fine[0])] == "" and flags()[str(fine[2])] == "ok vs 2"
+        app.open_run(slow)
+        await until(pilot, lambda: isinstance(app.screen, RunScreen), what="the run")
+        await until(pilot, lambda: "against runs" in str(app.screen.query_one("#run-sentinel").render()),
+                    what="the sentinel")
+        text = str(app.screen.query_one("#run-sentinel").render())
+        assert f"against runs {fine[2]}, {fine[1]}, {fine[0]}" in text and "⚠ c=1: budgets 8-64 20% slower" in text
+        assert "serve budget 32" in str(app.screen.query_one("#run-recommendation").render())
+        assert "accepted length per round" in str(app.screen.query_one("#run-heatmap").render())
