@@ -199,23 +199,29 @@ def build_tree_device_scored(root: int | torch.Tensor, logprobs: torch.Tensor,
     k = min(budget, vocab)
     top_vals, top_ids = torch.topk(logprobs, k, dim=-1)       # [L, k], ranks best first
     top_vals = top_vals.clamp(max=0.0)
-    # Layout: index 0 the root, then each depth's beam in turn.
-    scores, tokens, parents, depths = [zero_f, top_vals[0]], [root_t, top_ids[0]], [zero_l], [zero_l]
-    parents.append(torch.zeros(k, dtype=torch.long, device=device))
-    depths.append(torch.ones(k, dtype=torch.long, device=device))
-    rows, cols, pairs_within = _candidate_pairs(budget, k, device)
-    beam, width, first = top_vals[0], k, 1                     # `first`: layout index of beam[0]
+    layout = _layout(budget, k, depth_count, device)
+    # Layout: index 0 the root, then each depth's beam in turn. A depth's step is four kernels
+    # (the outer sum, the candidate gather, topk); its tokens and parents are gathered for all
+    # depths at once after the loop, from the picks.
+    scores, picks = [zero_f, top_vals[0]], []
+    beam, width = top_vals[0], k
     for d in range(1, depth_count):
-        used = pairs_within[width - 1]
-        cand = beam.index_select(0, rows[:used]) + top_vals[d].index_select(0, cols[:used])
-        new_width = min(budget, width * k)
+        used = layout.pairs_within[width - 1]
+        cand = (beam[:, None] + top_vals[d][None, :]).view(-1).index_select(0, layout.flat[:used])
+        new_width = layout.widths[d]
         beam, pick = torch.topk(cand, new_width)                # sorted: beam stays best first
         scores.append(beam)
-        tokens.append(top_ids[d].index_select(0, cols.index_select(0, pick)))
-        parents.append(first + rows.index_select(0, pick))
-        depths.append(torch.full((new_width,), d + 1, dtype=torch.long, device=device))
-        first += width
+        picks.append(pick)
         width = new_width
+    if picks:
+        pick = torch.cat(picks)
+        deep_tokens = top_ids.view(-1).index_select(0, layout.token_base + layout.cols.index_select(0, pick))
+        deep_parents = layout.parent_base + layout.rows.index_select(0, pick)
+        tokens = torch.cat((root_t, top_ids[0], deep_tokens))
+        parents = torch.cat((layout.shallow_parents, deep_parents))
+    else:
+        tokens = torch.cat((root_t, top_ids[0]))
+        parents = layout.shallow_parents
     all_scores = torch.cat(scores)
     total = all_scores.shape[0]
     n = 1 + min(budget, total - 1)
@@ -228,12 +234,47 @@ def build_tree_device_scored(root: int | torch.Tensor, logprobs: torch.Tensor,
     keep = above | (tie & (tie.cumsum(0) <= room))
     perm, slot, _ = _partition(keep)
     sel = perm[:n]
-    tree_parents = slot.index_select(0, torch.cat(parents).index_select(0, sel))
+    tree_parents = slot.index_select(0, parents.index_select(0, sel))
     max_depth = min(depth_count, n - 1)
     chain = n <= 2 or vocab == 1
-    tree = Tree(torch.cat(tokens).index_select(0, sel), torch.cat(depths).index_select(0, sel),
+    tree = Tree(tokens.index_select(0, sel), layout.depths.index_select(0, sel),
                 tree_parents, chain, max_depth, ancestor_matrix(tree_parents, max_depth))
     return tree, all_scores.index_select(0, sel)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a tree build of one (budget, k, depth) needs that does not depend on the log-probs:
+    made once per shape from Python ints and device fills (no host copy), then reused, also by
+    the captured graphs (their warm-up builds it before the capture)."""
+    widths: tuple[int, ...]          # beam width per depth (0-based)
+    pairs_within: list[int]          # see _candidate_pairs
+    rows: torch.Tensor               # [P] parent rank of each candidate pair
+    cols: torch.Tensor               # [P] token rank of each candidate pair
+    flat: torch.Tensor               # [P] rows * k + cols: the pair's index in the outer sum
+    depths: torch.Tensor             # [1 + sum(widths)] each layout index's depth (root 0)
+    shallow_parents: torch.Tensor    # [1 + k] zeros: the root's and depth 1's parents
+    token_base: torch.Tensor         # [sum(widths[1:])] d*k for a node of 0-based depth d
+    parent_base: torch.Tensor        # [sum(widths[1:])] layout index of its parent beam's first node
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(budget: int, k: int, depth_count: int, device: torch.device) -> _Layout:
+    rows, cols, pairs_within = _candidate_pairs(budget, k, device)
+    widths = [k]
+    for _ in range(1, depth_count):
+        widths.append(min(budget, widths[-1] * k))
+    long = {"dtype": torch.long, "device": device}
+    depths = [torch.zeros(1, **long)] + [torch.full((w,), d + 1, **long) for d, w in enumerate(widths)]
+    firsts = [1]
+    for w in widths[:-1]:
+        firsts.append(firsts[-1] + w)
+    token_base = [torch.full((w,), d * k, **long) for d, w in enumerate(widths) if d]
+    parent_base = [torch.full((w,), firsts[d - 1], **long) for d, w in enumerate(widths) if d]
+    empty = torch.zeros(0, **long)
+    return _Layout(tuple(widths), pairs_within, rows, cols, rows * k + cols, torch.cat(depths),
+                   torch.zeros(1 + k, **long), torch.cat(token_base) if token_base else empty,
+                   torch.cat(parent_base) if parent_base else empty)
 
 
 def _candidate_pairs(budget: int, k: int,

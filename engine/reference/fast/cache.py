@@ -12,8 +12,8 @@ one session at a time; `share()` hands a session its own object over the same bu
 session dropped without being closed can be noticed (the slot pool in backend.py watches it).
 
 Attention on the static path reads the first `kv` rows only, kv the smallest of `kv_buckets(rows)`
-that holds the context and the new rows: a 1k-token context in an 8k window reads 1k-2k rows,
-not 8k. The buckets double from KV_MIN, so a session passes through a handful of them.
+that holds the context and the new rows: a 1k-token context in an 8k window reads 1.5k rows, not
+8k. The buckets grow geometrically from KV_MIN, so a session passes through a handful of them.
 """
 
 from __future__ import annotations
@@ -27,10 +27,14 @@ from ddtree.engine.reference.errors import DecodeError
 ROW_ALIGN = 64
 # The smallest attended length of the static path: below it the KV read costs less than a launch.
 KV_MIN = 256
+# From here on the buckets also take the midpoint 1.5x between two powers of two, so a context
+# just past a power of two (a 1k prompt) reads at most 1.5x its rows, not 2x.
+KV_FINE = 1024
 
 
 def kv_buckets(rows: int, smallest: int = KV_MIN) -> tuple[int, ...]:
-    """Attended lengths of a cache of `rows` rows: smallest, 2*smallest, ... below rows, then rows.
+    """Attended lengths of a cache of `rows` rows, ascending: smallest, 2*smallest, ... and from
+    KV_FINE on 1.5x midpoints too (1024, 1536, 2048, 3072, ...), all below rows, then rows.
 
     Each is a multiple of ROW_ALIGN when smallest is (rows always is)."""
     if rows < 1 or smallest < 1:
@@ -39,6 +43,8 @@ def kv_buckets(rows: int, smallest: int = KV_MIN) -> tuple[int, ...]:
     size = smallest
     while size < rows:
         out.append(size)
+        if size >= KV_FINE and size * 3 // 2 < rows:
+            out.append(size * 3 // 2)
         size *= 2
     out.append(rows)
     return tuple(out)

@@ -31,7 +31,8 @@ TOL = {"atol": 2e-5, "rtol": 2e-5}
 def test_kv_buckets_double_from_the_minimum_and_end_at_the_rows():
     assert kv_buckets(640) == (256, 512, 640)
     assert kv_buckets(256) == (256,) and kv_buckets(100) == (100,)
-    assert kv_buckets(9216) == (256, 512, 1024, 2048, 4096, 8192, 9216)
+    assert kv_buckets(9216) == (256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 9216)
+    assert kv_buckets(2240) == (256, 512, 1024, 1536, 2048, 2240) and kv_buckets(1536) == (256, 512, 1024, 1536)
     assert kv_bucket(640, 1) == KV_MIN and kv_bucket(640, 256) == 256
     assert kv_bucket(640, 257) == 512 and kv_bucket(640, 513) == 640 and kv_bucket(640, 700) == 640
 
