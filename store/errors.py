@@ -15,7 +15,11 @@ from __future__ import annotations
 
 
 class StoreError(Exception):
-    """Base of every error this package raises on purpose."""
+    """Base of every error this package raises on purpose.
+
+    The same shape as ddtree.engine.errors.HintedError, written out again on purpose: the store
+    and the engine are independent siblings (pyproject's layers contract), so neither may import
+    the other, and a package below both for one 15-line class would be a layer of its own."""
 
     #: The CLI's exit code for this error: 1 for a failure, 2 for bad input (subclasses set it).
     exit_code = 1
