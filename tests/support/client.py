@@ -12,12 +12,13 @@ bench client; this one covers the whole API so tests can drive a server the way 
 
 Streaming calls return iterators of parsed chunks; the lines are read with the product's parser
 (`sse_payload`), `[DONE]` ends a stream, and an `{"error": ...}` chunk raises EngineHTTPError.
+AsyncEngineClient has only what the tests use from asyncio: generate.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, Iterator
 
 import httpx
 
@@ -202,78 +203,25 @@ class EngineClient:
 
 
 class AsyncEngineClient:
-    """The same API for asyncio (one connection pool, many requests in flight)."""
+    """POST /generate for asyncio, for tests that keep many requests in flight on one pool."""
 
-    def __init__(self, base_url: str, *, timeout: float = 600.0, max_connections: int = 256,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, base_url: str, *, timeout: float = 600.0, max_connections: int = 256) -> None:
         self.base_url = base_url.rstrip("/")
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout, connect=10.0),
-                                       limits=limits, transport=transport, trust_env=False)
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
+                                       limits=limits, trust_env=False)
 
     async def __aenter__(self) -> "AsyncEngineClient":
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            response = await self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise _unreachable(self.base_url + path, exc) from None
-        return _json_of(response, self.base_url + path)
-
-    async def _stream(self, path: str, body: dict) -> AsyncIterator[dict]:
-        try:
-            async with self._http.stream("POST", path, json=body) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    _checked(response, self.base_url + path)
-                async for line in response.aiter_lines():
-                    chunk = _chunk(line)
-                    if chunk is _DONE:
-                        return
-                    if chunk is not None:
-                        yield chunk
-        except httpx.TransportError as exc:
-            raise _unreachable(self.base_url + path, exc) from None
-
-    async def health(self) -> bool:
-        try:
-            return (await self._http.get("/health", timeout=5.0)).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    async def server_info(self) -> dict:
-        try:
-            return await self._json("GET", "/server_info")
-        except EngineBadRequest as exc:
-            if exc.status != 404:
-                raise
-            return await self._json("GET", "/get_server_info")
+        await self._http.aclose()
 
     async def generate(self, text: str | None = None, *, input_ids: list[int] | None = None,
                        sampling_params: dict | None = None, speculative: dict | None = None, **extra: Any) -> dict:
-        return await self._json("POST", "/generate",
-                                json=_generate_body(text, input_ids, sampling_params, speculative, False, extra))
-
-    def generate_stream(self, text: str | None = None, *, input_ids: list[int] | None = None,
-                        sampling_params: dict | None = None, speculative: dict | None = None,
-                        **extra: Any) -> AsyncIterator[dict]:
-        return self._stream("/generate", _generate_body(text, input_ids, sampling_params, speculative, True, extra))
-
-    async def completions(self, prompt: str | list[int], **params: Any) -> dict:
-        return await self._json("POST", "/v1/completions", json={"prompt": prompt, "stream": False, **params})
-
-    def completions_stream(self, prompt: str | list[int], **params: Any) -> AsyncIterator[dict]:
-        return self._stream("/v1/completions", {"prompt": prompt, "stream": True, **params})
-
-    async def chat(self, messages: list[dict], **params: Any) -> dict:
-        return await self._json("POST", "/v1/chat/completions", json={"messages": messages, "stream": False, **params})
-
-    def chat_stream(self, messages: list[dict], **params: Any) -> AsyncIterator[dict]:
-        return self._stream("/v1/chat/completions", {"messages": messages, "stream": True, **params})
+        body = _generate_body(text, input_ids, sampling_params, speculative, False, extra)
+        try:
+            response = await self._http.post("/generate", json=body)
+        except httpx.TransportError as exc:
+            raise _unreachable(self.base_url + "/generate", exc) from None
+        return _json_of(response, self.base_url + "/generate")

@@ -1,5 +1,3 @@
-import itertools
-
 import pytest
 import torch
 
@@ -12,51 +10,27 @@ from ddtree.engine.reference.tree import (
     tree_scores,
 )
 
-
-def _random_logprobs(depth: int, vocab: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.log_softmax(torch.randn(depth, vocab, generator=g) * 2, dim=-1)
-
-
-def _brute_force_scores(logprobs: torch.Tensor) -> list[float]:
-    depth, vocab = logprobs.shape
-    scores = []
-    for d in range(1, depth + 1):
-        for path in itertools.product(range(vocab), repeat=d):
-            scores.append(float(sum(logprobs[i, t] for i, t in enumerate(path))))
-    return sorted(scores, reverse=True)
-
-
-def _paths(tree) -> list[tuple[int, ...]]:
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    out = []
-    for i in range(1, tree.size):
-        path, j = [], i
-        while j != 0:
-            path.append(tokens[j])
-            j = parents[j]
-        out.append(tuple(reversed(path)))
-    return out
+from .tree_support import all_prefix_scores, ancestor_sets, random_logprobs, tree_paths
 
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("budget", [1, 2, 5, 13, 40])
 def test_tree_is_the_top_budget_prefixes(seed, budget):
-    logprobs = _random_logprobs(3, 4, seed)  # 4 + 16 + 64 = 84 prefixes
+    logprobs = random_logprobs(3, 4, seed)  # 4 + 16 + 64 = 84 prefixes
     tree = build_tree(7, logprobs, budget)
     assert tree.size == budget + 1
     assert tree.tokens[0] == 7 and tree.depths[0] == 0
     got = sorted(tree_scores(tree, logprobs)[1:].tolist(), reverse=True)
-    want = _brute_force_scores(logprobs)[:budget]
+    want = all_prefix_scores(logprobs)[:budget]
     assert got == pytest.approx(want, abs=1e-5)
-    paths = _paths(tree)
+    paths = tree_paths(tree)
     assert len(set(paths)) == len(paths)
     # ancestor-closed: every prefix of a path in the tree is in the tree
     assert all(p[:-1] in set(paths) for p in paths if len(p) > 1)
 
 
 def test_parents_come_before_children_and_depths_agree():
-    tree = build_tree(0, _random_logprobs(6, 32, 3), 200)
+    tree = build_tree(0, random_logprobs(6, 32, 3), 200)
     parents, depths = tree.parents.tolist(), tree.depths.tolist()
     for i in range(1, tree.size):
         assert parents[i] < i
@@ -65,7 +39,7 @@ def test_parents_come_before_children_and_depths_agree():
 
 
 def test_budget_larger_than_the_prefix_space_takes_them_all():
-    tree = build_tree(0, _random_logprobs(2, 3, 0), 100)
+    tree = build_tree(0, random_logprobs(2, 3, 0), 100)
     assert tree.size == 1 + 3 + 9
 
 
@@ -79,16 +53,10 @@ def test_chain_detection():
 
 
 def test_ancestor_matrix_and_mask_match_brute_force():
-    tree = build_tree(0, _random_logprobs(5, 6, 11), 60)
-    parents = tree.parents.tolist()
+    tree = build_tree(0, random_logprobs(5, 6, 11), 60)
     n = tree.size
     anc = ancestor_matrix(tree.parents, tree.max_depth)
-    for i in range(n):
-        want, j = {i}, i
-        while j != 0:
-            j = parents[j]
-            want.add(j)
-        assert set(torch.nonzero(anc[i]).flatten().tolist()) == want
+    assert [set(torch.nonzero(row).flatten().tolist()) for row in anc] == ancestor_sets(tree)
     mask = tree_attention_mask(tree, 9, torch.float32)
     assert mask.shape == (1, 1, n, 9 + n) and mask.dtype == torch.float32
     assert (mask[0, 0, :, :9] == 0).all()
@@ -111,7 +79,7 @@ def _python_walk(tree, posterior):
 @pytest.mark.parametrize("seed", range(20))
 def test_walk_matches_a_python_walk(seed):
     vocab = 5
-    tree = build_tree(1, _random_logprobs(4, vocab, seed), 30)
+    tree = build_tree(1, random_logprobs(4, vocab, seed), 30)
     g = torch.Generator().manual_seed(seed)
     # Posteriors biased toward the tree's own tokens so that long paths occur.
     posterior = torch.where(torch.rand(tree.size, generator=g) < 0.7,

@@ -2,7 +2,6 @@
 
 import ast
 import inspect
-import itertools
 import textwrap
 
 import pytest
@@ -23,10 +22,7 @@ from ddtree.engine.reference.tree import (
     walk_device,
 )
 
-
-def _random_logprobs(depth: int, vocab: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.log_softmax(torch.randn(depth, vocab, generator=g) * 2, dim=-1)
+from .tree_support import all_prefix_scores, ancestor_sets, random_logprobs, tree_paths
 
 
 def _tied_logprobs(depth: int, vocab: int, seed: int) -> torch.Tensor:
@@ -37,28 +33,6 @@ def _tied_logprobs(depth: int, vocab: int, seed: int) -> torch.Tensor:
     return lp
 
 
-def _all_prefix_scores(logprobs: torch.Tensor) -> list[float]:
-    depth, vocab = logprobs.shape
-    rows = logprobs.tolist()
-    out = []
-    for d in range(1, depth + 1):
-        for path in itertools.product(range(vocab), repeat=d):
-            out.append(sum(rows[i][t] for i, t in enumerate(path)))
-    return sorted(out, reverse=True)
-
-
-def _paths(tree) -> list[tuple[int, ...]]:
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    out = []
-    for i in range(1, tree.size):
-        path, j = [], i
-        while j != 0:
-            path.append(tokens[j])
-            j = parents[j]
-        out.append(tuple(reversed(path)))
-    return out
-
-
 def _check_structure(tree, logprobs):
     """Parents first, depths consistent, distinct paths closed under prefixes, ancestors right."""
     parents, depths = tree.parents.tolist(), tree.depths.tolist()
@@ -67,16 +41,10 @@ def _check_structure(tree, logprobs):
         assert parents[i] < i
         assert depths[i] == depths[parents[i]] + 1
     assert max(depths) <= tree.max_depth <= logprobs.shape[0]
-    paths = _paths(tree)
+    paths = tree_paths(tree)
     assert len(set(paths)) == len(paths)
     assert all(p[:-1] in set(paths) for p in paths if len(p) > 1)
-    anc = tree.ancestors()
-    for i in range(tree.size):
-        want, j = {i}, i
-        while j != 0:
-            j = parents[j]
-            want.add(j)
-        assert set(torch.nonzero(anc[i]).flatten().tolist()) == want
+    assert [set(torch.nonzero(row).flatten().tolist()) for row in tree.ancestors()] == ancestor_sets(tree)
 
 
 def _prefix_count(depth: int, vocab: int) -> int:
@@ -86,8 +54,8 @@ def _prefix_count(depth: int, vocab: int) -> int:
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("depth,vocab", [(3, 4), (4, 3), (2, 6), (5, 2)])
 def test_nodes_are_the_most_probable_prefixes(seed, depth, vocab):
-    logprobs = _random_logprobs(depth, vocab, seed)
-    everything = _all_prefix_scores(logprobs)
+    logprobs = random_logprobs(depth, vocab, seed)
+    everything = all_prefix_scores(logprobs)
     for budget in (1, 2, vocab - 1, vocab, vocab + 1, 7, 19, len(everything), len(everything) + 5):
         tree, scores = build_tree_device_scored(11, logprobs, budget)
         n = min(budget, len(everything))
@@ -100,7 +68,7 @@ def test_nodes_are_the_most_probable_prefixes(seed, depth, vocab):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_same_score_multiset_as_build_tree(seed):
-    logprobs = _random_logprobs(7, 40, seed)
+    logprobs = random_logprobs(7, 40, seed)
     for budget in (1, 8, 33, 120):
         host = build_tree(3, logprobs, budget)
         dev = build_tree_device(3, logprobs, budget)
@@ -113,7 +81,7 @@ def test_same_score_multiset_as_build_tree(seed):
 def test_ties_and_exact_zeros_still_give_closed_optimal_trees(seed):
     depth, vocab = (3, 4) if seed % 2 else (4, 3)
     logprobs = _tied_logprobs(depth, vocab, seed)
-    everything = _all_prefix_scores(logprobs)
+    everything = all_prefix_scores(logprobs)
     for budget in range(1, len(everything) + 3):
         tree, scores = build_tree_device_scored(0, logprobs, budget)
         n = min(budget, len(everything))
@@ -133,7 +101,7 @@ def test_all_zero_log_probs_take_the_shallow_prefixes_first():
 
 
 def test_root_may_stay_a_tensor():
-    logprobs = _random_logprobs(3, 5, 0)
+    logprobs = random_logprobs(3, 5, 0)
     for root in (torch.tensor(9), torch.tensor([9])):
         tree = build_tree_device(root, logprobs, 6)
         assert tree.tokens.tolist() == build_tree_device(9, logprobs, 6).tokens.tolist()
@@ -141,7 +109,7 @@ def test_root_may_stay_a_tensor():
 
 
 def test_budget_zero_and_trivial_shapes():
-    logprobs = _random_logprobs(3, 5, 0)
+    logprobs = random_logprobs(3, 5, 0)
     tree = build_tree_device(4, logprobs, 0)
     assert tree.tokens.tolist() == [4] and tree.is_chain and tree.ancestors().tolist() == [[True]]
     one = build_tree_device(4, logprobs, 1)
@@ -160,7 +128,7 @@ def test_budget_zero_and_trivial_shapes():
 def test_shapes_depend_on_budget_and_shape_only():
     depth, vocab, budget = 4, 6, 50
     patterns = [
-        _random_logprobs(depth, vocab, 1),
+        random_logprobs(depth, vocab, 1),
         torch.zeros(depth, vocab),
         torch.full((depth, vocab), -3.0),
         torch.log_softmax(torch.tensor([[0.0] + [-float("inf")] * (vocab - 1)] * depth), -1),
@@ -217,7 +185,7 @@ def _posterior_down(tree, leaf: int, vocab: int, g) -> torch.Tensor:
 
 
 def _trees(seed: int):
-    lp = _random_logprobs(5, 6, seed)
+    lp = random_logprobs(5, 6, seed)
     yield build_tree_device(2, lp, 40), 6
     yield build_tree(2, lp, 40), 6
     yield chain_tree(2, torch.tensor([1, 4, 0, 3])), 6
@@ -261,7 +229,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @cuda
 @pytest.mark.cuda
 def test_cuda_build_and_walk_never_sync():
-    logprobs = _random_logprobs(15, 1000, 0).cuda()
+    logprobs = random_logprobs(15, 1000, 0).cuda()
     root = torch.tensor([7], device="cuda")
     posterior = torch.zeros(257, dtype=torch.long, device="cuda")
     torch.cuda.synchronize()
@@ -289,7 +257,7 @@ def test_cuda_build_and_walk_never_sync():
 @pytest.mark.parametrize("seed", range(4))
 def test_cuda_ties_stay_closed(seed):
     logprobs = _tied_logprobs(4, 3, seed).float().cuda()
-    everything = _all_prefix_scores(logprobs.cpu())
+    everything = all_prefix_scores(logprobs.cpu())
     for budget in (5, 17, 60, 200):
         tree, scores = build_tree_device_scored(0, logprobs, budget)
         n = min(budget, len(everything))

@@ -1,0 +1,49 @@
+"""Brute-force references for the tree tests (host tree and device tree alike)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+
+def random_logprobs(depth: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.log_softmax(torch.randn(depth, vocab, generator=g) * 2, dim=-1)
+
+
+def all_prefix_scores(logprobs: torch.Tensor) -> list[float]:
+    """The score of every prefix of length 1..depth, best first, by enumeration."""
+    depth, vocab = logprobs.shape
+    rows = logprobs.tolist()
+    out = []
+    for d in range(1, depth + 1):
+        for path in itertools.product(range(vocab), repeat=d):
+            out.append(sum(rows[i][t] for i, t in enumerate(path)))
+    return sorted(out, reverse=True)
+
+
+def tree_paths(tree) -> list[tuple[int, ...]]:
+    """Each non-root node's token path from the root."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    out = []
+    for i in range(1, tree.size):
+        path, j = [], i
+        while j != 0:
+            path.append(tokens[j])
+            j = parents[j]
+        out.append(tuple(reversed(path)))
+    return out
+
+
+def ancestor_sets(tree) -> list[set[int]]:
+    """Each node's ancestors, itself and the root included, by walking the parents."""
+    parents = tree.parents.tolist()
+    out = []
+    for i in range(tree.size):
+        want, j = {i}, i
+        while j != 0:
+            j = parents[j]
+            want.add(j)
+        out.append(want)
+    return out
