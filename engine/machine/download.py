@@ -369,12 +369,13 @@ def plan(spec: DownloadSpec, *, usage: DiskUsage = _disk_usage) -> DownloadPlan:
         raise DownloadInputError(
             f"no file of {spec.repo_id} matches the globs (include {list(spec.include)}, exclude {list(spec.exclude)})",
             f"the repo has {len(entries)} files, e.g. {', '.join(sorted(f.path for f in entries)[:3])}")
-    files = tuple(DownloadPlanFile(path=f.path, size=int(f.size or 0), done=_is_done(spec, commit, f.path, int(f.size or 0)))
+    files = tuple(DownloadPlanFile(path=f.path, size=int(f.size or 0),
+                                   done=_is_done(spec, commit, f.path, int(f.size or 0)))
                   for f in sorted(kept, key=lambda f: f.path))
     needed = sum(f.size for f in files if not f.done)
     disk = check_disk(target, needed, spec.reserve_bytes, usage=usage)
     return DownloadPlan(spec=spec, commit=commit, files=files, target=str(target), disk=disk,
-                gated=bool(getattr(info, "gated", False)), repo_files=len(entries))
+                        gated=bool(getattr(info, "gated", False)), repo_files=len(entries))
 
 
 # -- progress -----------------------------------------------------------------------------------
