@@ -2,35 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
-from contextlib import redirect_stdout
 
 import pytest
 
 from ddtree.console.commands import hw as hw_cmd
-from ddtree.engine.errors import EngineError
 from ddtree.engine.machine.host import host_info, numa_nodes
 from ddtree.engine.machine.hw import Nvml
 from ddtree.engine.machine.placement import suggest
 
+from ...support.cli import run_hw
 from .fake_nvml import FakeNvml, load_fixture, write_sysfs
-
-
-def run_hw(argv: list[str], db: str | None = None) -> tuple[int, str]:
-    """Parse and run like the CLI main does (errors become `error: ...` with their exit code)."""
-    parser = argparse.ArgumentParser(prog="ddtree-console")
-    parser.add_argument("--db")
-    hw_cmd.add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args([*(["--db", db] if db else []), "hw", *argv])
-    out = io.StringIO()
-    try:
-        with redirect_stdout(out):
-            rc = hw_cmd.run(args)
-    except EngineError as exc:
-        return exc.exit_code, f"error: {exc}"
-    return rc, out.getvalue()
 
 
 @pytest.fixture

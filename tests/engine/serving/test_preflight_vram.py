@@ -3,21 +3,18 @@ config.json, per GPU at a tp size; and `ddtree-console hw --fit`."""
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import subprocess
 import sys
-from contextlib import redirect_stdout
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from ddtree.console.commands import hw as hw_cmd
-from ddtree.engine.errors import EngineError
 from ddtree.engine.machine.preflight import (PreflightError, estimate_vram, kv_layout, read_safetensors_header,
                                      safetensors_weights)
+
+from ...support.cli import run_hw
 
 QWEN3_8B = {"model_type": "qwen3", "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
             "head_dim": 128, "hidden_size": 4096, "torch_dtype": "bfloat16"}
@@ -116,20 +113,6 @@ def test_estimate_against_gpus(tmp_path):
         estimate_vram(model, [1], 1, context=0)
     with pytest.raises(PreflightError, match="no config.json"):
         (model / "config.json").unlink() or estimate_vram(model, [10**9], 1)
-
-
-def run_hw(argv):
-    parser = argparse.ArgumentParser(prog="ddtree-console")
-    parser.add_argument("--db")
-    hw_cmd.add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["hw", *argv])
-    out = io.StringIO()
-    try:
-        with redirect_stdout(out):
-            rc = hw_cmd.run(args)
-    except EngineError as exc:
-        return exc.exit_code, f"error: {exc}"
-    return rc, out.getvalue()
 
 
 def test_hw_fit_cli(tmp_path):
