@@ -26,7 +26,7 @@ from ddtree.store import queries, stats
 from ddtree.store.stats import UNSTABLE_CV
 from ddtree.store.summary import cell_of, cell_rows, setting_of
 from ddtree.store.queries import fetch_rows, to_json
-from ddtree.store.records import Run, decode_json, from_row
+from ddtree.store.records import Run, from_row
 from ddtree.store.redact import redact
 
 def cell_key(point_key: str) -> str:
@@ -115,13 +115,17 @@ class Point:
 
 
 @contextlib.contextmanager
-def _write(db: Database, what: str) -> Iterator[Database]:
-    """A write transaction whose full-disk failure becomes StoreFull (the transaction rolls back)."""
+def write(db: Database, what: str) -> Iterator[Database]:
+    """A write transaction whose full-disk failure becomes StoreFull (the transaction rolls back);
+    `what` names what was being saved in the error."""
     try:
         with transaction(db) as tx:
             yield tx
     except sqlite3.OperationalError as exc:
         raise _classify(exc, what) from None
+
+
+_write = write  # the name store/contention.py imports
 
 
 def _classify(exc: sqlite3.OperationalError, what: str) -> StoreError:
@@ -146,7 +150,7 @@ def create_run(db: Database, *, job_id: int | None, name: str, recipe: dict, rec
               "recipe_git_rev": recipe_git_rev, "engine_kind": engine_kind, "model": model,
               "draft_model": draft_model, "hardware": to_json(hardware), "software": to_json(software),
               "state": "running", "points_total": points_total, "created_at": now, "started_at": now}
-    with _write(db, "the run") as tx:
+    with write(db, "the run") as tx:
         cur = tx.execute(f"INSERT INTO runs ({', '.join(values)}) VALUES ({', '.join('?' for _ in values)})",
                          list(values.values()))
     return int(cur.lastrowid)
@@ -164,7 +168,7 @@ def update_run(db: Database, run_id: int, **values: Any) -> None:
         if key in values and not isinstance(values[key], str):
             values[key] = to_json(values[key])
     sets = ", ".join(f"[{k}] = ?" for k in values)
-    with _write(db, "the run") as tx:
+    with write(db, "the run") as tx:
         tx.execute(f"UPDATE runs SET {sets} WHERE id = ?", [*values.values(), run_id])
 
 
@@ -184,7 +188,7 @@ def ensure_points(db: Database, run_id: int, planned: list[dict]) -> dict[str, i
     cols = ("run_id", "point_key", "cell_key", "idx", "state", *PARAM_COLUMNS, "baseline", "num_prompts",
             "max_new_tokens", "block_size")
     sql = f"INSERT OR IGNORE INTO points ({', '.join(f'[{c}]' for c in cols)}) VALUES ({', '.join('?' for _ in cols)})"
-    with _write(db, "the planned points") as tx:
+    with write(db, "the planned points") as tx:
         for p in planned:
             row = {**p, "run_id": run_id, "state": "pending", "gpus": to_json(list(p.get("gpus") or [])),
                    "baseline": int(bool(p.get("baseline"))), "cell_key": cell_key(p["point_key"])}
@@ -218,26 +222,29 @@ def mark_point(db: Database, point_id: int, state: str, *, error: str | None = N
     else:
         values["ended_at"] = time.time()
     sets = ", ".join(f"[{k}] = ?" for k in values)
-    with _write(db, f"point {point_id}") as tx:
+    with write(db, f"point {point_id}") as tx:
         tx.execute(f"UPDATE points SET {sets} WHERE id = ?", [*values.values(), point_id])
 
 
 def record_point(db: Database, point_id: int, *, state: str, metrics: dict, requests: list[dict],
                  error: str | None = None, warnings: list[str] | None = None, started_at: float | None = None,
-                 ended_at: float | None = None) -> None:
-    """The point's figures and its requests in one transaction; earlier requests of the point
-    (from an interrupted attempt) are replaced, never added to."""
+                 ended_at: float | None = None, tau_counters: float | None = None,
+                 accept_counters: dict | None = None) -> None:
+    """The point's figures, its requests and its acceptance from the server's counters
+    (`tau_counters`, `accept_counters`: RunAcceptance's tau and to_dict()) in one transaction;
+    earlier requests of the point (from an interrupted attempt) are replaced, never added to."""
     values: dict[str, Any] = {c: metrics.get(c) for c in METRIC_COLUMNS}
     values.update(state=state, error=error, tau_hist=to_json(metrics.get("tau_hist")),
                   failures=to_json(metrics.get("failures") or None), warnings=to_json(warnings or None),
-                  ended_at=ended_at or time.time())
+                  ended_at=ended_at or time.time(), tau_counters=tau_counters,
+                  accept_counters=None if accept_counters is None else json.dumps(accept_counters))
     if started_at is not None:
         values["started_at"] = started_at
     req_cols = ("point_id", "idx", "ok", "prompt_tokens", "completion_tokens", "ttft_s", "itl_mean_s", "e2e_s",
                 "verify_ct", "accept_length", "started_at", "error", "finish_reason", "detail", "accept_hist")
     req_sql = f"INSERT INTO requests ({', '.join(req_cols)}) VALUES ({', '.join('?' for _ in req_cols)})"
     sets = ", ".join(f"[{k}] = ?" for k in values)
-    with _write(db, f"point {point_id}") as tx:
+    with write(db, f"point {point_id}") as tx:
         tx.execute("DELETE FROM requests WHERE point_id = ?", [point_id])
         tx.execute(f"UPDATE points SET {sets} WHERE id = ?", [*values.values(), point_id])
         for r in requests:
@@ -246,16 +253,9 @@ def record_point(db: Database, point_id: int, *, state: str, metrics: dict, requ
             tx.execute(req_sql, [row.get(c) for c in req_cols])
 
 
-def point_requests(db: Database, point_id: int) -> list[dict]:
-    rows = fetch_rows(db, "SELECT * FROM requests WHERE point_id = ? ORDER BY idx", [point_id])
-    for row in rows:
-        row["accept_hist"] = decode_json(row.get("accept_hist"))
-    return rows
-
-
 def reset_interrupted(db: Database, run_id: int) -> int:
     """Points left `running` by a runner that died go back to `pending`; returns how many."""
-    with _write(db, "the run's points") as tx:
+    with write(db, "the run's points") as tx:
         cur = tx.execute("UPDATE points SET state = 'pending', error = NULL WHERE run_id = ? AND state = 'running'",
                          [run_id])
     return cur.rowcount
@@ -302,7 +302,7 @@ def update_derived(db: Database, run_id: int, *, unstable_spread: float = UNSTAB
         cv = stats.summary(rates).cv
         for p in group:
             updates[p.id].update(repeat_spread=spread, cv=cv, unstable=int(cv is not None and cv > unstable_spread))
-    with _write(db, "speedups") as tx:
+    with write(db, "speedups") as tx:
         for point_id, values in updates.items():
             sets = ", ".join(f"[{k}] = ?" for k in values)
             tx.execute(f"UPDATE points SET {sets} WHERE id = ?", [*values.values(), point_id])
@@ -321,11 +321,3 @@ def telemetry_means(db: Database, start: float, end: float, gpus: list[int] | No
         params += list(gpus)
     row = db.execute(f"SELECT avg(util), avg(power_w) FROM telemetry WHERE {where}", params).fetchone()
     return (row[0], row[1]) if row else (None, None)
-
-
-def record_telemetry(db: Database, samples: list[dict]) -> None:
-    cols = ("at", "gpu_index", "util", "mem_used", "mem_total", "power_w", "temp_c", "job_id", "point_id")
-    with _write(db, "GPU samples") as tx:
-        for s in samples:
-            tx.execute(f"INSERT INTO telemetry ({', '.join(cols)}) VALUES ({', '.join('?' for _ in cols)})",
-                       [s.get(c) for c in cols])
