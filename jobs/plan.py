@@ -6,9 +6,9 @@ The builtin engine takes the algorithm and budget per request, so for it those a
 Baselines (`sweep.baseline`) are measured at every server setting, before the measured algorithms,
 so each point's speedup compares like with like.
 
-SGLang and vLLM launches are built by `ddtree.engine.launch.build_launch` from what the recipe's
+SGLang and vLLM launches are built by `ddtree.engine.serving.launch.build_launch` from what the recipe's
 interpreter says it accepts (one probe per plan, cached on disk under `cache_dir`), with NUMA
-pinning from `ddtree.engine.placement` when `numa_bind = "auto"` and the hardware is known. A launch
+pinning from `ddtree.engine.machine.placement` when `numa_bind = "auto"` and the hardware is known. A launch
 that cannot be built (no DDTREE in this SGLang, a flag the build lacks, tp that does not divide the
 GPUs, a model that does not fit; for the builtin engine, dflash or ddtree on a target whose
 config.json shows recurrent layers, which it decodes with ar only) stays in the plan with
@@ -31,12 +31,13 @@ from pathlib import Path
 from ddtree.engine.arch import SPECULATIVE_HINT, read_config
 from ddtree.engine.arch import builtin_refusal as arch_refusal
 from ddtree.engine.errors import EngineError
-from ddtree.engine.launch import LaunchSpec, build_launch, free_port
-from ddtree.engine.placement import suggest
-from ddtree.engine.preflight import check_gpus, preflight
-from ddtree.engine.probe import Capabilities
-from ddtree.engine.probe import probe as probe_engine
-from ddtree.engine.prompts import DatasetError, read_prompts, resolve_dataset
+from ddtree.engine.units import duration
+from ddtree.engine.serving.launch import LaunchSpec, build_launch, builtin_argv, free_port
+from ddtree.engine.machine.placement import suggest
+from ddtree.engine.machine.preflight import check_gpus, preflight
+from ddtree.engine.serving.probe import Capabilities
+from ddtree.engine.serving.probe import probe as probe_engine
+from ddtree.engine.serving.prompts import DatasetError, read_prompts, resolve_dataset
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.recipe import EngineSpec, Recipe
 
@@ -44,9 +45,6 @@ from ddtree.jobs.recipe import EngineSpec, Recipe
 # dry-run says they are assumptions, and the caller may pass a rate measured in an earlier run.
 ASSUMED_STREAM_TOK_S = {"builtin-cpu": 60.0, "builtin-cuda": 40.0, "sglang": 80.0, "vllm": 80.0}
 ASSUMED_START_S = {"builtin-cpu": 8.0, "builtin-cuda": 20.0, "sglang": 180.0, "vllm": 180.0}
-
-SERVER_MODULE = "ddtree.engine.reference.server"
-
 
 class UnsupportedEngine(JobError):
     """A launch of the plan cannot be built as the recipe asks (the reason names why)."""
@@ -65,8 +63,8 @@ class Hardware:
 
     @classmethod
     def detect(cls) -> Hardware:
-        from ddtree.engine.host import numa_nodes
-        from ddtree.engine.hw import gpu_view
+        from ddtree.engine.machine.host import numa_nodes
+        from ddtree.engine.machine.hw import gpu_view
 
         view = gpu_view()
         return cls(gpus=tuple(view.gpus), links=tuple(tuple(row) for row in view.links),
@@ -193,9 +191,6 @@ class Plan:
             "box": self.box,
         }
 
-    def launch_of(self, point: PlanPoint) -> Launch:
-        return self.launches[point.launch]
-
     def launch_spec(self, launch: Launch, *, port: int | None = None) -> LaunchSpec:
         """The spec to start `launch` now. sglang/vllm get a port free now (the one in the dry
         run may be taken since) and the capabilities probed for the plan; raises EngineError
@@ -306,22 +301,14 @@ def target_refusal(model: str, specs: list[tuple[str, int | None]]) -> str | Non
 
 
 def _builtin_argv(recipe: Recipe, algorithm: str, budget: int | None) -> tuple[str, ...]:
+    """The builtin server's command line, the demo pair named explicitly when the recipe has no model."""
     engine = recipe.engine
     model, draft = engine.model, engine.draft_model
     if model is None:
-        demo_target, demo_drafter = demo_pair()
-        model = demo_target
+        model, demo_drafter = demo_pair()
         draft = draft or demo_drafter
-    argv = [engine.python or sys.executable, "-m", SERVER_MODULE, "--model", model]
-    if draft is not None:
-        argv += ["--draft", draft]
-    argv += ["--algorithm", algorithm]
-    if budget is not None:
-        argv += ["--budget", str(budget)]
-    if engine.block_size is not None:
-        argv += ["--block-size", str(engine.block_size)]
-    argv += ["--device", engine.device, "--backend", engine.backend, "--host", "127.0.0.1", "--port", "0"]
-    return tuple(argv)
+    return tuple(builtin_argv(python=engine.python, model=model, draft=draft, algorithm=algorithm, budget=budget,
+                              block_size=engine.block_size, device=engine.device, backend=engine.backend))
 
 
 def _specs(recipe: Recipe) -> list[tuple[str, int | None, bool]]:
@@ -541,7 +528,7 @@ BOX_WINDOW_S = 0.2  # how long the dry run watches the machine
 def box_check(gpus: tuple[int, ...] = (), window_s: float = BOX_WINDOW_S) -> dict:
     """Is this machine busy right now? Everything but this process counts as other work (nothing
     of the sweep runs yet). The same judgement as each point's (engine/contention.busy_reasons)."""
-    from ddtree.engine.contention import box_now, busy_note, busy_reasons
+    from ddtree.engine.machine.contention import box_now, busy_note, busy_reasons
 
     reading = box_now(window_s, gpus=gpus)
     reasons = busy_reasons(reading)
@@ -565,7 +552,7 @@ def box_line(box: dict) -> str:
 def format_plan(plan: Plan) -> str:
     """The human-readable dry run."""
     lines = [f"sweep {plan.recipe.name!r}: {len(plan.launches)} engine launch(es), {len(plan.points)} point(s), "
-             f"about {_duration(plan.est_total_s)} (assuming {plan.assumed_stream_tok_s:g} tok/s per stream)"]
+             f"about {duration(plan.est_total_s)} (assuming {plan.assumed_stream_tok_s:g} tok/s per stream)"]
     for warning in plan.warnings:
         lines.append(f"warning: {warning}")
     lines.append(box_line(plan.box))
@@ -589,14 +576,5 @@ def format_plan(plan: Plan) -> str:
             budget = "-" if p.budget is None else p.budget
             tag = "  (baseline)" if p.baseline else ""
             lines.append(f"  point {p.index:3d}: {p.algorithm:6s} budget={budget!s:>4} c={p.concurrency:<3d} "
-                         f"T={p.temperature:g} {p.dataset} r{p.repeat}  ~{_duration(p.est_s)}{tag}")
+                         f"T={p.temperature:g} {p.dataset} r{p.repeat}  ~{duration(p.est_s)}{tag}")
     return "\n".join(lines)
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

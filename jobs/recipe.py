@@ -17,21 +17,21 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree.engine.launch import ALGORITHMS
-from ddtree.engine.launch import KINDS as ENGINE_KINDS
+from ddtree.engine.serving.launch import ALGORITHMS, BACKENDS
+from ddtree.engine.serving.launch import KINDS as ENGINE_KINDS
 from ddtree.jobs.errors import BadSpec
 
 BASELINES = ("ar", "dflash")
 APIS = ("generate", "openai")
-DEVICES = ("cpu", "cuda")
+DEVICES = ("cpu", "cuda")  # a sweep's; an engine job may also name one GPU, cuda:N
 NUMA_BINDS = ("auto", "off")
-#: The builtin engine's backends (its --backend; engine/reference/backends.py holds the same three).
-BACKENDS = ("auto", "fast", "transformers")
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:[0-9]{1,2})?)$")
 
 
 class RecipeError(BadSpec):
@@ -124,6 +124,7 @@ def _axis(where: str, value: Any, check) -> tuple:
 @dataclass(frozen=True)
 class EngineSpec:
     """The `[engine]` table: what to launch. `model`/`draft_model` None mean the demo pair (builtin).
+The one engine schema: a recipe's `[engine]` and an `engine` job's spec are both read into it.
 
     `draft_window` (sglang only): the drafter's attention window over the context, passed to
     SGLang's draft-window flag (`--speculative-draft-window-size`; the name the installed build
@@ -157,7 +158,8 @@ class EngineSpec:
             raise RecipeError(f"engine.backend applies to kind = \"builtin\" only, not {self.kind!r}",
                               "leave it out")
         _want_str("engine.algorithm", self.algorithm, ALGORITHMS)
-        _want_str("engine.device", self.device, DEVICES)
+        if not _DEVICE_RE.match(_want_str("engine.device", self.device)):
+            raise RecipeError(f"engine.device = {self.device!r} is not allowed", "allowed: cpu, cuda, cuda:N")
         _want_str("engine.numa_bind", self.numa_bind, NUMA_BINDS)
         for key in ("python", "model", "draft_model"):
             if getattr(self, key) is not None:
@@ -270,6 +272,8 @@ class Recipe:
     def __post_init__(self) -> None:
         _want_str("name", self.name)
         engine, sweep = self.engine, self.sweep
+        # A sweep places its servers with engine.gpus / sweep.gpus, so it names no GPU in the device.
+        _want_str("engine.device", engine.device, DEVICES)
         algorithms = self.algorithms
         if sweep.budget and "ddtree" not in algorithms:
             raise RecipeError(
@@ -323,10 +327,12 @@ def _check_gpu_list(where: str, value: Any) -> tuple[int, ...]:
     return tuple(_want_int(f"{where}[{i}]", g, 0) for i, g in enumerate(value))
 
 
-def _engine_from_dict(data: Any) -> EngineSpec:
+def engine_from_dict(data: Any, *, allowed: tuple[str, ...] = _ENGINE_KEYS) -> EngineSpec:
+    """Validate an `[engine]` table (TOML types: lists and tables) into an `EngineSpec`; `allowed`
+    narrows the keys taken (an engine job has no use for a sweep's settings)."""
     if not isinstance(data, dict):
         raise RecipeError(f"engine must be a table, got {_typename(data)}")
-    _check_keys("engine", data, _ENGINE_KEYS)
+    _check_keys("engine", data, allowed)
     kw = dict(data)
     if "gpus" in kw:
         if not isinstance(kw["gpus"], list):
@@ -387,7 +393,7 @@ def recipe_from_dict(data: Any) -> Recipe:
     _check_keys(None, data, _TOP_KEYS)
     if "name" not in data:
         raise RecipeError("missing key 'name'", 'add name = "my-sweep" at the top')
-    engine = _engine_from_dict(data.get("engine", {}))
+    engine = engine_from_dict(data.get("engine", {}))
     sweep = _sweep_from_dict(data.get("sweep", {}))
     return Recipe(name=_want_str("name", data["name"]), engine=engine, sweep=sweep)
 

@@ -14,40 +14,11 @@ import sys
 
 from ddtree.engine.arch import SPECULATIVE_HINT, builtin_refusal, read_config
 from ddtree.engine.errors import EngineError
-
-SERVER_MODULE = "ddtree.engine.reference.server"
-#: The builtin engine's backends (engine/reference/backends.py; named here so serve imports no torch).
-BACKENDS = ("auto", "fast", "transformers")
+from ddtree.engine.serving.launch import add_builtin_options, builtin_argv
 
 
 class ServeError(EngineError):
     exit_code = 2
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _device(text: str) -> str:
-    """cpu, cuda or cuda:N: checked here, so a typo is one line and not torch's traceback from
-    inside the server after it started."""
-    name, _, index = text.partition(":")
-    if name == "cpu" and not index or name == "cuda" and (not _ or index.isdigit()):
-        return text
-    raise argparse.ArgumentTypeError(f"unknown device {text!r} (cpu, cuda or cuda:N)")
-
-
-def _port(text: str) -> int:
-    value = _non_negative(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number (0..65535), got {value}")
-    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -55,44 +26,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "serve", help="run the builtin engine (SGLang-compatible HTTP API) in the foreground",
         description="Run the builtin DFlash/DDTree engine as an HTTP server speaking a subset of SGLang's API. "
                     "Prints one JSON line {\"event\": \"listening\", \"port\": N, \"url\": ...} on stdout once ready.")
-    p.add_argument("--model", help="target model: a local directory or a hub repo id (default: the demo pair)")
-    p.add_argument("--draft", help="DFlash drafter: a local directory or a hub repo id (default: the demo drafter)")
-    p.add_argument("--algorithm", choices=("ar", "dflash", "ddtree"), default="ddtree",
-                   help="default algorithm; requests may override it (default: ddtree)")
-    p.add_argument("--budget", type=_non_negative, help="default DDTree node budget")
-    p.add_argument("--block-size", type=_non_negative, help="draft block size (default: the drafter's)")
-    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="weights dtype (default: auto, float32 on a CPU and for the demo pair, else bfloat16)")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="auto (default): our fast forward with CUDA graphs for dense Qwen3/Qwen2/Llama/Mistral "
-                        "on CUDA, transformers otherwise; fast or transformers force one")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=0, help="port (default: 0, a free port printed on stdout)")
-    p.add_argument("--max-running-requests", type=int, help="requests decoded at once (default: 8)")
-    p.add_argument("--max-queued-requests", type=int, help="queued beyond those before 503 (default: 64)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--batch", action=argparse.BooleanOptionalAction, default=None,
-                   help="verify all running requests in one forward per round (default: on)")
+    add_builtin_options(p, passthrough=True)
     p.set_defaults(command_module=__name__)
 
 
 def server_argv(args: argparse.Namespace) -> list[str]:
-    """The server's command line for these arguments (also what a job would spawn)."""
-    argv = [sys.executable, "-m", SERVER_MODULE, "--algorithm", args.algorithm, "--device", args.device,
-            "--backend", getattr(args, "backend", None) or "auto", "--host", args.host, "--port", str(args.port)]
-    batch = getattr(args, "batch", None)
-    if batch is not None:
-        argv.append("--batch" if batch else "--no-batch")
-    for flag, value in (("--model", args.model), ("--draft", args.draft), ("--budget", args.budget),
-                        ("--dtype", getattr(args, "dtype", None)),
-                        ("--block-size", args.block_size),
-                        ("--max-running-requests", getattr(args, "max_running_requests", None)),
-                        ("--max-queued-requests", getattr(args, "max_queued_requests", None)),
-                        ("--threads", getattr(args, "threads", None))):
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv
+    """The server's command line for these arguments (the options given, and the defaults said out loud)."""
+    return builtin_argv(model=args.model, draft=args.draft, algorithm=args.algorithm, budget=args.budget,
+                        block_size=args.block_size, device=args.device, backend=args.backend, host=args.host,
+                        port=args.port, dtype=args.dtype, max_running_requests=args.max_running_requests,
+                        max_queued_requests=args.max_queued_requests, threads=args.threads, batch=args.batch)
 
 
 def refusal(args: argparse.Namespace) -> str | None:

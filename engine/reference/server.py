@@ -41,11 +41,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ddtree.engine.errors import EngineError
-from ddtree.engine.reference.backends import BACKENDS
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 from ddtree.engine.reference.scheduler import EngineThread, QueueFull, ShuttingDown, render_metrics
 from ddtree.engine.reference.access import AccessLog, access_log
-from ddtree.engine.reference.api import ALGORITHMS, DEFAULT_BUDGET, Api, BadRequest, Reply, ServerConfig
+from ddtree.engine.reference.api import DEFAULT_BUDGET, Api, BadRequest, Reply, ServerConfig
+from ddtree.engine.serving.launch import BUILTIN_MODULE, add_builtin_options
 from ddtree.engine.serving.names import display_name
 
 log = logging.getLogger("ddtree.engine.server")
@@ -410,34 +410,12 @@ def _uvicorn_server(app: Starlette, api: Api, announce: Any, graceful_timeout_s:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddtree.engine.reference.server",
+    p = argparse.ArgumentParser(prog=f"python -m {BUILTIN_MODULE}",
                                 description="The builtin DFlash/DDTree engine behind an SGLang-compatible HTTP API.")
-    p.add_argument("--model", help="target model: a local directory or a hub repo id (default: the demo pair)")
-    p.add_argument("--draft", help="DFlash drafter: a local directory or a hub repo id (default: the demo drafter "
-                                   "when --model is not given; none otherwise, which allows only ar)")
-    p.add_argument("--algorithm", choices=ALGORITHMS, default="ddtree", help="default algorithm (default: ddtree)")
-    p.add_argument("--budget", type=int, default=None,
-                   help=f"default DDTree node budget (default: {DEFAULT_BUDGET}, capped by the engine's maximum)")
-    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="auto: the fast path for dense Qwen3/Qwen2/Llama/Mistral targets on CUDA, "
-                        "else transformers (default: auto)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=0, help="port (default: 0, a free port printed on stdout)")
+    add_builtin_options(p, passthrough=False, default_budget=DEFAULT_BUDGET)
     p.add_argument("--served-model-name", default=None, help="the model name the OpenAI endpoints report")
-    p.add_argument("--max-running-requests", type=int, default=8,
-                   help="requests decoded at once, interleaved round by round (default: 8)")
-    p.add_argument("--batch", action=argparse.BooleanOptionalAction, default=None,
-                   help="verify (and draft) all running requests in one forward per round "
-                        "(default: on; --no-batch steps them one by one)")
-    p.add_argument("--max-queued-requests", type=int, default=64,
-                   help="requests waiting beyond those; past this the server answers 503 (default: 64)")
     p.add_argument("--graceful-timeout", type=float, default=60.0,
                    help="seconds in-flight requests get to finish after SIGTERM (default: 60)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 is often faster on a busy small machine)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     return p
 

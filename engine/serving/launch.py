@@ -13,13 +13,19 @@ pinned, memory left to first-touch, which lands on the local node); else neither
 `LaunchSpec.cpu_affinity` carries the CPUs for the runner to apply with os.sched_setaffinity.
 `LaunchSpec.numa` says which of these happened.
 
+The builtin server's command line is built here only (`builtin_argv`), for `build_launch`, the
+sweep plan, the engine job and `ddtree-console serve`; its options are declared once too
+(`add_builtin_options`), for the server's own parser and for `serve`'s.
+
 Nothing here starts a process; the job runner spawns `argv` with `spawn_env()`.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -32,13 +38,18 @@ from ddtree.engine.serving import vllm as vllm_cmd
 from ddtree.engine.serving.probe import (Capabilities, LaunchConfigError, ProbeError, UnsupportedAlgorithmError,
                                  UnsupportedFlagError, probe)
 
-__all__ = ["KINDS", "ALGORITHMS", "LaunchSpec", "build_launch", "free_port", "LaunchConfigError",
-           "UnsupportedAlgorithmError", "UnsupportedFlagError", "ProbeError"]
+__all__ = ["KINDS", "ALGORITHMS", "BACKENDS", "BUILTIN_MODULE", "LaunchSpec", "build_launch", "builtin_argv",
+           "add_builtin_options", "free_port", "LaunchConfigError", "UnsupportedAlgorithmError",
+           "UnsupportedFlagError", "ProbeError"]
 
 KINDS = ("builtin", "sglang", "vllm")
 ALGORITHMS = ("ar", "dflash", "ddtree")
 HOST = "127.0.0.1"
 BUILTIN_MODULE = "ddtree.engine.reference.server"
+#: The builtin server's --backend choices (engine/reference/backends.py holds the same three; named
+#: here so that recipes, jobs and the console check them without importing torch).
+BACKENDS = ("auto", "fast", "transformers")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -178,6 +189,104 @@ def _numa_prefix(numa_bind, numa_node, numa_cpus, which: Callable[[str], str | N
     return [], "unknown", (), ["numactl not found and the GPUs' local CPUs are unknown: nothing is pinned"]
 
 
+def builtin_argv(*, python: str | None = None, model: str | None = None, draft: str | None = None,
+                 algorithm: str = "ddtree", budget: int | None = None, block_size: int | None = None,
+                 device: str = "cpu", backend: str | None = "auto", host: str = HOST, port: int = 0,
+                 dtype: str | None = None, max_running_requests: int | None = None,
+                 max_queued_requests: int | None = None, threads: int | None = None,
+                 batch: bool | None = None) -> list[str]:
+    """The builtin server's command line. Options left None are not passed (the server's default
+    applies); model None is the server's demo pair."""
+    argv = [python or sys.executable, "-m", BUILTIN_MODULE]
+    if model:
+        argv += ["--model", str(model)]
+    if draft:
+        argv += ["--draft", str(draft)]
+    argv += ["--algorithm", algorithm]
+    if budget is not None:
+        argv += ["--budget", str(budget)]
+    if block_size is not None:
+        argv += ["--block-size", str(block_size)]
+    argv += ["--device", device, "--backend", backend or "auto", "--host", host, "--port", str(port)]
+    for flag, value in (("--dtype", dtype), ("--max-running-requests", max_running_requests),
+                        ("--max-queued-requests", max_queued_requests), ("--threads", threads)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if batch is not None:
+        argv.append("--batch" if batch else "--no-batch")
+    return argv
+
+
+def _bounded(text: str, low: int, high: int | None = None, what: str = "") -> int:
+    """An integer within [low, high] for argparse, else its one-line error."""
+    if not re.fullmatch(r"\s*-?\d+\s*", text):
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    value = int(text)
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"{what} ({low}..{high})"
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+    return value
+
+
+def non_negative(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    return _bounded(text, 0)
+
+
+def device_name(text: str) -> str:
+    """An argparse type: cpu, cuda or cuda:N, checked before the server starts, so a typo is one
+    line and not torch's traceback from inside the server."""
+    name, colon, index = text.partition(":")
+    if name == "cpu" and not index or name == "cuda" and (not colon or index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown device {text!r} (cpu, cuda or cuda:N)")
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a port, 0..65535."""
+    return _bounded(text, 0, 65535, "a port number")
+
+
+def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, default_budget: int | None = None
+                        ) -> None:
+    """The builtin server's options, declared once. The server's own parser (passthrough False)
+    gets its defaults and checks the values itself after parsing; `ddtree-console serve`'s
+    (passthrough True) checks each value as it parses it and leaves an option None unless it is
+    given, so `builtin_argv` passes on only what the user asked for."""
+    def default(value):
+        return None if passthrough else value
+
+    number = non_negative if passthrough else int
+    budget = "the server's" if default_budget is None else str(default_budget)
+    parser.add_argument("--model", help="target model: a local directory or a hub repo id (default: the demo pair)")
+    parser.add_argument("--draft", help="DFlash drafter: a local directory or a hub repo id (default: the demo "
+                                        "drafter when --model is not given; none otherwise, which allows only ar)")
+    parser.add_argument("--algorithm", choices=ALGORITHMS, default="ddtree",
+                        help="default algorithm; requests may override it (default: ddtree)")
+    parser.add_argument("--budget", type=number, default=None,
+                        help=f"default DDTree node budget (default: {budget}, capped by the engine's maximum)")
+    parser.add_argument("--block-size", type=number, default=None, help="draft block size (default: the drafter's)")
+    parser.add_argument("--device", type=device_name if passthrough else str, default="cpu",
+                        help="cpu, cuda or cuda:N (default: cpu)")
+    parser.add_argument("--dtype", choices=DTYPES, default=default("auto"),
+                        help="weights dtype (default: auto, float32 on a CPU and for the demo pair, else bfloat16)")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="auto (default): our fast forward with CUDA graphs for dense Qwen3/Qwen2/Llama/Mistral "
+                             "on CUDA, transformers otherwise; fast or transformers force one")
+    parser.add_argument("--host", default=HOST, help=f"address to bind (default: {HOST})")
+    parser.add_argument("--port", type=port_number if passthrough else int, default=0,
+                        help="port (default: 0, a free port printed on stdout)")
+    parser.add_argument("--max-running-requests", type=int, default=default(8),
+                        help="requests decoded at once, interleaved round by round (default: 8)")
+    parser.add_argument("--max-queued-requests", type=int, default=default(64),
+                        help="requests waiting beyond those; past this the server answers 503 (default: 64)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice; 1 is often faster on a busy small machine)")
+    parser.add_argument("--batch", action=argparse.BooleanOptionalAction, default=None,
+                        help="verify (and draft) all running requests in one forward per round "
+                             "(default: on; --no-batch steps them one by one)")
+
+
 def _builtin(table: dict, *, algorithm: str, budget, tp: int, gpus, port: int) -> tuple[list[str], dict, list[str]]:
     if tp != 1:
         raise LaunchConfigError(f"the builtin engine runs on one device, tp {tp} asked", "use tp = 1 for builtin")
@@ -185,18 +294,10 @@ def _builtin(table: dict, *, algorithm: str, budget, tp: int, gpus, port: int) -
         raise LaunchConfigError("engine.numa_bind applies to sglang and vllm only", "leave it out for builtin")
     if table.get("extra_args"):
         raise LaunchConfigError("engine.extra_args applies to sglang and vllm only", "leave it out for builtin")
-    argv = [table.get("python") or sys.executable, "-m", BUILTIN_MODULE]
-    if table.get("model"):
-        argv += ["--model", str(table["model"])]
-    if table.get("draft_model"):
-        argv += ["--draft", str(table["draft_model"])]
-    argv += ["--algorithm", algorithm]
-    if budget is not None:
-        argv += ["--budget", str(budget)]
-    if table.get("block_size") is not None:
-        argv += ["--block-size", str(table["block_size"])]
     device = table.get("device") or ("cuda" if gpus else "cpu")
-    argv += ["--device", device, "--backend", table.get("backend") or "auto", "--host", HOST, "--port", str(port)]
+    argv = builtin_argv(python=table.get("python"), model=table.get("model"), draft=table.get("draft_model"),
+                        algorithm=algorithm, budget=budget, block_size=table.get("block_size"), device=device,
+                        backend=table.get("backend"), port=port)
     env = {}
     if gpus and device.startswith("cuda"):
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)

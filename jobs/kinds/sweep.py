@@ -4,76 +4,49 @@ Spec: `{"run_id": N}` runs (or resumes) a run row that already holds its recipe 
 it); `{"recipe": {...}, "recipe_path": ..., "recipe_git_rev": ...}` creates the run first. Either
 way the same loop follows: plan the grid, create the missing point rows, skip points already
 `done` or `skipped`, and for each engine launch with work left start the engine, wait for /health,
-run its points, stop it.
+run its points (jobs/point.py), stop it.
 
-Engines: the builtin server is started on port 0 and its listening line is read from its log;
-SGLang and vLLM get the launch spec of jobs/plan.py rebuilt with a port free at that moment, their
-GPUs checked first (they exist, nothing else holds them, the weights fit), CPUs pinned to the GPUs'
-NUMA node (numactl or taskset in the command; with neither installed the runner sets the child's
-CPU affinity right after it starts, long before it loads anything), and /health polled up to the
-recipe's ready timeout. A start that fails is classified from the engine's log (out of memory,
-NCCL, port in use, missing model files, unsupported flag ...) and that reason is what the points,
-the engine row and the job carry; a port lost to a race is retried once on a new port.
-
-Acceptance per point comes two ways: per request from meta_info (engine/bench.py), and over the
-point from the difference of the server's Prometheus counters scraped just before and just after
-it (warm-up excluded) -> points.tau_counters. The cumulative /server_info figure is never used.
+Engines (jobs/engine_process.py): the builtin server is started on port 0 and its listening line
+is read from its log; SGLang and vLLM get the launch spec of jobs/plan.py rebuilt with a port free
+at that moment, their GPUs checked first (they exist, nothing else holds them, the weights fit),
+CPUs pinned to the GPUs' NUMA node (numactl or taskset in the command; with neither installed the
+runner sets the child's CPU affinity right after it starts, long before it loads anything), and
+/health polled up to the recipe's ready timeout. A start that fails is classified from the
+engine's log (out of memory, NCCL, port in use, missing model files, unsupported flag ...) and
+that reason is what the points, the engine row and the job carry; a port lost to a race is
+retried once on a new port.
 
 A point that fails (every request failed, the engine died) is recorded with its cause and the
 sweep goes on; the engine is restarted for the next point if it died. A point whose error rate or
 p99 latency crosses the recipe's limits marks the higher concurrencies of its series `skipped`.
+The run row carries the software and hardware it ran on (jobs/fingerprint.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import platform
-import signal
-import subprocess
 import sys
-import threading
 import time
-from importlib.metadata import PackageNotFoundError, version
 from itertools import groupby
-from pathlib import Path
 
-from ddtree.engine.contention import Watch, busy_note, busy_reasons
-from ddtree.engine.bench import BenchConfig, EngineNotReady, PointResult, run_point, wait_ready
 from ddtree.engine.errors import EngineError
-from ddtree.engine.launch import LaunchSpec
-from ddtree.engine.logclass import classify_tail
-from ddtree.engine.metrics import (SGLANG_REQUESTS, MetricsError, RunAcceptance, Scrape, fetch_scrape,
-                                   run_acceptance)
-from ddtree.engine.preflight import PreflightError, check_gpus, preflight
-from ddtree.engine.prompts import load_prompts
+from ddtree.engine.machine.preflight import PreflightError, check_gpus, preflight
+from ddtree.jobs.engine_process import EngineProcess, EngineStartFailed
 from ddtree.jobs.errors import JobCancelled, JobError
-from ddtree.jobs.logfile import error_tail
-from ddtree.jobs.plan import (Hardware, Launch, Plan, PlanPoint, UnsupportedEngine, box_line, make_plan,
-                              repeat_note)
+from ddtree.jobs.fingerprint import hardware_fingerprint, software_versions
+from ddtree.jobs.plan import Hardware, Launch, Plan, PlanPoint, UnsupportedEngine, box_line, make_plan, repeat_note
+from ddtree.jobs.point import measure_point
 from ddtree.jobs.recipe import Recipe, RecipeError, recipe_from_dict, recipe_to_dict
 from ddtree.store import sweeps
-from ddtree.store.contention import record_contention
-from ddtree.store.db import open_db
 
-STOP_GRACE_S = 10.0
 # Our previous engine on the same GPUs has just exited; the driver may list it for a moment more.
 GPU_BUSY_WAIT_S = 20.0
-# SGLang counts a request in its counters as it finishes it, which may be just after the client
-# has the response: the scrape after a point waits this long at most for the counts to settle.
-COUNTER_SETTLE_S = 3.0
 PORT_RETRIES = 1
-SOFTWARE = ("ddtree-console", "torch", "transformers", "tokenizers", "safetensors", "huggingface_hub", "httpx",
-            "sglang", "vllm", "flashinfer-python")
 
 
 class SweepSpecError(JobError):
     exit_code = 2
-
-
-class EngineStartError(JobError):
-    """The engine process exited or did not report where it listens."""
 
 
 def validate(spec: dict) -> dict:
@@ -108,208 +81,57 @@ def check_supported(recipe: Recipe) -> None:
                                 f"point it at the interpreter of the venv that has {recipe.engine.kind} installed")
 
 
-# -- environment fingerprint ---------------------------------------------------------------------
-
-
-def software_versions(python: str | None = None) -> dict:
-    """Versions of the packages that decide the figures, from this interpreter (no imports) and,
-    when the engine runs under another one, from that interpreter too."""
-    out: dict = {"python": platform.python_version(), "platform": platform.platform(), "packages": {}}
-    for name in SOFTWARE:
-        try:
-            out["packages"][name] = version(name)
-        except PackageNotFoundError:
-            continue
-    if python and os.path.realpath(python) != os.path.realpath(sys.executable):
-        script = ("import json, platform\nfrom importlib.metadata import version\nout = {}\n"
-                  f"for n in {list(SOFTWARE)!r}:\n    try: out[n] = version(n)\n    except Exception: pass\n"
-                  "print(json.dumps({'python': platform.python_version(), 'packages': out}))")
-        try:
-            done = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=60,
-                                  start_new_session=True, stdin=subprocess.DEVNULL)
-            out["engine_python"] = json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr[-300:]}
-        except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
-            out["engine_python"] = {"error": str(exc)}
-    return out
-
-
-def hardware_fingerprint(data_dir: str | None = None) -> dict:
-    """What makes two runs comparable: GPUs (model, memory, bus, NUMA, links), driver, CPU, memory."""
-    from ddtree.engine.host import host_info
-    from ddtree.engine.hw import gpu_view
-
-    view = gpu_view()
-    host = host_info(data_dir=data_dir)
-    gpus = [{"index": g.index, "name": g.name, "uuid": g.uuid, "bus_id": g.bus_id, "numa_node": g.numa_node,
-             "memory_total": g.memory_total, "power_cap_w": g.power_cap_w, "pcie_gen_max": g.pcie_gen_max,
-             "pcie_width_max": g.pcie_width_max, "nvlinks": len(g.nvlinks)} for g in view.gpus]
-    return {
-        "gpus": gpus, "links": view.links, "driver_version": view.driver_version,
-        "cuda_driver_version": view.cuda_driver_version, "gpu_reason": view.reason,
-        "host": {"hostname": host.hostname, "cpu_model": host.cpu_model, "cpus_logical": host.cpus_logical,
-                 "cpus_physical": host.cpus_physical, "memory_total": host.memory_total,
-                 "numa": [{"node": n.node, "cpus": len(n.cpus)} for n in host.numa]},
-    }
-
-
-# -- the engine process --------------------------------------------------------------------------
-
-
-class EngineStartFailed(EngineStartError):
-    """The engine never became ready; `reason` is the classified cause from its log."""
-
-    def __init__(self, message: str, hint: str | None = None, *, code: str | None = None) -> None:
-        super().__init__(message, hint)
-        self.code = code
-
-
-class EngineProcess:
-    """One launch of the engine under the job: checked, spawned, located, stopped."""
-
-    def __init__(self, ctx, plan: Plan, launch: Launch, attempt: int) -> None:
-        self.ctx, self.plan, self.launch, self.recipe = ctx, plan, launch, plan.recipe
-        self.attempt = attempt
-        self.name = f"engine-{launch.index}-{attempt}"
-        self.proc: subprocess.Popen | None = None
-        self.spec: LaunchSpec | None = None
-        self.url: str | None = None
-        self.row_id: int | None = None
-
-    def exited(self) -> str | None:
-        if self.proc is None:
-            return "not started"
-        code = self.proc.poll()
-        return None if code is None else f"exit code {code}; see {self.log_path()}"
-
-    def log_path(self) -> str | None:
-        row = self.ctx.db.execute("SELECT log_path FROM processes WHERE job_id = ? AND name = ? ORDER BY id DESC",
-                                  [self.ctx.job_id, self.name]).fetchone()
-        return row[0] if row else None
-
-    def start(self) -> str:
-        """Start the engine and wait until it answers /health; its URL. Raises EngineStartFailed
-        (with the cause read from the engine's log), PreflightError or another EngineError."""
-        launch = self.launch
-        if launch.gpus:
-            _check_launch_gpus(self.ctx, self.recipe, launch)
-        self.spec = self.plan.launch_spec(launch)
-        self.ctx.log(f"engine {self.name}: {self.spec.command_line()}")
-        for note in self.spec.notes:
-            self.ctx.log(f"engine {self.name}: note: {note}")
-        self.proc = self.ctx.spawn(list(self.spec.argv), env=self.spec.spawn_env(), name=self.name)
-        if self.spec.numa == "runner" and self.spec.cpu_affinity:
-            # At once: the interpreter is still starting, long before SGLang spawns its workers.
-            self.ctx.log(f"engine {self.name}: {_pin_cpus(self.proc.pid, self.spec.cpu_affinity)}")
-        self._record_start()
-        t0 = time.monotonic()
-        try:
-            self.url = self._locate(t0) if self.spec.announces_url else self.spec.base_url
-            wait_ready(self.url, timeout_s=max(1.0, self._timeout() - (time.monotonic() - t0)), alive=self.exited)
-        except (EngineNotReady, EngineStartError) as exc:
-            verdict = classify_tail(self.log_path())
-            reason = verdict.describe() if verdict else str(exc)
-            self._record_end("failed", reason)
-            raise EngineStartFailed(reason, code=verdict.code if verdict else None) from None
-        self.ctx.log(f"engine {self.name} ready at {self.url} after {time.monotonic() - t0:.1f}s")
-        with sweeps._write(self.ctx.db, "the engine row") as tx:
-            tx.execute("UPDATE engines SET state = 'running', base_url = ?, port = ?, ready_at = ? WHERE id = ?",
-                       [self.url, int(self.url.rsplit(":", 1)[1]), time.time(), self.row_id])
-        return self.url
-
-    def _timeout(self) -> float:
-        return self.recipe.engine.ready_timeout_s
-
-    def _locate(self, t0: float) -> str:
-        """The builtin server picks its own port and prints it on stdout (into its log)."""
-        log = self.log_path()
-        timeout = self._timeout()
-        while True:
-            url = _listening_url(log) if log is not None else None
-            if url is not None:
-                return url
-            gone = self.exited()
-            if gone:
-                raise EngineStartError(f"engine exited while starting ({gone})", _log_tail(log))
-            if time.monotonic() - t0 > timeout:
-                raise EngineNotReady(f"engine did not report a listening address within {timeout:g}s",
-                                     "raise engine.ready_timeout_s, or read " + str(log))
-            self.ctx.sleep(0.2)
-
-    def _record_start(self) -> None:
-        engine, spec = self.recipe.engine, self.spec
-        now = time.time()
-        values = {"job_id": self.ctx.job_id, "kind": engine.kind, "model": engine.model or "demo",
-                  "draft_model": engine.draft_model or ("demo" if engine.model is None else None),
-                  "algorithm": self.launch.algorithm, "budget": self.launch.budget, "block_size": engine.block_size,
-                  "tp": self.launch.tp, "gpus": json.dumps(list(self.launch.gpus)),
-                  "python": engine.python or sys.executable, "extra_args": json.dumps(list(engine.extra_args)),
-                  "base_url": spec.base_url, "host": spec.host, "port": spec.port or None, "pid": self.proc.pid,
-                  "pgid": self.proc.pid, "log_path": self.log_path(), "state": "starting", "created_at": now}
-        with sweeps._write(self.ctx.db, "the engine row") as tx:
-            cur = tx.execute(f"INSERT INTO engines ({', '.join(values)}) VALUES ({', '.join('?' for _ in values)})",
-                             list(values.values()))
-        self.row_id = int(cur.lastrowid)
-
-    def _record_end(self, state: str, error: str | None = None) -> None:
-        if self.row_id is None:
-            return
-        with sweeps._write(self.ctx.db, "the engine row") as tx:
-            tx.execute("UPDATE engines SET state = ?, error = coalesce(?, error), ended_at = ? WHERE id = ?",
-                       [state, error, time.time(), self.row_id])
-
-    def died_reason(self) -> str | None:
-        """Why the engine exited (classified from its log), or None while it runs."""
-        gone = self.exited()
-        if not gone:
-            return None
-        verdict = classify_tail(self.log_path())
-        return f"{gone}: {verdict.describe()}" if verdict else gone
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        died = self.died_reason()
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-            except ProcessLookupError:
-                self.proc.wait(timeout=10)
-        if hasattr(self.ctx, "poll_children"):
-            self.ctx.poll_children()
-        row = self.ctx.db.execute("SELECT state FROM engines WHERE id = ?", [self.row_id]).fetchone() \
-            if self.row_id is not None else None
-        if row is not None and row[0] != "failed":
-            self._record_end("failed" if died else "stopped", died)
+# -- the engine of a launch ----------------------------------------------------------------------
 
 
 def start_engine(ctx, plan: Plan, launch: Launch, attempt: int) -> tuple[EngineProcess, int]:
-    """Start `launch`, retrying on a fresh port when the one chosen was taken in the meantime;
-    (the running engine, the next attempt number)."""
+    """Start `launch` and wait until it answers /health, retrying on a fresh port when the one
+    chosen was taken in the meantime; (the running engine, the next attempt number). Raises
+    EngineStartFailed (with the cause read from the engine's log), PreflightError or another EngineError."""
+    recipe = plan.recipe
     for retry in range(PORT_RETRIES + 1):
-        engine = EngineProcess(ctx, plan, launch, attempt)
+        name = f"engine-{launch.index}-{attempt}"
         attempt += 1
+        if launch.gpus:
+            _check_launch_gpus(ctx, recipe, launch)
+        spec = plan.launch_spec(launch)
+        ctx.log(f"engine {name}: {spec.command_line()}")
+        for note in spec.notes:
+            ctx.log(f"engine {name}: note: {note}")
+        engine = EngineProcess(ctx, spec, name=name, ready_timeout_s=recipe.engine.ready_timeout_s,
+                               row=_engine_row(ctx, recipe, launch, spec))
+        t0 = time.monotonic()
         try:
             engine.start()
+            url = engine.wait_ready()
+            ctx.log(f"engine {name} ready at {url} after {time.monotonic() - t0:.1f}s")
             return engine, attempt
         except EngineStartFailed as exc:
             engine.stop()
             if exc.code != "port_in_use" or launch.kind == "builtin" or retry == PORT_RETRIES:
                 raise
-            ctx.log(f"engine {engine.name}: {exc}; retrying on another port")
+            ctx.log(f"engine {name}: {exc}; retrying on another port")
         except BaseException:
             engine.stop()
             raise
     raise AssertionError("unreachable")
 
 
+def _engine_row(ctx, recipe: Recipe, launch: Launch, spec) -> dict:
+    """What the `engines` row says of this launch."""
+    engine = recipe.engine
+    return {"job_id": ctx.job_id, "kind": engine.kind, "model": engine.model or "demo",
+            "draft_model": engine.draft_model or ("demo" if engine.model is None else None),
+            "algorithm": launch.algorithm, "budget": launch.budget, "block_size": engine.block_size,
+            "tp": launch.tp, "gpus": json.dumps(list(launch.gpus)), "python": engine.python or sys.executable,
+            "extra_args": json.dumps(list(engine.extra_args)), "base_url": spec.base_url, "host": spec.host,
+            "port": spec.port or None}
+
+
 def _check_launch_gpus(ctx, recipe: Recipe, launch: Launch) -> None:
     """Right before a launch: its GPUs exist, nothing else holds them, and the weights fit.
     Raises PreflightError (the reason names the GPU or the sizes)."""
-    from ddtree.engine.hw import gpu_view
+    from ddtree.engine.machine.hw import gpu_view
 
     view = gpu_view()
     if not view.gpus:
@@ -335,88 +157,6 @@ def _check_launch_gpus(ctx, recipe: Recipe, launch: Launch) -> None:
         report = preflight(recipe.engine.model, recipe.engine.draft_model, totals, launch.tp)
         if report is not None:
             ctx.log(f"engine {launch.index} fits: {report.describe()}")
-
-
-def _pin_cpus(pid: int, cpus: tuple[int, ...]) -> str:
-    """Pin every thread of a just-started child to `cpus` (neither numactl nor taskset exists).
-    Threads and processes it starts later inherit the mask."""
-    if not hasattr(os, "sched_setaffinity"):
-        return "CPU affinity not set: this platform has no sched_setaffinity"
-    try:
-        tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        tasks = [pid]
-    try:
-        for task in tasks:
-            os.sched_setaffinity(task, cpus)
-    except OSError as exc:
-        return f"CPU affinity not set: {exc.strerror or exc}"
-    from ddtree.engine.hw import format_cpulist
-
-    return f"CPU affinity of pid {pid} set to {format_cpulist(list(cpus))} by the runner (no numactl or taskset)"
-
-
-def _listening_url(log_path: str) -> str | None:
-    try:
-        with open(log_path, "rb") as fh:
-            for raw in fh:
-                line = raw.decode(errors="replace").strip()
-                if line.startswith("{") and '"listening"' in line:
-                    try:
-                        event = json.loads(line)
-                    except ValueError:
-                        continue
-                    if event.get("event") == "listening" and event.get("url"):
-                        return str(event["url"])
-    except OSError:
-        return None
-    return None
-
-
-def _log_tail(path: str | None, lines: int = 3) -> str:
-    if not path:
-        return "no engine log"
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
-        return f"see {path}"
-    return error_tail(text, lines) or f"see {path}"
-
-
-# -- GPU telemetry during a point ----------------------------------------------------------------
-
-
-class _GpuWatch:
-    """Samples the point's GPUs while it runs (nothing on a machine without NVML GPUs)."""
-
-    def __init__(self, ctx, point_id: int, gpus: tuple[int, ...]) -> None:
-        self.ctx, self.point_id, self.gpus = ctx, point_id, list(gpus)
-        self.stop_event = threading.Event()
-        self.thread = None
-        self.db = None
-
-    def __enter__(self) -> _GpuWatch:
-        from ddtree.engine.hw import nvml
-        from ddtree.engine.sampler import Sampler, SamplerConfig
-
-        session = nvml()
-        if session.start() is None and session.count > 0:
-            self.db = open_db(self.ctx.db_path)
-            self.thread = Sampler(SamplerConfig(rate_hz=2.0), session=session).start(
-                self.stop_event, db=self.db, labels={"job_id": self.ctx.job_id, "point_id": self.point_id})
-        self.t0 = time.time()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop_event.set()
-        if self.thread is not None:
-            self.thread.join(timeout=5)
-            self.db.close()
-
-    def means(self) -> tuple[float | None, float | None]:
-        if self.thread is None:
-            return None, None
-        return sweeps.telemetry_means(self.ctx.db, self.t0, time.time(), self.gpus or None)
 
 
 # -- the loop ------------------------------------------------------------------------------------
@@ -542,7 +282,9 @@ def _sweep(ctx, run_id: int, recipe: Recipe) -> dict:
                             raise
                         fail_rest(points[points.index(point):], f"engine failed to start: {exc}")
                         break
-                state = _run_one(ctx, plan, point, point_id, engine, saturated)
+                state, skip = measure_point(ctx, plan, point, point_id, engine)
+                if skip is not None:
+                    saturated[point.series] = skip
                 counts[state] += 1
                 finished += 1
                 sweeps.update_derived(db, run_id, unstable_spread=recipe.sweep.unstable_spread)
@@ -553,148 +295,3 @@ def _sweep(ctx, run_id: int, recipe: Recipe) -> dict:
     return {"run_id": run_id, "points_total": len(plan.points), "points_done": counts["done"],
             "points_failed": counts["failed"], "points_skipped": counts["skipped"],
             "engine_restarts": counts["restarts"], "engine_failures": causes[:5]}
-
-
-def _run_one(ctx, plan: Plan, point: PlanPoint, point_id: int, engine: EngineProcess,
-             saturated: dict[tuple, str]) -> str:
-    recipe, sweep = plan.recipe, plan.recipe.sweep
-    db = ctx.db
-    budget = "" if point.budget is None else f" budget={point.budget}"  # AR and DFlash have none
-    label = (f"point {point.index + 1}/{len(plan.points)}: {point.algorithm}{budget} "
-             f"c={point.concurrency} T={point.temperature:g} {point.dataset} r{point.repeat}")
-    started = time.time()
-    sweeps.mark_point(db, point_id, "running", started_at=started)
-    ctx.progress(message=f"{label} running")
-    try:
-        prompts = load_prompts(point.dataset, sweep.num_prompts, seed=sweep.seed)
-        warm = load_prompts(point.dataset, sweep.warmup, seed=sweep.seed, offset=sweep.num_prompts) \
-            if sweep.warmup else []
-    except EngineError as exc:
-        sweeps.record_point(db, point_id, state="failed", metrics={}, requests=[], error=str(exc), started_at=started)
-        ctx.log(f"{label} failed: {exc}")
-        return "failed"
-    speculative = None
-    if recipe.engine.per_request_spec:
-        speculative = {"algorithm": point.algorithm}
-        if point.budget is not None:
-            speculative["budget"] = point.budget
-    # Warm-up runs on its own, before the first scrape, so the counter difference covers the
-    # measured requests only.
-    cfg = BenchConfig(concurrency=point.concurrency, max_new_tokens=sweep.max_new_tokens,
-                      temperature=point.temperature, api=recipe.engine.request_api, request_rate=sweep.request_rate,
-                      warmup=0, timeout_s=sweep.timeout_s, seed=sweep.seed, speculative=speculative,
-                      model=recipe.engine.model)
-    metrics_path = engine.spec.metrics_path if engine.spec is not None else "/metrics"
-    warnings: list[str] = []
-    with _GpuWatch(ctx, point_id, point.gpus) as gpu:
-        if warm:
-            warm_cfg = dataclasses.replace(cfg, request_rate=None, concurrency=max(1, min(cfg.concurrency, len(warm))))
-            warmed = run_point(engine.url, warm, warm_cfg, stop=ctx.cancelled)
-            if not any(r.ok for r in warmed.requests) and warmed.requests:
-                first = warmed.requests[0]
-                warnings.append(f"every warm-up request failed ({first.error}: {first.detail})")
-        before = _scrape(engine.url, metrics_path) if not ctx.cancelled.is_set() else None
-        box = Watch(our_pgids=(engine.proc.pid,) if engine.proc is not None else (), gpus=tuple(point.gpus))
-        with box:
-            result = run_point(engine.url, prompts, cfg, stop=ctx.cancelled)
-        after = _scrape_settled(engine.url, metrics_path, before, result.metrics["requests_ok"])
-        util, power = gpu.means()
-    if ctx.cancelled.is_set():
-        # An interrupted point is not a result: it goes back to pending for a resume.
-        sweeps.mark_point(db, point_id, "pending")
-        ctx.check_cancelled()
-    counters = _counter_acceptance(engine, before, after, warnings)
-    metrics = dict(result.metrics, gpu_util_mean=util, gpu_power_mean=power)
-    state, error = _judge(result, engine)
-    # The point, its requests and its counter figures in one transaction.
-    with sweeps._write(db, f"point {point_id}") as tx:
-        sweeps.record_point(tx, point_id, state=state, metrics=metrics, requests=_request_rows(result), error=error,
-                            warnings=warnings + result.warnings, started_at=started)
-        tx.execute("UPDATE points SET tau_counters = ?, accept_counters = ? WHERE id = ?",
-                   [counters.tau if counters else None,
-                    json.dumps(counters.to_dict()) if counters else None, point_id])
-    busy = busy_reasons(box.reading)
-    record_contention(db, point_id, box.reading.to_dict(), busy)
-    if busy:
-        ctx.log(f"{label}: warning: {busy_note(busy)}")
-    summary = (f"{label} {state}: {metrics['requests_ok']} ok, {metrics['requests_failed']} failed, "
-               f"{_fmt(metrics.get('output_tok_s'))} tok/s, tau {_fmt(metrics.get('tau_weighted'))}"
-               f" (counters {_fmt(counters.tau if counters else None)})")
-    ctx.log(summary + (f" ({error})" if error else ""))
-    cause = _saturation(metrics, sweep)
-    if cause is not None:
-        saturated[point.series] = f"skipped: saturated at concurrency {point.concurrency} ({cause})"
-        ctx.log(f"{label}: saturated ({cause}); higher concurrencies of this series are skipped")
-    return state
-
-
-def _scrape(url: str, path: str | None) -> Scrape | None:
-    if not path:
-        return None
-    try:
-        return fetch_scrape(url, path=path)
-    except MetricsError:
-        return None  # not exported (an engine without metrics): per-request figures only
-
-
-def _scrape_settled(url: str, path: str | None, before: Scrape | None, requests_ok: int) -> Scrape | None:
-    """The scrape after a point, once the server's request counter has counted the point's
-    successful requests (or COUNTER_SETTLE_S passed; engines without that counter: at once)."""
-    if before is None:
-        return None
-    deadline = time.monotonic() + COUNTER_SETTLE_S
-    while True:
-        after = _scrape(url, path)
-        if after is None:
-            return None
-        now, then = after.total(SGLANG_REQUESTS), before.total(SGLANG_REQUESTS)
-        if now is None or then is None or now - then >= requests_ok or time.monotonic() > deadline:
-            return after
-        time.sleep(0.2)
-
-
-def _counter_acceptance(engine: EngineProcess, before: Scrape | None, after: Scrape | None,
-                        warnings: list[str]) -> RunAcceptance | None:
-    if before is None or after is None:
-        return None
-    kind = engine.spec.kind if engine.spec is not None else engine.recipe.engine.kind
-    counters = run_acceptance(kind, before, after)
-    if counters.counter_reset:
-        warnings.append("the engine's counters went down during the point (it restarted): no counter figures")
-        return None
-    return counters
-
-
-def _judge(result: PointResult, engine: EngineProcess) -> tuple[str, str | None]:
-    gone = engine.died_reason()
-    failures = result.metrics.get("failures") or {}
-    if gone:
-        return "failed", f"engine died during the point ({gone})"[:500]
-    if result.metrics["requests_ok"] == 0:
-        first = next((r for r in result.requests if r.error), None)
-        detail = f": {first.detail}" if first is not None and first.detail else ""
-        causes = ", ".join(f"{k} x{v}" for k, v in failures.items()) or "no requests ran"
-        return "failed", f"every request failed ({causes}){detail}"[:500]
-    return "done", None
-
-
-def _saturation(metrics: dict, sweep) -> str | None:
-    total = metrics["requests_ok"] + metrics["requests_failed"]
-    if total and metrics["requests_failed"] / total > sweep.stop_error_rate:
-        return f"error rate {metrics['requests_failed'] / total:.0%} > {sweep.stop_error_rate:.0%}"
-    p99 = metrics.get("e2e_p99")
-    if sweep.stop_e2e_p99_s is not None and p99 is not None and p99 > sweep.stop_e2e_p99_s:
-        return f"p99 E2E {p99:.2f}s > {sweep.stop_e2e_p99_s:g}s"
-    return None
-
-
-def _request_rows(result: PointResult) -> list[dict]:
-    return [{"idx": r.index, "ok": r.ok, "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-             "ttft_s": r.ttft_s, "itl_mean_s": r.itl_mean_s, "e2e_s": r.e2e_s, "verify_ct": r.verify_ct,
-             "accept_length": r.accept_length, "started_at": r.started_at, "error": r.error,
-             "finish_reason": r.finish_reason, "detail": r.detail, "accept_hist": r.accept_hist}
-            for r in result.requests]
-
-
-def _fmt(value) -> str:
-    return "-" if value is None else f"{value:.2f}"

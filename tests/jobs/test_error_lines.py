@@ -5,6 +5,7 @@ import sqlite3
 import pytest
 
 from ddtree.console import cli
+from ddtree.engine.serving.launch import BUILTIN_MODULE
 from ddtree.jobs.logfile import error_tail
 
 pytestmark = pytest.mark.timeout(60)
@@ -24,20 +25,17 @@ def test_error_tail_skips_progress_bars_and_keeps_the_whole_error():
     assert error_tail("50%|#####     | 1/2 [00:01<00:01, 1.0s/it]") == ""
 
 
-def test_the_sweeps_engine_start_message_uses_it(tmp_path):
-    from ddtree.jobs.kinds.engine import _tail
-    from ddtree.jobs.kinds.sweep import _log_tail
+def test_the_engine_start_message_uses_it(tmp_path):
+    from ddtree.jobs.engine_process import log_tail
 
     log = tmp_path / "engine.log"
     log.write_text(BAR_LOG)
-    for got in (_log_tail(str(log)), _tail(log)):
+    for got in (log_tail(str(log)), log_tail(log, 4)):
         assert "Loading weights" not in got and got.startswith("ValueError: budget 5000") and got.endswith("message")
 
 
 def test_serve_execs_the_server_without_progress_bars(monkeypatch):
     import os
-
-    from ddtree.console.commands import serve
 
     seen = {}
 
@@ -51,7 +49,7 @@ def test_serve_execs_the_server_without_progress_bars(monkeypatch):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--port", "0"])
     assert seen["env"]["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
-    assert seen["argv"][1:3] == ["-m", serve.SERVER_MODULE]
+    assert seen["argv"][1:3] == ["-m", BUILTIN_MODULE]
 
 
 def test_a_failed_foreground_job_prints_an_error_line(tmp_path, capsys):

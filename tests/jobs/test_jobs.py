@@ -286,7 +286,8 @@ def test_context_spawn_and_close_stop_children(db_path):
 
 
 def test_engine_spec_validates_the_backend(tmp_path):
-    from ddtree.jobs.kinds.engine import EngineSpecError, server_argv, validate
+    from ddtree.jobs.kinds.engine import server_argv, validate
+    from ddtree.jobs.recipe import RecipeError
 
     (tmp_path / "t").mkdir()
     base = {"model": str(tmp_path / "t"), "algorithm": "ar"}
@@ -294,12 +295,12 @@ def test_engine_spec_validates_the_backend(tmp_path):
     spec = validate({**base, "backend": "transformers"})
     argv = server_argv(spec)
     assert argv[argv.index("--backend") + 1] == "transformers"
-    with pytest.raises(EngineSpecError, match="backend 'bogus' is not one of auto, fast, transformers"):
+    with pytest.raises(RecipeError, match=r"engine.backend = 'bogus' is not allowed \(allowed: auto, fast, transformers"):
         validate({**base, "backend": "bogus"})
     python = tmp_path / "python"
     python.write_text("#!/bin/sh\n")
     python.chmod(0o755)
-    with pytest.raises(EngineSpecError, match="backend applies to the builtin engine only"):
+    with pytest.raises(RecipeError, match='engine.backend applies to kind = "builtin" only'):
         validate({**base, "kind": "sglang", "python": str(python), "backend": "fast"})
 
 
