@@ -6,7 +6,6 @@ meant for the job's own thread.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -23,7 +22,7 @@ from ddtree.jobs.procs import kill_group, start_time
 from ddtree.store.db import data_dir as store_data_dir
 from ddtree.jobs.logfile import create_log, open_log
 from ddtree.store.db import logs_dir, open_db
-from ddtree.store.queries import insert_row, now, update_row
+from ddtree.store import jobs as store_jobs
 from ddtree.store.redact import REDACTED
 
 #: Progress writes closer together than this are coalesced (the last value always lands).
@@ -90,7 +89,7 @@ class JobContext:
         with self._lock:
             if not self._progress_dirty:
                 return
-            update_row(self._db, "jobs", self.job_id, dict(self._progress))
+            store_jobs.set_progress(self._db, self.job_id, **self._progress)
             self._progress_dirty = False
             self._progress_written_at = time.monotonic()
 
@@ -156,9 +155,8 @@ class JobContext:
             raise JobError(f"cannot start {argv[0]}: {exc.strerror or exc}", "check the command and its path") from None
         started = start_time(popen.pid)
         with self._lock:
-            row_id = insert_row(self._db, "processes", {
-                "job_id": self.job_id, "name": name, "argv": json.dumps([str(a) for a in argv]), "pid": popen.pid,
-                "pgid": popen.pid, "pid_started": started, "log_path": str(log_path), "started_at": now()})
+            row_id = store_jobs.add_process(self._db, self.job_id, name=name, argv=[str(a) for a in argv],
+                                            pid=popen.pid, pid_started=started, log_path=str(log_path))
             self._children.append(_Child(name, popen, row_id, started, log, log_path))
         self.log(f"started {name} (pid {popen.pid}): {' '.join(str(a) for a in argv)}; log {log_path}")
         return popen
@@ -203,7 +201,7 @@ class JobContext:
             return
         child.ended = True
         child.log.close()
-        update_row(self._db, "processes", child.row_id, {"ended_at": now(), "returncode": child.popen.returncode})
+        store_jobs.end_process(self._db, child.row_id, child.popen.returncode)
 
     def close(self, grace_s: float = 5.0) -> None:
         """End of job: stop the children, write the last progress, close the connection."""

@@ -13,13 +13,14 @@ Two kinds of function, and the difference matters for crash safety:
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from sqlite_utils import Database
 
 from ddtree.store.db import transaction
 from ddtree.store.errors import StoreError
-from ddtree.store.queries import now
+from ddtree.store.queries import insert_row, now, update_row
 
 
 def _in_transaction(db: Database, what: str) -> None:
@@ -79,6 +80,28 @@ def request_cancel(db: Database, job_id: int, grace_s: float) -> None:
     with transaction(db):
         db.execute("UPDATE jobs SET cancel_requested_at = ?, cancel_grace_s = ? WHERE id = ?",
                    [now(), float(grace_s), job_id])
+
+
+def set_progress(db: Database, job_id: int, *, progress_done: float | None = None,
+                 progress_total: float | None = None, progress_message: str | None = None) -> None:
+    """The job's progress columns; those left None keep their value."""
+    values = {k: v for k, v in (("progress_done", progress_done), ("progress_total", progress_total),
+                                ("progress_message", progress_message)) if v is not None}
+    if values:
+        update_row(db, "jobs", job_id, values)
+
+
+def add_process(db: Database, job_id: int, *, name: str, argv: list[str], pid: int, pid_started: float | None,
+                log_path: str) -> int:
+    """A processes row for a child the job just started (a group leader: pgid = pid); its id."""
+    return insert_row(db, "processes", {
+        "job_id": job_id, "name": name, "argv": json.dumps(argv), "pid": pid, "pgid": pid,
+        "pid_started": pid_started, "log_path": log_path, "started_at": now()})
+
+
+def end_process(db: Database, process_id: int, returncode: int | None) -> None:
+    """The child exited (or was reaped) with `returncode`."""
+    update_row(db, "processes", process_id, {"ended_at": now(), "returncode": returncode})
 
 
 def close_process(db: Database, process_id: int) -> None:
