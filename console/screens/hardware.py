@@ -20,10 +20,19 @@ def _num(value, unit: str = "", spec: str = ".0f") -> str:
     return "-" if value is None else f"{format(value, spec)}{unit}"
 
 
+def gpu_memory(used: int | None, total: int | None) -> str:
+    """`0.6/85.5 GB`: one unit for both, so the column stays narrow enough for 80 columns."""
+    if not total:
+        return "-"
+    if total < 1e9 or used is None:
+        return f"{fmt_bytes(used)}/{fmt_bytes(total)}"
+    return f"{used / 1e9:.1f}/{total / 1e9:.1f} GB"
+
+
 def gpu_rows(view) -> list[tuple[str, tuple]]:
     rows = []
     for g in view.gpus:
-        mem = f"{fmt_bytes(g.memory_used)}/{fmt_bytes(g.memory_total)}" if g.memory_total else "-"
+        mem = gpu_memory(g.memory_used, g.memory_total)
         pcie = "-" if g.pcie_gen is None else f"gen{g.pcie_gen} x{g.pcie_width}"
         if g.pcie_degraded:
             pcie = Text(pcie + f" (<x{g.pcie_width_max})", style="red")

@@ -55,18 +55,16 @@ CASES = {
 }
 
 
+#: Every pane at the smallest size it must work at, and at a roomy one.
+SIZES = {"80x24": (80, 24), "120x40": (120, 40)}
+
+
+@pytest.mark.parametrize("size", list(SIZES))
 @pytest.mark.parametrize("pane", list(CASES))
-def test_pane_snapshot(pane, db_path, snap_compare):
+def test_pane_snapshot(pane, size, db_path, snap_compare):
     keys, check = CASES[pane]
     app = make_app(db_path, poll_s=0.1, sources=fixed_sources(), clock=lambda: NOW)
-    assert snap_compare(app, terminal_size=(100, 30), run_before=ready(check, keys))
-
-
-@pytest.mark.parametrize("pane", ["overview", "sweeps"])
-def test_small_terminal_snapshot(pane, db_path, snap_compare):
-    keys, check = CASES[pane]
-    app = make_app(db_path, poll_s=0.1, sources=fixed_sources(), clock=lambda: NOW)
-    assert snap_compare(app, terminal_size=(80, 24), run_before=ready(check, keys))
+    assert snap_compare(app, terminal_size=SIZES[size], run_before=ready(check, keys))
 
 
 def test_no_gpu_hardware_snapshot(db_path, snap_compare):
