@@ -55,13 +55,7 @@ def write_output(path: str | os.PathLike, text: str, *, make_parents: bool = Fal
 def _write_into(target: Path, given: Path, data: bytes) -> None:
     """A device or FIFO: opened as it is (no create, no rename), written, closed."""
     try:
-        fd = os.open(target, os.O_WRONLY | os.O_NOCTTY)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
+        _write_fd(os.open(target, os.O_WRONLY | os.O_NOCTTY), data)
     except OSError as exc:
         raise OutputError(f"cannot write {given}: {exc.strerror or exc}") from None
 
@@ -70,15 +64,21 @@ def _replace(target: Path, given: Path, data: bytes, mode: int | None) -> None:
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode)
-        try:
-            if mode is not None:
-                os.fchmod(fd, mode)  # keep the replaced file's permissions, not the umask's
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
+        _write_fd(fd, data, mode)
         os.replace(tmp, target)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise OutputError(f"cannot write {given}: {exc.strerror or exc}") from None
+
+
+def _write_fd(fd: int, data: bytes, mode: int | None = None) -> None:
+    """All of `data` to `fd` (a pipe takes it in pieces), then the fd closed. `mode`: set it on
+    the file, so a replaced file keeps its permissions rather than the umask's."""
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
