@@ -30,17 +30,7 @@ from textual.widget import Widget
 from textual.widgets import ContentSwitcher, Input, Static, Tab, Tabs
 from textual.worker import Worker, WorkerState
 
-from ddtree.console import fmt
-from ddtree.console.messages import (
-    DownloadsChanged,
-    EnginesChanged,
-    GpuSampled,
-    HardwareChanged,
-    PointsChanged,
-    RunsChanged,
-    Snapshot,
-    StoreFailed,
-)
+from ddtree.console import fmt, messages
 from ddtree.console.palette import PANES, system_commands
 from ddtree.console.poll import Sources
 from ddtree.console.screens.overview import HISTORY, OverviewPane
@@ -114,7 +104,7 @@ class ConsoleApp(App[int]):
         self.clock = clock
         """Now, for ages and uptimes (tests freeze it)."""
         self.demo = demo
-        self.last_snapshot: Snapshot | None = None
+        self.last_snapshot: messages.Snapshot | None = None
         self.gpu_history: dict[int, deque] = {}
         self.gpu_view = None
         self.sweep_run_id: int | None = None
@@ -210,7 +200,7 @@ class ConsoleApp(App[int]):
                 self._reader = open_db(self.db_path)
             yield self._reader
 
-    def on_snapshot(self, message: Snapshot) -> None:
+    def on_snapshot(self, message: messages.Snapshot) -> None:
         if self.last_snapshot is None:
             self.warm_up()
         self.last_snapshot = message
@@ -225,24 +215,24 @@ class ConsoleApp(App[int]):
         for status in self.query("#status").results(Static):
             status.update(text)
 
-    def on_store_failed(self, message: StoreFailed) -> None:
+    def on_store_failed(self, message: messages.StoreFailed) -> None:
         self._status(Text.assemble(("store error: ", "bold red"), fmt.one_line(message.error, 120)))
 
-    def on_downloads_changed(self, message: DownloadsChanged) -> None:
+    def on_downloads_changed(self, message: messages.DownloadsChanged) -> None:
         self.downloads = message.rows
 
-    def on_engines_changed(self, message: EnginesChanged) -> None:
+    def on_engines_changed(self, message: messages.EnginesChanged) -> None:
         self.engines = (message.rows, message.health)
 
-    def on_points_changed(self, message: PointsChanged) -> None:
+    def on_points_changed(self, message: messages.PointsChanged) -> None:
         if message.run_id == self._watched:
             self.points = (message.run_id, message.points)
 
-    def on_runs_changed(self, message: RunsChanged) -> None:
+    def on_runs_changed(self, message: messages.RunsChanged) -> None:
         self.runs_page = message.page
         self.runs_signature = message.signature
 
-    def on_gpu_sampled(self, message: GpuSampled) -> None:
+    def on_gpu_sampled(self, message: messages.GpuSampled) -> None:
         sample = message.sample
         if sample is None:
             return
@@ -250,7 +240,7 @@ class ConsoleApp(App[int]):
             self.gpu_history.setdefault(g.index, deque(maxlen=HISTORY)).append(g)
         self.gpu_tick += 1
 
-    def on_hardware_changed(self, message: HardwareChanged) -> None:
+    def on_hardware_changed(self, message: messages.HardwareChanged) -> None:
         self.gpu_view = message.view
         self.hardware = (message.view, message.host)
         self.host = message.host
@@ -446,30 +436,19 @@ class ConsoleApp(App[int]):
 
     @work(thread=True, exit_on_error=False, group="sweep")
     def start_sweep(self, spec: dict) -> None:
-        """As `ddtree-console sweep --detach`: the run row first (so the pane can show it), then the job."""
-        from ddtree.console.commands.sweep import git_revision
-        from ddtree.jobs.supervisor import submit
-        from ddtree.store import sweeps
-        from ddtree.store.db import open_db
-        from ddtree.store.redact import secret_env
+        """As `ddtree-console sweep --detach`, through the same `jobs.start.start_sweep`: the same
+        checks (a refusal is the worker's error, shown as one line), then the run row (which the
+        pane shows at once) and the job."""
+        from ddtree.jobs.recipe import recipe_from_dict
+        from ddtree.jobs.start import start_sweep
 
-        recipe, path = spec["recipe"], spec.get("recipe_path")
-        engine = recipe.get("engine") or {}
-        db = open_db(self.db_path)
-        try:
-            run_id = sweeps.create_run(
-                db, job_id=None, name=recipe["name"], recipe=recipe, recipe_path=path,
-                recipe_git_rev=git_revision(path) if path else None, engine_kind=engine.get("kind", "builtin"),
-                model=engine.get("model"), draft_model=engine.get("draft_model"), points_total=spec["points_total"])
-            sweeps.update_run(db, run_id, state="queued")
-        finally:
-            db.close()
-        self.sweep_run_id = run_id
-        # The run row keeps the recipe redacted; the real secret values go to the runner's
-        # environment only, as the CLI's sweep does.
-        job_id = submit(self.db_path, "sweep", {"run_id": run_id}, name=recipe["name"], detach=True,
-                        secrets=secret_env(recipe))
-        self.call_from_thread(self.notify, f"sweep run {run_id} started as job {job_id}", title="started")
+        def follow(run_id: int) -> None:
+            self.sweep_run_id = run_id
+
+        started = start_sweep(self.db_path, recipe_from_dict(spec["recipe"]), recipe_path=spec.get("recipe_path"),
+                              on_run=follow)
+        self.call_from_thread(self.notify, f"sweep run {started.run_id} started as job {started.job_id}",
+                              title="started")
         self._wake.set()
 
     async def action_stop_sweep(self) -> None:
@@ -558,10 +537,10 @@ class ConsoleApp(App[int]):
 
     @work(thread=True, exit_on_error=False, group="export")
     def export(self, run_id: int, fmt_name: str, path: str) -> None:
-        from ddtree.console.screens.history import export_run
+        from ddtree.console.export import export_run
 
         with self.reading() as db:
-            written = export_run(db, run_id, fmt_name, Path(path))
+            written = export_run(db, run_id, fmt_name, path, make_parents=True)
         self.call_from_thread(self.notify, f"run {run_id} written to {written}", title="exported")
 
     # -- the demo ------------------------------------------------------------------------------

@@ -57,16 +57,21 @@ def limit(text: str) -> int:
     return value
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "jobs",
-        help="list, cancel and follow jobs (downloads, engines, sweeps)",
-        description="Jobs are rows in the store plus a detached runner process each; they outlive this "
-        "terminal. Without a subcommand, list them (newest first; dead runners are marked lost first).",
-    )
+def list_parser(subparsers: argparse._SubParsersAction, name: str, *, help: str, description: str,
+                limit_default: int | None, limit_help: str) -> argparse.ArgumentParser:
+    """The parser of a command that lists rows (`jobs`, `runs`): --json and --limit N, alike in both."""
+    p = subparsers.add_parser(name, help=help, description=description)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--limit", type=limit, default=limit_default, metavar="N", help=limit_help)
+    return p
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = list_parser(subparsers, "jobs", help="list, cancel and follow jobs (downloads, engines, sweeps)",
+                    description="Jobs are rows in the store plus a detached runner process each; they outlive "
+                    "this terminal. Without a subcommand, list them (newest first; dead runners are marked lost "
+                    "first).", limit_default=50, limit_help="how many jobs to list (default 50)")
     p.add_argument("--all", action="store_true", help="list every job (default: the newest 50)")
-    p.add_argument("--limit", type=limit, default=50, metavar="N", help="how many jobs to list (default 50)")
     sub = p.add_subparsers(dest="jobs_command", metavar="SUBCOMMAND", title="subcommands")
 
     show = sub.add_parser("show", help="one job: spec, result, state history, child processes",

@@ -10,32 +10,27 @@ import dataclasses
 import json
 
 from ddtree.console import fmt
-from ddtree.console.commands.jobs import limit
-from ddtree.jobs.recipe import RecipeError, recipe_from_dict
+from ddtree.console.commands.jobs import list_parser
+from ddtree.console.export import unstable_cv
 from ddtree.store.redact import redact
 from ddtree.store.db import open_db
 from ddtree.store.queries import list_runs
-from ddtree.store.stats import UNSTABLE_CV
 from ddtree.store.sweeps import list_points
 from ddtree.store.summary import best_budgets, labelled
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "runs",
-        help="list benchmark runs (sweeps) and how many points they finished",
-        description="List the benchmark runs in the store, newest first. --filter keeps runs whose name, "
-        "model, drafter, engine, state or recipe contains TEXT (case-insensitive).",
-    )
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p = list_parser(subparsers, "runs", help="list benchmark runs (sweeps) and how many points they finished",
+                    description="List the benchmark runs in the store, newest first. --filter keeps runs whose "
+                    "name, model, drafter, engine, state or recipe contains TEXT (case-insensitive).",
+                    limit_default=None, limit_help="at most N runs")
     p.add_argument("--filter", metavar="TEXT", help="keep runs that mention TEXT")
-    p.add_argument("--limit", type=limit, default=None, metavar="N", help="at most N runs")
 
 
 def run(args: argparse.Namespace) -> int:
     with open_db(args.db) as db:
         runs = list_runs(db, text=args.filter, limit=args.limit)
-        verdicts = {r.id: labelled(best_budgets(list_points(db, r.id), unstable_cv=_unstable_cv(r))) for r in runs}
+        verdicts = {r.id: labelled(best_budgets(list_points(db, r.id), unstable_cv=unstable_cv(r))) for r in runs}
     if args.json:
         print(json.dumps([{**redact(dataclasses.asdict(r)), "best_budget": [{"label": label, **b.to_dict()}
                                                                     for label, b in verdicts[r.id]]}
@@ -70,10 +65,3 @@ def verdict_cell(bests: list) -> str:
         return bests[0][1].verdict.short
     return fmt.one_line("; ".join(f"{label} {b.verdict.short}" for label, b in bests), 60)
 
-
-def _unstable_cv(run) -> float:
-    """The run's recipe threshold for unstable points (the default when it has none)."""
-    try:
-        return recipe_from_dict(run.recipe).sweep.unstable_spread
-    except (RecipeError, TypeError):
-        return UNSTABLE_CV

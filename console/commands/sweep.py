@@ -7,29 +7,26 @@ For kind sglang/vllm the dry run shows each launch exactly as it will be typed (
 from the flags the recipe's interpreter accepts; a launch it cannot build is shown with the reason
 and makes a real run exit 2 before anything starts.
 
-The run row is created here (so its id is known at once, detached or not) and the job runs it;
-`--resume` submits a new job for the same run, which skips the points already finished.
+The checks, the run row and the job come from `jobs.start.start_sweep`, which the console's sweep
+form calls too (so both refuse the same recipes); `--resume` submits a new job for the same run,
+which skips the points already finished.
 In the foreground a line is printed per finished point; Ctrl-C cancels the job (resume later).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
 from ddtree.console.commands import run_id
-from ddtree.jobs.errors import JobError
-from ddtree.jobs.kinds.sweep import check_supported
 from ddtree.console.fmt import printable
-from ddtree.jobs.plan import MAX_POINTS, Hardware, check_plan, check_size, format_plan, make_plan
-from ddtree.jobs.recipe import Recipe, load_recipe, recipe_from_dict, recipe_to_dict
-from ddtree.store.redact import redact, secret_env
+from ddtree.jobs.errors import JobError
+from ddtree.jobs.plan import MAX_POINTS, format_plan
+from ddtree.jobs.recipe import load_recipe
+from ddtree.jobs.start import plan_sweep, start_sweep, submit_sweep
 from ddtree.store import sweeps
 from ddtree.store.db import data_dir, open_db, resolve_db_path
 from ddtree.store.records import ACTIVE_STATES
@@ -71,57 +68,20 @@ def run(args: argparse.Namespace) -> int:
         if args.dry_run:
             raise SweepUsageError("--dry-run applies to a recipe file, not to --resume")
         return _resume(args)
-    recipe = _absolute_paths(load_recipe(args.recipe))
-    # From here on the recipe's secret env values read <redacted> (the dry run, the stored run, the
-    # logs); the real ones go to the runner's environment only.
-    secrets = secret_env(recipe_to_dict(recipe))
-    recipe = recipe_from_dict(redact(recipe_to_dict(recipe)))
-    check_size(recipe, allow_large=args.yes_large)
+    recipe = load_recipe(args.recipe)
     db_path = resolve_db_path(getattr(args, "db", None))
-    # SGLang/vLLM: the plan asks the recipe's interpreter what it accepts (cached beside the
-    # database) and places the launches on this machine's GPUs.
-    hardware = Hardware.detect() if recipe.engine.kind != "builtin" else None
     if args.dry_run:
-        plan = make_plan(recipe, hardware=hardware, cache_dir=data_dir(db_path),
-                         probe=not getattr(args, "no_probe", False))
-        if args.json:
-            print(json.dumps(plan.to_dict(), indent=2))
-        else:
-            print(format_plan(plan))
+        planned = plan_sweep(recipe, cache_dir=data_dir(db_path), allow_large=args.yes_large,
+                             probe=not getattr(args, "no_probe", False), check=False)
+        print(json.dumps(planned.plan.to_dict(), indent=2) if args.json else format_plan(planned.plan))
         return 0
-    check_supported(recipe)
-    plan = make_plan(recipe, hardware=hardware, cache_dir=data_dir(db_path))
-    check_plan(plan)
-    db = open_db(db_path)
+    printer = _PointPrinter(db_path, quiet=args.json)
     try:
-        run_id = sweeps.create_run(
-            db, job_id=None, name=args.name or recipe.name, recipe=recipe_to_dict(recipe),
-            recipe_path=str(Path(args.recipe).resolve()), recipe_git_rev=git_revision(args.recipe),
-            engine_kind=recipe.engine.kind, model=recipe.engine.model, draft_model=recipe.engine.draft_model,
-            points_total=len(plan.points))
-        sweeps.update_run(db, run_id, state="queued")
+        started = start_sweep(db_path, recipe, recipe_path=args.recipe, name=args.name, allow_large=args.yes_large,
+                              detach=args.detach, on_run=None if args.detach else printer.start)
     finally:
-        db.close()
-    return _start(args, db_path, run_id, args.name or recipe.name, secrets)
-
-
-def _absolute_paths(recipe: Recipe) -> Recipe:
-    """The recipe with its local paths (prompt files, model folders, interpreter) made absolute,
-    taken from the folder the sweep starts in: the run stores the recipe, and a detached runner or a
-    later --resume may start elsewhere (where `models/x` would even read as a hub repo id)."""
-
-    def local(text: str | None, *, dataset: bool = False) -> str | None:
-        if text is None or text.startswith("builtin:"):
-            return text
-        if dataset and not (text.endswith(".jsonl") or os.sep in text):
-            return text  # a dataset name, looked up in the dataset folders
-        path = Path(text).expanduser()
-        return str(path.resolve()) if not path.is_absolute() and path.exists() else text
-
-    engine = dataclasses.replace(recipe.engine, python=local(recipe.engine.python), model=local(recipe.engine.model),
-                                 draft_model=local(recipe.engine.draft_model))
-    sweep = dataclasses.replace(recipe.sweep, dataset=tuple(local(d, dataset=True) for d in recipe.sweep.dataset))
-    return dataclasses.replace(recipe, engine=engine, sweep=sweep)
+        printer.stop()
+    return _report(args, db_path, started.run_id, started.job_id)
 
 
 def _resume(args: argparse.Namespace) -> int:
@@ -151,25 +111,28 @@ def _resume(args: argparse.Namespace) -> int:
     return _start(args, db_path, run.id, args.name or run.name or f"run-{run.id}")
 
 
-def _start(args: argparse.Namespace, db_path: Path, run_id: int, name: str,
-           secrets: dict[str, str] | None = None) -> int:
-    from ddtree.jobs.supervisor import submit
+def _start(args: argparse.Namespace, db_path: Path, run_id: int, name: str) -> int:
+    """Submit the job for an existing run (a resume) and report as for a new one."""
+    printer = _PointPrinter(db_path, quiet=args.json)
+    try:
+        if not args.detach:
+            printer.start(run_id)
+        job_id = submit_sweep(db_path, run_id, name, detach=args.detach)
+    finally:
+        printer.stop()
+    return _report(args, db_path, run_id, job_id)
+
+
+def _report(args: argparse.Namespace, db_path: Path, run_id: int, job_id: int) -> int:
     from ddtree.store.queries import get_job
 
     if args.detach:
-        job_id = submit(db_path, "sweep", {"run_id": run_id}, name=name, detach=True, secrets=secrets)
         if args.json:
             print(json.dumps({"job_id": job_id, "run_id": run_id}))
         else:
             print(f"sweep run {run_id} started as job {job_id}; follow it with "
                   f"`ddtree-console jobs logs {job_id} --follow`, resume with `ddtree-console sweep --resume {run_id}`")
         return 0
-    watcher = _PointPrinter(db_path, run_id, quiet=args.json)
-    watcher.start()
-    try:
-        job_id = submit(db_path, "sweep", {"run_id": run_id}, name=name, detach=False, secrets=secrets)
-    finally:
-        watcher.stop()
     db = open_db(db_path)
     try:
         job = get_job(db, job_id)
@@ -198,13 +161,15 @@ def _start(args: argparse.Namespace, db_path: Path, run_id: int, name: str,
 class _PointPrinter:
     """Prints a line for each point of the run that finishes, from its own connection."""
 
-    def __init__(self, db_path: Path, run_id: int, *, quiet: bool = False) -> None:
-        self.db_path, self.run_id, self.quiet = db_path, run_id, quiet
+    def __init__(self, db_path: Path, *, quiet: bool = False) -> None:
+        self.db_path, self.quiet = db_path, quiet
+        self.run_id: int | None = None
         self.done = threading.Event()
         self.seen: set[int] = set()
         self.thread = threading.Thread(target=self._loop, name="sweep-progress", daemon=True)
 
-    def start(self) -> None:
+    def start(self, run_id: int) -> None:
+        self.run_id = run_id
         db = open_db(self.db_path)
         try:
             self.seen = {p.id for p in sweeps.list_points(db, self.run_id) if p.state in ("done", "failed", "skipped")}
@@ -253,21 +218,3 @@ def format_point(p: sweeps.Point) -> str:
     if p.requests_failed:
         parts.append(f"{p.requests_failed} failed")
     return f"{head}  " + "  ".join(parts)
-
-
-def git_revision(path: str | Path) -> str | None:
-    """The commit of the repository holding `path` ("<sha>+dirty" when the file has changes); None
-    outside a repository or without git."""
-    folder = Path(path).resolve().parent
-    try:
-        head = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10, start_new_session=True, stdin=subprocess.DEVNULL)
-        if head.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "-C", str(folder), "status", "--porcelain", "--", str(Path(path).resolve())],
-                               capture_output=True, text=True, timeout=10, start_new_session=True,
-                               stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    sha = head.stdout.strip()
-    return f"{sha}+dirty" if dirty.stdout.strip() else sha

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from ddtree.console.app import make_app
+from ddtree.console.screens.overview import JOB_COLUMNS
 from ddtree.jobs import submit
 from ddtree.jobs.model import create_job, set_state
 from ddtree.store import open_db
@@ -43,7 +44,9 @@ async def test_shows_jobs_and_runs_and_follows_changes(db_path):
     app = make_app(db_path, poll_s=0.1)
     async with app.run_test(size=(140, 40)) as pilot:
         await until(pilot, lambda: app.last_snapshot is not None)
-        assert rows(app, "jobs") == [[str(done), "sleep", "nap", "failed", "-", "0s", "it broke"]]
+        (job_row,) = rows(app, "jobs")
+        assert dict(zip(JOB_COLUMNS, job_row)) == {"ID": str(done), "KIND": "sleep", "NAME": "nap", "STATE": "failed",
+                                                   "PROGRESS": "-", "TOOK": "0s", "ETA": "-", "INFO": "it broke"}
         await pilot.press("6")  # panes are built on their first visit
         await until(pilot, lambda: rows(app, "runs"))
         (run_row,) = rows(app, "runs")
@@ -57,7 +60,7 @@ async def test_shows_jobs_and_runs_and_follows_changes(db_path):
         await pilot.press("1")
         await until(pilot, lambda: len(rows(app, "jobs")) == 2)
         assert rows(app, "jobs")[0][:5] == [str(new), "shell", "-", "queued", "25%"]
-        assert rows(app, "jobs")[0][6] == "warming up"
+        assert rows(app, "jobs")[0][JOB_COLUMNS.index("INFO")] == "warming up"
         await until(pilot, lambda: rows(app, "runs")[0][5] == "2/4")
         await pilot.press("q")
     assert app.return_code == 0
@@ -74,7 +77,7 @@ async def test_start_up_reconciles_dead_runners(db_path):
     app = make_app(db_path, poll_s=0.1)
     async with app.run_test() as pilot:
         await until(pilot, lambda: rows(app, "jobs") and rows(app, "jobs")[0][3] == "lost")
-        assert "gone" in rows(app, "jobs")[0][6]
+        assert "gone" in rows(app, "jobs")[0][JOB_COLUMNS.index("INFO")]
         await pilot.press("q")
 
 
