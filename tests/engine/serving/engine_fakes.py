@@ -2,7 +2,8 @@
 
 `fake_python(tmp_path, kind, help_text, version)` writes a shell wrapper that runs this
 interpreter with PYTHONPATH pointing at a package whose `launch_server --help` prints a recorded
-help text and whose `launch_server` otherwise runs `server_body` (a small HTTP server)."""
+help text and whose `launch_server` otherwise runs `server_body` (a small HTTP server: STANDIN, a
+stand-in SGLang, or DIES, a launch that runs out of memory)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,105 @@ if not os.path.exists(body):
     raise SystemExit(2)
 sys.argv = [body] + sys.argv[1:]
 exec(compile(open(body).read(), body, "exec"), {"__name__": "__main__"})
+'''
+
+
+# -- server bodies for fake_python(server_body=...) -----------------------------------------
+
+# SGLang's surface as far as the runner and the bench client use it. Flags are parsed strictly
+# (an unknown one exits 2 with argparse's "unrecognized arguments", as SGLang does). Counters start
+# as if the server had served other runs since boot at tau 1.0, so only differences give a
+# point's tau. The warm-up prompt (STANDIN_WARM) is accepted at tau 2, every other at tau 4.
+STANDIN = r'''
+import argparse, json, os, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+fail_once = os.environ.get("STANDIN_FAIL_ONCE")
+if fail_once and not os.path.exists(fail_once):
+    open(fail_once, "w").close()
+    print("ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 1): address already in use",
+          file=sys.stderr, flush=True)
+    sys.exit(1)
+p = argparse.ArgumentParser()
+for flag in ("--model-path", "--host", "--speculative-draft-model-path"):
+    p.add_argument(flag)
+for flag in ("--tp-size", "--port", "--speculative-num-draft-tokens", "--speculative-ddtree-budget", "--page-size",
+             "--speculative-draft-window-size"):
+    p.add_argument(flag, type=int)
+p.add_argument("--speculative-algorithm", choices=["DFLASH", "DDTREE"])
+p.add_argument("--enable-metrics", action="store_true")
+args = p.parse_args()
+print("server_args=" + json.dumps(vars(args)), flush=True)
+print("cuda_visible_devices=" + os.environ.get("CUDA_VISIBLE_DEVICES", "-"), flush=True)
+spec = args.speculative_algorithm is not None
+state = {"tokens": 1000, "verify": 1000 if spec else 0, "requests": 50, "affinity": False}
+ready_at = time.time() + 0.3
+lock = threading.Lock()
+warm = os.environ.get("STANDIN_WARM")
+
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def send(self, code, body, ctype="application/json"):
+        data = body.encode()
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/health":
+            return self.send(200 if time.time() > ready_at else 503, "{}")
+        if self.path == "/metrics" and args.enable_metrics:
+            with lock:
+                return self.send(200, (
+                    "# TYPE sglang:generation_tokens_total counter\n"
+                    f'sglang:generation_tokens_total{{model_name="m"}} {state["tokens"]}.0\n'
+                    "# TYPE sglang:spec_verify_calls_total counter\n"
+                    f'sglang:spec_verify_calls_total{{model_name="m"}} {state["verify"]}.0\n'
+                    "# TYPE sglang:num_requests_total counter\n"
+                    f'sglang:num_requests_total{{model_name="m"}} {state["requests"]}.0\n'), "text/plain")
+        if self.path in ("/server_info", "/get_server_info"):
+            with lock:  # cumulative since boot: what a per-run figure must never be read from
+                tau = state["tokens"] / state["verify"] if state["verify"] else None
+            return self.send(200, json.dumps({"internal_states": [{"avg_spec_accept_length": tau}]}))
+        self.send(404, "{}")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/generate":
+            return self.send(404, "{}")
+        with lock:
+            if not state["affinity"] and hasattr(os, "sched_getaffinity"):
+                state["affinity"] = True
+                print("affinity=" + json.dumps(sorted(os.sched_getaffinity(0))), flush=True)
+        n = body["sampling_params"]["max_new_tokens"]
+        meta = {"id": "r", "prompt_tokens": 5, "completion_tokens": n, "cached_tokens": 0,
+                "finish_reason": {"type": "length", "length": n}, "e2e_latency": 0.01}
+        verify = 0
+        if spec:
+            tau = 2 if body.get("text") == warm else 4
+            verify = -(-n // tau)
+            meta.update(spec_verify_ct=verify, spec_accept_length=n / verify, spec_num_correct_drafts=n - verify,
+                        spec_correct_drafts_histogram=[0] * (tau - 1) + [verify])
+        with lock:
+            state["tokens"] += n
+            state["verify"] += verify
+            state["requests"] += 1
+        self.send(200, json.dumps({"text": "x" * n, "output_ids": [7] * n, "meta_info": meta}))
+
+
+ThreadingHTTPServer((args.host, args.port), H).serve_forever()
+'''
+
+DIES = r'''
+import sys
+print("[2026-11-20 10:02:11 TP0] Load weight begin. avail mem=78.50 GB", flush=True)
+print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+      "of 79.19 GiB of which 1.06 GiB is free.", file=sys.stderr, flush=True)
+sys.exit(1)
 '''
 
 
