@@ -17,6 +17,8 @@ from ddtree.store.db import open_db
 from ddtree.store.queries import list_runs
 from ddtree.store.sweeps import list_points
 from ddtree.store.summary import best_budgets, labelled
+from ddtree.store.insight import labelled_recommendations
+from ddtree.store.sentinel import check_runs
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -31,9 +33,10 @@ def run(args: argparse.Namespace) -> int:
     with open_db(args.db) as db:
         runs = list_runs(db, text=args.filter, limit=args.limit)
         verdicts = {r.id: labelled(best_budgets(list_points(db, r.id), unstable_cv=unstable_cv(r))) for r in runs}
+        insight = run_insight(db, runs)
     if args.json:
         print(json.dumps([{**redact(dataclasses.asdict(r)), "best_budget": [{"label": label, **b.to_dict()}
-                                                                    for label, b in verdicts[r.id]]}
+                                                                    for label, b in verdicts[r.id]], **insight[r.id]}
                           for r in runs], indent=2, default=str))
         return 0
     if not runs:
@@ -54,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         for r in runs
     ]
     print(fmt.table(["ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "FAILED", "CREATED", "VERDICT"], rows))
+    for line in insight_lines(runs, insight):
+        print(line)
     return 0
 
 
@@ -65,3 +70,29 @@ def verdict_cell(bests: list) -> str:
         return bests[0][1].verdict.short
     return fmt.one_line("; ".join(f"{label} {b.verdict.short}" for label, b in bests), 60)
 
+
+def run_insight(db, runs: list) -> dict[int, dict]:
+    """Per run, what `runs --json` adds to the verdict: `recommendation` (store.insight: the budget
+    to serve with per setting, with gains and the repeats that would settle a tie) and `sentinel`
+    (store.sentinel: the run against earlier runs of its fingerprint, and its flags)."""
+    reports = check_runs(db, [r.id for r in runs])
+    out = {}
+    for r in runs:
+        recs = labelled_recommendations(list_points(db, r.id))
+        report = reports.get(r.id)
+        out[r.id] = {"recommendation": [{"label": label, **rec.to_dict()} for label, rec in recs],
+                     "sentinel": report.to_dict() if report is not None else None}
+    return out
+
+
+def insight_lines(runs: list, insight: dict[int, dict]) -> list[str]:
+    """Under the table: one line per run and setting naming the budget to serve with, then each
+    regression flag of the run ("run 7 c=1: serve budget 16 at ...", "run 7 ! c=4: tau collapsed ...")."""
+    lines = []
+    for r in runs:
+        data = insight.get(r.id) or {}
+        for rec in data.get("recommendation") or []:
+            lines.append(f"run {r.id} {rec['label']}: {rec['line']}")
+        for flag in (data.get("sentinel") or {}).get("lines") or []:
+            lines.append(f"run {r.id} ! {flag}")
+    return lines
