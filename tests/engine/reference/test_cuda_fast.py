@@ -116,6 +116,58 @@ def test_graphs_sessions_beyond_the_slots_equal_serial(tiny):
     assert len(fast.impl._free) == slots
 
 
+def test_graphs_across_kv_buckets_and_walk_graphs_equal_transformers(tiny, monkeypatch):
+    """A context that grows from 240 past 256 and 512 rows: the replays move to larger KV spans
+    (one graph per query and KV bucket) and every verify commits through its walk graph."""
+    ref, fast = tiny
+    target = fast.target
+    used: set = set()
+    find = target._graph_for
+
+    def spy(cache, n):
+        found = find(cache, n)
+        if found is not None:
+            used.add(next(key for key, graph in cache.graphs.items() if graph is found[1]))
+        return found
+
+    walks = []
+    walk_commit = target.walk_commit
+
+    def counted(last, parents, posterior):
+        io = last.cache().walks[last.q]
+        walks.append(io.graph is not None)
+        return walk_commit(last, parents, posterior)
+
+    monkeypatch.setattr(target, "_graph_for", spy)
+    monkeypatch.setattr(target, "walk_commit", counted)
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, 60, (240,), generator=g).tolist()
+    gen = GenParams(max_new_tokens=300, ignore_eos=True)
+    assert _compare(ref, fast, [prompt], gen, [AR, SpecParams("dflash"), SpecParams("ddtree", 64)]) > 0
+    spans = {kv for _, kv in used}
+    assert {256, 512, 1024} <= spans, spans
+    assert walks and all(walks)  # every static verify walked and committed in its graph
+    cache = fast.impl._slots[0][0]
+    assert len(cache.graphs) == sum(1 for q in cache.stages for kv in (256, 512, 1024) if kv >= q)
+
+
+def test_graphs_a_dropped_session_gives_its_slot_back(tiny):
+    import gc
+
+    ref, fast = tiny
+    slots = fast.impl.slots
+    gen = GenParams(max_new_tokens=20, ignore_eos=True)
+    sessions = [fast.start([5, 6, 7], gen, SpecParams("ddtree", 16)) for _ in range(slots)]
+    for s in sessions:
+        s.step()
+        s.step()
+    assert not fast.impl._free
+    del sessions, s
+    gc.collect()
+    assert len(fast.impl._free) == slots
+    _compare(ref, fast, _tiny_prompts()[:2], GenParams(max_new_tokens=12, ignore_eos=True), SPECS[:3])
+
+
 def test_graphs_demo_pair_fp32_equal_ar_and_transformers():
     _need_demo()
     auto = Engine.load(DEMO_TARGET, DEMO_DRAFTER, device="cuda", max_budget=256)
