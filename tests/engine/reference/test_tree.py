@@ -10,7 +10,7 @@ from ddtree.engine.reference.tree import (
     tree_scores,
 )
 
-from .tree_support import all_prefix_scores, ancestor_sets, random_logprobs, tree_paths
+from .tree_support import all_prefix_scores, ancestor_sets, python_walk, random_logprobs, tree_paths
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -64,18 +64,6 @@ def test_ancestor_matrix_and_mask_match_brute_force():
     assert (mask[0, 0, :, 9:][~anc] == torch.finfo(torch.float32).min).all()
 
 
-def _python_walk(tree, posterior):
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    children = {}
-    for i in range(1, tree.size):
-        children.setdefault(parents[i], {})[tokens[i]] = i
-    node, path = 0, [0]
-    while posterior[node] in children.get(node, {}):
-        node = children[node][posterior[node]]
-        path.append(node)
-    return path
-
-
 @pytest.mark.parametrize("seed", range(20))
 def test_walk_matches_a_python_walk(seed):
     vocab = 5
@@ -91,7 +79,7 @@ def test_walk_matches_a_python_walk(seed):
     for parent, tok in children_best.items():
         if torch.rand(1, generator=g) < 0.8:
             posterior[parent] = tok
-    assert accepted_path(tree, posterior).tolist() == _python_walk(tree, posterior.tolist())
+    assert accepted_path(tree, posterior).tolist() == python_walk(tree, posterior.tolist())
 
 
 def test_chain_walk_stops_at_first_mismatch():

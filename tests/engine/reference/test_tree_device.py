@@ -22,7 +22,7 @@ from ddtree.engine.reference.tree import (
     walk_device,
 )
 
-from .tree_support import all_prefix_scores, ancestor_sets, random_logprobs, tree_paths
+from .tree_support import all_prefix_scores, ancestor_sets, python_walk, random_logprobs, tree_paths
 
 
 def _tied_logprobs(depth: int, vocab: int, seed: int) -> torch.Tensor:
@@ -161,18 +161,6 @@ def test_device_functions_read_nothing_back_to_the_host():
     assert _code(fetch_walk).count(".tolist(") == 1 and "item(" not in _code(fetch_walk)
 
 
-def _python_walk(tree, posterior):
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    children = {}
-    for i in range(1, tree.size):
-        children.setdefault(parents[i], {})[tokens[i]] = i
-    node, path = 0, [0]
-    while posterior[node] in children.get(node, {}):
-        node = children[node][posterior[node]]
-        path.append(node)
-    return path
-
-
 def _posterior_down(tree, leaf: int, vocab: int, g) -> torch.Tensor:
     """Random choices, except along the path to `leaf`, where each node chooses the next one."""
     posterior = torch.randint(0, vocab, (tree.size,), generator=g)
@@ -211,7 +199,7 @@ def test_walk_matches_accepted_path_and_session_walk(seed):
         ]
         for posterior in cases:
             want = accepted_path(tree, posterior).tolist()
-            assert want == _python_walk(tree, posterior.tolist())
+            assert want == python_walk(tree, posterior.tolist())
             order, count = walk_device(tree, posterior)
             assert sorted(order.tolist()) == list(range(tree.size))
             assert order[:int(count)].tolist() == want

@@ -47,3 +47,16 @@ def ancestor_sets(tree) -> list[set[int]]:
             want.add(j)
         out.append(want)
     return out
+
+
+def python_walk(tree, posterior: list[int]) -> list[int]:
+    """The accepted path by following, from the root, the child whose token the posterior chose."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    children = {}
+    for i in range(1, tree.size):
+        children.setdefault(parents[i], {})[tokens[i]] = i
+    node, path = 0, [0]
+    while posterior[node] in children.get(node, {}):
+        node = children[node][posterior[node]]
+        path.append(node)
+    return path
