@@ -4,6 +4,7 @@ their log (follow, search, wrap), and a form to start one; stopping asks first."
 from __future__ import annotations
 
 import json
+from weakref import WeakKeyDictionary
 
 from rich.text import Text
 from textual import on
@@ -206,6 +207,31 @@ class EnginesPane(Vertical):
         await self.app.run_action("stop_engine")
 
 
+#: Per console: the engine form's fields as last started, so the form opens with them again.
+LAST_FIELDS: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def preview(spec: dict) -> str:
+    """What will run, every setting spelled out (defaults named as such): the form's last line."""
+    from ddtree.engine.serving.names import display_name
+
+    draft = display_name(spec.get("draft_model")) if spec.get("draft_model") else "none"
+    if spec.get("demo"):
+        model, draft = "demo/target", "demo/drafter"
+    else:
+        model = display_name(spec["model"])
+    algorithm = spec["algorithm"]
+    if algorithm == "ddtree":
+        algorithm += f" budget {spec['budget'] if spec.get('budget') is not None else 'the server default'}"
+    block = spec["block_size"] if spec.get("block_size") is not None else "the drafter's"
+    if spec["kind"] == "builtin":
+        where = f"on {spec['device']}, backend {spec.get('backend') or 'auto'}"
+    else:
+        gpus = ",".join(map(str, spec.get("gpus") or [])) or "0"
+        where = f"on GPUs {gpus}, TP {spec.get('tp') or 1}, python {spec.get('python')}"
+    return f"will run: {spec['kind']} {model} with drafter {draft}, {algorithm}, block {block}, {where}"
+
+
 class EngineForm(ModalScreen[dict | None]):
     """An engine server: the builtin one (model and drafter, empty = the demo pair), or SGLang/vLLM
     from a given interpreter on chosen GPUs."""
@@ -251,15 +277,25 @@ class EngineForm(ModalScreen[dict | None]):
             with Horizontal(classes="form-row", id="row-gpus"):
                 yield Label("GPUs")
                 yield Input(placeholder="e.g. 0,1 (tensor parallel over them)", id="gpus", compact=True)
+            with Horizontal(classes="form-row", id="row-tp"):
+                yield Label("TP")
+                yield Input(placeholder="tensor-parallel size (default: one per GPU listed)", id="tp",
+                            type="integer", compact=True)
             yield Static("", id="form-error", classes="form-error")
             with Horizontal(classes="buttons"):
                 yield Button("Start", id="start", variant="primary")
                 yield Button("Cancel", id="cancel")
 
     def on_mount(self) -> None:
+        for field_id, value in LAST_FIELDS.get(self.app, {}).items():
+            for widget in self.query(f"#{field_id}"):
+                widget.value = value
         self.query_one("#model", Input).focus()
         self._show_rows()
         self.validate_form()
+
+    def _fields(self) -> dict[str, str]:
+        return {w.id: w.value for w in self.query("Input, Select") if w.id and isinstance(w.value, str)}
 
     def _show_rows(self) -> None:
         builtin = self.query_one("#kind", Select).value == "builtin"
@@ -267,6 +303,7 @@ class EngineForm(ModalScreen[dict | None]):
         self.query_one("#row-backend").display = builtin
         self.query_one("#row-python").display = not builtin
         self.query_one("#row-gpus").display = not builtin
+        self.query_one("#row-tp").display = not builtin
 
     def raw_spec(self) -> dict:
         def text(field_id: str) -> str | None:
@@ -289,7 +326,8 @@ class EngineForm(ModalScreen[dict | None]):
             spec["model"] = text("model")
         if text("draft"):
             spec["draft_model"] = text("draft")
-        for key, field_id in (("budget", "budget"), ("block_size", "block")):
+        keys = (("budget", "budget"), ("block_size", "block")) + ((("tp", "tp"),) if kind != "builtin" else ())
+        for key, field_id in keys:
             value = text(field_id)
             if value is not None:
                 try:
@@ -315,10 +353,7 @@ class EngineForm(ModalScreen[dict | None]):
             error.update(Text(refused, style="red"))
             self.query_one("#start", Button).disabled = True
             return None
-        where = (f" on GPUs {','.join(map(str, spec['gpus']))}" if spec["kind"] != "builtin"
-                 else f" on {spec['device']}, backend {spec['backend']}")
-        model = "the demo pair" if spec["demo"] else spec["model"]
-        error.update(Text(f"will run: {spec['kind']} {model}{where}", style="dim"))
+        error.update(Text(preview(spec), style="dim"))
         self.query_one("#start", Button).disabled = False
         return spec
 
@@ -346,6 +381,7 @@ class EngineForm(ModalScreen[dict | None]):
     @on(Button.Pressed, "#start")
     def _start(self) -> None:
         if self.validate_form() is not None:
+            LAST_FIELDS[self.app] = self._fields()
             self.dismiss(self.raw_spec())
 
     @on(Button.Pressed, "#cancel")

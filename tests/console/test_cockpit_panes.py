@@ -273,10 +273,22 @@ async def test_engine_form_starts_sglang_on_chosen_gpus(seeded, tmp_path, monkey
         assert "gpus must be a list" in error()
         form.query_one("#gpus").value = "2,3"
         await pilot.pause(0.05)
-        assert not form.query_one("#start").disabled and "sglang Qwen/Qwen3-8B on GPUs 2,3" in error()
+        assert not form.query_one("#start").disabled
+        assert ("will run: sglang Qwen/Qwen3-8B with drafter z-lab/Qwen3-8B-DFlash-b16, dflash, block the drafter's, "
+                "on GPUs 2,3, TP 2") in error()  # TP follows the GPUs until one is typed
+        assert form.query_one("#row-tp").display
+        form.query_one("#tp").value = "1"
+        await pilot.pause(0.05)
+        assert "on GPUs 2,3, TP 1" in error()
         await pilot.click("#start")
+        # the form remembers what was started
+        await pilot.press("n")
+        form = app.screen
+        assert form.query_one("#kind").value == "sglang" and form.query_one("#gpus").value == "2,3"
+        assert form.query_one("#model").value == "Qwen/Qwen3-8B" and form.query_one("#tp").value == "1"
+        await pilot.press("escape")
     assert submitted == [("engine", {"kind": "sglang", "algorithm": "dflash", "python": str(python), "gpus": [2, 3],
-                                     "model": "Qwen/Qwen3-8B", "draft_model": "z-lab/Qwen3-8B-DFlash-b16"})]
+                                     "model": "Qwen/Qwen3-8B", "draft_model": "z-lab/Qwen3-8B-DFlash-b16", "tp": 1})]
 
 
 async def test_sweeps_pane_curves_baselines_best_and_points(seeded):
