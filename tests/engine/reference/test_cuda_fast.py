@@ -14,6 +14,7 @@ import torch
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 
 from .conftest import make_drafter, make_target
+from .test_fast_engine import _compare as compare_backends
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -43,18 +44,7 @@ def _need_demo() -> None:
 
 
 def _compare(ref: Engine, fast: Engine, prompts, gen: GenParams, specs=SPECS) -> int:
-    accepted = 0
-    for prompt in prompts:
-        ar = ref.generate(prompt, gen, AR)
-        for spec in specs:
-            want = ar if spec is AR else ref.generate(prompt, gen, spec)
-            got = fast.generate(prompt, gen, spec)
-            label = (spec, len(prompt))
-            assert got.output_ids == ar.output_ids, (label, "fast != AR", got.output_ids, ar.output_ids)
-            assert want.output_ids == ar.output_ids, (label, "transformers != AR")
-            assert got.accept_lengths == want.accept_lengths, (label, got.accept_lengths, want.accept_lengths)
-            accepted += sum(t - 1 for t in got.accept_lengths)
-    return accepted
+    return compare_backends(ref, fast, prompts, gen, specs)
 
 
 def _warm(engine: Engine) -> Engine:
