@@ -22,6 +22,15 @@ def _prompts(lengths, seed: int, vocab: int = 60) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def _three_algorithms(seed: int, lengths, max_new: int):
+    """An engine on a fresh tiny pair, one ddtree/dflash/ar job a prompt, and each job's tokens alone."""
+    model = make_target(seed)
+    engine = Engine(model, make_drafter(model, block_size=8))
+    specs = (SpecParams("ddtree", 16), SpecParams("dflash"), SpecParams("ar"))
+    jobs = [(p, GenParams(max_new_tokens=max_new, ignore_eos=True), s) for p, s in zip(_prompts(lengths, seed), specs)]
+    return engine, jobs, [engine.generate(*job).output_ids for job in jobs]
+
+
 def _run_batched(engine, jobs, *, join_every: int = 2, on_start=None) -> list[Session]:
     """Start one job every `join_every` rounds while stepping all live sessions together."""
     waiting, sessions, rounds = list(jobs), [], 0
@@ -131,11 +140,7 @@ def test_batched_against_plain_ar_with_a_branching_oracle():
 
 def test_steady_batches_reuse_the_previous_batched_cache(monkeypatch):
     """Same sessions in the same order: the stacked caches are the last round's tensors, no copy."""
-    model = make_target(15)
-    engine = Engine(model, make_drafter(model, block_size=8))
-    jobs = [(p, GenParams(max_new_tokens=30, ignore_eos=True), s)
-            for p, s in zip(_prompts([6, 21, 13], 15), (SpecParams("ddtree", 16), SpecParams("dflash"), SpecParams("ar")))]
-    serial = [engine.generate(*job).output_ids for job in jobs]
+    engine, jobs, serial = _three_algorithms(15, [6, 21, 13], 30)
     hits = []
     shared = batch._shared_base
 
@@ -183,11 +188,7 @@ def test_stop_tokens_and_context_window_inside_a_batch():
 
 
 def test_a_failing_forward_changes_no_session(monkeypatch):
-    model = make_target(13)
-    engine = Engine(model, make_drafter(model, block_size=8))
-    jobs = [(p, GenParams(max_new_tokens=16, ignore_eos=True), s)
-            for p, s in zip(_prompts([5, 12, 8], 13), (SpecParams("ddtree", 16), SpecParams("dflash"), SpecParams("ar")))]
-    serial = [engine.generate(*job).output_ids for job in jobs]
+    engine, jobs, serial = _three_algorithms(13, [5, 12, 8], 16)
     sessions = [engine.start(*job) for job in jobs]
     engine.step_many(sessions)  # prefill
     engine.step_many(sessions)
