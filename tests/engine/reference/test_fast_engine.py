@@ -103,6 +103,7 @@ def _compare(ref: Engine, fast: Engine, prompts, gen: GenParams, specs) -> int:
 
 
 # ---- 1. greedy: fast == transformers == AR ----------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_greedy_fast_equals_transformers_and_ar(arch):
     model = make_target(21) if arch == "qwen3" else make_llama(22)
@@ -123,6 +124,7 @@ def test_greedy_fast_equals_transformers_many_prompts(arch):
     assert _compare(ref, fast, _prompts(12, 7), GenParams(max_new_tokens=40, ignore_eos=True), SPECS) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_short_block_length_cuts_and_context_window(arch):
     """engine.block_size below the drafter's, max_new_tokens cutting the last round's depth, and
@@ -172,6 +174,7 @@ def test_load_auto_on_cpu_takes_transformers_and_fast_when_asked(demo):
     assert fast.dtype == auto.dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_demo_pair_fast_equals_transformers(demo):
     auto, fast, prompts = demo
     specs = [AR, SpecParams("dflash"), SpecParams("ddtree", 16), SpecParams("ddtree", 64)]
@@ -206,6 +209,7 @@ def _count_static(monkeypatch, target: FastTarget) -> list[int]:
     return calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_budget", [1024, 16])
 def test_static_padded_path_equals_eager(monkeypatch, max_budget):
     """max_budget 16: buckets end at 32, so long prompts prefill eagerly and rounds run static."""
@@ -239,6 +243,7 @@ def test_static_padded_path_equals_eager(monkeypatch, max_budget):
     "test_bad_params_are_named_errors",
     "test_llama_target_and_shorter_block",
 ])
+@pytest.mark.slow
 def test_decode_tests_pass_on_the_fast_backend(name, monkeypatch):
     monkeypatch.setattr(reference, "Engine", FastEngine)
     getattr(reference, name)()
@@ -265,6 +270,7 @@ def test_reused_tests_build_fast_engines(monkeypatch):
     assert built == ["fast"]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_equals_the_transformers_backend():
     """Same seed, same draws: float32 logits of the two backends agree to ~1e-6, far below what
     moves a multinomial draw, and the trees (so the rows sampled) are the same."""
@@ -384,6 +390,7 @@ JOBS = [(SpecParams("ddtree", 32), 17), (AR, 9), (SpecParams("dflash"), 21), (Sp
         (AR, 15), (SpecParams("ddtree", 63), 23)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slots", [0, 3])
 def test_interleaved_sessions_equal_serial_and_never_share_a_cache(slots):
     model = make_target(30)
@@ -423,6 +430,7 @@ def test_interleaved_sessions_equal_serial_and_never_share_a_cache(slots):
         assert len(fast.impl._free) == slots and {id(p[0]) for p in fast.impl._free} == {id(p[0]) for p in pool}
 
 
+@pytest.mark.slow
 def test_a_reused_slot_decodes_like_a_fresh_cache(demo, monkeypatch):
     """The demo pair on the static path through one slot, against the transformers backend. A slot that held a long sequence (stale rows past the new length) serves the next ones with
     the same drafts as a fresh cache: on the trained pair a stale drafter context shows up in the

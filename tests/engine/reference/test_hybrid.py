@@ -78,6 +78,7 @@ def test_speculative_algorithms_are_refused_with_the_reason(hybrid):
         assert "SGLang" in text and "--mamba-scheduler-strategy extra_buffer" in text
 
 
+@pytest.mark.slow
 def test_ar_equals_plain_decoding_alone_and_stepped_together(hybrid):
     engine = Engine(hybrid, make_drafter(hybrid, block_size=8))
     gen = GenParams(max_new_tokens=16, ignore_eos=True)
@@ -163,6 +164,7 @@ def served_pair(tmp_path_factory):
     return _served_pair(tmp_path_factory.mktemp("served"), _built(transformers.Qwen3NextForCausalLM, cfg, 3))
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_speculative_default_with_one_line(served_pair):
     target, drafter = served_pair
     for argv in ([*CLI, "serve"], SERVER):  # before exec (config.json only), and the server itself
@@ -177,6 +179,7 @@ def test_serve_refuses_a_speculative_default_with_one_line(served_pair):
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "refuses dflash" in out.stderr
 
 
+@pytest.mark.slow
 def test_serve_with_algorithm_ar_starts(served_pair, tmp_path):
     target, drafter = served_pair
     proc = ServerProcess([*CLI, "serve", "--model", str(target), "--draft", str(drafter), "--algorithm", "ar",

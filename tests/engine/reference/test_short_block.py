@@ -74,6 +74,7 @@ def demo_engine():
     return engine, prompts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [SpecParams("dflash"), SpecParams("ddtree", 16)], ids=["dflash", "ddtree16"])
 def test_demo_pair_short_block_keeps_the_full_blocks_acceptance(demo_engine, spec):
     """tau at B is not below the full block's tau truncated at B (per round min(tau, B)); with a

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .conftest import write_recipe
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -88,6 +90,7 @@ def test_name_names_the_run_and_a_resume_keeps_it(tmp_path, tiny_pair, prompts_f
         assert db["jobs"].get(job_id)["name"] == "mine"
 
 
+@pytest.mark.slow
 def test_ctrl_c_cancels_a_foreground_sweep_quietly(tmp_path, tiny_pair, prompts_file):
     import os
     import signal

@@ -180,6 +180,7 @@ def test_export_fields_of_a_point_without_a_reading_are_none():
 # -- end to end: a real sweep point beside a CPU hog ---------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_point_run_under_a_cpu_hog_is_flagged_in_store_pane_and_exports(tmp_path, tiny_pair, prompts_file):
     from ddtree.console.screens.sweeps import point_cells

@@ -215,6 +215,7 @@ def test_secret_names():
     assert secret_env(doc) == {"HF_TOKEN": "x", "API_KEY": "y"} and secret_env(redact(doc)) == {}
 
 
+@pytest.mark.slow
 def test_runner_killed_at_several_moments_then_resumed_records_every_point_once(tmp_path, prompts_file, capsys):
     """Fault injection: SIGKILL of the detached runner after the first point, mid-point, and after
     further points, each followed by `sweep --resume`; the grid ends with every point done exactly
