@@ -55,7 +55,7 @@ class RunsChanged(Message):
 
 @dataclass
 class GpuSampled(Message):
-    """One telemetry tick (a `ddtree.engine.sampler.Sample`)."""
+    """One telemetry tick (a `ddtree.engine.machine.sampler.TelemetrySample`)."""
 
     sample: Any
 

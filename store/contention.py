@@ -1,5 +1,5 @@
 """What competed with each point (issue 16): the writes the sweep makes and the reads the pane and
-the exports make. The reading itself comes from engine/contention.py as a plain dict; the store
+the exports make. The reading itself comes from engine/machine/contention.py as a plain dict; the store
 keeps it as JSON on the point row (`points.contention`) next to a 0/1 flag (`points.contended`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 from sqlite_utils import Database
 
 from ddtree.store.queries import to_json
-from ddtree.store.sweeps import _write
+from ddtree.store.sweeps import write
 
 #: The export columns, in order: (column name, how to take it from a stored reading).
 EXPORT_COLUMNS = ("contended", "busy_reasons", "host_load1", "host_cpu_percent", "others_cpu_cores",
@@ -19,7 +19,7 @@ EXPORT_COLUMNS = ("contended", "busy_reasons", "host_load1", "host_cpu_percent",
 def record_contention(db: Database, point_id: int, reading: dict, reasons: list[str]) -> None:
     """Store a point's reading and whether it was contended (any reason)."""
     doc = {**reading, "reasons": list(reasons)}
-    with _write(db, f"point {point_id} contention") as tx:
+    with write(db, f"point {point_id} contention") as tx:
         tx.execute("UPDATE points SET contention = ?, contended = ? WHERE id = ?",
                    [to_json(doc), int(bool(reasons)), point_id])
 

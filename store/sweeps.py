@@ -125,7 +125,6 @@ def write(db: Database, what: str) -> Iterator[Database]:
         raise _classify(exc, what) from None
 
 
-_write = write  # the name store/contention.py imports
 
 
 def _classify(exc: sqlite3.OperationalError, what: str) -> StoreError:

@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 from ddtree.engine.errors import EngineError
-from ddtree.engine.host import HostInfo, host_info
-from ddtree.engine.hw import LINK_MEANING, GpuInfo, GpuView, format_cpulist, gpu_view
-from ddtree.engine.placement import Placement, suggest
-from ddtree.engine.preflight import estimate_vram
+from ddtree.engine.machine.host import HostInfo, host_info
+from ddtree.engine.machine.hw import LINK_MEANING, GpuInfo, GpuView, format_cpulist, gpu_view
+from ddtree.engine.machine.placement import Placement, suggest
+from ddtree.engine.machine.preflight import estimate_vram
 from ddtree.store.db import data_dir
 
 GIB = 1024**3
