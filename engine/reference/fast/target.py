@@ -8,7 +8,8 @@ mask row allows (causal when there is no mask, a tree's ancestors for a verify).
 Two code paths compute that:
 - eager: shapes follow n; attention reads rows [:length+n] only. Prefill and anything larger than
   the largest bucket run here.
-- static: n padded to a bucket q (a power of two), K/V written with index_copy_ at length+arange(q),
+- static: n padded to a bucket q (1, 2, then a power of two plus one: bucket_sizes), K/V
+  written with index_copy_ at length+arange(q),
   attention over the first kv rows (kv: the cache's smallest KV bucket >= length+q, cache.py) with
   a [q, kv] mask built on the device from `cache.length_t`. Nothing in it reads a device value on
   the host, so `capture` records it as one CUDA graph per (q, kv); on a CPU `static=True` runs it
@@ -47,12 +48,19 @@ _WARMUP_RUNS = 2
 
 
 def bucket_sizes(max_query: int) -> tuple[int, ...]:
-    """1, 2, 4, ... up to the first power of two >= max_query."""
+    """1, 2, then powers of two plus one (3, 5, 9, 17, ...) up to the first >= max_query.
+
+    A DDTree verify at budget B has B+1 nodes (the bonus and B drafts) and budgets are usually
+    powers of two, so B+1 fits its bucket exactly; with plain powers of two budget 64 padded 65
+    rows to 128, a near doubling of the verify once the GEMMs stop being weight-bound. A DFlash
+    block of 16 (16 rows) pads one row to 17."""
     if not isinstance(max_query, int) or isinstance(max_query, bool) or max_query < 1:
         raise BadParams(f"max_query must be a positive integer, got {max_query!r}")
     sizes = [1]
+    power = 1
     while sizes[-1] < max_query:
-        sizes.append(sizes[-1] * 2)
+        sizes.append(power + 1)
+        power *= 2
     return tuple(sizes)
 
 
@@ -84,7 +92,7 @@ class FastTarget:
                  static: bool = False, attention: str = "auto") -> None:
         """context_window: rows a cache holds for the context (default max_position_embeddings).
         max_query: the most tokens a forward after the prefill adds (budget + 1); the buckets
-        go up to the power of two above it and every cache gets that many rows of slack.
+        go up to the first bucket >= it and every cache gets that many rows of slack.
         static: run forwards that fit a bucket on the static padded path even without graphs.
         attention: "sdpa", "matmul" (model.py says when each wins) or "auto": matmul on CUDA
         where torch has float32-output GEMMs for half inputs, else sdpa. A causal prefill on an

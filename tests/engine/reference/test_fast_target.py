@@ -195,12 +195,13 @@ def test_static_cache_bookkeeping():
 
 
 def test_buckets_masks_and_bad_calls(saved):
-    assert bucket_sizes(1) == (1,) and bucket_sizes(33) == (1, 2, 4, 8, 16, 32, 64)
+    assert bucket_sizes(1) == (1,) and bucket_sizes(33) == (1, 2, 3, 5, 9, 17, 33)
+    assert bucket_sizes(34) == (1, 2, 3, 5, 9, 17, 33, 65) and bucket_sizes(2) == (1, 2)
     fast = load_fast_target(saved["qwen3"][1], dtype=torch.float32, context_window=16, max_query=8)
     chain = chain_tree(3, torch.tensor([4, 5]))
     assert fast.tree_mask(chain, 0) is None
     cache = fast.new_cache()
-    assert cache.slack == 8 and cache.rows >= 24
+    assert cache.slack == 9 and cache.rows >= 25  # max_query 8 pads to bucket 9
     with torch.inference_mode():
         with pytest.raises(BadParams, match="attention_mask"):
             fast.forward(torch.tensor([1, 2]), torch.arange(2), cache, torch.ones(2, 3, dtype=torch.bool))
