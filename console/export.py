@@ -22,11 +22,13 @@ import time
 from pathlib import Path
 
 from ddtree.console.files import write_output
+from ddtree.console.widgets.heatmap import heatmap_markdown
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.recipe import RecipeError, recipe_from_dict, recipe_to_toml
 from ddtree.store.redact import redact
 from ddtree.store import contention, sweeps
 from ddtree.store.stats import UNSTABLE_CV
+from ddtree.store.insight import acceptance_grids, labelled_recommendations, serving_comment, serving_settings
 from ddtree.store.summary import best_budgets, labelled
 
 #: What each figure of the exports is (README.md's Metrics section defines them in full).
@@ -68,7 +70,7 @@ def render(run_row, points: list[sweeps.Point], fmt: str) -> str:
     if fmt == "md":
         return to_markdown(run_row, points)
     if fmt == "recipe":
-        return to_recipe(run_row)
+        return to_recipe(run_row, points)
     raise ExportError(f"unknown format {fmt!r}", "allowed: " + ", ".join(FORMATS))
 
 
@@ -100,6 +102,8 @@ def to_json(run_row, points: list[sweeps.Point]) -> dict:
             "summary": sweeps.summarize(points, unstable_cv=cv),
             "best_budget": [{"label": label, **best.to_dict()}
                             for label, best in labelled(best_budgets(points, unstable_cv=cv))],
+            "recommended_serving": serving_settings(points),
+            "acceptance": [grid.to_dict() for grid in acceptance_grids(points)],
             "metrics": METRIC_LABELS}
 
 
@@ -111,7 +115,7 @@ def unstable_cv(run_row) -> float:
         return UNSTABLE_CV
 
 
-def to_recipe(run_row) -> str:
+def to_recipe(run_row, points: list[sweeps.Point] | None = None) -> str:
     try:
         recipe = recipe_from_dict(redact(run_row.recipe))
     except RecipeError as exc:
@@ -122,6 +126,9 @@ def to_recipe(run_row) -> str:
     if run_row.recipe_git_rev:
         comment += f"\nrecipe file {run_row.recipe_path} at git {run_row.recipe_git_rev}"
     comment += "\nevery effective setting is written out, defaults resolved"
+    serving = serving_comment(points or [])
+    if serving:
+        comment += "\n" + serving
     return recipe_to_toml(resolved(recipe), comment=comment, explicit=True)
 
 
@@ -175,6 +182,16 @@ def to_markdown(run_row, points: list[sweeps.Point]) -> str:
         lines.append("## Best budget")
         lines.append("")
         lines.extend(f"- {label}: {best.line}" for label, best in bests)
+        lines.append("")
+    recommended = labelled_recommendations(points)
+    if recommended:
+        lines.append("## Budget to serve with")
+        lines.append("")
+        lines.extend(f"- {label}: {rec.text}" for label, rec in recommended)
+        lines.append("")
+    heatmap = heatmap_markdown(points)
+    if heatmap:
+        lines.extend(heatmap)
         lines.append("")
     header = ["algorithm", "budget", "c", "dataset", "T", "out tok/s (median)", "95% CI", "CV", "tok/s/user",
               "x AR [95% CI]", "x DFlash [95% CI]", "tau (weighted by verify)", "tau (mean of requests)",

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from ddtree.console.commands import run_id
-from ddtree.console.export import FORMATS, export_run, export_text, render  # noqa: F401 - render: screens.history's import
+from ddtree.console.export import FORMATS, export_run, export_text
 from ddtree.store.db import open_db
 
 

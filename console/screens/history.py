@@ -397,18 +397,6 @@ FORMATS = (("csv", "csv"), ("json", "json"), ("markdown", "md"), ("recipe (TOML)
 EXTENSIONS = {"csv": "csv", "json": "json", "md": "md", "recipe": "toml"}
 
 
-def export_run(db, run_id: int, fmt_name: str, path: Path) -> Path:
-    """Write run `run_id` in `fmt_name` to `path` (folders created); the export command's renderer."""
-    from ddtree.console.commands.export import render
-    from ddtree.console.files import write_output
-    from ddtree.store import sweeps
-
-    run = sweeps.get_run(db, run_id)
-    text = render(run, sweeps.list_points(db, run_id), fmt_name)
-    write_output(path, text, make_parents=True)
-    return path.expanduser()
-
-
 class ExportForm(ModalScreen[tuple[str, str] | None]):
     BINDINGS = [Binding("escape", "cancel", "Cancel", id="form_cancel"), *FOCUS_KEYS]
 

@@ -412,16 +412,18 @@ class SweepForm(ModalScreen[dict | None]):
             self.run_worker(lambda: self._plan(*job), thread=True, group="plan", exit_on_error=False)
 
     def _plan(self, generation: int, data: dict, path: str | None) -> None:
+        from ddtree.engine.errors import EngineError
         from ddtree.jobs.errors import JobError
-        from ddtree.jobs.kinds.sweep import check_supported
-        from ddtree.jobs.plan import format_plan, make_plan
+        from ddtree.jobs.plan import format_plan
         from ddtree.jobs.recipe import recipe_from_dict
+        from ddtree.jobs.start import plan_sweep
+        from ddtree.store.db import data_dir
 
         try:
-            recipe = recipe_from_dict(data)
-            check_supported(recipe)
-            plan = make_plan(recipe)
-        except JobError as exc:
+            # The checks `sweep` makes before it starts anything (start_sweep runs them again), so the
+            # form refuses what the command line refuses, before Start is pressed.
+            plan = plan_sweep(recipe_from_dict(data), cache_dir=data_dir(self.app.db_path)).plan
+        except (JobError, EngineError) as exc:
             result = (None, f"not valid: {exc}")
         except Exception as exc:  # noqa: BLE001 - a probe that broke must not leave the form waiting
             result = (None, f"could not plan: {type(exc).__name__}: {exc}")

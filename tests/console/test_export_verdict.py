@@ -116,3 +116,20 @@ def test_exported_recipe_is_explicit_and_plans_again_point_for_point(tmp_path, c
     original = make_plan(recipe).to_dict()
     assert plan["points"] == original["points"]
     assert [launch["argv"] for launch in plan["launches"]] == [launch["argv"] for launch in original["launches"]]
+
+
+def test_exports_carry_the_recommended_serving_setting(tmp_path, capsys):
+    """16 clears the others, so every export names it as the budget to serve with; a tie says so."""
+    db_path = tmp_path / "d.db"
+    run_id = _seed(db_path, CLEAR)
+    doc = json.loads(_export(db_path, run_id, "json", capsys))
+    assert [(row["budget"], row["decided"]) for row in doc["recommended_serving"]] == [(16, True)]
+    md = _export(db_path, run_id, "md", capsys)
+    section = md.split("## Budget to serve with", 1)[1].split("\n## ", 1)[0]
+    assert "budget 16" in section
+    recipe = _export(db_path, run_id, "recipe", capsys)
+    assert "# recommended serving setting" in recipe and "budget = 16" in recipe.split("recommended serving setting", 1)[1]
+
+    tied = _seed(tmp_path / "t.db", TIED)
+    doc = json.loads(_export(tmp_path / "t.db", tied, "json", capsys))
+    assert [row["state"] for row in doc["recommended_serving"]] != ["clear"]

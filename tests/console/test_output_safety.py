@@ -72,9 +72,9 @@ def test_a_folder_is_refused(tmp_path):
 
 
 def test_the_console_export_uses_the_same_writer(tmp_path):
-    from ddtree.console.screens import history
+    from ddtree.console import export
 
-    assert "write_output" in history.export_run.__code__.co_names
+    assert "write_output" in export.export_run.__code__.co_names
 
 
 # -- ids too large for SQLite, devices the server does not know ---------------------------------

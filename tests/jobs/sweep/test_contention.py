@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddtree.console.commands import export
+from ddtree.console import export
 from ddtree.engine.machine.contention import (Contention, GpuPressure, OtherProcess, ThresholdError, Thresholds, Watch,
                                       busy_note, busy_reasons)
 from ddtree.engine.machine.hw import Nvml, clock_event_names
