@@ -2,6 +2,7 @@
 # One entry point for a fresh clone:
 #   ./dev.sh console   set everything up, then start the console on the builtin engine with the demo pair
 #   ./dev.sh test      set everything up, then run the whole test suite (what CI runs)
+#   ./dev.sh quick     the tests not marked slow, for the inner loop (sets up .venv only if missing)
 #   ./dev.sh setup     only set up .venv
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -42,8 +43,16 @@ case "${1:-}" in
         "$VENV/bin/lint-imports"
         exec "$VENV/bin/python" -m pytest -q "$@"
         ;;
+    quick)
+        # No reinstall on every run (the editable install links the folders, so edits show at
+        # once), one OpenMP thread per process as on a shared 2-core box. Extra args go to pytest.
+        [ -x "$VENV/bin/python" ] || setup
+        shift
+        "$VENV/bin/lint-imports"
+        OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} exec "$VENV/bin/python" -m pytest -q -m "not slow" "$@"
+        ;;
     *)
-        sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'
         exit 2
         ;;
 esac

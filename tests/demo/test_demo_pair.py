@@ -65,6 +65,7 @@ def test_prompt_set_is_held_out():
     assert len({r["source"] for r in rows}) >= 40
 
 
+@pytest.mark.slow
 def test_dflash_acceptance_on_held_out_prompts_beats_random_weights(engine):
     from ddtree.engine.reference.engine import GenParams, SpecParams
 

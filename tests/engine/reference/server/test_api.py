@@ -17,6 +17,9 @@ from ....support.client import AsyncEngineClient, EngineBadRequest, EngineClient
 from ....support.pair import CONTEXT_WINDOW
 from ....support.server import CLI, ServerProcess
 
+# Every test here talks to real server subprocesses (one per module, some start their own).
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["def parse(s):\n    ", "import json\n", "class Decoder:\n", "for key, value in", "return self."]
 
 
