@@ -204,7 +204,7 @@ class HistoryPane(Vertical):
 
 # -- comparing runs ------------------------------------------------------------------------------
 
-def _recipe_settings(run) -> dict[str, Any]:
+def recipe_settings(run) -> dict[str, Any]:
     recipe = run.recipe if isinstance(run.recipe, dict) else {}
     engine, sweep = recipe.get("engine") or {}, recipe.get("sweep") or {}
     return {
@@ -247,7 +247,7 @@ def hardware_key(hw: Any) -> Any:
             host.get("cpus_logical"), host.get("memory_total"))
 
 
-def _software(run) -> str:
+def software_line(run) -> str:
     sw = run.software if isinstance(run.software, dict) else {}
     pk = sw.get("packages") or {}
     return " ".join(f"{k}={pk[k]}" for k in ("torch", "transformers", "sglang", "vllm") if k in pk) or "-"
@@ -267,10 +267,10 @@ def _best(points: list) -> dict:
 
 def compare_tables(runs: list, points: dict[int, list]) -> tuple[Text, Text, str | None]:
     """(settings table, metrics with deltas against the first run, hardware warning or None)."""
-    settings = {run.id: _recipe_settings(run) for run in runs}
+    settings = {run.id: recipe_settings(run) for run in runs}
     for run in runs:
         settings[run.id]["hardware"] = hardware_summary(run.hardware)
-        settings[run.id]["software"] = _software(run)
+        settings[run.id]["software"] = software_line(run)
     width = max(14, min(30, (100 - 16) // max(1, len(runs))))
     head = "".join(f"{'run ' + str(r.id):<{width}}" for r in runs)
     out = Text()

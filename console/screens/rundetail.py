@@ -80,7 +80,7 @@ class RunScreen(ModalScreen[None]):
         self.run, self.points, self.log_path = run, points, log_path
 
     def compose(self) -> ComposeResult:
-        from ddtree.console.screens.history import _recipe_settings, _software, hardware_summary
+        from ddtree.console.screens.history import hardware_summary, recipe_settings, software_line
 
         run = self.run
         with VerticalScroll(classes="dialog full", id="run-detail"):
@@ -97,8 +97,8 @@ class RunScreen(ModalScreen[None]):
             heat = Text("Acceptance per round\n", style="bold underline")
             heat.append_text(heatmap_text(self.points, 96))
             yield Static(heat, id="run-heatmap")
-            yield Static(_block("Settings", _recipe_settings(run)), id="run-settings")
-            env = {"hardware": hardware_summary(run.hardware), "software": _software(run),
+            yield Static(_block("Settings", recipe_settings(run)), id="run-settings")
+            env = {"hardware": hardware_summary(run.hardware), "software": software_line(run),
                    "recipe file": run.recipe_path or "(typed in the form)", "git rev": run.recipe_git_rev or "-"}
             yield Static(_block("Environment", env), id="run-env")
             log = Text()
