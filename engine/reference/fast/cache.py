@@ -76,6 +76,7 @@ class StaticKVCache:
         self.length_t = torch.zeros((), dtype=torch.long, device=device)
         self.stages: dict[int, object] = {}
         self.graphs: dict[tuple[int, int], object] = {}
+        self.spans: dict[int, list[int]] = {}  # query bucket -> its captured KV spans, ascending
         self.walks: dict[int, object] = {}
         # (start, kept): the walk already moved this verify's accepted rows (see compact).
         self.moved: tuple[int, int] | None = None
@@ -88,6 +89,7 @@ class StaticKVCache:
         other.capacity, other.slack = self.capacity, self.slack
         other.length_t = self.length_t
         other.stages, other.graphs, other.walks = self.stages, self.graphs, self.walks
+        other.spans = self.spans
         other.moved = None
         other.set_length(0)
         return other

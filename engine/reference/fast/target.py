@@ -23,6 +23,7 @@ rows into place in one more graph (commit.py), then reads the round's one packed
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -316,11 +317,16 @@ class FastTarget:
         if not cache.graphs:
             return None
         start = cache.length
-        fits = [q for q in cache.stages if q >= n and start + q <= cache.rows]
-        for q in sorted(fits):
-            spans = sorted(kv for (bq, kv) in cache.graphs if bq == q and kv >= start + q)
+        for q in self.buckets:  # ascending; a lookup per round, so no scan over every graph
+            if q < n:
+                continue
+            if start + q > cache.rows:
+                return None
+            spans = cache.spans.get(q)
             if spans:
-                return q, cache.graphs[(q, spans[0])]
+                at = bisect.bisect_left(spans, start + q)
+                if at < len(spans):
+                    return q, cache.graphs[(q, spans[at])]
         return None
 
     def take_verify(self, n: int) -> _Verify | None:
@@ -389,11 +395,12 @@ class FastTarget:
                          | {cache.rows})
         if lengths[0] < 1 or lengths[-1] > cache.rows:
             raise BadParams(f"KV spans {lengths} must lie in 1..{cache.rows} (the cache's rows)")
-        cache.graphs = {}
+        # In place: objects from cache.share() hold these same dicts.
+        cache.graphs.clear()
+        cache.spans.clear()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         pool = self._graph_pool
-        current = torch.cuda.current_stream(self.device)
         graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         with torch.inference_mode():
             for q in reversed(sizes):  # largest first: smaller captures reuse its freed blocks
@@ -417,7 +424,9 @@ class FastTarget:
                     io.graph = _record(lambda stage=stage, io=io: walk_commit_static(stage.ids, stage.tree, io, cache),
                                        pool, self.device, _WARMUP_RUNS)
         torch.cuda.synchronize(self.device)
-        cache.graphs = graphs
+        for q, kv in sorted(graphs):
+            cache.spans.setdefault(q, []).append(kv)
+        cache.graphs.update(graphs)
 
 
 def _record(fn, pool, device, runs: int) -> torch.cuda.CUDAGraph:

@@ -212,3 +212,26 @@ def test_close_gives_the_slot_back_once(algorithm):
     del cache
     gc.collect()
     assert len(fast.impl._free) == 2 and len({id(p) for p in fast.impl._free}) == 2
+
+
+def test_graph_lookup_takes_the_smallest_query_bucket_and_kv_span_that_fit():
+    """What forward replays on CUDA, checked with stand-in graphs (capture's bookkeeping)."""
+    target = FastTarget(decoder_from_hf(make_target(64, max_pos=512)), context_window=512, max_query=16)
+    cache = target.new_cache()
+    spans = kv_buckets(cache.rows)
+    assert spans == (256, 512, cache.rows)
+    for q in target.buckets:
+        cache.stages[q] = None
+        for kv in spans:
+            if kv >= q:
+                cache.graphs[(q, kv)] = (q, kv)
+                cache.spans.setdefault(q, []).append(kv)
+    shared = cache.share()
+    for length, n, want in [(0, 1, (1, 256)), (255, 1, (1, 256)), (256, 1, (1, 512)), (250, 16, (17, 512)),
+                            (239, 16, (17, 256)), (511, 2, (2, cache.rows)), (cache.rows - 3, 3, (3, cache.rows))]:
+        shared.set_length(length)
+        q, graph = target._graph_for(shared, n)
+        assert graph == want and q == want[0], (length, n)
+    shared.set_length(cache.rows - 2)
+    assert target._graph_for(shared, 3) is None  # no room for the bucket: the eager path
+    assert target._graph_for(target.new_cache(), 1) is None  # nothing captured
