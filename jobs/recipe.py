@@ -1,11 +1,11 @@
-"""Sweep recipes: TOML (DESIGN.md's recipe section) -> frozen, validated dataclasses, and back.
+"""Sweep recipes: TOML (docs/design.md, Recipes) -> frozen, validated dataclasses, and back.
 
 `load_recipe(path)` / `parse_recipe(text)` / `recipe_from_dict(data)` read one; `recipe_to_dict`
 and `recipe_to_toml` write the canonical form that `export --format recipe` prints and that parses
 back to an equal `Recipe`. Every axis of `[sweep]` accepts a scalar or a list; lists become tuples.
 Errors name the key (as `section.key`) and the allowed values, and exit with code 2.
 
-Beyond DESIGN.md's example, `[engine]` takes `budget`, `device`, `api` ("generate" | "openai"),
+Beyond the example in docs/design.md, `[engine]` takes `budget`, `device`, `api` ("generate" | "openai"),
 `ready_timeout_s` (SGLang loads take minutes: default 600) and, for kind sglang, `draft_window`
 (SGLang's drafter attention window, `--speculative-draft-window-size`). kind sglang/vllm needs
 `model`; `python` is the interpreter that has the engine installed (default: this one). `backend`

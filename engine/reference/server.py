@@ -1,4 +1,4 @@
-"""The builtin engine's HTTP server: the subset of SGLang's API in DESIGN.md, over starlette + uvicorn.
+"""The builtin engine's HTTP server: the subset of SGLang's API in docs/design.md, over starlette + uvicorn.
 
     python -m ddtree.engine.reference.server [--model DIR|REPO] [--draft DIR|REPO]
         [--algorithm ar|dflash|ddtree] [--budget M] [--block-size B] [--device cpu|cuda]

@@ -1,4 +1,4 @@
-"""The benchmark client: an async load generator for any engine with the DESIGN.md HTTP API.
+"""The benchmark client: an async load generator for any engine with the HTTP API of docs/design.md.
 
 It speaks SGLang's native `POST /generate` (the builtin engine and SGLang) or the OpenAI
 completions API (vLLM's server), always streaming, at a fixed concurrency and optionally a
