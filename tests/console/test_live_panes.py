@@ -229,3 +229,20 @@ def test_quit_note_names_the_running_jobs_and_how_to_get_back():
 def test_plurals():
     assert plural(1, "run") == "1 run" and plural(0, "run") == "0 runs" and plural(2, "run") == "2 runs"
     assert plural(2, "point in progress", "points in progress") == "2 points in progress"
+
+
+async def test_the_palette_runs_a_panes_own_keys_too(seeded):
+    from ddtree.console.palette import ACTIONS, run
+
+    db_path, _ = seeded
+    app = make_app(db_path, poll_s=0.1, sources=fixed_sources(), clock=lambda: NOW)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: table_rows(app, "jobs"), what="the jobs")
+        stopped = next(a for a in ACTIONS if a.action == "toggle_stopped")
+        await run(app, stopped)
+        await pilot.pause(0.05)
+        assert app.current_pane == "engines" and app.query_one("#engines").show_stopped
+        log = next(a for a in ACTIONS if a.action == "toggle_log")
+        await run(app, log)
+        await pilot.pause(0.05)
+        assert app.current_pane == "overview" and app.query_one("#job-log").display
