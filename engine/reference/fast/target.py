@@ -33,7 +33,7 @@ import torch
 
 from ddtree.engine.reference.errors import BadParams, DecodeError, ModelLoadError
 from ddtree.engine.reference.fast.cache import StaticKVCache, kv_bucket, kv_buckets
-from ddtree.engine.reference.fast.commit import WalkIO, new_walk_io, walk_commit_static
+from ddtree.engine.reference.fast.commit import new_walk_io, walk_commit_static
 from ddtree.engine.reference.fast.model import (
     AttentionPlan,
     DenseDecoder,
