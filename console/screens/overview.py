@@ -207,7 +207,10 @@ class OverviewPane(Vertical):
             w.display = self.log_shown
         for w in self.query(".machine"):
             w.display = not self.log_shown
-        self._open_log()
+        if self.log_shown:
+            # opened again once it has a size: a RichLog hidden until now holds back what it is given
+            self.query_one("#job-log", LogView).path = None
+            self.call_after_refresh(self._open_log)
 
     def _open_log(self) -> None:
         if not self.log_shown:

@@ -44,6 +44,8 @@ class LogView(RichLog):
         if new is None:
             self.write(Text("no log file for this engine", style="dim"))
         self.poll()
+        if new is not None and not self.raw_lines and new.is_file():
+            self.write(Text(f"{new}: empty so far", style="dim"))  # cleared by the first line
 
     def poll(self) -> None:
         if self.path is None:
