@@ -141,6 +141,7 @@ class HardwarePane(Vertical):
     stay at the top; the rest scrolls (at 80x24 it does not fit)."""
 
     ALLOW_MAXIMIZE = True
+    _homed = False  # scrolled to the top once the first GPU view arrived
 
     def compose(self) -> ComposeResult:
         yield Static("", id="gpu-reason")
@@ -178,6 +179,10 @@ class HardwarePane(Vertical):
         self.query_one("#numa", Static).update(numa_text(view, host))
         self.query_one("#host-load", Static).update(host_load_text(host))
         self._place()
+        if view is not None and not self._homed:
+            # the first data grows the tables under a scroll made while they were empty: start at the top
+            self._homed = True
+            self.call_after_refresh(self.query_one("#hw-body", VerticalScroll).scroll_home, animate=False)
 
     def _place(self) -> None:
         field = self.query_one("#tp", Input)
