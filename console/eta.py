@@ -83,3 +83,13 @@ def run_progress(run: Any, now: float) -> SweepProgress:
         per = max(0.0, now - started) / done
         eta = per * (total - done) if run.ended_at is None else 0.0
     return SweepProgress(done=done, total=total, per_point_s=per, eta_s=eta)
+
+
+def download_eta(row: dict, now: float) -> float | None:
+    """A download's seconds to go now: its last estimate less the time since it was written, so the
+    figure counts down between the downloader's updates instead of standing still."""
+    eta = row.get("eta_s")
+    if eta is None:
+        return None
+    at = row.get("updated_at")
+    return eta if at is None else max(0.0, eta - max(0.0, now - at))

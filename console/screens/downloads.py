@@ -14,6 +14,7 @@ from textual.validation import Function, Number, ValidationResult, Validator
 from textual.widgets import Button, Input, Label, Static
 
 from ddtree.console import fmt
+from ddtree.console.eta import download_eta
 from ddtree.console.screens.modals import FOCUS_KEYS
 from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.tables import bar, fmt_bytes, fmt_rate, sync_table
@@ -30,14 +31,16 @@ def headroom_after(row: dict) -> int | None:
     return free - max(0, total - done)
 
 
-def download_cells(row: dict) -> tuple:
+def download_cells(row: dict, now: float | None = None) -> tuple:
     total, done = row.get("bytes_total"), row.get("bytes_done")
     frac = (done or 0) / total if total else None
     after = headroom_after(row)
     reserve = row.get("reserve_bytes")
     after_text = Text(fmt_bytes(after), style="red" if after is not None and reserve and after < reserve else "")
     state = row.get("state") or "-"
-    eta = row.get("eta_s") if state in ("running", "stalled") else None
+    eta = None
+    if state in ("running", "stalled"):
+        eta = row.get("eta_s") if now is None else download_eta(row, now)
     return (str(row.get("job_id") or "-"), fmt.one_line(row.get("repo_id"), 34),
             Text(state, style={"stalled": "yellow", "failed": "red", "succeeded": "green"}.get(state, "")),
             bar(frac, 8), fmt_rate(row.get("rate_bps")) if state in ("running", "stalled") else "-",
@@ -63,10 +66,19 @@ class DownloadsPane(Vertical):
 
     def on_mount(self) -> None:
         self.watch(self.app, "downloads", self.show)
+        self.set_interval(1.0, self.tick)
+
+    def tick(self) -> None:
+        """Redraw the rows with the clock's now, so ETAs count down between the downloader's updates."""
+        if self.display:
+            self._sync(self.app.downloads)
+
+    def _sync(self, rows: list[dict]) -> None:
+        now = self.app.clock()
+        sync_table(self.query_one("#download-table", RowTable), [(str(r["id"]), download_cells(r, now)) for r in rows])
 
     def show(self, rows: list[dict]) -> None:
-        table = self.query_one("#download-table", RowTable)
-        sync_table(table, [(str(r["id"]), download_cells(r)) for r in rows])
+        self._sync(rows)
         detail = self.query_one("#download-detail", Static)
         if not rows:
             detail.update(Text("No downloads yet. Press d to start one (a Hugging Face repo id).", style="dim"))

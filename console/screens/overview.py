@@ -15,7 +15,7 @@ from textual.widgets import Static
 
 from ddtree.console import fmt
 from ddtree.console.disks import disk_figures
-from ddtree.console.eta import run_progress, sweep_progress
+from ddtree.console.eta import download_eta, run_progress, sweep_progress
 from ddtree.console.widgets.logview import LogView
 from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.tables import bar, fmt_bytes, sparkline, sync_table
@@ -169,7 +169,7 @@ class OverviewPane(Vertical):
             row = downloads.get(job.id)
             if row is None or row.get("state") not in ("running", "stalled"):
                 return {}
-            return {"eta": row.get("eta_s")}
+            return {"eta": download_eta(row, now)}
         return {}
 
     def show_jobs(self, snapshot) -> None:

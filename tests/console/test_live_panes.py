@@ -246,3 +246,30 @@ async def test_the_palette_runs_a_panes_own_keys_too(seeded):
         await run(app, log)
         await pilot.pause(0.05)
         assert app.current_pane == "overview" and app.query_one("#job-log").display
+
+
+def test_a_downloads_eta_counts_down_from_its_last_update():
+    from ddtree.console.eta import download_eta
+
+    row = {"eta_s": 120.0, "updated_at": 1000.0}
+    assert download_eta(row, 1000.0) == 120.0 and download_eta(row, 1030.0) == 90.0
+    assert download_eta(row, 2000.0) == 0.0  # late, not negative
+    assert download_eta({"eta_s": 50.0}, 5.0) == 50.0 and download_eta({}, 5.0) is None
+
+
+async def test_the_downloads_pane_eta_ticks(seeded):
+    from ddtree.console.screens.downloads import COLUMNS as DL
+
+    db_path, ids = seeded
+    with open_db(db_path) as db:
+        update_row(db, "downloads", 1, {"updated_at": NOW})
+    clock = Clock()
+    app = make_app(db_path, poll_s=0.1, sources=fixed_sources(), clock=clock)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("3")
+        eta = DL.index("ETA")
+        await until(pilot, lambda: table_rows(app, "download-table"), what="the download")
+        assert table_rows(app, "download-table")[0][eta] == "2m01s"
+        clock.t += 61
+        await until(pilot, lambda: table_rows(app, "download-table")[0][eta] == "1m00s", what="the ETA count down")
+        assert cell(app, "jobs", 0, str(ids["download_job"]), 6) == "1m00s"
