@@ -157,7 +157,9 @@ class EnginesPane(Vertical):
             return
         flags = " ".join(f for f, on_ in (("follow", self.follow), ("wrap", self.wrap)) if on_)
         search = f" search {log.search!r}" if log.search else ""
-        title.update(Text(f"Log of job {row.get('job_id')}: {row.get('log_path') or '-'}  ({flags}){search}"))
+        # the flags before the path: a long path is what 80 columns cut, not the state of the keys
+        flags = f" ({flags})" if flags else ""
+        title.update(Text(f"Log of job {row.get('job_id')}{flags}{search}: {row.get('log_path') or '-'}"))
         log.open(row.get("log_path"))
 
     def _tail(self) -> None:
