@@ -109,6 +109,7 @@ OTHER_CONSOLE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 async def test_two_consoles_at_once_while_a_job_runs(db_path):
     open_db(db_path).close()
     other = subprocess.Popen([sys.executable, "-c", OTHER_CONSOLE, db_path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

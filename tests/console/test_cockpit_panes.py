@@ -89,6 +89,7 @@ async def test_hardware_pane_gpus_links_numa_and_placement(seeded):
         assert "needs 9 GPUs" in text_of(app, "placements")
 
 
+@pytest.mark.slow
 async def test_downloads_pane_form_validates_as_typed(seeded, monkeypatch):
     db_path, ids = seeded
     app = app_for(db_path)
@@ -326,6 +327,7 @@ async def test_sweeps_pane_curves_baselines_best_and_points(seeded):
         await until(pilot, lambda: "Run 3" in text_of(app, "sweep-title"), what="the newer run")
 
 
+@pytest.mark.slow
 async def test_sweep_form_shows_the_plan_and_refuses_bad_input(seeded, tmp_path, monkeypatch):
     db_path, _ = seeded
     app = app_for(db_path)
@@ -360,6 +362,7 @@ async def test_sweep_form_shows_the_plan_and_refuses_bad_input(seeded, tmp_path,
         assert started[0]["recipe_path"] == str(good.resolve()) and started[0]["points_total"] == 2
 
 
+@pytest.mark.slow
 async def test_sweep_form_plans_in_a_thread_one_at_a_time_newest_input_last(seeded, monkeypatch):
     import threading
 
@@ -440,6 +443,7 @@ async def test_compare_needs_two_runs(seeded):
         assert any("select two or more" in n.message for n in app._notifications)
 
 
+@pytest.mark.slow
 async def test_keys_palette_help_maximise_theme_and_tabs_by_mouse(seeded):
     db_path, _ = seeded
     app = app_for(db_path)
@@ -469,6 +473,7 @@ async def test_keys_palette_help_maximise_theme_and_tabs_by_mouse(seeded):
     assert app.return_code == 0
 
 
+@pytest.mark.slow
 def test_console_never_imports_torch():
     import subprocess
     import sys

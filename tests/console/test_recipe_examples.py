@@ -83,6 +83,7 @@ def test_kimi_on_sglang_tp8_block_8(tmp_path):
                                                       "--speculative-num-draft-tokens") if f in argv)
 
 
+@pytest.mark.slow
 def test_ddtree_on_a_ddtree_capable_sglang_and_refused_on_a_release(tmp_path):
     recipe = RECIPES / "qwen3-8b-ddtree-sglang.toml"
     build = make_fake_python(tmp_path / "dd", "sglang", ddtree_help(), "0.5.23.dev29907")

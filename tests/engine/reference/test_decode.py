@@ -161,6 +161,7 @@ def _chi2_critical(dof: int, z: float = 3.719) -> float:
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_target_distribution():
     vocab = 8
     model = make_target(12, vocab=vocab, layers=2, hidden=32, scale=1.5)

@@ -61,6 +61,7 @@ def write_toml(path, engine: dict, sweep: dict):
 # -- the plan and the dry run ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dry_run_json_gives_the_exact_sglang_commands(fake_python, tmp_path):
     python = fake_python("sglang")  # answers --help with SGLang 0.5.23's recorded help
     recipe = write_toml(tmp_path / "sg.toml", {
@@ -97,6 +98,7 @@ def test_dry_run_json_gives_the_exact_sglang_commands(fake_python, tmp_path):
     assert "CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=0,1 SGLANG_LOG_LEVEL=info " in text.stdout
 
 
+@pytest.mark.slow
 def test_ddtree_refused_on_0_5_23_with_exit_2_and_accepted_on_a_ddtree_build(fake_python, tmp_path):
     engine = {"kind": "sglang", "model": "Qwen/Qwen3-8B", "draft_model": "z-lab/Qwen3-8B-DFlash-b16",
               "algorithm": "ddtree", "block_size": 16}

@@ -26,6 +26,7 @@ def test_dry_run_json_of_the_demo_recipe_starts_nothing(tmp_path):
     assert not (tmp_path / "d.db").exists()
 
 
+@pytest.mark.slow
 def test_dry_run_probes_an_sglang_interpreter_unless_no_probe(tmp_path):
     # The documented behaviour: a dry run starts no server, but an sglang/vllm recipe's interpreter is
     # run once to read what it accepts; --no-probe runs nothing at all.
@@ -49,6 +50,7 @@ def test_dry_run_probes_an_sglang_interpreter_unless_no_probe(tmp_path):
     assert out.returncode == 2 and out.stderr.startswith("error: --no-probe applies to --dry-run only")
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_with_exit_2(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "x"\n[engine]\nalgorithm = "ar"\n[sweep]\nbudget = [4]\n')
@@ -70,6 +72,7 @@ def test_a_missing_prompt_file_is_refused_before_the_store(tmp_path):
     assert not (tmp_path / "d.db").exists()
 
 
+@pytest.mark.slow
 def test_name_names_the_run_and_a_resume_keeps_it(tmp_path, tiny_pair, prompts_file):
     from ddtree.store import open_db
 

@@ -161,6 +161,7 @@ def _everything_stored(data_dir: Path) -> str:
     return text + "".join(p.read_text(errors="replace") for p in (data_dir / "logs").iterdir())
 
 
+@pytest.mark.slow
 def test_secret_env_is_redacted_everywhere_and_still_reaches_the_engine(tmp_path, prompts_file, capsys):
     from ddtree.console import cli
 

@@ -50,6 +50,7 @@ def test_detached_job_downloads_and_records_progress(hub, tmp_path):
     assert job.progress_done == job.progress_total == total
 
 
+@pytest.mark.slow
 def test_cancel_mid_download_then_resume(hub, tmp_path):
     hub.rate_bps = 400_000  # 16 files of 96 kB, two at a time: about 2 s in all
     db_path = tmp_path / "ddtree.db"

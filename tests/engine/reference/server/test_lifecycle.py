@@ -89,6 +89,7 @@ def test_serve_help_documents_the_options():
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--budget" in bad.stderr
 
 
+@pytest.mark.slow
 def test_bad_model_directory_is_a_clean_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "ddtree.engine.reference.server", "--model", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=120)
