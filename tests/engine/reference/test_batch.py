@@ -54,7 +54,9 @@ def grouping(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("attn,block_size", [("sdpa", 4), ("sdpa", 8), ("eager", 8)])
+# One combination runs in the quick set (./dev.sh quick); the others are the same check at ~2 s each.
+@pytest.mark.parametrize("attn,block_size", [pytest.param("sdpa", 4, marks=pytest.mark.slow), ("sdpa", 8),
+                                             pytest.param("eager", 8, marks=pytest.mark.slow)])
 def test_batched_rounds_equal_serial(attn, block_size, grouping):
     model = make_target(20 + block_size, attn=attn)
     engine = Engine(model, make_drafter(model, block_size=block_size, seed=block_size))
@@ -74,7 +76,8 @@ def test_batched_rounds_equal_serial(attn, block_size, grouping):
     assert accepted > 0
 
 
-@pytest.mark.parametrize("attn,keep_logits", [("sdpa", True), ("eager", True), ("sdpa", False)])
+@pytest.mark.parametrize("attn,keep_logits", [("sdpa", True), pytest.param("eager", True, marks=pytest.mark.slow),
+                                              pytest.param("sdpa", False, marks=pytest.mark.slow)])
 def test_sessions_started_together_prefill_in_one_forward_and_equal_serial(attn, keep_logits, grouping,
                                                                           monkeypatch):
     model = make_target(41, attn=attn)
