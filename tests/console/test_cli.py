@@ -159,6 +159,7 @@ def test_runs_table_filter_and_json(db_path, capsys):
     assert "no runs match" in out
 
 
+@pytest.mark.slow
 def test_a_detached_job_outlives_the_cli_and_logs_follow_tails_it(db_path):
     env = dict(os.environ, DDTREE_DB=db_path)
     command = "for i in 1 2 3; do echo line-$i; sleep 0.3; done"

@@ -182,6 +182,7 @@ async def test_engines_pane_health_and_log_follow_search_wrap(seeded, tmp_path):
         assert "(wrap)" in text_of(app, "log-title") and "search 'error'" in text_of(app, "log-title")
 
 
+@pytest.mark.slow
 async def test_engine_form_validates_and_returns_a_job_spec(seeded, tmp_path, monkeypatch):
     db_path, _ = seeded
     app = app_for(db_path)
@@ -245,6 +246,7 @@ async def test_engine_form_refuses_speculation_on_a_hybrid_target_before_it_star
     assert submitted and submitted[0][1]["algorithm"] == "ar"
 
 
+@pytest.mark.slow
 async def test_engine_form_starts_sglang_on_chosen_gpus(seeded, tmp_path, monkeypatch):
     db_path, _ = seeded
     app = app_for(db_path)
@@ -396,6 +398,7 @@ async def test_sweep_form_plans_in_a_thread_one_at_a_time_newest_input_last(seed
         assert not form.query_one("#start").disabled
 
 
+@pytest.mark.slow
 async def test_history_filter_sort_compare_export(seeded, tmp_path):
     db_path, ids = seeded
     app = app_for(db_path)

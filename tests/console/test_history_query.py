@@ -62,6 +62,7 @@ def test_summary_columns_orders_and_the_count_beyond_the_page(db):
     assert len(page) == 1 and total == 2
 
 
+@pytest.mark.slow
 async def test_the_pane_opens_on_the_pollers_page_and_queries_for_a_filter(db, tmp_path):
     app = make_app(tmp_path / "ddtree.db", poll_s=0.1, sources=fixed_sources(), clock=lambda: NOW)
     async with app.run_test(size=(110, 30)) as pilot:

@@ -24,6 +24,7 @@ def values(screen):
     return {i.id: i.value for i in screen.query("Input")}
 
 
+@pytest.mark.slow
 async def test_fast_tab_moves_between_sweep_form_fields(tmp_path):
     app = make_app(str(tmp_path / "ddtree.db"), poll_s=0.1)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -195,6 +196,7 @@ async def test_export_dialog_opens_where_enter_exports(tmp_path):
     assert fmt_name == "md" and path.endswith(".md")
 
 
+@pytest.mark.slow
 async def test_sweeps_header_hints_the_run_keys_and_they_switch_runs(tmp_path):
     db_path = str(tmp_path / "ddtree.db")
     older, newer = seed_runs(db_path, tmp_path)

@@ -46,6 +46,7 @@ def cell(app, table: str, key_col: int, key: str, col: int) -> str:
     return next(r[col] for r in table_rows(app, table) if r[key_col] == key)
 
 
+@pytest.mark.slow
 async def test_uptime_and_running_times_tick_between_polls(seeded):
     db_path, ids = seeded
     clock = Clock()
@@ -97,6 +98,7 @@ async def test_engines_pane_hides_stopped_engines_behind_a(seeded):
         assert len(table_rows(app, "engine-table")) == 2
 
 
+@pytest.mark.slow
 async def test_overview_shows_a_jobs_log_cancels_it_and_goes_to_its_pane(seeded, tmp_path):
     db_path, ids = seeded
     log = tmp_path / "sweep.log"

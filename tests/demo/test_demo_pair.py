@@ -30,6 +30,7 @@ def test_pair_is_under_the_size_cap():
     assert total <= 25 * 1024 * 1024
 
 
+@pytest.mark.slow
 def test_drafter_checkpoint_layout_and_weights():
     from ddtree.engine.reference.drafter import load_drafter
 
@@ -46,6 +47,7 @@ def test_drafter_checkpoint_layout_and_weights():
     assert list(drafter.target_layer_ids) == cfg["dflash_config"]["target_layer_ids"]
 
 
+@pytest.mark.slow
 def test_tokenizer_round_trips_and_knows_its_special_tokens(engine):
     tok = engine.tokenizer
     text = 'def f(x):\n    """Return x, twice."""\n\treturn [x, x]  # é, 日本\n'

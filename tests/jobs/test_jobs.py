@@ -76,6 +76,7 @@ def test_detached_sleep_job_succeeds_with_result_progress_and_events(db_path):
     assert "succeeded" in open(j.log_path).read()
 
 
+@pytest.mark.slow
 def test_runner_survives_the_killed_process_that_submitted_it(db_path):
     code = textwrap.dedent(
         f"""
@@ -163,6 +164,7 @@ def test_cancel_errors_finished_unknown_and_queued(db_path):
     assert events(db_path, queued) == ["queued", "cancelled"]
 
 
+@pytest.mark.slow
 def test_sigkilled_runner_becomes_lost_and_nothing_else_is_touched(db_path):
     victim = submit(db_path, "shell", {"command": "sleep 60"})
     bystander = submit(db_path, "sleep", {"seconds": 1.5})

@@ -217,6 +217,7 @@ def _standin_recipe(python, prompts, **engine):
                       "warmup": 1, "baseline": ["ar"], "timeout_s": 30.0}}
 
 
+@pytest.mark.slow
 def test_sweep_on_a_standin_sglang_fills_points_with_counter_difference_tau(fake_python, tmp_path, prompts):
     python = fake_python("sglang", server_body=STANDIN)
     job, points, extra, engines = _run(tmp_path, _standin_recipe(python, prompts))

@@ -62,6 +62,7 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path):
         assert out.stderr.strip().splitlines()[-1].startswith(("error:", "ddtree-console")), out.stderr
 
 
+@pytest.mark.slow
 def test_a_missing_prompt_file_is_refused_before_the_store(tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text(f'name = "x"\n[sweep]\ndataset = "{tmp_path / "nope.jsonl"}"\n')

@@ -41,6 +41,7 @@ def run_sweep(tmp_path, recipe):
     return job, points
 
 
+@pytest.mark.slow
 def test_engine_never_ready_fails_its_points_with_the_cause(tmp_path, prompts_file):
     job, points = run_sweep(tmp_path, fake_recipe(tmp_path, prompts_file, "hang"))
     assert job.state == "failed"
