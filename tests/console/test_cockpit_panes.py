@@ -153,6 +153,7 @@ async def test_stopping_asks_first_then_cancels_the_job(seeded):
         await until(pilot, lambda: any(r[3] == "cancelled" for r in table_rows(app, "jobs")), what="the new state")
 
 
+@pytest.mark.slow
 async def test_engines_pane_health_and_log_follow_search_wrap(seeded, tmp_path):
     db_path, ids = seeded
     log = tmp_path / "server.log"
@@ -218,6 +219,7 @@ async def test_engine_form_validates_and_returns_a_job_spec(seeded, tmp_path, mo
         assert submitted[0][1]["backend"] == "fast"
 
 
+@pytest.mark.slow
 async def test_engine_form_refuses_speculation_on_a_hybrid_target_before_it_starts(seeded, tmp_path, monkeypatch):
     db_path, _ = seeded
     app = app_for(db_path)

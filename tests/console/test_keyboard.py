@@ -57,6 +57,7 @@ async def test_escape_leaves_the_history_filter_at_once(tmp_path):
         assert app.query_one("#history-filter").value == "big"
 
 
+@pytest.mark.slow
 async def test_escape_leaves_the_engine_log_search_at_once(tmp_path):
     app = make_app(str(tmp_path / "ddtree.db"), poll_s=0.1)
     async with app.run_test(size=(120, 40)) as pilot:

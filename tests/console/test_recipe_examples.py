@@ -50,6 +50,7 @@ def test_the_examples_are_all_there_and_documented():
         load_recipe(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["demo.toml", "builtin-gpu.toml"])
 def test_builtin_examples_dry_run(name, tmp_path):
     plan = dry_run(tmp_path, RECIPES / name)
@@ -59,6 +60,7 @@ def test_builtin_examples_dry_run(name, tmp_path):
         assert flag(launch["argv"], "--device") == "cuda" and flag(launch["argv"], "--model") == "Qwen/Qwen3-8B"
 
 
+@pytest.mark.slow
 def test_qwen3_dflash_on_sglang_at_tp_1_and_2(tmp_path):
     python = make_fake_python(tmp_path / "sg", "sglang", recorded_help("0.5.23"), "0.5.23")
     plan = dry_run(tmp_path, with_python(tmp_path, RECIPES / "qwen3-8b-dflash-sglang.toml", python))

@@ -107,6 +107,7 @@ def test_a_bad_store_closes_the_console_with_one_line(tmp_path):
     assert garbage.read_bytes() == before
 
 
+@pytest.mark.slow
 async def test_panes_are_built_on_their_first_visit_and_the_footer_follows_the_focus(tmp_path):
     db = tmp_path / "ddtree.db"
     seed_store(db)

@@ -117,6 +117,7 @@ def test_shell_job_child_has_own_group_log_and_exit_code(db_path):
     assert wait(db_path, ok, timeout=20).result == {"returncode": 0}
 
 
+@pytest.mark.slow
 def test_cancel_kills_a_child_that_ignores_sigterm(db_path):
     job_id = submit(db_path, "shell", {"command": "trap '' TERM; sleep 60 & wait; sleep 60"})
     (proc,) = wait_processes(db_path, job_id)

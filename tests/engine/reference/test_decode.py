@@ -146,6 +146,7 @@ def test_context_window_ends_generation():
     assert dd.output_ids == ar.output_ids and len(ar.output_ids) == 32 - 20 + 1
 
 
+@pytest.mark.slow
 def test_sampling_is_reproducible_with_a_seed():
     model = make_target(11)
     engine = Engine(model, make_drafter(model, block_size=8))

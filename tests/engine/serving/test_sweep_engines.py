@@ -346,6 +346,7 @@ ThreadingHTTPServer((args.host, args.port), H).serve_forever()
 '''
 
 
+@pytest.mark.slow
 def test_sweep_on_a_standin_vllm_measures_tau_from_its_spec_decode_counters(fake_python, tmp_path, prompts):
     python = fake_python("vllm", help_text=VLLM_HELP, version="0.33.0", server_body=VLLM_STANDIN)
     recipe = _standin_recipe(python, prompts, kind="vllm")

@@ -99,6 +99,7 @@ def test_bad_input_is_one_line(hub, env, argv, code, words):
     assert rc == code and words in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_real_cli_entry_point(hub, tmp_path):
     """Through the installed CLI main."""
     probe = subprocess.run([sys.executable, "-m", "ddtree.console.cli", "download", "--help"],
