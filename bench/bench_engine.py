@@ -74,10 +74,38 @@ def _random_drafter(model, block_size: int):
     return DFlashDrafter(dcfg)
 
 
+def round_ms(engine, prompt, budgets: list[int], repeats: int) -> dict:
+    """A DDTree round's parts (draft / tree / verify / commit), synchronised, median over rounds;
+    "commit" holds the walk (decode times everything after the verify forward as commit)."""
+    from ddtree.engine.reference.engine import GenParams, SpecParams
+
+    engine.sync_timings = True
+    rounds = {}
+    for budget in budgets:
+        sess = engine.start(prompt, GenParams(max_new_tokens=100_000, ignore_eos=True),
+                            SpecParams("ddtree", budget))
+        for _ in range(4):  # prefill, then warm rounds
+            sess.step()
+        per = {k: [] for k in ("draft", "tree", "verify", "commit")}
+        for _ in range(repeats):
+            before = dict(sess.timings)
+            sess.step()
+            for k in per:
+                per[k].append((sess.timings[k] - before[k]) * 1000)
+        sess.close()
+        med = {k: round(statistics.median(v), 3) for k, v in per.items()}
+        med["round"] = round(sum(med[k] for k in per), 3)
+        med["tree_walk_commit_ms"] = round(med["tree"] + med["commit"], 3)
+        med["tree_walk_commit_share"] = round((med["tree"] + med["commit"]) / med["round"], 4)
+        rounds[budget] = med
+    engine.sync_timings = False
+    return rounds
+
+
 def bench_forward(args) -> dict:
     import torch
 
-    from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
+    from ddtree.engine.reference.engine import Engine
     from ddtree.engine.reference.target import Target
     from ddtree.engine.reference.tree import build_tree, tree_attention_mask
 
@@ -109,26 +137,11 @@ def bench_forward(args) -> dict:
                 forward_ms[nodes] = round(_median_ms(verify, args.device, args.repeats), 3)
         # Whole rounds through a Session: the engine's own overhead (tree + walk/commit) vs the forward.
         engine = Engine(model, _random_drafter(model, args.block_size).to(args.device, dtype))
-        engine.sync_timings = True
-        rounds = {}
         prompt = torch.randint(0, vocab, (args.context,)).tolist()
-        for budget in args.budgets:
-            sess = engine.start(prompt, GenParams(max_new_tokens=10_000, ignore_eos=True),
-                                SpecParams("ddtree", budget))
-            sess.step()  # prefill
-            for _ in range(3):
-                sess.step()
-            per = {k: [] for k in ("draft", "tree", "verify", "commit")}
-            for _ in range(args.repeats):
-                before = dict(sess.timings)
-                sess.step()
-                for k in per:
-                    per[k].append((sess.timings[k] - before[k]) * 1000)
-            sess.close()
-            med = {k: round(statistics.median(v), 3) for k, v in per.items()}
+        rounds = round_ms(engine, prompt, args.budgets, args.repeats)
+        for med in rounds.values():
             non_forward = med["tree"] + med["commit"]
             med["overhead_share_of_round_excl_draft"] = round(non_forward / (non_forward + med["verify"]), 4)
-            rounds[budget] = med
         out["shapes"][shape] = {"verify_forward_ms": forward_ms, "round_ms": rounds}
         del engine, model, target
         if args.device.startswith("cuda"):
