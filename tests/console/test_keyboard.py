@@ -8,7 +8,7 @@ from textual import events
 
 from ddtree.console.app import make_app
 
-from ..support.pilot import until
+from ..support.pilot import open_sweep_form, until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -28,9 +28,7 @@ def values(screen):
 async def test_fast_tab_moves_between_sweep_form_fields(tmp_path):
     app = make_app(str(tmp_path / "ddtree.db"), poll_s=0.1)
     async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.press("5")
-        await pilot.press("n")
-        await until(pilot, lambda: type(app.screen).__name__ == "SweepForm")
+        await open_sweep_form(app, pilot)
         burst(app, "tab", *"abc", "tab", *"def", "tab", *"ghi")
         await until(pilot, lambda: values(app.screen)["f-draft"] == "ghi")
         got = values(app.screen)
@@ -216,9 +214,7 @@ async def test_sweeps_header_hints_the_run_keys_and_they_switch_runs(tmp_path):
 async def test_sweep_form_sets_repeats_warmup_and_interleave(tmp_path):
     app = make_app(str(tmp_path / "ddtree.db"), poll_s=0.1)
     async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.press("5")
-        await pilot.press("n")
-        await until(pilot, lambda: type(app.screen).__name__ == "SweepForm")
+        await open_sweep_form(app, pilot)
         form = app.screen
         for field_id, text in (("repeats", "3"), ("warmup", "0"), ("interleave", "no")):
             form.query_one(f"#f-{field_id}").value = text

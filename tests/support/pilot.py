@@ -13,3 +13,10 @@ async def until(pilot, predicate, timeout: float = 10.0, what: str = "it") -> No
         if predicate():
             return
     raise AssertionError(f"the console never showed {what}")
+
+
+async def open_sweep_form(app, pilot) -> None:
+    """From anywhere: the Sweeps pane (5), then its New sweep form (n)."""
+    await pilot.press("5")
+    await pilot.press("n")
+    await until(pilot, lambda: type(app.screen).__name__ == "SweepForm", what="the sweep form")
