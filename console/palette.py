@@ -28,6 +28,43 @@ PANES = (
     ("history", "6", "History", "all runs: filter, sort, compare, export"),
 )
 
+LOCAL = True  # a row's fifth field: the action is the pane's own (see Action.local)
+
+#: Each pane's own keys: (key, action, title, help), and LOCAL where the pane widget runs it.
+PANE_ACTIONS: dict[str, tuple[tuple, ...]] = {
+    "overview": (
+        ("l", "toggle_log", "Show the job's log", "the selected job's log instead of GPUs and disks", LOCAL),
+        ("x", "cancel_job", "Cancel the selected job", "asks for confirmation", LOCAL),
+        ("g", "goto_job", "Go to the job's pane", "its sweep, engine or download (Enter too)", LOCAL),
+    ),
+    "downloads": (
+        ("d", "new_download", "Start a download", "repo id, include globs and disk reserve"),
+        ("x", "stop_download", "Stop the selected download", "asks for confirmation"),
+    ),
+    "engines": (
+        ("n", "new_engine", "Start an engine", "the builtin server on a model and drafter"),
+        ("x", "stop_engine", "Stop the selected engine", "asks for confirmation"),
+        ("f", "engine_follow", "Follow the engine log", "keep the log scrolled to its end"),
+        ("w", "engine_wrap", "Wrap the engine log", "wrap long log lines"),
+        ("/", "engine_search", "Search the engine log", "show only lines containing a text"),
+        ("a", "toggle_stopped", "Stopped engines too", "list stopped and failed engines as well", LOCAL),
+    ),
+    "sweeps": (
+        ("n", "new_sweep", "Start a sweep", "from a form or a recipe file, with the plan shown first"),
+        ("x", "stop_sweep", "Stop the shown sweep", "asks for confirmation; resume later"),
+        ("[", "sweep_prev", "Previous run", "show the previous run's curves"),
+        ("]", "sweep_next", "Next run", "show the next run's curves"),
+    ),
+    "history": (
+        ("/", "history_filter", "Filter runs", "name, model, engine, state or recipe text"),
+        ("enter", "history_open", "Open the run", "its points, settings, environment and log"),
+        ("space", "history_mark", "Select a run", "select two or more to compare"),
+        ("c", "history_compare", "Compare selected runs", "settings, metric deltas, overlaid curves"),
+        ("e", "history_export", "Export the run", "csv, json, md or recipe"),
+        ("s", "history_sort", "Sort runs", "cycle the sort column"),
+    ),
+}
+
 ACTIONS: tuple[Action, ...] = (
     *(Action(key, f"show_pane('{pane}')", f"Go to {title}", text) for pane, key, title, text in PANES),
     Action("m", "maximize_pane", "Maximise / restore the pane", "the current pane fills the screen"),
@@ -35,30 +72,8 @@ ACTIONS: tuple[Action, ...] = (
     Action("t", "toggle_theme", "Dark / light theme", "switch between the dark and the light theme"),
     Action("r", "refresh", "Refresh now", "read the store at once instead of at the next poll"),
     Action("q", "quit", "Quit", "close the console; jobs keep running"),
-    Action("l", "toggle_log", "Show the job's log", "the selected job's log instead of GPUs and disks",
-           "overview", local=True),
-    Action("x", "cancel_job", "Cancel the selected job", "asks for confirmation", "overview", local=True),
-    Action("g", "goto_job", "Go to the job's pane", "its sweep, engine or download (Enter too)", "overview",
-           local=True),
-    Action("d", "new_download", "Start a download", "repo id, include globs and disk reserve", "downloads"),
-    Action("x", "stop_download", "Stop the selected download", "asks for confirmation", "downloads"),
-    Action("n", "new_engine", "Start an engine", "the builtin server on a model and drafter", "engines"),
-    Action("x", "stop_engine", "Stop the selected engine", "asks for confirmation", "engines"),
-    Action("f", "engine_follow", "Follow the engine log", "keep the log scrolled to its end", "engines"),
-    Action("w", "engine_wrap", "Wrap the engine log", "wrap long log lines", "engines"),
-    Action("/", "engine_search", "Search the engine log", "show only lines containing a text", "engines"),
-    Action("a", "toggle_stopped", "Stopped engines too", "list stopped and failed engines as well", "engines",
-           local=True),
-    Action("n", "new_sweep", "Start a sweep", "from a form or a recipe file, with the plan shown first", "sweeps"),
-    Action("x", "stop_sweep", "Stop the shown sweep", "asks for confirmation; resume later", "sweeps"),
-    Action("[", "sweep_prev", "Previous run", "show the previous run's curves", "sweeps"),
-    Action("]", "sweep_next", "Next run", "show the next run's curves", "sweeps"),
-    Action("/", "history_filter", "Filter runs", "name, model, engine, state or recipe text", "history"),
-    Action("enter", "history_open", "Open the run", "its points, settings, environment and log", "history"),
-    Action("space", "history_mark", "Select a run", "select two or more to compare", "history"),
-    Action("c", "history_compare", "Compare selected runs", "settings, metric deltas, overlaid curves", "history"),
-    Action("e", "history_export", "Export the run", "csv, json, md or recipe", "history"),
-    Action("s", "history_sort", "Sort runs", "cycle the sort column", "history"),
+    *(Action(key, action, title, text, pane, local=bool(rest and rest[0]))
+      for pane, rows in PANE_ACTIONS.items() for key, action, title, text, *rest in rows),
 )
 
 
