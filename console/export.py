@@ -163,6 +163,13 @@ def _ratio(ratio: dict | None) -> str:
     return f"{ratio['value']:.2f} [{ratio['ci_low']:.2f}-{ratio['ci_high']:.2f}]"
 
 
+def _bullets(title: str, items: list[tuple[str, str]]) -> list[str]:
+    """A markdown section of "- label: text" lines (nothing when there are no items)."""
+    if not items:
+        return []
+    return [f"## {title}", "", *(f"- {label}: {text}" for label, text in items), ""]
+
+
 def to_markdown(run_row, points: list[sweeps.Point]) -> str:
     lines = [f"# Run {run_row.id}: {run_row.name}", ""]
     hw = run_row.hardware if isinstance(run_row.hardware, dict) else {}
@@ -178,17 +185,9 @@ def to_markdown(run_row, points: list[sweeps.Point]) -> str:
     lines.append("")
     cv_limit = unstable_cv(run_row)
     bests = labelled(best_budgets(points, unstable_cv=cv_limit))
-    if bests:
-        lines.append("## Best budget")
-        lines.append("")
-        lines.extend(f"- {label}: {best.line}" for label, best in bests)
-        lines.append("")
+    lines.extend(_bullets("Best budget", [(label, best.line) for label, best in bests]))
     recommended = labelled_recommendations(points)
-    if recommended:
-        lines.append("## Budget to serve with")
-        lines.append("")
-        lines.extend(f"- {label}: {rec.text}" for label, rec in recommended)
-        lines.append("")
+    lines.extend(_bullets("Budget to serve with", [(label, rec.text) for label, rec in recommended]))
     heatmap = heatmap_markdown(points)
     if heatmap:
         lines.extend(heatmap)
