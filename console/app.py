@@ -33,8 +33,10 @@ from textual.worker import Worker, WorkerState
 from ddtree.console import fmt, messages
 from ddtree.console.palette import PANES, system_commands
 from ddtree.console.poll import Sources
+from ddtree.console.quitnote import quit_note
 from ddtree.console.screens.overview import HISTORY, OverviewPane
 from ddtree.console.widgets.keybar import KeyBar
+from ddtree.console.words import plural
 
 #: Seconds between polls of the store: at most two UI updates a second, fine over slow SSH.
 POLL_S = 0.5
@@ -207,7 +209,7 @@ class ConsoleApp(App[int]):
         self.snapshot = message
         self._follow_run()
         active = sum(1 for j in message.jobs if not j.terminal)
-        self._status(Text(f"{len(message.jobs)} jobs ({active} active), {len(message.runs)} runs; "
+        self._status(Text(f"{plural(len(message.jobs), 'job')} ({active} active), {plural(len(message.runs), 'run')}; "
                           f"updated {time.strftime('%H:%M:%S', time.localtime(message.at))}"))
 
     def _status(self, text: Text) -> None:
@@ -281,6 +283,11 @@ class ConsoleApp(App[int]):
             self.points = (run_id, []) if run_id is not None else None
             self._wake.set()
 
+    def show_run(self, run_id: int) -> None:
+        """Show run `run_id` in the Sweeps pane from now on, and poll its points."""
+        self.sweep_run_id = run_id
+        self._follow_run()
+
     def _step_run(self, step: int) -> None:
         runs = self.runs()
         if not runs:
@@ -288,8 +295,7 @@ class ConsoleApp(App[int]):
         current = self.shown_run()
         index = next((i for i, r in enumerate(runs) if current is not None and r.id == current.id), 0)
         index = max(0, min(len(runs) - 1, index + step))
-        self.sweep_run_id = runs[index].id
-        self._follow_run()
+        self.show_run(runs[index].id)
         self.query_one("#sweeps").show_title(None)
 
     # -- pane actions --------------------------------------------------------------------------
@@ -576,4 +582,15 @@ def run_app(db_path: str | os.PathLike | None = None, *, demo: bool = False) -> 
     if app.store_error is not None:
         print(f"error: {app.store_error}", file=sys.stderr)
         return app.store_error.exit_code
+    note = closing_note(app, db_path)
+    if note is not None:
+        print(note)
     return app.return_code or 0
+
+
+def closing_note(app: ConsoleApp, db_path: str | os.PathLike | None) -> str | None:
+    """What to print once the console is closed: the jobs of its last poll that still run and
+    how to get back to them (quitnote.quit_note), or None. The store is named only when the user
+    named one, so the commands it prints are the ones they would type."""
+    jobs = app.last_snapshot.jobs if app.last_snapshot is not None else []
+    return quit_note(jobs, str(db_path) if db_path is not None else None)

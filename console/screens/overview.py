@@ -257,9 +257,7 @@ class OverviewPane(Vertical):
         if job.kind == "sweep":
             run = next((r for r in app.runs() if r.job_id == job.id), None)
             if run is not None:
-                app.sweep_run_id = run.id
-                # the app's one way to load a picked run's points (ConsoleApp._step_run uses it too)
-                app._follow_run()
+                app.show_run(run.id)
         await app.action_show_pane(pane)
         target = app.query_one(f"#{pane}")
         table_id = {"engines": "engine-table", "downloads": "download-table"}.get(pane)

@@ -51,7 +51,7 @@ async def test_shows_jobs_and_runs_and_follows_changes(db_path):
         await until(pilot, lambda: rows(app, "runs"))
         (run_row,) = rows(app, "runs")
         assert run_row[:6] == [str(run_id), "k26-sweep", "sglang", "moonshotai/Kimi-K2.6", "running", "1/4"]
-        assert "1 jobs (0 active), 1 runs" in status(app)
+        assert "1 job (0 active), 1 run;" in status(app)
         # a new job and progress on the run show up on the next polls
         with open_db(db_path) as db:
             new = create_job(db, "shell", {"argv": ["true"]})
