@@ -232,7 +232,7 @@ def build_tree_device_scored(root: int | torch.Tensor, logprobs: torch.Tensor,
     tie = all_scores == cut
     room = n - above.sum()
     keep = above | (tie & (tie.cumsum(0) <= room))
-    perm, slot, _ = _partition(keep)
+    perm, slot, _ = partition(keep)
     sel = perm[:n]
     tree_parents = slot.index_select(0, parents.index_select(0, sel))
     max_depth = min(depth_count, n - 1)
@@ -303,7 +303,7 @@ def _pairs_within(budget: int, k: int) -> list[int]:
     return list(itertools.accumulate(min(k, budget // (i + 1)) for i in range(budget)))
 
 
-def _partition(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def partition(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stable partition of [T] bool: (perm, slot, count) with the kept indices first.
 
     perm lists the kept indices in ascending order, then the others in ascending order; slot is
@@ -327,7 +327,7 @@ def walk_device(tree: Tree, posterior: torch.Tensor) -> tuple[torch.Tensor, torc
     matched = tree.tokens == posterior.index_select(0, tree.parents)
     matched[:1] = True
     ok = ~(tree.ancestors() & ~matched[None, :]).any(dim=1)
-    order, _, count = _partition(ok)
+    order, _, count = partition(ok)
     return order, count
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.engine.reference.tree import _partition
+from ddtree.engine.reference.tree import partition
 
 
 @dataclass
@@ -49,7 +49,7 @@ def walk_commit_static(tokens: torch.Tensor, visible: torch.Tensor, io: WalkIO, 
     matched = (tokens == io.posterior.index_select(0, io.parents)) & real
     matched = matched | (idx == 0)                            # the root is the committed bonus
     ok = ~(visible & ~matched[None, :]).any(dim=1)
-    order, _, count = _partition(ok)
+    order, _, count = partition(ok)
     last = order.gather(0, (count - 1).reshape(1))
     bonus = io.posterior.index_select(0, last)
     after = torch.cat((tokens.index_select(0, order[1:]), bonus))

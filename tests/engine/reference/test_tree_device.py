@@ -151,7 +151,7 @@ def _code(fn) -> str:
 
 
 def test_device_functions_read_nothing_back_to_the_host():
-    for fn in (build_tree_device, build_tree_device_scored, tree_mod._partition,
+    for fn in (build_tree_device, build_tree_device_scored, tree_mod.partition,
                tree_mod._candidate_pairs, walk_device,
                tree_mod.ancestor_matrix, tree_mod._layout.__wrapped__):
         src = _code(fn)
