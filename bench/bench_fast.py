@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 # The shapes and timing helpers are bench_engine's (this folder is on sys.path when run as a script).
-from bench_engine import SHAPES, _median_ms, _sync  # noqa: E402
+from bench_engine import SHAPES, _median_ms, _sync, round_ms  # noqa: E402
 
 
 def copy_bandwidth(device: str) -> float:
@@ -139,34 +139,6 @@ def verify_ms(engine, prompt, device: str, nodes: list[int], repeats: int) -> di
             out[n] = round(_median_ms(once, device, repeats), 3)
         engine.impl.release(cache, None)
     return out
-
-
-def round_ms(engine, prompt, budgets: list[int], repeats: int) -> dict:
-    """A DDTree round's parts (draft / tree / verify / commit), synchronised, median over rounds."""
-    from ddtree.engine.reference.engine import GenParams, SpecParams
-
-    engine.sync_timings = True
-    rounds = {}
-    for budget in budgets:
-        sess = engine.start(prompt, GenParams(max_new_tokens=100_000, ignore_eos=True),
-                            SpecParams("ddtree", budget))
-        for _ in range(4):  # prefill, then warm rounds
-            sess.step()
-        per = {k: [] for k in ("draft", "tree", "verify", "commit")}
-        for _ in range(repeats):
-            before = dict(sess.timings)
-            sess.step()
-            for k in per:
-                per[k].append((sess.timings[k] - before[k]) * 1000)
-        sess.close()
-        med = {k: round(statistics.median(v), 3) for k, v in per.items()}
-        med["round"] = round(sum(med[k] for k in per), 3)
-        # "commit" holds the walk (decode times everything after the verify forward as commit).
-        med["tree_walk_commit_ms"] = round(med["tree"] + med["commit"], 3)
-        med["tree_walk_commit_share"] = round((med["tree"] + med["commit"]) / med["round"], 4)
-        rounds[budget] = med
-    engine.sync_timings = False
-    return rounds
 
 
 def bench_shape(shape: str, args) -> dict:
