@@ -16,7 +16,7 @@ from torch import nn
 # hybrid_reason lives in ddtree.engine.arch (torch-free, so plans can call it); importable here too.
 from ddtree.engine.arch import hybrid_reason
 
-__all__ = ["KVCache", "Target", "ForwardOut", "cache_kwarg", "hybrid_reason"]
+__all__ = ["KVCache", "Target", "ForwardOut", "HeadShapes", "cache_kwarg", "hybrid_reason"]
 
 
 def cache_kwarg(model: nn.Module) -> str:
@@ -122,7 +122,22 @@ class ForwardOut:
     features: torch.Tensor | None   # [n, K*H] in the model dtype, or None
 
 
-class Target:
+class HeadShapes:
+    """vocab_size and hidden_size read off `lm_head` and `embed` (both target kinds have them)."""
+
+    lm_head: nn.Module
+    embed: nn.Module
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.weight.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.embed.weight.shape[1])
+
+
+class Target(HeadShapes):
     """A causal LM from transformers, called the way the decoders need it."""
 
     def __init__(self, model: nn.Module, feature_layers: tuple[int, ...] = ()) -> None:
@@ -136,14 +151,6 @@ class Target:
         self.num_layers = int(getattr(model.config, "num_hidden_layers", 0))
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.lm_head.weight.shape[0])
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.embed.weight.shape[1])
 
     def new_cache(self) -> KVCache:
         return KVCache.new(self.model)

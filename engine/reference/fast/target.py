@@ -41,7 +41,7 @@ from ddtree.engine.reference.fast.model import (
     load_decoder,
     matmul_attention_works,
 )
-from ddtree.engine.reference.target import ForwardOut
+from ddtree.engine.reference.target import ForwardOut, HeadShapes
 from ddtree.engine.reference.tree import Tree
 
 DEFAULT_MAX_QUERY = 64
@@ -85,7 +85,7 @@ class _Verify:
     start: int
 
 
-class FastTarget:
+class FastTarget(HeadShapes):
     """A DenseDecoder called the way the decoders need it (the surface of target.Target)."""
 
     def __init__(self, model: DenseDecoder, feature_layers: tuple[int, ...] = (), *,
@@ -141,14 +141,6 @@ class FastTarget:
         self._graph_pool = None  # one CUDA graph memory pool for every cache's graphs
         self._last: _Verify | None = None
         model.rope(self._arange[:1], self.dtype)  # moves the RoPE table to the device now, not in a capture
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.lm_head.weight.shape[0])
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.embed.weight.shape[1])
 
     def new_cache(self) -> StaticKVCache:
         cfg = self.cfg
