@@ -438,7 +438,8 @@ def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
         import torch
 
         dtype = getattr(torch, args.dtype)
-    engine = Engine.load(model, draft, device=args.device, dtype=dtype, backend=args.backend)
+    engine = Engine.load(model, draft, device=args.device, dtype=dtype, backend=args.backend,
+                         context_window=args.context_window)
     if args.block_size is not None and args.block_size != engine.block_size:
         # A shorter block drafts fewer positions per round (SGLang's --speculative-dflash-block-size);
         # the drafter has no causal mask inside a block, so any length up to the trained one works.
@@ -466,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
             raise BadRequest(f"--port must be in 0..65535, got {args.port}")
         if args.block_size is not None and args.block_size < 2:
             raise BadRequest(f"--block-size must be at least 2, got {args.block_size}")
+        if args.context_window is not None and args.context_window < 2:
+            raise BadRequest(f"--context-window must be at least 2, got {args.context_window}")
         if args.threads is not None and args.threads < 1:
             raise BadRequest(f"--threads must be at least 1, got {args.threads}")
         engine, model_path, draft_path = engine_thread.call(_load, args)

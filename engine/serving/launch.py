@@ -194,7 +194,7 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
                  device: str = "cpu", backend: str | None = "auto", host: str = HOST, port: int = 0,
                  dtype: str | None = None, max_running_requests: int | None = None,
                  max_queued_requests: int | None = None, threads: int | None = None,
-                 batch: bool | None = None) -> list[str]:
+                 batch: bool | None = None, context_window: int | None = None) -> list[str]:
     """The builtin server's command line. Options left None are not passed (the server's default
     applies); model None is the server's demo pair."""
     argv = [python or sys.executable, "-m", BUILTIN_MODULE]
@@ -209,7 +209,8 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
         argv += ["--block-size", str(block_size)]
     argv += ["--device", device, "--backend", backend or "auto", "--host", host, "--port", str(port)]
     for flag, value in (("--dtype", dtype), ("--max-running-requests", max_running_requests),
-                        ("--max-queued-requests", max_queued_requests), ("--threads", threads)):
+                        ("--max-queued-requests", max_queued_requests), ("--threads", threads),
+                        ("--context-window", context_window)):
         if value is not None:
             argv += [flag, str(value)]
     if batch is not None:
@@ -282,6 +283,9 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                         help="requests waiting beyond those; past this the server answers 503 (default: 64)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is often faster on a busy small machine)")
+    parser.add_argument("--context-window", type=number, default=None,
+                        help="tokens one request may hold, prompt and output (default: the model's; the fast "
+                             "backend preallocates every slot's cache for it and caps the default at 8192)")
     parser.add_argument("--batch", action=argparse.BooleanOptionalAction, default=None,
                         help="verify (and draft) all running requests in one forward per round "
                              "(default: on; --no-batch steps them one by one)")
