@@ -15,6 +15,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
 from ddtree.console import fmt
+from ddtree.console.palette import bindings
 from ddtree.console.widgets.logview import LogView
 from ddtree.console.screens.modals import FOCUS_KEYS
 from ddtree.console.widgets.rowtable import RowTable
@@ -82,15 +83,7 @@ def engines_title(rows: list[dict], show_stopped: bool) -> Text:
 class EnginesPane(Vertical):
     ALLOW_MAXIMIZE = True
 
-    BINDINGS = [
-        Binding("n", "app.new_engine", "New engine", id="new_engine"),
-        Binding("x", "app.stop_engine", "Stop", id="stop_engine"),
-        Binding("f", "app.engine_follow", "Follow", id="engine_follow"),
-        Binding("w", "app.engine_wrap", "Wrap", id="engine_wrap"),
-        # Priority, so the keys typed right behind / reach the box (the app skips it while typing).
-        Binding("slash", "app.engine_search", "Search", id="engine_search", priority=True),
-        Binding("a", "toggle_stopped", "Stopped too", id="engine_show_stopped"),
-    ]
+    BINDINGS = bindings("engines")  # from the palette's table, like the help and the palette
 
     #: Seconds between redraws of the uptimes (the store does not change while an engine just runs).
     TICK_S = 1.0

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
-from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Static
 
 from ddtree.console import fmt
+from ddtree.console.palette import bindings
 from ddtree.console.disks import disk_figures
 from ddtree.console.eta import download_eta, run_progress, sweep_progress
 from ddtree.console.widgets.logview import LogView
@@ -111,11 +111,7 @@ class OverviewPane(Vertical):
 
     ALLOW_MAXIMIZE = True
 
-    BINDINGS = [
-        Binding("l", "toggle_log", "Log", id="overview_log"),
-        Binding("x", "cancel_job", "Cancel", id="overview_cancel"),
-        Binding("g", "goto_job", "Go to pane", id="overview_goto"),
-    ]
+    BINDINGS = bindings("overview")  # from the palette's table, like the help and the palette
 
     #: Seconds between redraws of running times and ETAs (the store does not change every second).
     TICK_S = 1.0
