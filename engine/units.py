@@ -1,4 +1,4 @@
-"""Plain-text units every layer prints: byte sizes, durations, safe one-line text.
+"""Plain-text units every layer prints: byte sizes, durations, counts in words, safe one-line text.
 
 It lives in engine/ because that is the lowest layer the console, the jobs and the engine all
 import (the store is a sibling and prints none of these). No torch and no Textual here.
@@ -37,6 +37,12 @@ def duration(seconds: float | None) -> str:
     if s < 86400:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """`n` and the word in the number it needs: plural(1, "run") -> "1 run", plural(3, "run") -> "3 runs";
+    `words` for a plural that is not word + "s" (plural(2, "point in progress", "points in progress"))."""
+    return f"{n} {word if n == 1 else (words or word + 's')}"
 
 
 def _escape(match: re.Match) -> str:

@@ -31,7 +31,7 @@ from pathlib import Path
 from ddtree.engine.arch import SPECULATIVE_HINT, read_config
 from ddtree.engine.arch import builtin_refusal as arch_refusal
 from ddtree.engine.errors import EngineError
-from ddtree.engine.units import duration
+from ddtree.engine.units import duration, plural
 from ddtree.engine.serving.launch import LaunchSpec, build_launch, builtin_argv, free_port
 from ddtree.engine.machine.placement import suggest
 from ddtree.engine.machine.preflight import check_gpus, preflight
@@ -301,13 +301,13 @@ def target_refusal(model: str, specs: list[tuple[str, int | None]]) -> str | Non
 
 
 def _builtin_argv(recipe: Recipe, algorithm: str, budget: int | None) -> tuple[str, ...]:
-    """The builtin server's command line, the demo pair named explicitly when the recipe has no model."""
+    """The builtin server's command line. With no model (the demo pair) --model is left out: the
+    server then loads the demo pair itself and serves it as demo/target, and the plan shows no
+    install path (build/__editable__... with an editable install). --draft is left out likewise
+    unless the recipe names one."""
     engine = recipe.engine
-    model, draft = engine.model, engine.draft_model
-    if model is None:
-        model, demo_drafter = demo_pair()
-        draft = draft or demo_drafter
-    return tuple(builtin_argv(python=engine.python, model=model, draft=draft, algorithm=algorithm, budget=budget,
+    return tuple(builtin_argv(python=engine.python, model=engine.model, draft=engine.draft_model,
+                              algorithm=algorithm, budget=budget,
                               block_size=engine.block_size, device=engine.device, backend=engine.backend))
 
 
@@ -486,7 +486,7 @@ def _order(specs: list, repeats: int, interleave: bool) -> list[tuple]:
 def repeat_note(recipe: Recipe) -> str:
     """What the plan says about repeats, their order and the warm-up."""
     sweep = recipe.sweep
-    warm = (f"warm-up: {sweep.warmup} request(s) before each point, not measured" if sweep.warmup
+    warm = (f"warm-up: {plural(sweep.warmup, 'request')} before each point, not measured" if sweep.warmup
             else "no warm-up")
     if sweep.repeats == 1:
         return f"repeats: 1 per point (no interval: a best budget cannot be told from noise; set sweep.repeats >= 3); {warm}"
@@ -551,7 +551,8 @@ def box_line(box: dict) -> str:
 
 def format_plan(plan: Plan) -> str:
     """The human-readable dry run."""
-    lines = [f"sweep {plan.recipe.name!r}: {len(plan.launches)} engine launch(es), {len(plan.points)} point(s), "
+    lines = [f"sweep {plan.recipe.name!r}: {plural(len(plan.launches), 'engine launch', 'engine launches')}, "
+             f"{plural(len(plan.points), 'point')}, "
              f"about {duration(plan.est_total_s)} (assuming {plan.assumed_stream_tok_s:g} tok/s per stream)"]
     for warning in plan.warnings:
         lines.append(f"warning: {warning}")

@@ -110,8 +110,17 @@ def _local(key: str, value: str | None) -> str | None:
 
 
 def server_argv(spec: dict) -> list[str]:
-    """The builtin server's command line for a validated spec (port 0: it announces the one it takes)."""
-    return builtin_argv(python=spec["python"], model=spec["model"], draft=spec["draft_model"],
+    """The builtin server's command line for a validated spec (port 0: it announces the one it takes).
+    On the demo pair --model (and --draft, when it is the demo drafter) is left out: the server
+    loads the pair itself and serves it as demo/target, and neither the job's log nor its command
+    line shows the pair's install path."""
+    model, draft = spec["model"], spec["draft_model"]
+    if spec["demo"]:
+        target, drafter = demo_pair()
+        if model == target:
+            model = None
+            draft = None if draft == drafter else draft
+    return builtin_argv(python=spec["python"], model=model, draft=draft,
                         algorithm=spec["algorithm"], budget=spec["budget"], block_size=spec["block_size"],
                         device=spec["device"], backend=spec.get("backend"))
 

@@ -91,7 +91,7 @@ async def test_sweep_from_the_form_lands_points_and_the_chart_follows(tiny_pair,
                       "concurrency": "1", "dataset": str(prompts), "prompts": "2", "tokens": "8", "baseline": "ar"}
             for key, value in values.items():
                 form.query_one(f"#f-{key}").value = value
-            await until(pilot, lambda: "3 point(s)" in str(form.query_one("#plan").render()), what="the plan")
+            await until(pilot, lambda: "3 points" in str(form.query_one("#plan").render()), what="the plan")
             await pilot.click("#start")
             chart = app.query_one("#toks-chart", LineChart)
             await until(pilot, lambda: app.points and any(p.state == "done" for p in app.points[1]), timeout=150,

@@ -47,7 +47,7 @@ def test_repeats_back_to_back_when_interleave_is_off_and_the_plan_says_which():
     assert data["repeats"]["order"] == "grouped" and data["repeats"]["count"] == 2
     text = format_plan(make_plan(parse_recipe(BUILTIN)))
     assert "repeats: 2 per point, interleaved across algorithms and budgets (A B C A B C)" in text
-    assert "warm-up: 2 request(s) before each point, not measured" in text
+    assert "warm-up: 2 requests before each point, not measured" in text
     single = format_plan(make_plan(parse_recipe(BUILTIN.replace("repeats = 2", "repeats = 1"))))
     assert "repeats: 1 per point (no interval" in single
 
