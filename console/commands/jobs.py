@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from ddtree.console import fmt
-from ddtree.console.commands import MAX_ID
+from ddtree.console.commands import MAX_ID, number
 from ddtree.console.commands import job_id as _job_id
 from ddtree.jobs import supervisor
 from ddtree.jobs.errors import BadSpec, JobError
@@ -37,10 +37,7 @@ class LogUnavailable(JobError):
 
 
 def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    value = number(text, "seconds", float)
     if not 0 <= value <= 3600:
         raise argparse.ArgumentTypeError(f"grace must be 0..3600 seconds, got {value:g}")
     return value
@@ -48,10 +45,7 @@ def _seconds(text: str) -> float:
 
 def limit(text: str) -> int:
     """argparse type of --limit: a count of rows, at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of rows, got {text!r}") from None
+    value = number(text, "a number of rows")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
