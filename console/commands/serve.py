@@ -12,13 +12,13 @@ import importlib.util
 import os
 import sys
 
+from ddtree.console.commands import UsageError
 from ddtree.engine.arch import SPECULATIVE_HINT, builtin_refusal, read_config
-from ddtree.engine.errors import EngineError
 from ddtree.engine.serving.launch import add_builtin_options, builtin_argv
 
 
-class ServeError(EngineError):
-    exit_code = 2
+class ServeError(UsageError):
+    """The builtin engine cannot be served from this Python, or refuses this model and algorithm."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

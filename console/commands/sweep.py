@@ -21,9 +21,8 @@ import sys
 import threading
 from pathlib import Path
 
-from ddtree.console.commands import run_id
+from ddtree.console.commands import UsageError, run_id
 from ddtree.console.fmt import printable
-from ddtree.jobs.errors import JobError
 from ddtree.jobs.plan import MAX_POINTS, format_plan
 from ddtree.jobs.recipe import load_recipe
 from ddtree.jobs.start import plan_sweep, start_sweep, submit_sweep
@@ -32,8 +31,9 @@ from ddtree.store.db import data_dir, open_db, resolve_db_path
 from ddtree.store.records import ACTIVE_STATES
 
 
-class SweepUsageError(JobError):
-    exit_code = 2
+class SweepUsageError(UsageError):
+    """A sweep command line that cannot start: neither a recipe nor --resume (or both), options that
+    do not go together, or a run another job is still running."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
