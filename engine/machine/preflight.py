@@ -198,14 +198,22 @@ def read_safetensors_header(path: str | os.PathLike) -> dict:
             if length > MAX_HEADER_BYTES or 8 + length > size:
                 raise PreflightError(f"{path} is not a safetensors file (header length {length}, file {size} bytes)",
                                      "a truncated download? rerun `ddtree-console download` to resume")
-            header = json.loads(f.read(length))
+            raw = f.read(length)
     except OSError as exc:
         raise PreflightError(f"cannot read {path}: {exc.strerror}") from None
+    return _json_object(raw, path, "a safetensors file", "its header is ")
+
+
+def _json_object(raw: bytes, path: Path, what: str, part: str = "") -> dict:
+    """`raw` (read from `path`) parsed as a JSON object, else a PreflightError:
+    "<path> is not <what> (<part>not JSON)", or "... not a JSON object"."""
+    try:
+        data = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
-        raise PreflightError(f"{path} is not a safetensors file (its header is not JSON)") from None
-    if not isinstance(header, dict):
-        raise PreflightError(f"{path} is not a safetensors file (its header is not a JSON object)")
-    return header
+        raise PreflightError(f"{path} is not {what} ({part}not JSON)") from None
+    if not isinstance(data, dict):
+        raise PreflightError(f"{path} is not {what} ({part}not a JSON object)")
+    return data
 
 
 @dataclass(frozen=True)
@@ -265,14 +273,12 @@ def _text_config(config: dict) -> dict:
 def load_config(model_dir: str | os.PathLike) -> dict:
     path = Path(model_dir) / "config.json"
     try:
-        data = json.loads(path.read_text())
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise PreflightError(f"{model_dir} has no config.json", "is the download complete?") from None
-    except (OSError, ValueError, UnicodeDecodeError):
-        raise PreflightError(f"{path} is not readable JSON") from None
-    if not isinstance(data, dict):
-        raise PreflightError(f"{path} is not a model config")
-    return data
+    except OSError as exc:
+        raise PreflightError(f"cannot read {path}: {exc.strerror}") from None
+    return _json_object(raw, path, "a model config")
 
 
 @dataclass(frozen=True)
