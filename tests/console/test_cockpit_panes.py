@@ -34,6 +34,20 @@ def app_for(db_path, **kw):
     return make_app(db_path, poll_s=0.1, clock=lambda: NOW, **kw)
 
 
+@pytest.fixture
+def submitting_app(seeded, monkeypatch):
+    """The seeded store's app, and the (kind, spec) of each job its forms submit: recorded, not started."""
+    app = app_for(seeded[0])
+    submitted = []
+    monkeypatch.setattr(type(app), "submit_job", lambda self, kind, spec, name=None: submitted.append((kind, spec)))
+    return app, submitted
+
+
+def form_error(form) -> str:
+    """The line under a form: why Start is disabled, or what will run."""
+    return str(form.query_one("#form-error").render())
+
+
 async def test_overview_jobs_gpu_strip_disks(seeded):
     db_path, ids = seeded
     app = app_for(db_path)
@@ -90,11 +104,8 @@ async def test_hardware_pane_gpus_links_numa_and_placement(seeded):
 
 
 @pytest.mark.slow
-async def test_downloads_pane_form_validates_as_typed(seeded, monkeypatch):
-    db_path, ids = seeded
-    app = app_for(db_path)
-    submitted = []
-    monkeypatch.setattr(type(app), "submit_job", lambda self, kind, spec, name=None: submitted.append((kind, spec)))
+async def test_downloads_pane_form_validates_as_typed(submitting_app):
+    app, submitted = submitting_app
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.press("3")
         await until(pilot, lambda: table_rows(app, "download-table"), what="the download")
@@ -108,11 +119,11 @@ async def test_downloads_pane_form_validates_as_typed(seeded, monkeypatch):
         form = app.screen
         await pilot.press(*"not a repo")
         assert form.query_one("#start").disabled
-        assert "not a Hugging Face repo id" in str(form.query_one("#form-error").render())
+        assert "not a Hugging Face repo id" in form_error(form)
         form.query_one("#repo").value = ""
         form.query_one("#repo").value = "Qwen/Qwen3-0.6"
         await pilot.press("end", "B", "tab", *"../x")
-        assert form.query_one("#start").disabled and "bad glob" in str(form.query_one("#form-error").render())
+        assert form.query_one("#start").disabled and "bad glob" in form_error(form)
         form.query_one("#include").value = "*.json, *.safetensors"
         form.query_one("#reserve").value = "-3"
         await pilot.pause(0.05)
@@ -184,11 +195,8 @@ async def test_engines_pane_health_and_log_follow_search_wrap(seeded, tmp_path):
 
 
 @pytest.mark.slow
-async def test_engine_form_validates_and_returns_a_job_spec(seeded, tmp_path, monkeypatch):
-    db_path, _ = seeded
-    app = app_for(db_path)
-    submitted = []
-    monkeypatch.setattr(type(app), "submit_job", lambda self, kind, spec, name=None: submitted.append((kind, spec)))
+async def test_engine_form_validates_and_returns_a_job_spec(submitting_app, tmp_path):
+    app, submitted = submitting_app
     (tmp_path / "target").mkdir()
     (tmp_path / "drafter").mkdir()
     async with app.run_test(size=(100, 30)) as pilot:
@@ -198,21 +206,20 @@ async def test_engine_form_validates_and_returns_a_job_spec(seeded, tmp_path, mo
         form.query_one("#model").value = str(tmp_path / "missin")
         await pilot.press("end", "g")  # typed: validated on every change
         assert form.query_one("#start").disabled
-        assert "not found" in str(form.query_one("#form-error").render())
+        assert "not found" in form_error(form)
         form.query_one("#model").value = str(tmp_path / "target")
         form.query_one("#draft").value = str(tmp_path / "drafter")
         form.query_one("#budget").value = "16"
         form.query_one("#device").value = "gpu0"
         await pilot.pause(0.05)
-        assert form.query_one("#start").disabled and "device" in str(form.query_one("#form-error").render())
+        assert form.query_one("#start").disabled and "device" in form_error(form)
         form.query_one("#device").value = "cpu"
         await pilot.pause(0.05)
         assert not form.query_one("#start").disabled
-        error = lambda: str(form.query_one("#form-error").render())  # noqa: E731
-        assert form.query_one("#row-backend").display and "on cpu, backend auto" in error()
+        assert form.query_one("#row-backend").display and "on cpu, backend auto" in form_error(form)
         form.query_one("#backend").value = "fast"
         await pilot.pause(0.05)
-        assert "on cpu, backend fast" in error()  # the preview says what will run
+        assert "on cpu, backend fast" in form_error(form)  # the preview says what will run
         await pilot.click("#start")
         assert submitted and submitted[0][0] == "engine"
         assert submitted[0][1]["budget"] == 16 and submitted[0][1]["model"] == str(tmp_path / "target")
@@ -220,11 +227,8 @@ async def test_engine_form_validates_and_returns_a_job_spec(seeded, tmp_path, mo
 
 
 @pytest.mark.slow
-async def test_engine_form_refuses_speculation_on_a_hybrid_target_before_it_starts(seeded, tmp_path, monkeypatch):
-    db_path, _ = seeded
-    app = app_for(db_path)
-    submitted = []
-    monkeypatch.setattr(type(app), "submit_job", lambda self, kind, spec, name=None: submitted.append((kind, spec)))
+async def test_engine_form_refuses_speculation_on_a_hybrid_target_before_it_starts(submitting_app, tmp_path):
+    app, submitted = submitting_app
     (tmp_path / "next").mkdir()
     (tmp_path / "next" / "config.json").write_text(json.dumps(
         {"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}))
@@ -232,28 +236,24 @@ async def test_engine_form_refuses_speculation_on_a_hybrid_target_before_it_star
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.press("4", "n")
         form = app.screen
-        error = lambda: str(form.query_one("#form-error").render())  # noqa: E731
         form.query_one("#model").value = str(tmp_path / "next")
         form.query_one("#draft").value = str(tmp_path / "drafter")
         await pilot.pause(0.05)
         assert form.query_one("#start").disabled
-        assert "refuses ddtree" in error() and "linear_attention" in error() and "extra_buffer" in error()
+        assert "refuses ddtree" in form_error(form) and "linear_attention" in form_error(form) and "extra_buffer" in form_error(form)
         form.query_one("#algorithm").value = "dflash"
         await pilot.pause(0.05)
-        assert form.query_one("#start").disabled and "refuses dflash" in error()
+        assert form.query_one("#start").disabled and "refuses dflash" in form_error(form)
         form.query_one("#algorithm").value = "ar"
         await pilot.pause(0.05)
-        assert not form.query_one("#start").disabled and "will run: builtin" in error()
+        assert not form.query_one("#start").disabled and "will run: builtin" in form_error(form)
         await pilot.click("#start")
     assert submitted and submitted[0][1]["algorithm"] == "ar"
 
 
 @pytest.mark.slow
-async def test_engine_form_starts_sglang_on_chosen_gpus(seeded, tmp_path, monkeypatch):
-    db_path, _ = seeded
-    app = app_for(db_path)
-    submitted = []
-    monkeypatch.setattr(type(app), "submit_job", lambda self, kind, spec, name=None: submitted.append((kind, spec)))
+async def test_engine_form_starts_sglang_on_chosen_gpus(submitting_app, tmp_path):
+    app, submitted = submitting_app
     python = tmp_path / "python"
     python.write_text("#!/bin/sh\n")
     async with app.run_test(size=(80, 24)) as pilot:
@@ -264,27 +264,26 @@ async def test_engine_form_starts_sglang_on_chosen_gpus(seeded, tmp_path, monkey
         await pilot.pause(0.05)
         assert form.query_one("#row-python").display and not form.query_one("#row-device").display
         assert not form.query_one("#row-backend").display  # a builtin-only choice
-        error = lambda: str(form.query_one("#form-error").render())  # noqa: E731
-        assert form.query_one("#start").disabled and "needs model and python" in error()
+        assert form.query_one("#start").disabled and "needs model and python" in form_error(form)
         form.query_one("#model").value = "Qwen/Qwen3-8B"
         form.query_one("#draft").value = "z-lab/Qwen3-8B-DFlash-b16"
         form.query_one("#algorithm").value = "dflash"
         form.query_one("#python").value = str(python)
         await pilot.pause(0.05)
-        assert "not found or not executable" in error()  # not executable yet
+        assert "not found or not executable" in form_error(form)  # not executable yet
         python.chmod(0o755)
         form.query_one("#gpus").value = "0, x"
         await pilot.pause(0.05)
-        assert "gpus must be a list" in error()
+        assert "gpus must be a list" in form_error(form)
         form.query_one("#gpus").value = "2,3"
         await pilot.pause(0.05)
         assert not form.query_one("#start").disabled
         assert ("will run: sglang Qwen/Qwen3-8B with drafter z-lab/Qwen3-8B-DFlash-b16, dflash, block the drafter's, "
-                "on GPUs 2,3, TP 2") in error()  # TP follows the GPUs until one is typed
+                "on GPUs 2,3, TP 2") in form_error(form)  # TP follows the GPUs until one is typed
         assert form.query_one("#row-tp").display
         form.query_one("#tp").value = "1"
         await pilot.pause(0.05)
-        assert "on GPUs 2,3, TP 1" in error()
+        assert "on GPUs 2,3, TP 1" in form_error(form)
         await pilot.click("#start")
         # the form remembers what was started
         await pilot.press("n")
