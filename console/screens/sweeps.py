@@ -12,12 +12,15 @@ from statistics import median
 
 from rich.text import Text
 from textual import on, work
+from textual.geometry import Region, Spacing
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
+from ddtree.console.eta import sweep_progress
+from ddtree.console.words import plural
 from ddtree.console.widgets.chart import COLORS, LineChart, Series
 from ddtree.console.widgets.heatmap import heatmap_text
 from ddtree.console.screens.modals import FOCUS_KEYS
@@ -119,11 +122,21 @@ def insight_text(rows: list, *, prefix: str = "") -> Text:
     lines = [(f"{prefix}{label}: {rec.line}", "bold") for label, rec in labelled_recommendations(rows)]
     failed = [p for p in rows if p.state == "failed"]
     if failed:
-        lines.append((f"{len(failed)} point(s) failed: {failed[-1].error or '?'}"[:200], "red"))
+        lines.append((f"{plural(len(failed), 'point')} failed: {failed[-1].error or '?'}"[:200], "red"))
     text = Text()
     for n, (line, style) in enumerate(lines):
         text.append(("\n" if n else "") + line, style=style)
     return text
+
+
+def point_in_progress(rows: list) -> int | None:
+    """The index of the point being measured (else the next to run) among `rows`: the row the
+    table keeps on screen; None when every point has finished."""
+    for state in ("running", "pending"):
+        found = next((i for i, p in enumerate(rows) if p.state == state), None)
+        if found is not None:
+            return found
+    return None
 
 
 def sentinel_text(report) -> Text | None:
@@ -143,6 +156,10 @@ class SweepsPane(Vertical):
         display: none;
         padding: 0 1;
     }
+    SweepsPane .pane-bar Button {
+        width: auto;
+        min-width: 0;
+    }
     SweepsPane #sentinel {
         height: auto;
         max-height: 3;
@@ -158,6 +175,14 @@ class SweepsPane(Vertical):
     _run_id: int | None = None
     _history: dict = {}
     """run id -> (run, [(earlier run, its points)]) for the sentinel, read once per run by a worker."""
+    _in_view: tuple[int | None, str | None] = (None, None)
+    """(run id, point id) last scrolled into view: the table follows the point in progress when it
+    moves on, and leaves the user's scrolling alone in between."""
+
+    TICK_S = 1.0
+    """How often the header's ETA is redrawn: it counts down while a point runs."""
+    WIDE = 100
+    """From this width on the header also spells out the [ ] keys (the key bar has them too)."""
 
     BINDINGS = [
         Binding("n", "app.new_sweep", "New sweep", id="new_sweep"),
@@ -186,6 +211,20 @@ class SweepsPane(Vertical):
         self._history = {}
         self.watch(self.app, "points", self.show)
         self.watch(self.app, "snapshot", self.show_title)
+        self.set_interval(self.TICK_S, self.tick)
+
+    def tick(self) -> None:
+        run = self.app.shown_run()
+        if run is not None and run.state in ("running", "queued"):
+            self.show_title(None)
+
+    def progress_text(self, run) -> str:
+        """`9/14 points, ETA 2m05s` while the run goes on (eta.sweep_progress, from its measured
+        point times), `14/14 points` once it ended."""
+        total = run.points_total or 0
+        if run.state in ("running", "queued") and self._run_id == run.id:
+            return sweep_progress(self._rows, self.app.clock(), total).text
+        return f"{run.points_done}/{total} points"
 
     def show_title(self, _snapshot) -> None:
         run = self.app.shown_run()
@@ -193,15 +232,15 @@ class SweepsPane(Vertical):
         if run is None:
             title.update("Sweeps: no run yet. Press n to start one (the demo pair by default).")
             return
-        total = run.points_total or 0
-        text = Text(f"Run {run.id} {run.name or ''} ({run.state or '-'}) {run.points_done}/{total} points"
+        text = Text(f"Run {run.id} {run.name or ''} ({run.state or '-'}) {self.progress_text(run)}"
                     + (f", {run.points_failed} failed" if run.points_failed else ""))
-        # A key hint, spelled out: a bare "[ ]" read as a checkbox that could not be ticked.
-        text.append("   keys ", style="dim")
-        text.append("[", style="bold")
-        text.append(" ", style="dim")
-        text.append("]", style="bold")
-        text.append(": older/newer run", style="dim")
+        if self.size.width >= self.WIDE:
+            # A key hint, spelled out: a bare "[ ]" read as a checkbox that could not be ticked.
+            text.append("   keys ", style="dim")
+            text.append("[", style="bold")
+            text.append(" ", style="dim")
+            text.append("]", style="bold")
+            text.append(": older/newer run", style="dim")
         busy_run, busy = self._busy
         if busy and busy_run == run.id:
             text.append(f"   {busy}", style="bold yellow")
@@ -220,9 +259,24 @@ class SweepsPane(Vertical):
             self.show_heatmap()
         sync_table(self.query_one("#points", RowTable), [(str(p.id), point_cells(p)) for p in rows])
         self.show_title(None)
+        self.follow_progress(run_id, rows)
         if run_id is not None and run_id not in self._history:
             self._history[run_id] = None  # asked once; the worker fills it in
             self._load_history(run_id)
+
+    def follow_progress(self, run_id: int | None, rows: list) -> None:
+        """Keep the point in progress on screen: at 80x24 the table shows seven rows, and point 10
+        of 14 would sit below them. Only when that point changes, so a user's scrolling stays."""
+        index = point_in_progress(rows)
+        key = str(rows[index].id) if index is not None else None
+        if (run_id, key) == self._in_view:
+            return
+        self._in_view = (run_id, key)
+        if index is not None:
+            table = self.query_one("#points", RowTable)
+            # after the refresh: the table's virtual size grows with the rows just set
+            self.call_after_refresh(table.scroll_to_region, Region(0, index + 1, 1, 1), animate=False,
+                                    spacing=Spacing(top=1), force=True, immediate=True)
 
     def sentinel_report(self):
         """The run's points against earlier runs of its fingerprint, once their history is read."""

@@ -1,0 +1,77 @@
+"""The Sweeps pane at 80x24 (issue 17): the point in progress stays on screen, the header shows
+the progress and an ETA from measured point times that counts down on a clock the test moves."""
+
+from __future__ import annotations
+
+import pytest
+
+from ..store.insight_support import point
+from .cockpit_support import NOW, fixed_sources, seed_store, table_rows, text_of, until
+
+from ddtree.console.app import make_app
+from ddtree.console.screens.sweeps import insight_text, point_in_progress
+from ddtree.store import open_db
+from ddtree.store.queries import update_row
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Clock:
+    def __init__(self, t: float = NOW) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def visible(table, index: int) -> bool:
+    """Is row `index` on screen (the header takes the table's first line)?"""
+    top = table.scroll_offset.y
+    return top + 1 <= index + 1 < top + table.size.height
+
+
+async def test_point_in_progress_is_on_screen_and_the_eta_counts_down(tmp_path):
+    db_path = tmp_path / "ddtree.db"
+    ids = seed_store(db_path)
+    clock = Clock()
+    app = make_app(db_path, poll_s=0.1, sources=fixed_sources(), clock=clock)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("5")
+        await until(pilot, lambda: len(table_rows(app, "points")) == 14, what="the points")
+        table = app.query_one("#points")
+        # nine points done (25 s each), five to go: point 10 is next, below the first rows
+        assert table.size.height < 11
+        await until(pilot, lambda: visible(table, 9), what="point 10 scrolled into view")
+        assert "9/14 points, ETA 2m05s" in text_of(app, "sweep-title")
+
+        # the user scrolls back up: a poll that changes nothing leaves the table where they put it
+        table.scroll_home(animate=False, immediate=True)
+        pane = app.query_one("#sweeps")
+        pane.show(app.points)
+        await pilot.pause()
+        assert table.scroll_offset.y == 0
+
+        with open_db(db_path) as db:
+            point = db.execute("SELECT id FROM points WHERE run_id = ? AND idx = 9", [ids["live_run"]]).fetchone()[0]
+            update_row(db, "points", point, {"state": "running", "started_at": NOW - 10})
+        # 4 to go at 25 s plus the 15 s left of the running one
+        await until(pilot, lambda: "ETA 1m55s" in text_of(app, "sweep-title"), what="the ETA with a point running")
+        clock.t += 5  # the store does not change; the header still counts down
+        await until(pilot, lambda: "ETA 1m50s" in text_of(app, "sweep-title"), what="the ETA tick")
+
+
+def test_the_point_in_progress_is_the_running_one_else_the_next():
+    class P:
+        def __init__(self, state):
+            self.state = state
+
+    assert point_in_progress([P("done"), P("pending"), P("running")]) == 2
+    assert point_in_progress([P("done"), P("failed"), P("pending")]) == 2
+    assert point_in_progress([P("done"), P("skipped")]) is None
+
+
+def test_failures_are_counted_in_words():
+    failed = point("ddtree", 8, 0, None, state="failed")
+    failed.error = "engine died"
+    assert "1 point failed: engine died" in str(insight_text([failed]))
+    assert "2 points failed" in str(insight_text([failed, failed]))
