@@ -35,9 +35,14 @@ def app_for(db_path, **kw):
 
 
 @pytest.fixture
-def submitting_app(seeded, monkeypatch):
+def app(seeded):
+    """The console on the seeded store, with the fixed sources and clock."""
+    return app_for(seeded[0])
+
+
+@pytest.fixture
+def submitting_app(app, monkeypatch):
     """The seeded store's app, and the (kind, spec) of each job its forms submit: recorded, not started."""
-    app = app_for(seeded[0])
     submitted = []
     monkeypatch.setattr(type(app), "submit_job", lambda self, kind, spec, name=None: submitted.append((kind, spec)))
     return app, submitted
@@ -48,9 +53,8 @@ def form_error(form) -> str:
     return str(form.query_one("#form-error").render())
 
 
-async def test_overview_jobs_gpu_strip_disks(seeded):
-    db_path, ids = seeded
-    app = app_for(db_path)
+async def test_overview_jobs_gpu_strip_disks(seeded, app):
+    _, ids = seeded
     async with app.run_test(size=(100, 30)) as pilot:
         await until(pilot, lambda: len(table_rows(app, "jobs")) == 3, what="the jobs")
         # 9 of 14 points, each took 25 s: 5 to go is 2m05s (once the points are in; before, the
@@ -78,9 +82,7 @@ async def test_without_gpu_the_hardware_pane_says_so_and_why(seeded):
         assert "No GPU: NVML library not found" in text_of(app, "gpu-strip")
 
 
-async def test_hardware_pane_gpus_links_numa_and_placement(seeded):
-    db_path, _ = seeded
-    app = app_for(db_path)
+async def test_hardware_pane_gpus_links_numa_and_placement(app):
     async with app.run_test(size=(100, 40)) as pilot:
         await pilot.press("2")
         await until(pilot, lambda: len(table_rows(app, "gpus")) == 8, what="the GPU table")
@@ -140,9 +142,8 @@ async def test_downloads_pane_form_validates_as_typed(submitting_app):
         validate(submitted[0][1])  # what the form hands over is a valid job spec
 
 
-async def test_stopping_asks_first_then_cancels_the_job(seeded):
+async def test_stopping_asks_first_then_cancels_the_job(seeded, app):
     db_path, ids = seeded
-    app = app_for(db_path)
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.press("3")
         await until(pilot, lambda: table_rows(app, "download-table"), what="the download")
@@ -295,9 +296,8 @@ async def test_engine_form_starts_sglang_on_chosen_gpus(submitting_app, tmp_path
                                      "model": "Qwen/Qwen3-8B", "draft_model": "z-lab/Qwen3-8B-DFlash-b16", "tp": 1})]
 
 
-async def test_sweeps_pane_curves_baselines_best_and_points(seeded):
+async def test_sweeps_pane_curves_baselines_best_and_points(seeded, app):
     db_path, ids = seeded
-    app = app_for(db_path)
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.press("5")
         await until(pilot, lambda: len(table_rows(app, "points")) == 14, what="the points")
@@ -436,9 +436,7 @@ async def test_history_filter_sort_compare_export(seeded, tmp_path):
         assert target.read_text().startswith("id,run_id")
 
 
-async def test_compare_needs_two_runs(seeded):
-    db_path, _ = seeded
-    app = app_for(db_path)
+async def test_compare_needs_two_runs(app):
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.press("6")
         await until(pilot, lambda: len(table_rows(app, "runs")) == 3, what="the runs")
@@ -448,9 +446,7 @@ async def test_compare_needs_two_runs(seeded):
 
 
 @pytest.mark.slow
-async def test_keys_palette_help_maximise_theme_and_tabs_by_mouse(seeded):
-    db_path, _ = seeded
-    app = app_for(db_path)
+async def test_keys_palette_help_maximise_theme_and_tabs_by_mouse(app):
     async with app.run_test(size=(80, 24)) as pilot:
         for key, pane in zip("123456", ("overview", "hardware", "downloads", "engines", "sweeps", "history")):
             await pilot.press(key)
