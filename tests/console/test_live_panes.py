@@ -42,8 +42,23 @@ def seeded(tmp_path):
     return db_path, seed_store(db_path)
 
 
-def cell(app, table: str, key_col: int, key: str, col: int) -> str:
-    return next(r[col] for r in table_rows(app, table) if r[key_col] == key)
+def cell(app, table: str, key_col: int, key: str, col: int) -> str | None:
+    """Column `col` of the row whose column `key_col` is `key` (None while there is none)."""
+    return next((r[col] for r in table_rows(app, table) if r[key_col] == key), None)
+
+
+def first_cell(app, table: str, col: int) -> str | None:
+    rows = table_rows(app, table)
+    return rows[0][col] if rows else None
+
+
+async def ticks(pilot, clock: Clock, read, before: str, step: float, after: str, what: str) -> None:
+    """`read()` shows `before` once its row is there, and `after` when only the clock moved `step` s
+    (the store does not change)."""
+    await until(pilot, lambda: read() is not None, what=what)
+    assert read() == before
+    clock.t += step
+    await until(pilot, lambda: read() == after, what=f"{what} {step:g} s later")
 
 
 @pytest.mark.slow
@@ -53,16 +68,10 @@ async def test_uptime_and_running_times_tick_between_polls(seeded):
     app = make_app(db_path, poll_s=0.1, sources=fixed_sources(), clock=clock)
     async with app.run_test(size=(120, 40)) as pilot:
         job = str(ids["sweep_job"])
-        await until(pilot, lambda: table_rows(app, "jobs"), what="the jobs")
-        assert cell(app, "jobs", 0, job, 5) == "10m00s"
-        clock.t += 7  # the store does not change; only the clock moves
-        await until(pilot, lambda: cell(app, "jobs", 0, job, 5) == "10m07s", what="the running time tick")
+        await ticks(pilot, clock, lambda: cell(app, "jobs", 0, job, 5), "10m00s", 7, "10m07s", "the running time")
         await pilot.press("4")
         up = COLUMNS.index("UPTIME")
-        await until(pilot, lambda: table_rows(app, "engine-table"), what="the engine")
-        assert table_rows(app, "engine-table")[0][up] == "14m47s"
-        clock.t += 13
-        await until(pilot, lambda: table_rows(app, "engine-table")[0][up] == "15m00s", what="the uptime tick")
+        await ticks(pilot, clock, lambda: first_cell(app, "engine-table", up), "14m47s", 13, "15m00s", "the uptime")
 
 
 def test_engines_running_first_then_starting_newest_first_and_stopped_only_when_asked():
@@ -270,8 +279,5 @@ async def test_the_downloads_pane_eta_ticks(seeded):
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("3")
         eta = DL.index("ETA")
-        await until(pilot, lambda: table_rows(app, "download-table"), what="the download")
-        assert table_rows(app, "download-table")[0][eta] == "2m01s"
-        clock.t += 61
-        await until(pilot, lambda: table_rows(app, "download-table")[0][eta] == "1m00s", what="the ETA count down")
+        await ticks(pilot, clock, lambda: first_cell(app, "download-table", eta), "2m01s", 61, "1m00s", "the ETA")
         assert cell(app, "jobs", 0, str(ids["download_job"]), 6) == "1m00s"
