@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from .cockpit_support import NOW, fixed_sources, seed_store, table_rows, text_of, until
+from .row_logs import log_of
 
 from ddtree.console.app import make_app
 from ddtree.console.screens.downloads import COLUMNS as DOWNLOAD_COLUMNS, DownloadForm
@@ -17,7 +18,7 @@ from ddtree.console.screens.modals import ConfirmScreen, HelpScreen
 from ddtree.console.screens.sweeps import SweepForm
 from ddtree.console.widgets.chart import LineChart
 from ddtree.store import open_db
-from ddtree.store.queries import get_job, update_row
+from ddtree.store.queries import get_job
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -168,10 +169,7 @@ async def test_stopping_asks_first_then_cancels_the_job(seeded, app):
 @pytest.mark.slow
 async def test_engines_pane_health_and_log_follow_search_wrap(seeded, tmp_path):
     db_path, ids = seeded
-    log = tmp_path / "server.log"
-    log.write_text("loading model\nwarm-up done\nERROR something odd\n")
-    with open_db(db_path) as db:
-        update_row(db, "engines", 1, {"log_path": str(log)})
+    log = log_of(db_path, "engines", 1, tmp_path / "server.log", "loading model\nwarm-up done\nERROR something odd\n")
     app = app_for(db_path)
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.press("4")

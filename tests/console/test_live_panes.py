@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from .cockpit_support import NOW, fixed_sources, seed_store, table_rows, text_of, until
+from .row_logs import log_of
 
 from ddtree.console.app import make_app
 from ddtree.console.disks import disk_figures
@@ -110,10 +111,7 @@ async def test_engines_pane_hides_stopped_engines_behind_a(seeded):
 @pytest.mark.slow
 async def test_overview_shows_a_jobs_log_cancels_it_and_goes_to_its_pane(seeded, tmp_path):
     db_path, ids = seeded
-    log = tmp_path / "sweep.log"
-    log.write_text("box check: idle\npoint 9 done\n")
-    with open_db(db_path) as db:
-        update_row(db, "jobs", ids["sweep_job"], {"log_path": str(log)})
+    log_of(db_path, "jobs", ids["sweep_job"], tmp_path / "sweep.log", "box check: idle\npoint 9 done\n")
     app = make_app(db_path, poll_s=0.1, sources=fixed_sources(), clock=lambda: NOW)
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: len(table_rows(app, "jobs")) == 3, what="the jobs")
