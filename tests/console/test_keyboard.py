@@ -41,11 +41,16 @@ def focused_id(app):
     return getattr(app.focused, "id", None)
 
 
+async def show_pane(app, pilot, key: str, table: str) -> None:
+    """The pane of number key `key`, once its table `table` has the focus (so keys reach the pane)."""
+    await pilot.press(key)
+    await until(pilot, lambda: focused_id(app) == table)
+
+
 async def test_escape_leaves_the_history_filter_at_once(tmp_path):
     app = make_app(str(tmp_path / "ddtree.db"), poll_s=0.1)
     async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.press("6")
-        await until(pilot, lambda: focused_id(app) == "runs")
+        await show_pane(app, pilot, "6", "runs")
         burst(app, "slash", *"big", "escape", "s")
         await until(pilot, lambda: app.query_one("#history").sort == 1)
         assert app.query_one("#history-filter").value == "big"  # kept; the s sorted instead
@@ -59,14 +64,12 @@ async def test_escape_leaves_the_history_filter_at_once(tmp_path):
 async def test_escape_leaves_the_engine_log_search_at_once(tmp_path):
     app = make_app(str(tmp_path / "ddtree.db"), poll_s=0.1)
     async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.press("4")
-        await until(pilot, lambda: focused_id(app) == "engine-table")
+        await show_pane(app, pilot, "4", "engine-table")
         burst(app, "slash", *"GET", "escape", "5")
         await until(pilot, lambda: app.current_pane == "sweeps")
         assert app.query_one("#log-search").value == "GET"
         assert app.query_one("#engine-log").search == "GET"
-        await pilot.press("4")
-        await until(pilot, lambda: focused_id(app) == "engine-table")
+        await show_pane(app, pilot, "4", "engine-table")
         burst(app, "slash")
         await until(pilot, lambda: focused_id(app) == "log-search")
         await pilot.press("end", "backspace", "backspace", "backspace")
