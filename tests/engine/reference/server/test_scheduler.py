@@ -94,6 +94,13 @@ def engine_and_sched():
     sched.stop(timeout=5)
 
 
+@pytest.fixture
+def started(engine_and_sched):
+    """engine_and_sched with the scheduler's loop running."""
+    engine_and_sched[1].start()
+    return engine_and_sched
+
+
 def test_sessions_interleave_round_by_round(engine_and_sched):
     engine, sched = engine_and_sched
     engine.gate = threading.Event()
@@ -147,9 +154,8 @@ def test_a_request_submitted_mid_run_waits_rounds_not_the_long_run(batch):
     assert [u.turn for u in long_updates] == list(range(1, 21))
 
 
-def test_updates_carry_rounds_and_final_reason(engine_and_sched):
-    engine, sched = engine_and_sched
-    sched.start()
+def test_updates_carry_rounds_and_final_reason(started):
+    engine, sched = started
     _, q = collect(sched, 3, 5)
     updates = drain(q)
     assert [t for u in updates for t in u.new_accepts] == [2, 2, 1]
@@ -179,9 +185,8 @@ def test_queue_cap_refuses_past_running_plus_queued(engine_and_sched):
         collect(sched, 99, 4)
 
 
-def test_a_failing_request_does_not_stop_the_others(engine_and_sched):
-    engine, sched = engine_and_sched
-    sched.start()
+def test_a_failing_request_does_not_stop_the_others(started):
+    engine, sched = started
     _, bad = collect(sched, 666, 4)
     _, good = collect(sched, 5, 4)
     final_bad = drain(bad)[-1]
@@ -204,9 +209,8 @@ def test_stop_fails_held_requests_and_refuses_new_ones():
         collect(sched, 8, 4)
 
 
-def test_render_metrics_parses(engine_and_sched):
-    engine, sched = engine_and_sched
-    sched.start()
+def test_render_metrics_parses(started):
+    engine, sched = started
     _, q = collect(sched, 9, 6)
     drain(q)
     sched.stats.observe_ttft(0.02)
