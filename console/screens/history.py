@@ -21,6 +21,7 @@ from textual.widgets import Button, Input, Label, Select, Static
 from textual.worker import get_current_worker
 
 from ddtree.console import fmt
+from ddtree.console.words import plural
 from ddtree.console.poll import HISTORY_PAGE
 from ddtree.console.screens.sweeps import budget_curves, tau_of
 from ddtree.console.widgets.chart import COLORS, LineChart
@@ -28,8 +29,13 @@ from ddtree.console.screens.modals import FOCUS_KEYS
 from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.searchinput import SearchInput
 from ddtree.console.widgets.tables import fmt_num
+from ddtree.engine.serving.names import display_name
 
 COLUMNS = ("ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "BEST TOK/S", "CREATED", "FLAGS")
+#: Below WIDE columns the table drops ENGINE (the filter, the run's screen and compare still have
+#: it), shortens two headers and stamps 'MM-DD HH:MM', so that CREATED fits 80 columns.
+NARROW_COLUMNS = ("ID", "NAME", "MODEL", "STATE", "PTS", "BEST", "CREATED", "FLAGS")
+WIDE = 100
 #: Rows shown at once; the filter narrows the rest (the poller reads the default page: same size).
 PAGE = HISTORY_PAGE
 SORTS = ("newest", "oldest", "name", "model", "best tok/s")  # store.queries.RUN_ORDERS
@@ -49,12 +55,28 @@ def flag_cell(short: str | None) -> Text:
     return Text(fmt.one_line(short, 48), style="bold red" if short.startswith("⚠") else "dim")
 
 
-def run_cells(row: dict, marked: bool, flags: str | None = None) -> tuple:
+def run_model(row: dict) -> str:
+    """The run's model as a user names it: a run with no model ran the demo pair (demo/target)."""
+    return display_name(row.get("model") or "demo")
+
+
+def short_stamp(at: float | None) -> str:
+    """'09-21 14:03': the year is the one thing a narrow table leaves out."""
+    return "-" if at is None else time.strftime("%m-%d %H:%M", time.localtime(at))
+
+
+def run_cells(row: dict, marked: bool, flags: str | None = None, *, narrow: bool = False) -> tuple:
+    """One History row; `narrow` for NARROW_COLUMNS (names cut shorter, the compact stamp)."""
     total = row.get("points_total")
     points = f"{row['points_done']}/{total}" if total else str(row["points_done"])
     ident = Text(f"✓{row['id']}", style="bold reverse") if marked else str(row["id"])
-    return (ident, fmt.one_line(row.get("name"), 24) or "-", row.get("engine_kind") or "-",
-            fmt.one_line(row.get("model"), 28) or "-", row.get("state") or "-", points, fmt_num(row.get("best"), ".1f"),
+    name = fmt.one_line(row.get("name"), 14 if narrow else 24) or "-"
+    model = fmt.one_line(run_model(row), 18 if narrow else 28)
+    best = fmt_num(row.get("best"), ".1f")
+    if narrow:
+        return (ident, name, model, row.get("state") or "-", points, best, short_stamp(row.get("created_at")),
+                flag_cell(flags))
+    return (ident, name, row.get("engine_kind") or "-", model, row.get("state") or "-", points, best,
             fmt.stamp(row.get("created_at")), flag_cell(flags))
 
 
@@ -65,6 +87,13 @@ def _flag_key(row: dict) -> tuple:
 
 class HistoryPane(Vertical):
     ALLOW_MAXIMIZE = True
+
+    DEFAULT_CSS = """
+    HistoryPane .pane-bar Button {
+        width: auto;
+        min-width: 0;
+    }
+    """
 
     BINDINGS = [
         # Priority, so the keys typed right behind / reach the box (the app skips it while typing).
@@ -78,7 +107,7 @@ class HistoryPane(Vertical):
     def compose(self) -> ComposeResult:
         with Horizontal(classes="pane-bar"):
             yield Static("History", id="history-title", classes="pane-title grow")
-            yield SearchInput(placeholder="filter: name, model, engine, state…", id="history-filter", compact=True,
+            yield SearchInput(placeholder="/ filter: name, model, engine…", id="history-filter", compact=True,
                               leave_to="runs")
             yield Button("Compare (c)", id="compare", compact=True)
             yield Button("Export (e)", id="export", compact=True)
@@ -92,6 +121,12 @@ class HistoryPane(Vertical):
         self._asked = 0  # the newest request; older answers are dropped
         self.flags: dict[int, tuple[tuple, str]] = {}  # run id -> (its _flag_key, SentinelReport.short)
         self._flagging: set[int] = set()
+        self._narrow: bool | None = None  # the column set shown; None before the first rows
+        # The box takes the bar's room, the title only its text: app.tcss gives .pane-bar inputs 30
+        # cells and titles the rest, which cut the hint. Inline, as app.tcss outranks DEFAULT_CSS.
+        self.query_one("#history-filter", Input).styles.width = "1fr"
+        self.query_one("#history-title", Static).styles.width = "auto"
+        self.query_one("#history-title", Static).styles.margin = (0, 1, 0, 0)
         self.watch(self.app, "runs_signature", lambda _sig: self.reload())
 
     def reload(self) -> None:
@@ -125,15 +160,33 @@ class HistoryPane(Vertical):
         if stale:
             self._flagging |= set(stale)
             self._check(stale)
-        shown = f"{len(rows)} of {total}" if total > len(rows) else str(total)
+        self._show_title()
+
+    def _show_title(self) -> None:
+        rows, total = self.rows, self.total
+        shown = f"{len(rows)} of {total} runs" if total > len(rows) else plural(total, "run")
         sel = f", {len(self.marked)} selected" if self.marked else ""
-        self.query_one("#history-title", Static).update(
-            Text(f"History: {shown} runs, {SORTS[self.sort]} first{sel}"))
+        # the tab already says History; at 80 columns the filter box needs the room
+        prefix = "" if self.narrow else "History: "
+        self.query_one("#history-title", Static).update(Text(f"{prefix}{shown}, {SORTS[self.sort]} first{sel}"))
+
+    @property
+    def narrow(self) -> bool:
+        return 0 < self.size.width < WIDE
 
     def _render_rows(self) -> None:
-        self.query_one("#runs", RowTable).set_rows(
-            [(str(r["id"]), run_cells(r, r["id"] in self.marked, self.flags.get(r["id"], (None, ""))[1]))
-             for r in self.rows])
+        table = self.query_one("#runs", RowTable)
+        narrow = self.narrow
+        if narrow != self._narrow:
+            self._narrow = narrow
+            table.set_columns(*(NARROW_COLUMNS if narrow else COLUMNS))
+        table.set_rows([(str(r["id"]), run_cells(r, r["id"] in self.marked, self.flags.get(r["id"], (None, ""))[1],
+                                                 narrow=narrow)) for r in self.rows])
+
+    def on_resize(self, _event) -> None:
+        if self._narrow is not None and self.narrow != self._narrow:
+            self._render_rows()
+            self._show_title()
 
     @work(thread=True, group="history-sentinel", exit_on_error=False)
     def _check(self, keys: dict[int, tuple]) -> None:

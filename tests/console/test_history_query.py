@@ -77,5 +77,5 @@ async def test_the_pane_opens_on_the_pollers_page_and_queries_for_a_filter(db, t
         await until(pilot, lambda: [r[0] for r in table_rows(app, "runs")] == ["2"], what="the filtered run")
         await pilot.pause(0.3)
         assert [r[0] for r in table_rows(app, "runs")] == ["2"]
-        assert "History: 1 runs" in str(app.query_one("#history-title").render())
+        assert "History: 1 run," in str(app.query_one("#history-title").render())
         await pilot.press("q")

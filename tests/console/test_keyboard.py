@@ -171,10 +171,12 @@ async def test_history_enter_opens_the_run_and_space_marks_it(tmp_path):
         screen = app.screen
         run_id = app.query_one("#history").current()
         assert screen.run.id == run_id
-        assert screen.query_one("#run-points").row_count == 2
-        assert "budget" in str(screen.query_one("#run-settings").render()).lower()
-        assert "hardware" in str(screen.query_one("#run-env").render())
-        assert "point 1 done" in str(screen.query_one("#run-log").render())
+        # the screen fills its parts after it is shown (a loaded box takes a while): wait for them
+        await until(pilot, lambda: screen.query_one("#run-points").row_count == 2, what="the run's points")
+        await until(pilot, lambda: "budget" in str(screen.query_one("#run-settings").render()).lower(),
+                    what="the run's settings")
+        await until(pilot, lambda: "hardware" in str(screen.query_one("#run-env").render()), what="its environment")
+        await until(pilot, lambda: "point 1 done" in str(screen.query_one("#run-log").render()), what="its log")
         burst(app, "escape")
         await until(pilot, lambda: not isinstance(app.screen, RunScreen))
         assert len(app.query_one("#history").marked) == 1  # Enter did not touch the selection
