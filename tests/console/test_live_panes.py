@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from .cockpit_support import NOW, fixed_sources, seed_store, table_rows, text_of, until
+from .clock import Clock
 from .row_logs import log_of
 
 from ddtree.console.app import make_app
@@ -25,16 +26,6 @@ from ddtree.store import open_db
 from ddtree.store.queries import insert_row, update_row
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class Clock:
-    """A clock the test moves by hand."""
-
-    def __init__(self, t: float = NOW) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture
