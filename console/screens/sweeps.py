@@ -12,7 +12,6 @@ from statistics import median
 
 from rich.text import Text
 from textual import on, work
-from textual.geometry import Region, Spacing
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -274,9 +273,9 @@ class SweepsPane(Vertical):
         self._in_view = (run_id, key)
         if index is not None:
             table = self.query_one("#points", RowTable)
-            # after the refresh: the table's virtual size grows with the rows just set
-            self.call_after_refresh(table.scroll_to_region, Region(0, index + 1, 1, 1), animate=False,
-                                    spacing=Spacing(top=1), force=True, immediate=True)
+            # Two finished points above it for context, what is to come below. After the refresh:
+            # the table's virtual size grows with the rows just set.
+            self.call_after_refresh(table.scroll_to, y=max(0, index - 2), animate=False, force=True, immediate=True)
 
     def sentinel_report(self):
         """The run's points against earlier runs of its fingerprint, once their history is read."""

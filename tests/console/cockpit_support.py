@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
+
+import pytest
 
 from ddtree.jobs.model import create_job, set_state
 from ddtree.jobs.plan import make_plan
@@ -11,6 +14,16 @@ from ddtree.store import open_db, sweeps
 from ddtree.store.queries import insert_row, update_row
 
 from ..support.pilot import until  # noqa: F401  (the console tests import it from here)
+
+@pytest.fixture
+def utc(monkeypatch):
+    """Timestamps drawn in UTC, whatever the machine's zone (the snapshots and stamps compare text)."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.delenv("TZ")
+    time.tzset()
+
 
 #: A fixed "now" so ages and uptimes in snapshots do not move.
 NOW = 1_790_000_000.0

@@ -5,10 +5,9 @@ Update after an intended change of the look: pytest tests/console/test_cockpit_s
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from .cockpit_support import NOW, fixed_sources, seed_store, table_rows, text_of, until
+
+from .cockpit_support import NOW, fixed_sources, seed_store, table_rows, text_of, until, utc  # noqa: F401  (a fixture)
 
 from ddtree.console.app import make_app
 
@@ -16,12 +15,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(autouse=True)
-def utc(monkeypatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.delenv("TZ")
-    time.tzset()
+def in_utc(utc):
+    """Every test here draws its timestamps in UTC."""
 
 
 @pytest.fixture

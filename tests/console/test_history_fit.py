@@ -3,11 +3,9 @@ and the filter's hint fit; a run of the demo pair shows its model as demo/target
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from .cockpit_support import NOW, fixed_sources, seed_store, table_rows, until
+from .cockpit_support import NOW, fixed_sources, seed_store, table_rows, until, utc  # noqa: F401  (a fixture)
 
 from ddtree.console.app import make_app
 from ddtree.console.screens.history import COLUMNS, NARROW_COLUMNS, run_cells
@@ -16,15 +14,9 @@ from ddtree.store.queries import insert_row
 
 pytestmark = pytest.mark.timeout(60)
 
-
 @pytest.fixture(autouse=True)
-def utc(monkeypatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.delenv("TZ")
-    time.tzset()
-
+def in_utc(utc):
+    """Every test here draws its timestamps in UTC."""
 
 def test_a_run_without_a_model_ran_the_demo_pair():
     row = {"id": 7, "name": "demo-budgets", "engine_kind": "builtin", "model": None, "state": "succeeded",
@@ -35,7 +27,6 @@ def test_a_run_without_a_model_ran_the_demo_pair():
     assert len(narrow) == len(NARROW_COLUMNS) and narrow[2] == "demo/target"
     assert narrow[NARROW_COLUMNS.index("CREATED")] == "09-21 14:13"
     assert run_cells(row, False)[COLUMNS.index("CREATED")] == "2026-09-21 14:13"
-
 
 @pytest.mark.parametrize("size, stamp", [((80, 24), "09-21 14:03"), ((120, 40), "2026-09-21 14:03")])
 async def test_every_column_and_the_filter_hint_fit(tmp_path, size, stamp):
