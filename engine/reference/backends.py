@@ -77,6 +77,15 @@ class TransformersPath:
     def mask(self, tree: Tree, start: int, dtype: torch.dtype):
         return None if tree.is_chain else tree_attention_mask(tree, start, dtype)
 
+    def walk_logits(self, tree: Tree, logits: torch.Tensor, choose, greedy: bool
+                    ) -> tuple[torch.Tensor, list[int], list[int]]:
+        """walk(tree, choose(logits)): the target's choice at every node (logits [n, V]), then the walk."""
+        return self.walk(tree, choose(logits))
+
+    def accepted_features(self, features: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """The accepted rows' features [len(path), W], for the next draft."""
+        return features.index_select(0, path)
+
     def walk(self, tree: Tree, posterior: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
         """The accepted path (device), the same as a list, and the tokens it commits."""
         path = accepted_path(tree, posterior)

@@ -155,7 +155,8 @@ class Session:
         t3 = self.engine.clock()
         path, path_list, new = self._walk(tree, out.logits)
         self._cache.compact(self._start, path, path_list)
-        committed = self._advance(path_list, new, out.features.index_select(0, path), drafted=True)
+        features = engine.impl.accepted_features(out.features, path)
+        committed = self._advance(path_list, new, features, drafted=True)
         t4 = self.engine.clock()
         self.timings["draft"] += t1 - t0
         self.timings["tree"] += t2 - t1
@@ -166,7 +167,7 @@ class Session:
     # ---- round pieces shared with the batched step (batch.py) -------------------------------
     def _walk(self, tree: Tree, logits: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
         """The target's choice at every node (logits [n, V]), the accepted path and the new tokens."""
-        return self.engine.impl.walk(tree, self._choose(logits))
+        return self.engine.impl.walk_logits(tree, logits, self._choose, self.gen.greedy)
 
     def _advance(self, path_list: list[int], new: list[int], features: torch.Tensor | None, *,
                  drafted: bool) -> list[int]:

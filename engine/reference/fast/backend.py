@@ -58,6 +58,8 @@ class FastPath:
                  slots: int = DEFAULT_SLOTS, graphs: bool = True, compile: bool = True) -> None:
         self.engine = engine
         self.target = target
+        # A round uses the verify's outputs before the next forward: no copies out of the stages.
+        target.copy_outputs = False
         self.drafts = None
         if drafter is not None:
             self.drafts = FastDrafter(drafter, target.embed, target.lm_head,
@@ -71,9 +73,13 @@ class FastPath:
         self._slots: list[tuple] = []
         # id(a session's target cache) -> the finalizer that gives its slot back (once).
         self._leases: dict[int, weakref.finalize] = {}
-        # (budget, depth) -> a captured tree build: dozens of small kernels, about 4 ms launched
-        # one by one on an H200 and 0.6 ms as one graph replay.
-        self._trees: dict[tuple[int, int], _TreeGraph] = {}
+        # (budget, depth, source) -> a captured tree build: dozens of small kernels, about 4 ms
+        # launched one by one on an H200 and 0.6 ms as one graph replay. source 0: the graph
+        # reads its own input buffers (filled per round); else the data_ptr of a slot's draft
+        # output, which the graph reads in place, with the bonus from the drafter's ids[0].
+        self._trees: dict[tuple[int, int, int], _TreeGraph] = {}
+        # data_ptr of a slot's draft output [B-1, V] -> (that output, the drafter's ids [B]).
+        self._sources: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pool = None
 
     def warmup(self, progress: Callable[[str], None] | None = None, budgets: tuple[int, ...] = ()) -> None:
@@ -82,10 +88,13 @@ class FastPath:
         if not self.want_graphs:
             return
         say = progress or (lambda _msg: None)
+        depth = self.engine.block_size - 1
         if self.drafts is not None:
             for budget in budgets:
                 if budget > 0:
-                    self._tree_graph(int(budget), self.engine.block_size - 1)
+                    self._tree_graph(int(budget), depth)
+                    for key in list(self._sources):
+                        self._tree_graph(int(budget), depth, key)
                     say(f"captured the DDTree build for budget {budget}")
         if self._slots:
             return
@@ -96,16 +105,8 @@ class FastPath:
                 self.drafts.compile()
         for i in range(self.slots):
             cache = self.target.new_cache()
-            try:
-                self.target.capture(cache)
-            except Exception as exc:  # a compiler failure must not take the server down
-                if not self.target.compiled:
-                    raise
-                self.compile_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                say(f"torch.compile failed ({self.compile_error}); capturing without it")
-                self.target.compiled = False
-                torch._dynamo.reset()
-                self.target.capture(cache)
+            # The drafter's graphs first: the target's walk graphs write the accepted features
+            # straight into its staging rows (the sink), so those must exist before they are captured.
             draft_cache = None
             if self.drafts is not None:
                 draft_cache = self.drafts.new_cache()
@@ -118,7 +119,23 @@ class FastPath:
                     say(f"torch.compile of the drafter failed ({self.compile_error}); capturing without it")
                     self.drafts._compiled_block = None
                     self.drafts.capture(draft_cache)
+                cache.sink = draft_cache.static.feats
+            try:
+                self.target.capture(cache)
+            except Exception as exc:  # a compiler failure must not take the server down
+                if not self.target.compiled:
+                    raise
+                self.compile_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                say(f"torch.compile failed ({self.compile_error}); capturing without it")
+                self.target.compiled = False
+                torch._dynamo.reset()
+                self.target.capture(cache)
             self.add_slot(cache, draft_cache)
+            if draft_cache is not None:
+                source = draft_cache.static.out.data_ptr()
+                for budget in budgets:
+                    if budget > 0:
+                        self._tree_graph(int(budget), depth, source)
             spans = sorted({kv for _, kv in cache.graphs})
             say(f"captured CUDA graphs for session slot {i + 1}/{self.slots} "
                 f"(verify buckets {sorted(cache.stages)} at KV spans {spans}, {len(cache.graphs)} graphs)")
@@ -127,6 +144,12 @@ class FastPath:
     def add_slot(self, cache, draft_cache) -> None:
         """Put a (target cache, drafter cache) pair in the pool that sessions draw from."""
         pair = (cache, draft_cache)
+        static = draft_cache.static if draft_cache is not None else None
+        if static is not None:
+            # Walks of this slot stage the accepted features in the drafter's rows (commit.py);
+            # a walk graph captured without a sink keeps writing none (it says so on its io).
+            cache.sink = static.feats
+            self._sources[static.out.data_ptr()] = (static.out, static.ids)
         self._slots.append(pair)
         self._free.append(pair)
 
@@ -167,19 +190,30 @@ class FastPath:
             drafts = draft_logits.argmax(dim=-1) if draft_logits is not None else None
             return _device_chain(bonus, drafts, device)
         if self.graphs:
-            graph = self._tree_graph(budget, int(draft_logits.shape[0]))
-            graph.logits.copy_(draft_logits)
-            graph.root.fill_(bonus)
+            depth = int(draft_logits.shape[0])
+            source = draft_logits.data_ptr()
+            if source in self._sources and draft_logits.is_contiguous():
+                # The slot's draft output, read in place, with the bonus the draft step staged
+                # in the drafter's ids[0]: the replay needs no input copied.
+                graph = self._tree_graph(budget, depth, source)
+            else:
+                graph = self._tree_graph(budget, depth)
+                graph.logits.copy_(draft_logits)
+                graph.root.fill_(bonus)
             graph.graph.replay()
             return graph.tree  # overwritten by the next replay: a round is done with it by then
         return build_tree_device(bonus, torch.log_softmax(draft_logits, dim=-1), budget)
 
-    def _tree_graph(self, budget: int, depth: int) -> _TreeGraph:
-        key = (budget, depth)
+    def _tree_graph(self, budget: int, depth: int, source: int = 0) -> _TreeGraph:
+        key = (budget, depth, source)
         if key not in self._trees:
             target = self.target
-            logits = torch.zeros((depth, target.vocab_size), dtype=torch.float32, device=target.device)
-            root = torch.zeros(1, dtype=torch.long, device=target.device)
+            if source:
+                out, ids = self._sources[source]
+                logits, root = out[:depth], ids[:1]
+            else:
+                logits = torch.zeros((depth, target.vocab_size), dtype=torch.float32, device=target.device)
+                root = torch.zeros(1, dtype=torch.long, device=target.device)
 
             def build():
                 return build_tree_device(root, torch.log_softmax(logits, dim=-1), budget)
@@ -203,11 +237,25 @@ class FastPath:
     def walk(self, tree: Tree, posterior: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
         """After a static verify: the walk+commit graph (or its code on a CPU), which also moves
         the accepted K/V rows; after an eager one, the device walk. One host sync either way."""
-        last = self.target.take_verify(int(posterior.shape[0]))
+        return self.walk_logits(tree, None, lambda _logits: posterior, False, int(posterior.shape[0]))
+
+    def walk_logits(self, tree: Tree, logits: torch.Tensor | None, choose, greedy: bool,
+                    n: int | None = None) -> tuple[torch.Tensor, list[int], list[int]]:
+        """walk(tree, choose(logits)), where a greedy walk after a static verify takes the
+        argmax inside the walk graph (no argmax launched, the logits never leave the stage)."""
+        n = tree.size if n is None else n
+        last = self.target.take_verify(n)
         if last is not None and tree.size == last.n:
-            return self.target.walk_commit(last, tree.parents, posterior)
+            if greedy:
+                return self.target.walk_commit(last, tree.parents, None, greedy=True)
+            return self.target.walk_commit(last, tree.parents, choose(logits))
+        posterior = choose(logits)
         order, count = walk_device(tree, posterior)
         return fetch_walk(tree, posterior, order, count)
+
+    def accepted_features(self, features: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """The accepted rows' features for the next draft (where the walk staged them, no copy)."""
+        return self.target.accepted_features(features, path)
 
 
 @dataclass

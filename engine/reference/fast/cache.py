@@ -80,6 +80,9 @@ class StaticKVCache:
         self.walks: dict[int, object] = {}
         # (start, kept): the walk already moved this verify's accepted rows (see compact).
         self.moved: tuple[int, int] | None = None
+        # A drafter's staging rows [r, W] where walks put the accepted features (backend.py
+        # pairs a slot's two caches), or None.
+        self.sink: torch.Tensor | None = None
 
     def share(self) -> StaticKVCache:
         """A new, empty cache object over these same buffers, stages and graphs (graphs read the
@@ -90,6 +93,7 @@ class StaticKVCache:
         other.length_t = self.length_t
         other.stages, other.graphs, other.walks = self.stages, self.graphs, self.walks
         other.spans = self.spans
+        other.sink = self.sink
         other.moved = None
         other.set_length(0)
         return other
@@ -125,8 +129,11 @@ class StaticKVCache:
             raise DecodeError(f"compact keeps rows {start}+{keep_list} of a cache of {self.length} rows")
         moved, self.moved = self.moved, None
         if moved == (start, n):
-            pass  # the walk's graph already gathered these rows into place (FastTarget.walk_commit)
-        elif keep_list[-1] != n - 1:
+            # The walk's graph already gathered these rows into place and set length_t to
+            # start + n (FastTarget.walk_commit): only the host length is left to set.
+            self.length = start + n
+            return
+        if keep_list[-1] != n - 1:
             # Rows only move to lower indices and index_select reads them all before the write.
             rows = keep.to(self.k.device) + start
             self.k[:, :, start:start + n] = self.k.index_select(2, rows)

@@ -73,6 +73,9 @@ class _StaticIO:
     rows: torch.Tensor         # arange(max(B, max bucket)) long
     cols: torch.Tensor         # arange(buffer rows) long
     buckets: tuple[int, ...]   # ascending append bucket sizes (may be empty: appends run eager)
+    out: torch.Tensor          # [B-1, V] float32: what a whole draft step (append + block) writes
+    bonus_set: int | None = None  # the bonus ids[0] holds now (None: unknown)
+    count_set: int | None = None  # the count `count` holds now
 
 
 @dataclass
@@ -80,6 +83,9 @@ class _Graphs:
     block: torch.cuda.CUDAGraph
     block_out: torch.Tensor                    # [B-1, V] float32, rewritten by every replay
     appends: dict[int, torch.cuda.CUDAGraph]   # bucket -> graph
+    # bucket -> the whole draft step: append that bucket, then the block at the new length,
+    # logits into static.out (one replay a round instead of two, and no start to fill).
+    drafts: dict[int, torch.cuda.CUDAGraph]
 
 
 class DraftContextCache:
@@ -156,6 +162,7 @@ class FastDrafter:
         self.device = weight.device
         self.dtype = weight.dtype
         self.feature_width = weight.shape[1]
+        self.vocab_size = int(lm_head.weight.shape[0])
         # Kept in float32 whatever the model dtype, as DFlashDrafter keeps its own.
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
         self._pool = None  # one CUDA graph memory pool for every capture of this drafter
@@ -190,6 +197,7 @@ class FastDrafter:
             rows=torch.arange(max(self.block_size, widest), device=device),
             cols=torch.arange(cache.rows, device=device),
             buckets=buckets,
+            out=torch.zeros((self.block_size - 1, self.vocab_size), dtype=torch.float32, device=device),
         )
         cache.graphs = None  # graphs recorded for other inputs would be stale
 
@@ -212,9 +220,11 @@ class FastDrafter:
         static = cache.static
         # Warm-ups and captures append zero real rows: pad rows land past length, length stays.
         static.count.zero_()
+        static.count_set = static.bonus_set = None
         block, block_out = self._record(lambda: self._block_static(cache))
         appends = {b: self._record(lambda b=b: self._append_static(cache, b))[0] for b in static.buckets}
-        cache.graphs = _Graphs(block=block, block_out=block_out, appends=appends)
+        drafts = {b: self._record(lambda b=b: self._draft_static(cache, b))[0] for b in static.buckets}
+        cache.graphs = _Graphs(block=block, block_out=block_out, appends=appends, drafts=drafts)
 
     def _record(self, fn):
         stream = torch.cuda.Stream(device=self.device)
@@ -240,18 +250,36 @@ class FastDrafter:
         if cache.length + p > cache.capacity:
             raise BadParams(f"drafter cache full: {cache.length} + {p} rows exceed capacity "
                             f"{cache.capacity}", "build the FastDrafter with a larger capacity")
-        static = cache.static
-        bucket = next((b for b in static.buckets if b >= p), None) if static else None
+        bucket = self._stage_append(pending, cache)
         if bucket is None:
             self._append_eager(pending, cache)
+        elif cache.graphs is not None:
+            cache.graphs.appends[bucket].replay()
         else:
-            static.feats[:p].copy_(pending)
-            static.count.fill_(p)
-            if cache.graphs is not None:
-                cache.graphs.appends[bucket].replay()
-            else:
-                self._append_static(cache, bucket)
+            self._append_static(cache, bucket)
         cache.length += p
+
+    def _stage_append(self, pending: torch.Tensor, cache: DraftContextCache) -> int | None:
+        """Put p pending rows in the static staging rows (unless a walk already wrote them there,
+        fast/commit.py) and set the count: the append bucket, or None (no static path fits)."""
+        static = cache.static
+        p = pending.shape[0]
+        bucket = next((b for b in static.buckets if b >= p), None) if static else None
+        if bucket is None:
+            return None
+        if not self.staged_in_place(pending, cache):
+            static.feats[:p].copy_(pending)
+        if static.count_set != p:
+            static.count.fill_(p)
+            static.count_set = p
+        return bucket
+
+    @staticmethod
+    def staged_in_place(pending: torch.Tensor, cache: DraftContextCache) -> bool:
+        """Whether pending is the first rows of the cache's staging buffer itself."""
+        static = cache.static
+        return (static is not None and pending.data_ptr() == static.feats.data_ptr()
+                and pending.shape[0] <= static.feats.shape[0] and pending.is_contiguous())
 
     def _context_kv(self, layer: nn.Module, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """One layer's keys (k_norm, RoPE) and values [n, kv_heads, d] of projected features [n, H]."""
@@ -301,7 +329,7 @@ class FastDrafter:
         if static is None:
             hidden = self._block_eager(self._block_ids(bonus), start, cache)
             return self.lm_head(hidden[1:]).float()
-        self._set_bonus(static.ids, bonus)
+        self._set_bonus(static, bonus)
         static.start.fill_(start)
         if cache.graphs is not None:
             cache.graphs.block.replay()
@@ -316,19 +344,42 @@ class FastDrafter:
         pending holds the features of positions cache.length..start-1."""
         if not 0 <= depth < self.block_size:
             raise BadParams(f"draft depth {depth} outside 0..{self.block_size - 1} (the drafter's block)")
+        static = cache.static
+        p = int(pending.shape[0])
+        if static is not None and p > 0 and cache.length + p == start:
+            if cache.length + p > cache.capacity:
+                raise BadParams(f"drafter cache full: {cache.length} + {p} rows exceed capacity "
+                                f"{cache.capacity}", "build the FastDrafter with a larger capacity")
+            bucket = self._stage_append(pending, cache)
+            if bucket is not None:  # the whole step in one replay: append, block at the new length
+                self._set_bonus(static, bonus)
+                if cache.graphs is not None:
+                    cache.graphs.drafts[bucket].replay()
+                else:  # the same code on a CPU (or before capture)
+                    self._draft_static(cache, bucket)
+                cache.length += p
+                return static.out[:depth]
         self.append(pending, cache)
         if cache.static is None:  # eager: the head only reads the rows asked for
             hidden = self._block_eager(self._block_ids(bonus), start, cache)
             return self.lm_head(hidden[1:1 + depth]).float()
         return self.block(bonus, start, cache)[:depth]
 
-    def _set_bonus(self, ids: torch.Tensor, bonus: int | torch.Tensor) -> None:
+    def _set_bonus(self, target: torch.Tensor | _StaticIO, bonus: int | torch.Tensor) -> None:
+        """Write the bonus into ids[0] (target: the ids, or a static cache's inputs, where an int
+        equal to what ids[0] already holds needs no fill)."""
+        static = target if isinstance(target, _StaticIO) else None
+        ids = static.ids if static is not None else target
         if isinstance(bonus, torch.Tensor):
             if bonus.numel() != 1:
                 raise BadParams(f"bonus must be one token, got a tensor of shape {tuple(bonus.shape)}")
             ids[:1].copy_(bonus.reshape(1))
-        else:
+            if static is not None:
+                static.bonus_set = None
+        elif static is None or static.bonus_set != int(bonus):
             ids[:1].fill_(int(bonus))
+            if static is not None:
+                static.bonus_set = int(bonus)
 
     def _block_ids(self, bonus: int | torch.Tensor) -> torch.Tensor:
         ids = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long, device=self.device)
@@ -347,17 +398,27 @@ class FastDrafter:
         if self._compiled_block is None:
             self._compiled_block = torch.compile(self._block_static_raw)
 
-    def _block_static(self, cache: DraftContextCache) -> torch.Tensor:
+    def _block_static(self, cache: DraftContextCache, start: torch.Tensor | None = None) -> torch.Tensor:
+        """start: the block's first position on the device (None: static.start)."""
+        start = cache.static.start if start is None else start
         if self._compiled_block is not None:
-            return self._compiled_block(cache)
-        return self._block_static_raw(cache)
+            return self._compiled_block(cache, start)
+        return self._block_static_raw(cache, start)
 
-    def _block_static_raw(self, cache: DraftContextCache) -> torch.Tensor:
+    def _draft_static(self, cache: DraftContextCache, bucket: int) -> torch.Tensor:
+        """The whole draft step of a round: append `bucket` staged rows, then the block at the
+        context's new length (a round's block starts where its context ends), into static.out."""
+        self._append_static(cache, bucket)
+        out = cache.static.out
+        out.copy_(self._block_static(cache, cache.length_t))
+        return out
+
+    def _block_static_raw(self, cache: DraftContextCache, start: torch.Tensor) -> torch.Tensor:
         static, b = cache.static, self.block_size
         rows = static.rows[:b]
         index = cache.length_t + rows
         visible = (static.cols < cache.length_t + b)[None, None, None, :]
-        hidden = self._block_layers(static.ids, static.start + rows, cache, index, None, visible)
+        hidden = self._block_layers(static.ids, start + rows, cache, index, None, visible)
         return self.lm_head(hidden[1:]).float()
 
     def _block_layers(self, ids: torch.Tensor, positions: torch.Tensor, cache: DraftContextCache,

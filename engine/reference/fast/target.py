@@ -32,8 +32,8 @@ from types import SimpleNamespace
 import torch
 
 from ddtree.engine.reference.errors import BadParams, DecodeError, ModelLoadError
-from ddtree.engine.reference.fast.cache import StaticKVCache, kv_bucket, kv_buckets
-from ddtree.engine.reference.fast.commit import new_walk_io, walk_commit_static
+from ddtree.engine.reference.fast.cache import ROW_ALIGN, StaticKVCache, kv_bucket, kv_buckets
+from ddtree.engine.reference.fast.commit import new_walk_io, set_walk_inputs, walk_commit_static
 from ddtree.engine.reference.fast.model import (
     AttentionPlan,
     DenseDecoder,
@@ -73,6 +73,7 @@ class _Stage:
     tree: torch.Tensor                # [q, q] bool (input): visibility among the new rows
     logits: torch.Tensor              # [q, V] float32 (output)
     features: torch.Tensor | None     # [q, K*H] (output)
+    n_set: int | None = None          # the n whose visibility `tree` holds (None: unknown)
 
 
 @dataclass
@@ -140,7 +141,17 @@ class FastTarget(HeadShapes):
         self.attention = attention
         self._graph_pool = None  # one CUDA graph memory pool for every cache's graphs
         self._last: _Verify | None = None
+        # Copy a static forward's logits/features out of the shared stage buffers (and a walk's
+        # path out of its packed buffer) before returning them. The engine's rounds use them
+        # before the next forward, so FastPath turns this off: no per-round clone of [q, V].
+        self.copy_outputs = True
+        # (sink, count) after a walk that staged the accepted features in a drafter's rows.
+        self.staged: tuple[torch.Tensor, int] | None = None
         model.rope(self._arange[:1], self.dtype)  # moves the RoPE table to the device now, not in a capture
+
+    def new_cache_rows(self) -> int:
+        """The rows new_cache allocates (the window, the largest bucket's slack, aligned)."""
+        return -(-(self.context_window + self.buckets[-1]) // ROW_ALIGN) * ROW_ALIGN
 
     def new_cache(self) -> StaticKVCache:
         cfg = self.cfg
@@ -174,6 +185,7 @@ class FastTarget(HeadShapes):
         start = cache.length
         cache.moved = None
         self._last = None
+        self.staged = None
         found = self._graph_for(cache, n)
         if found is not None:
             q, graph = found
@@ -193,8 +205,11 @@ class FastTarget(HeadShapes):
         cache.set_length(start + n)
         logits = logits[n - 1:n] if last_only else logits[:n]
         feats = feats[:n] if features and feats is not None else None
-        # Graph outputs are overwritten by the next replay; callers may keep what we return.
-        return ForwardOut(logits=logits.clone(), features=self._features(feats, n, features, True))
+        # Graph outputs are overwritten by the next replay; callers may keep what we return
+        # unless copy_outputs is off (a prefill's features are kept across forwards: copied).
+        copy = self.copy_outputs or last_only
+        return ForwardOut(logits=logits.clone() if copy else logits,
+                          features=self._features(feats, n, features, copy))
 
     def _features(self, feats, n: int, wanted: bool, copy: bool):
         if not wanted:
@@ -299,7 +314,9 @@ class FastTarget(HeadShapes):
         stage.ids[:n].copy_(ids)
         stage.positions[:n].copy_(positions)
         # Padded ids/positions keep whatever valid values they held: nobody reads their outputs.
-        stage.tree.copy_(self._eye[:q, :q])
+        if stage.n_set != n:  # the padded rows' identity is still there when n is the same
+            stage.tree.copy_(self._eye[:q, :q])
+            stage.n_set = n
         stage.tree[:n, :n].copy_(visible if visible is not None else self._tril[:n, :n])
 
     # ---- CUDA graphs ------------------------------------------------------------------------
@@ -329,36 +346,67 @@ class FastTarget(HeadShapes):
         return last
 
     @torch.no_grad()
-    def walk_commit(self, last: _Verify, parents: torch.Tensor,
-                    posterior: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    def walk_commit(self, last: _Verify, parents: torch.Tensor, posterior: torch.Tensor | None,
+                    greedy: bool = False) -> tuple[torch.Tensor, list[int], list[int]]:
         """The walk and commit of a static verify: (path, path_list, new_tokens) as fetch_walk.
 
-        parents [n] and posterior [n] long: the tree's parents and the target's choice at each node.
-        One graph (or on a CPU the same code) walks the tree held in the stage, gathers the
-        accepted K/V rows to start.. and packs count, order and tokens; one transfer reads them.
-        The cache then skips the row move in compact(start, path, path_list).
+        parents [n] and posterior [n] long: the tree's parents and the target's choice at each
+        node; greedy=True takes the argmax of the verify's logits inside the walk instead
+        (posterior may then be None). One graph (or on a CPU the same code) walks the tree held
+        in the stage, gathers the accepted K/V rows to start.. and packs count, order and tokens;
+        one transfer reads them. The cache then skips the row move in compact(start, path,
+        path_list). Where the cache has a feature sink (a drafter's staging rows), the accepted
+        features land there too and `staged` says so.
         """
         cache, stage, q, n = last.cache(), last.stage, last.q, last.n
         io = cache.walks.get(q)
         if io is None:
             io = cache.walks[q] = new_walk_io(q, self.device)
-        io.posterior[:n].copy_(posterior)
+        if not greedy:
+            io.posterior[:n].copy_(posterior)
         io.parents[:n].copy_(parents)
-        io.count.fill_(n)
+        set_walk_inputs(io, n, greedy)
         if io.graph is not None:
             io.graph.replay()
+            sink = io.sink
         else:
-            walk_commit_static(stage.ids, stage.tree, io, cache)
+            sink = cache.sink
+            walk_commit_static(stage.ids, stage.tree, io, cache, stage.logits, stage.features, sink)
         packed = io.packed.tolist()  # the round's one host sync
         c = packed[0]
         cache.moved = (last.start, c)
-        path = io.packed[1:1 + c].clone()  # the buffer is rewritten by the next walk
+        self.staged = (sink, c) if sink is not None and stage.features is not None else None
+        path = io.packed[1:1 + c]
+        if self.copy_outputs:
+            path = path.clone()  # the buffer is rewritten by the next walk
         return path, packed[1:1 + c], packed[1 + q:1 + q + c]
+
+    def accepted_features(self, features: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """The features of the accepted rows [c, W]: the sink's rows where the last walk staged
+        them there (no copy), else gathered from the verify's features."""
+        staged, self.staged = self.staged, None
+        if staged is not None and staged[1] == int(path.shape[0]):
+            return staged[0][:staged[1]]
+        return features.index_select(0, path)
 
     def compile(self) -> None:
         """Run the static path's layers through torch.compile (fuses the small elementwise ops a
         graph replay is otherwise bound by); compiles happen at the first forward of each shape,
-        which capture's warm-up runs, so serving never waits for one."""
+        which capture's warm-up runs, so serving never waits for one.
+
+        Every (query bucket, KV span) that capture records may compile its own variant of the
+        layer (a span equal to the whole cache, or a one-row query, specialises differently), so
+        dynamo's per-function recompile limit (8 by default) is raised to cover all of them;
+        past the limit it would run the layer uncompiled inside the graphs of the extra spans.
+        """
+        spans = len(kv_buckets(self.new_cache_rows()))
+        wanted = len(self.buckets) * (spans + 1) + 8
+        config = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):  # the older torch name
+            if hasattr(config, name) and getattr(config, name) < wanted:
+                setattr(config, name, wanted)
+        if getattr(config, "accumulated_recompile_limit", wanted) < wanted:
+            config.accumulated_recompile_limit = wanted
         self.model.compile_layers()
         self.compiled = True
 
@@ -412,9 +460,13 @@ class FastTarget(HeadShapes):
                         io = cache.walks[q] = new_walk_io(q, self.device)
                     # The walk's row gather reads and writes rows [length, length+q): padding rows.
                     io.count.fill_(0)  # no real nodes: start = length, every moved row is padding
+                    io.count_set = None
                     io.graph = None
-                    io.graph = _record(lambda stage=stage, io=io: walk_commit_static(stage.ids, stage.tree, io, cache),
-                                       pool, self.device, _WARMUP_RUNS)
+                    io.sink = cache.sink  # what this graph writes the accepted features to
+
+                    def walk(stage=stage, io=io):
+                        walk_commit_static(stage.ids, stage.tree, io, cache, stage.logits, stage.features, io.sink)
+                    io.graph = _record(walk, pool, self.device, _WARMUP_RUNS)
         torch.cuda.synchronize(self.device)
         for q, kv in sorted(graphs):
             cache.spans.setdefault(q, []).append(kv)

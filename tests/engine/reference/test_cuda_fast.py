@@ -124,10 +124,10 @@ def test_graphs_across_kv_buckets_and_walk_graphs_equal_transformers(tiny, monke
     walks = []
     walk_commit = target.walk_commit
 
-    def counted(last, parents, posterior):
+    def counted(last, parents, posterior, **kwargs):
         io = last.cache().walks[last.q]
         walks.append(io.graph is not None)
-        return walk_commit(last, parents, posterior)
+        return walk_commit(last, parents, posterior, **kwargs)
 
     monkeypatch.setattr(target, "_graph_for", spy)
     monkeypatch.setattr(target, "walk_commit", counted)
