@@ -367,10 +367,10 @@ async def test_sweep_form_shows_the_plan_and_refuses_bad_input(seeded, tmp_path,
 async def test_sweep_form_plans_in_a_thread_one_at_a_time_newest_input_last(seeded, monkeypatch):
     import threading
 
-    import ddtree.jobs.plan as plan_module
+    import ddtree.jobs.start as start_module
 
     db_path, _ = seeded
-    real, gate, calls, running, peak = plan_module.make_plan, threading.Event(), [], [0], [0]
+    real, gate, calls, running, peak = start_module.make_plan, threading.Event(), [], [0], [0]
 
     def slow_plan(recipe, **kwargs):  # stands in for a plan that probes an SGLang interpreter
         calls.append(recipe.name)
@@ -380,7 +380,7 @@ async def test_sweep_form_plans_in_a_thread_one_at_a_time_newest_input_last(seed
         running[0] -= 1
         return real(recipe, **kwargs)
 
-    monkeypatch.setattr(plan_module, "make_plan", slow_plan)
+    monkeypatch.setattr(start_module, "make_plan", slow_plan)  # the form plans through jobs.start
     app = app_for(db_path)
     async with app.run_test(size=(110, 40)) as pilot:
         await pilot.press("5", "n")
