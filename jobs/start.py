@@ -67,7 +67,7 @@ def absolute_paths(recipe: Recipe) -> Recipe:
 
 def plan_sweep(recipe: Recipe, *, cache_dir: str | os.PathLike | None = None, allow_large: bool = False,
                probe: bool = True, check: bool = True,
-               detect: Callable[[], Hardware] = Hardware.detect) -> PlannedSweep:
+               detect: Callable[[], Hardware] | None = None) -> PlannedSweep:
     """Paths made absolute, secrets split off, the grid's size checked, and the plan made with this
     machine's hardware (sglang/vllm: placed on its GPUs, the interpreter probed and cached under
     `cache_dir` unless probe=False). check=False is the dry run: a plan that would be refused is
@@ -82,7 +82,8 @@ def plan_sweep(recipe: Recipe, *, cache_dir: str | os.PathLike | None = None, al
     check_size(recipe, allow_large=allow_large)
     if check:
         check_supported(recipe)
-    hardware = detect() if recipe.engine.kind != "builtin" else None
+    # looked up per call, not bound at import, so a stand-in Hardware.detect is seen
+    hardware = (detect or Hardware.detect)() if recipe.engine.kind != "builtin" else None
     plan = make_plan(recipe, hardware=hardware, cache_dir=cache_dir, probe=probe)
     if check:
         check_plan(plan)
@@ -92,7 +93,7 @@ def plan_sweep(recipe: Recipe, *, cache_dir: str | os.PathLike | None = None, al
 def start_sweep(db_path: str | os.PathLike | None, recipe: Recipe, *, recipe_path: str | os.PathLike | None = None,
                 name: str | None = None, allow_large: bool = False, detach: bool = True,
                 on_run: Callable[[int], None] | None = None,
-                detect: Callable[[], Hardware] = Hardware.detect) -> StartedSweep:
+                detect: Callable[[], Hardware] | None = None) -> StartedSweep:
     """Plan and check `recipe` (see `plan_sweep`), then create its run (queued) and submit the job
     that runs it. Nothing is written before every check passed. `on_run(run_id)` is called once the
     run exists and before the job starts (the CLI's foreground progress lines start there);
