@@ -74,9 +74,26 @@ def _random_drafter(model, block_size: int):
     return DFlashDrafter(dcfg)
 
 
+def host_work(sess, rounds: int = 3) -> dict:
+    """A round's host work, untimed (counting slows it): per round, the median over `rounds` of
+    the tensor ops run outside CUDA graphs (each a launch on a GPU), the host syncs, the
+    host-to-device copies and the graph replays (fast/probe.HostWork says what counts)."""
+    from ddtree.engine.reference.fast.probe import HostWork
+
+    seen = []
+    for _ in range(rounds):
+        if sess.done:
+            break
+        with HostWork() as work:
+            sess.step()
+        seen.append(work.as_dict())
+    return {k: statistics.median(d[k] for d in seen) for k in seen[0]} if seen else {}
+
+
 def round_ms(engine, prompt, budgets: list[int], repeats: int) -> dict:
     """A DDTree round's parts (draft / tree / verify / commit), synchronised, median over rounds;
-    "commit" holds the walk (decode times everything after the verify forward as commit)."""
+    "commit" holds the walk (decode times everything after the verify forward as commit). Each
+    budget's row also counts a round's host work (host_work)."""
     from ddtree.engine.reference.engine import GenParams, SpecParams
 
     engine.sync_timings = True
@@ -92,11 +109,13 @@ def round_ms(engine, prompt, budgets: list[int], repeats: int) -> dict:
             sess.step()
             for k in per:
                 per[k].append((sess.timings[k] - before[k]) * 1000)
+        work = host_work(sess)
         sess.close()
         med = {k: round(statistics.median(v), 3) for k, v in per.items()}
         med["round"] = round(sum(med[k] for k in per), 3)
         med["tree_walk_commit_ms"] = round(med["tree"] + med["commit"], 3)
         med["tree_walk_commit_share"] = round((med["tree"] + med["commit"]) / med["round"], 4)
+        med.update(work)
         rounds[budget] = med
     engine.sync_timings = False
     return rounds

@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 # The shapes and timing helpers are bench_engine's (this folder is on sys.path when run as a script).
-from bench_engine import SHAPES, _median_ms, _sync, round_ms  # noqa: E402
+from bench_engine import SHAPES, _median_ms, _sync, host_work, round_ms  # noqa: E402
 
 
 def copy_bandwidth(device: str) -> float:
@@ -144,7 +144,7 @@ def verify_ms(engine, prompt, device: str, nodes: list[int], repeats: int) -> di
 def bench_shape(shape: str, args) -> dict:
     import torch
 
-    from ddtree.engine.reference.engine import Engine
+    from ddtree.engine.reference.engine import Engine, SpecParams
 
     device = args.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -186,6 +186,10 @@ def bench_shape(shape: str, args) -> dict:
     print(f"[{shape}] verify ms by nodes {row['verify_ms']}", flush=True)
     row["round_ms"] = round_ms(fast, prompt, args.budgets, args.repeats * 4)
     print(f"[{shape}] ddtree rounds {json.dumps(row['round_ms'])}", flush=True)
+    row["host_work_per_round"] = spec_host_work(fast, prompt, [("ar", SpecParams("ar")),
+                                                              ("dflash", SpecParams("dflash"))])
+    print(f"[{shape}] host work per round (ops outside graphs, syncs, replays) "
+          f"{json.dumps(row['host_work_per_round'])}", flush=True)
     one = row["verify_ms"].get(1)
     row["targets"] = {
         "ar_le_1.3x_floor": row["ours_fast_ms"] <= 1.3 * row["floor_ms"],
@@ -212,6 +216,20 @@ def bench_shape(shape: str, args) -> dict:
     del drafter, model
     _cuda_empty(device)
     return row
+
+
+def spec_host_work(engine, prompt, specs) -> dict:
+    """name -> a round's host work (bench_engine.host_work) for each (name, spec), after warm rounds."""
+    from ddtree.engine.reference.engine import GenParams
+
+    out = {}
+    for name, spec in specs:
+        sess = engine.start(prompt, GenParams(max_new_tokens=100_000, ignore_eos=True), spec)
+        for _ in range(4):
+            sess.step()
+        out[name] = host_work(sess)
+        sess.close()
+    return out
 
 
 def _cuda_empty(device: str) -> None:
@@ -280,7 +298,8 @@ def bench_demo(args) -> dict:
         out[backend] = {"rows": rows, "best_ddtree": best,
                         "ddtree_x_ar": rows[best]["x_ar"],
                         "ddtree_x_dflash": round(rows[best]["tok_s"] / rows["dflash"]["tok_s"], 3),
-                        "graphs": engine.graphs}
+                        "graphs": engine.graphs,
+                        "host_work_per_round": spec_host_work(engine, prompts[0], specs)}
         print(f"[demo {backend}] " + json.dumps(out[backend]), flush=True)
         del engine
     return out

@@ -6,8 +6,9 @@ cost on a launch-bound GPU. A sync is an op that brings a device value to the ho
 `.tolist()`, `.cpu()`, `int(t)`): each one waits for the GPU to drain. `h2d` counts host-to-device
 copies (`torch.tensor(..., device=...)`), which are synchronous from pageable memory.
 
-On a CPU nothing is captured, so the counts include what the graphs would hold; bench and tests
-read them on CUDA, or on a CPU with the graph-bound functions excluded (`HostWork.outside`).
+On a CPU nothing is captured, so the counts include what the graphs would hold (bench reads
+them on CUDA; tests/engine/reference/test_fast_round_host.py runs the graph-bound functions
+outside the mode instead), and `.tolist()` of a CPU tensor moves nothing, so it is no sync.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def _device_of(x):
 
 
 class HostWork(TorchDispatchMode):
-    """with HostWork() as work: ...; then work.launches, work.syncs, work.h2d, work.ops (Counter)."""
+    """with HostWork() as work: ...; then work.launches, work.syncs, work.h2d, work.replays and
+    work.ops (a Counter by op name). One at a time: it rebinds CUDAGraph.replay while active."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -43,6 +45,26 @@ class HostWork(TorchDispatchMode):
         self.launches = 0
         self.syncs = 0
         self.h2d = 0
+        self.replays = 0  # CUDA graph replays (counted by wrapping CUDAGraph.replay meanwhile)
+        self._replay = None
+
+    def __enter__(self):
+        graph_cls = getattr(torch.cuda, "CUDAGraph", None)
+        if graph_cls is not None and self._replay is None:
+            self._replay = graph_cls.replay
+            work = self
+
+            def replay(graph, *args, **kwargs):
+                work.replays += 1
+                return work._replay(graph, *args, **kwargs)
+            graph_cls.replay = replay
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._replay is not None:
+            torch.cuda.CUDAGraph.replay = self._replay
+            self._replay = None
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -67,4 +89,5 @@ class HostWork(TorchDispatchMode):
         return out
 
     def as_dict(self) -> dict:
-        return {"eager_launches": self.launches, "host_syncs": self.syncs, "h2d_copies": self.h2d}
+        return {"eager_launches": self.launches, "host_syncs": self.syncs, "h2d_copies": self.h2d,
+                "graph_replays": self.replays}
