@@ -19,6 +19,8 @@ from ddtree.store.insight import recommend
 class NothingToSettle(JobError):
     """Every setting of the run already has a decided recommendation."""
 
+    exit_code = 2
+
 
 def settle_recipe(run_row, points: list) -> Recipe:
     """A recipe that measures again what keeps the run's recommendations undecided."""

@@ -40,7 +40,7 @@ CASES = [
     ("cancel-missing-job", ["jobs", "cancel", "999"], None, 2, "no job with id 999"),
     ("resume-missing-run", ["sweep", "--resume", "999"], None, 2, "no run with id 999"),
     ("resume-dry-run", ["sweep", "--resume", "1", "--dry-run"], None, 2, "--dry-run applies"),
-    ("sweep-nothing", ["sweep"], None, 2, "give either a recipe file or --resume"),
+    ("sweep-nothing", ["sweep"], None, 2, "give one of a recipe file, --resume RUN_ID or --settle RUN_ID"),
     ("submit-kind", ["jobs", "submit", "nope"], None, 2, "unknown job kind 'nope'"),
     ("submit-json", ["jobs", "submit", "sleep", "--spec", "{bad"], None, 2, "--spec is not valid JSON"),
     ("submit-sleep", ["jobs", "submit", "sleep", "--spec", '{"seconds": -1}'], None, 2, "sleep seconds"),

@@ -2,6 +2,7 @@
 
     sweep RECIPE.toml [--detach] [--dry-run [--no-probe]] [--json] [--name NAME]
     sweep --resume RUN_ID [--detach] [--json]
+    sweep --settle RUN_ID [--detach] [--dry-run] [--json]
 
 For kind sglang/vllm the dry run shows each launch exactly as it will be typed (env, argv), built
 from the flags the recipe's interpreter accepts; a launch it cannot build is shown with the reason
@@ -9,7 +10,8 @@ and makes a real run exit 2 before anything starts.
 
 The checks, the run row and the job come from `jobs.start.start_sweep`, which the console's sweep
 form calls too (so both refuse the same recipes); `--resume` submits a new job for the same run,
-which skips the points already finished.
+which skips the points already finished; `--settle` starts a new run of the cells that keep a run's
+budget recommendation undecided, with the repeats the recommender asks for (jobs/settle.py).
 In the foreground a line is printed per finished point; Ctrl-C cancels the job (resume later).
 """
 
@@ -46,6 +48,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "unless --no-probe.")
     p.add_argument("recipe", nargs="?", help="the recipe file (TOML), e.g. assets/recipes/demo.toml")
     p.add_argument("--resume", type=run_id, metavar="RUN_ID", help="resume a run: skip its finished points")
+    p.add_argument("--settle", type=run_id, metavar="RUN_ID",
+                   help="a new run of the budgets that keep RUN_ID's recommendation undecided, with the repeats "
+                        "that would decide it (see `ddtree-console runs`)")
     p.add_argument("--detach", action="store_true", help="run in the background and return at once")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and exit; no server starts (sglang/vllm: the interpreter is probed)")
@@ -59,8 +64,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if (args.recipe is None) == (args.resume is None):
-        raise SweepUsageError("give either a recipe file or --resume RUN_ID",
+    settle = getattr(args, "settle", None)
+    if [args.recipe is not None, args.resume is not None, settle is not None].count(True) != 1:
+        raise SweepUsageError("give one of a recipe file, --resume RUN_ID or --settle RUN_ID",
                               "e.g. `ddtree-console sweep assets/recipes/demo.toml`")
     if getattr(args, "no_probe", False) and not args.dry_run:
         raise SweepUsageError("--no-probe applies to --dry-run only", "a sweep needs the probe to build its commands")
@@ -68,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
         if args.dry_run:
             raise SweepUsageError("--dry-run applies to a recipe file, not to --resume")
         return _resume(args)
-    recipe = load_recipe(args.recipe)
     db_path = resolve_db_path(getattr(args, "db", None))
+    recipe = load_recipe(args.recipe) if settle is None else _settle_recipe(db_path, settle)
     if args.dry_run:
         planned = plan_sweep(recipe, cache_dir=data_dir(db_path), allow_large=args.yes_large,
                              probe=not getattr(args, "no_probe", False), check=False)
@@ -82,6 +88,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         printer.stop()
     return _report(args, db_path, started.run_id, started.job_id)
+
+
+def _settle_recipe(db_path: Path, run: int):
+    from ddtree.jobs.settle import settle_recipe
+
+    with open_db(db_path) as db:
+        return settle_recipe(sweeps.get_run(db, run), sweeps.list_points(db, run))
 
 
 def _resume(args: argparse.Namespace) -> int:

@@ -34,3 +34,21 @@ def test_a_decided_run_has_nothing_to_settle(tmp_path):
     run, points = _run(tmp_path / "d.db", CLEAR)
     with pytest.raises(NothingToSettle, match="needs no more repeats"):
         settle_recipe(run, points)
+
+
+def test_sweep_settle_plans_the_follow_up_and_refuses_a_decided_run(tmp_path, capsys):
+    import json
+
+    from ddtree.console import cli
+
+    tied = _seed(tmp_path / "t.db", TIED)
+    assert cli.main(["--db", str(tmp_path / "t.db"), "sweep", "--settle", str(tied), "--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    budgets = {p["budget"] for p in plan["points"] if p["algorithm"] == "ddtree"}
+    repeats = {p["repeat"] for p in plan["points"]}
+    assert budgets and budgets <= {8, 16, 32} and len(repeats) > 3
+
+    clear = _seed(tmp_path / "c.db", CLEAR)
+    assert cli.main(["--db", str(tmp_path / "c.db"), "sweep", "--settle", str(clear)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: run {clear} needs no more repeats") and err.count("\n") == 1
