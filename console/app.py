@@ -446,13 +446,17 @@ class ConsoleApp(App[int]):
         checks (a refusal is the worker's error, shown as one line), then the run row (which the
         pane shows at once) and the job."""
         from ddtree.jobs.recipe import recipe_from_dict
+
+        self._start_detached(recipe_from_dict(spec["recipe"]), spec.get("recipe_path"))
+
+    def _start_detached(self, recipe, recipe_path: str | None = None) -> None:
+        """Start `recipe` as a detached sweep and show its run (from a worker thread)."""
         from ddtree.jobs.start import start_sweep
 
         def follow(run_id: int) -> None:
             self.sweep_run_id = run_id
 
-        started = start_sweep(self.db_path, recipe_from_dict(spec["recipe"]), recipe_path=spec.get("recipe_path"),
-                              on_run=follow)
+        started = start_sweep(self.db_path, recipe, recipe_path=recipe_path, on_run=follow)
         self.call_from_thread(self.notify, f"sweep run {started.run_id} started as job {started.job_id}",
                               title="started")
         self._wake.set()
@@ -464,6 +468,26 @@ class ConsoleApp(App[int]):
             self.notify("the shown run is not running", severity="warning")
             return
         self.confirm_stop(run.job_id, f"sweep run {run.id} (resume it later)")
+
+    async def action_settle_sweep(self) -> None:
+        await self._pane("sweeps")
+        run = self.shown_run()
+        if run is None:
+            self.notify("no run is shown", severity="warning")
+            return
+        self.settle_sweep(run.id)
+
+    @work(thread=True, exit_on_error=False, group="sweep")
+    def settle_sweep(self, run_id: int) -> None:
+        """As `ddtree-console sweep --settle RUN_ID --detach`: the follow-up run that decides what the
+        shown run's recommendation leaves open (a decided run is refused, as one line)."""
+        from ddtree.jobs.settle import settle_recipe
+        from ddtree.store import sweeps
+        from ddtree.store.db import open_db
+
+        with open_db(self.db_path) as db:
+            recipe = settle_recipe(sweeps.get_run(db, run_id), sweeps.list_points(db, run_id))
+        self._start_detached(recipe)
 
     async def action_sweep_prev(self) -> None:
         await self._pane("sweeps")

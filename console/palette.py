@@ -64,8 +64,12 @@ PANE_ACTIONS: dict[str, tuple[tuple, ...]] = {
         ("n", "new_sweep", "Start a sweep", "from a form or a recipe file, with the plan shown first",
          "New sweep", "new_sweep"),
         ("x", "stop_sweep", "Stop the shown sweep", "asks for confirmation; resume later", "Stop", "stop_sweep"),
+        ("e", "settle_sweep", "Measure extra repeats", "a new run of the budgets the recommendation cannot "
+         "decide yet, with the repeats it asks for (as `sweep --settle`)", "More", "settle_sweep"),
         ("[", "sweep_prev", "Previous run", "show the previous run's curves", "Prev run", "sweep_prev"),
         ("]", "sweep_next", "Next run", "show the next run's curves", "Next run", "sweep_next"),
+        ("h", "toggle_heatmap", "Show the acceptance heatmap", "budgets by accepted length per round, "
+         "instead of the curves", "Heatmap", "sweep_heatmap", LOCAL),
     ),
     "history": (
         ("/", "history_filter", "Filter runs", "name, model, engine, state or recipe text",

@@ -172,7 +172,8 @@ class HistoryPane(Vertical):
 
     @property
     def narrow(self) -> bool:
-        return 0 < self.size.width < WIDE
+        # a pane not laid out yet (hidden behind another) has no width: the terminal's stands in
+        return 0 < (self.size.width or self.app.size.width) < WIDE
 
     def _render_rows(self) -> None:
         table = self.query_one("#runs", RowTable)

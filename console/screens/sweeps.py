@@ -20,6 +20,7 @@ from textual.widgets import Button, Input, Label, Static
 
 from ddtree.console.eta import sweep_progress
 from ddtree.console.words import plural
+from ddtree.console.palette import bindings
 from ddtree.console.widgets.chart import COLORS, LineChart, Series
 from ddtree.console.widgets.heatmap import heatmap_text
 from ddtree.console.screens.modals import FOCUS_KEYS
@@ -183,13 +184,7 @@ class SweepsPane(Vertical):
     WIDE = 100
     """From this width on the header also spells out the [ ] keys (the key bar has them too)."""
 
-    BINDINGS = [
-        Binding("n", "app.new_sweep", "New sweep", id="new_sweep"),
-        Binding("x", "app.stop_sweep", "Stop", id="stop_sweep"),
-        Binding("left_square_bracket", "app.sweep_prev", "Prev run", id="sweep_prev"),
-        Binding("right_square_bracket", "app.sweep_next", "Next run", id="sweep_next"),
-        Binding("h", "toggle_heatmap", "Heatmap", id="sweep_heatmap"),
-    ]
+    BINDINGS = bindings("sweeps")
 
     def compose(self) -> ComposeResult:
         with Horizontal(classes="pane-bar"):
@@ -233,7 +228,7 @@ class SweepsPane(Vertical):
             return
         text = Text(f"Run {run.id} {run.name or ''} ({run.state or '-'}) {self.progress_text(run)}"
                     + (f", {run.points_failed} failed" if run.points_failed else ""))
-        if self.size.width >= self.WIDE:
+        if (self.size.width or self.app.size.width) >= self.WIDE:
             # A key hint, spelled out: a bare "[ ]" read as a checkbox that could not be ticked.
             text.append("   keys ", style="dim")
             text.append("[", style="bold")

@@ -31,8 +31,8 @@ CLEAR = {("ar", None): (50.0, 52.0, 48.0), ("ddtree", 8): (100.0, 102.0, 98.0),
 TIED = {**CLEAR, ("ddtree", 16): (101.0, 104.0, 99.0)}
 
 
-def _seed(db_path, rates) -> int:
-    recipe = parse_recipe(RECIPE)
+def _seed(db_path, rates, text: str = RECIPE) -> int:
+    recipe = parse_recipe(text)
     plan = make_plan(recipe)
     with open_db(db_path) as db:
         run_id = sweeps.create_run(db, job_id=None, name=recipe.name, recipe=recipe_to_dict(recipe),

@@ -1,0 +1,55 @@
+"""`e` on the Sweeps pane: the follow-up run that settles the shown run's undecided recommendation,
+started through jobs.start like `sweep --settle` (the job's submission is recorded, not run)."""
+
+import pytest
+
+from ddtree.console.app import make_app
+from ddtree.store import open_db
+from ddtree.store.queries import list_runs
+
+from ..support.pilot import until
+from .test_export_verdict import CLEAR, RECIPE, TIED, _seed
+
+pytestmark = pytest.mark.timeout(90)
+
+DEMO = RECIPE.replace('model = "/nowhere/target"\n', "").replace('draft_model = "/nowhere/drafter"\n', "")
+
+
+@pytest.fixture
+def submitted(monkeypatch):
+    import ddtree.jobs.start as start
+
+    calls = []
+    monkeypatch.setattr(start, "submit_sweep", lambda db_path, run_id, name, **kw: calls.append((run_id, name)) or 99)
+    return calls
+
+
+async def _press_e(db_path):
+    app = make_app(str(db_path), poll_s=0.1)
+    async with app.run_test(size=(120, 40), notifications=True) as pilot:
+        await until(pilot, lambda: app.last_snapshot is not None, what="the first poll")
+        await pilot.press("5")
+        await until(pilot, lambda: app.shown_run() is not None, what="the run")
+        await pilot.press("e")
+        await until(pilot, lambda: app.screen.query("Toast"), what="the answer")
+        return [str(t.render()) for t in app.screen.query("Toast")]
+
+
+async def test_e_starts_the_settling_run_of_an_undecided_recommendation(tmp_path, submitted):
+    db_path = tmp_path / "d.db"
+    run_id = _seed(db_path, TIED, DEMO)
+    toasts = await _press_e(db_path)
+    assert any("started as job 99" in t for t in toasts), toasts
+    with open_db(db_path) as db:
+        runs = {r.id: r for r in list_runs(db)}
+    (new_id,) = set(runs) - {run_id}
+    assert submitted == [(new_id, "repeats-settle")]
+    assert runs[new_id].recipe["sweep"]["repeats"] > 3
+
+
+async def test_e_on_a_decided_run_says_so_and_starts_nothing(tmp_path, submitted):
+    db_path = tmp_path / "d.db"
+    _seed(db_path, CLEAR, DEMO)
+    toasts = await _press_e(db_path)
+    assert any("needs no more repeats" in t for t in toasts), toasts
+    assert submitted == []
