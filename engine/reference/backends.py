@@ -77,6 +77,10 @@ class TransformersPath:
     def mask(self, tree: Tree, start: int, dtype: torch.dtype):
         return None if tree.is_chain else tree_attention_mask(tree, start, dtype)
 
+    def verify(self, tree: Tree, start: int, cache, mask):
+        """The target forward over a tree's nodes after `start` committed rows, features on."""
+        return self.engine.target.forward(tree.tokens, tree.depths + start, cache, mask, features=True)
+
     def walk_logits(self, tree: Tree, logits: torch.Tensor, choose, greedy: bool
                     ) -> tuple[torch.Tensor, list[int], list[int]]:
         """walk(tree, choose(logits)): the target's choice at every node (logits [n, V]), then the walk."""

@@ -151,7 +151,7 @@ class Session:
         tree = self._tree(draft_logits)
         mask = engine.impl.mask(tree, self._start, target.dtype)
         t2 = self.engine.clock()
-        out = target.forward(tree.tokens, tree.depths + self._start, self._cache, mask, features=True)
+        out = engine.impl.verify(tree, self._start, self._cache, mask)
         t3 = self.engine.clock()
         path, path_list, new = self._walk(tree, out.logits)
         self._cache.compact(self._start, path, path_list)

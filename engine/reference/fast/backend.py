@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ddtree.engine.reference.engine import Engine
 
 DEFAULT_SLOTS = 4
+CHAIN = -1  # the budget under which a DFlash chain's graph is kept (FastPath._trees)
 
 
 def decoder_from_hf(model: nn.Module) -> DenseDecoder:
@@ -78,8 +79,13 @@ class FastPath:
         # reads its own input buffers (filled per round); else the data_ptr of a slot's draft
         # output, which the graph reads in place, with the bonus from the drafter's ids[0].
         self._trees: dict[tuple[int, int, int], _TreeGraph] = {}
-        # data_ptr of a slot's draft output [B-1, V] -> (that output, the drafter's ids [B]).
-        self._sources: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # data_ptr of a slot's draft output [B-1, V] -> (that output, the drafter's ids [B], the
+        # slot's target cache, whose verify stage the tree build fills: stage_tree).
+        self._sources: dict[int, tuple[torch.Tensor, torch.Tensor, object]] = {}
+        # (tree tokens, query bucket, stage) of the last tree whose verify inputs are staged,
+        # and the tokens of the last verify whose walk parents are: checked by identity, once.
+        self._staged_tree: tuple | None = None
+        self._parents_staged: torch.Tensor | None = None
         self._pool = None
 
     def warmup(self, progress: Callable[[str], None] | None = None, budgets: tuple[int, ...] = ()) -> None:
@@ -133,6 +139,7 @@ class FastPath:
             self.add_slot(cache, draft_cache)
             if draft_cache is not None:
                 source = draft_cache.static.out.data_ptr()
+                self._tree_graph(CHAIN, depth, source)  # DFlash rounds
                 for budget in budgets:
                     if budget > 0:
                         self._tree_graph(int(budget), depth, source)
@@ -149,7 +156,7 @@ class FastPath:
             # Walks of this slot stage the accepted features in the drafter's rows (commit.py);
             # a walk graph captured without a sink keeps writing none (it says so on its io).
             cache.sink = static.feats
-            self._sources[static.out.data_ptr()] = (static.out, static.ids)
+            self._sources[static.out.data_ptr()] = (static.out, static.ids, cache)
         self._slots.append(pair)
         self._free.append(pair)
 
@@ -186,37 +193,71 @@ class FastPath:
 
     def tree(self, bonus: int, draft_logits: torch.Tensor | None, chain: bool, budget: int) -> Tree:
         device = self.target.device
-        if draft_logits is None or chain:
-            drafts = draft_logits.argmax(dim=-1) if draft_logits is not None else None
-            return _device_chain(bonus, drafts, device)
+        self._staged_tree = None
+        if draft_logits is None:
+            return _device_chain(bonus, None, device)
+        depth = int(draft_logits.shape[0])
+        source = draft_logits.data_ptr() if draft_logits.is_contiguous() else 0
+        slot = self._sources.get(source)
+        if chain and slot is None:
+            return _device_chain(bonus, draft_logits.argmax(dim=-1), device)
+        if chain:
+            budget = CHAIN  # the key of a chain's graph: one per depth and slot
         if self.graphs:
-            depth = int(draft_logits.shape[0])
-            source = draft_logits.data_ptr()
-            if source in self._sources and draft_logits.is_contiguous():
+            if slot is not None:
                 # The slot's draft output, read in place, with the bonus the draft step staged
-                # in the drafter's ids[0]: the replay needs no input copied.
+                # in the drafter's ids[0]: the replay needs no input copied, and it writes the
+                # verify's inputs into the slot's stage (stage_tree).
                 graph = self._tree_graph(budget, depth, source)
             else:
                 graph = self._tree_graph(budget, depth)
                 graph.logits.copy_(draft_logits)
                 graph.root.fill_(bonus)
             graph.graph.replay()
-            return graph.tree  # overwritten by the next replay: a round is done with it by then
-        return build_tree_device(bonus, torch.log_softmax(draft_logits, dim=-1), budget)
+            tree, staged = graph.tree, graph.staged  # overwritten by the next replay: a round is done with it by then
+        else:
+            if chain:
+                tree = chain_of(bonus, draft_logits, device)
+            else:
+                tree = build_tree_device(bonus, torch.log_softmax(draft_logits, dim=-1), budget)
+            staged = self.target.stage_tree(slot[2], tree) if slot is not None else None
+        if staged is not None:
+            self._staged_tree = (tree.tokens, staged, slot[2].stages[staged])
+        return tree
+
+    def verify(self, tree: Tree, start: int, cache, mask):
+        """The target forward over a tree's nodes (features on); where the tree build staged the
+        inputs in this cache's stage, a replay with nothing copied in."""
+        staged, self._staged_tree = self._staged_tree, None
+        self._parents_staged = None
+        if staged is not None and staged[0] is tree.tokens and cache.stages.get(staged[1]) is staged[2]:
+            out = self.target.forward_staged(cache, tree.size, staged[1])
+            if out is not None:
+                self._parents_staged = tree.tokens
+                return out
+        return self.target.forward(tree.tokens, tree.depths + start, cache, mask, features=True)
 
     def _tree_graph(self, budget: int, depth: int, source: int = 0) -> _TreeGraph:
         key = (budget, depth, source)
         if key not in self._trees:
             target = self.target
+            slot_cache = None
             if source:
-                out, ids = self._sources[source]
+                out, ids, slot_cache = self._sources[source]
                 logits, root = out[:depth], ids[:1]
             else:
                 logits = torch.zeros((depth, target.vocab_size), dtype=torch.float32, device=target.device)
                 root = torch.zeros(1, dtype=torch.long, device=target.device)
+            staged: list = [None]
 
             def build():
-                return build_tree_device(root, torch.log_softmax(logits, dim=-1), budget)
+                if budget == CHAIN:
+                    tree = chain_of(root, logits, target.device)
+                else:
+                    tree = build_tree_device(root, torch.log_softmax(logits, dim=-1), budget)
+                if slot_cache is not None:
+                    staged[0] = target.stage_tree(slot_cache, tree)
+                return tree
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream(device=target.device)
@@ -228,7 +269,7 @@ class FastPath:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 tree = build()
-            self._trees[key] = _TreeGraph(graph, logits, root, tree)
+            self._trees[key] = _TreeGraph(graph, logits, root, tree, staged[0])
         return self._trees[key]
 
     def mask(self, tree: Tree, start: int, dtype: torch.dtype):
@@ -245,10 +286,12 @@ class FastPath:
         argmax inside the walk graph (no argmax launched, the logits never leave the stage)."""
         n = tree.size if n is None else n
         last = self.target.take_verify(n)
+        staged, self._parents_staged = self._parents_staged, None
         if last is not None and tree.size == last.n:
+            parents = None if staged is tree.tokens else tree.parents
             if greedy:
-                return self.target.walk_commit(last, tree.parents, None, greedy=True)
-            return self.target.walk_commit(last, tree.parents, choose(logits))
+                return self.target.walk_commit(last, parents, None, greedy=True)
+            return self.target.walk_commit(last, parents, choose(logits))
         posterior = choose(logits)
         order, count = walk_device(tree, posterior)
         return fetch_walk(tree, posterior, order, count)
@@ -264,13 +307,23 @@ class _TreeGraph:
     logits: torch.Tensor   # [depth, V] float32 input
     root: torch.Tensor     # [1] long input
     tree: Tree             # outputs
+    staged: int | None = None  # the query bucket whose verify inputs a replay writes (stage_tree)
 
 
-def _device_chain(root: int, drafts: torch.Tensor | None, device) -> Tree:
-    """The bonus and the chain of drafts under it, made on the device without a host copy."""
+def chain_of(root: int | torch.Tensor, draft_logits: torch.Tensor, device) -> Tree:
+    """A DFlash round's chain: the bonus, then the argmax draft at each depth."""
+    return _device_chain(root, draft_logits.argmax(dim=-1), device)
+
+
+def _device_chain(root: int | torch.Tensor, drafts: torch.Tensor | None, device) -> Tree:
+    """The bonus (an int, or a [1] long device tensor) and the chain of drafts under it, made
+    on the device without a host copy (graph-ready with a tensor root)."""
     n = 1 + (0 if drafts is None else int(drafts.shape[0]))
     tokens = torch.empty(n, dtype=torch.long, device=device)
-    tokens[:1].fill_(root)
+    if isinstance(root, torch.Tensor):
+        tokens[:1].copy_(root)
+    else:
+        tokens[:1].fill_(root)
     if drafts is not None:
         tokens[1:].copy_(drafts)
     steps = torch.arange(n, device=device)

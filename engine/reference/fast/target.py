@@ -200,6 +200,52 @@ class FastTarget(HeadShapes):
             self.static_forward(stage.ids, stage.positions, stage.tree, cache, span, stage)
         else:
             return self._eager(input_ids, position_ids, visible, cache, features, last_only)
+        return self._static_out(cache, stage, q, n, start, features, last_only)
+
+    def stage_tree(self, cache: StaticKVCache, tree: Tree) -> int | None:
+        """Write a tree verify's inputs straight into the stage of its query bucket: ids,
+        positions (depths after the device length), visibility, and the walk's parents. Graph-
+        ready (FastPath captures it with the tree build), so a verify after it copies nothing in
+        (forward_staged). The bucket q, or None where the cache has no stage or walk for it."""
+        n = tree.size
+        q = next((b for b in self.buckets if b >= n), None)
+        stage = cache.stages.get(q) if q is not None else None
+        io = cache.walks.get(q) if q is not None else None
+        if stage is None or io is None:
+            return None
+        stage.ids[:n].copy_(tree.tokens)
+        stage.positions[:n].copy_(tree.depths + cache.length_t)
+        stage.tree.copy_(self._eye[:q, :q])
+        stage.tree[:n, :n].copy_(tree.ancestors())
+        io.parents[:n].copy_(tree.parents)
+        return q
+
+    def forward_staged(self, cache: StaticKVCache, n: int, q: int) -> ForwardOut | None:
+        """The verify of n nodes whose inputs stage_tree wrote into bucket q's stage: replay (or
+        the static path on a CPU) with nothing copied in. None where bucket q does not serve it
+        now (the caller then runs forward, which stages the inputs itself)."""
+        start = cache.length
+        cache.moved = None
+        self._last = None
+        self.staged = None
+        stage = cache.stages.get(q)
+        found = self._graph_for(cache, n)
+        if stage is None:
+            return None
+        if found is not None:
+            if found[0] != q:
+                return None
+            found[1].replay()
+        elif (not cache.graphs and self.static and self._bucket(n) == q and start + q <= cache.rows):
+            span = kv_bucket(cache.rows, start + q) if self.bucket_kv else cache.rows
+            self.static_forward(stage.ids, stage.positions, stage.tree, cache, span, stage)
+        else:
+            return None
+        stage.n_set = n  # stage_tree left the padded rows' identity for this n
+        return self._static_out(cache, stage, q, n, start, True, False)
+
+    def _static_out(self, cache: StaticKVCache, stage: _Stage, q: int, n: int, start: int,
+                    features: bool, last_only: bool) -> ForwardOut:
         logits, feats = stage.logits, stage.features
         self._last = _Verify(weakref.ref(cache), stage, q, n, start)
         cache.set_length(start + n)
@@ -350,8 +396,8 @@ class FastTarget(HeadShapes):
                     greedy: bool = False) -> tuple[torch.Tensor, list[int], list[int]]:
         """The walk and commit of a static verify: (path, path_list, new_tokens) as fetch_walk.
 
-        parents [n] and posterior [n] long: the tree's parents and the target's choice at each
-        node; greedy=True takes the argmax of the verify's logits inside the walk instead
+        parents [n] and posterior [n] long: the tree's parents (None: stage_tree wrote them) and
+        the target's choice at each node; greedy=True takes the argmax of the verify's logits inside the walk instead
         (posterior may then be None). One graph (or on a CPU the same code) walks the tree held
         in the stage, gathers the accepted K/V rows to start.. and packs count, order and tokens;
         one transfer reads them. The cache then skips the row move in compact(start, path,
@@ -364,7 +410,8 @@ class FastTarget(HeadShapes):
             io = cache.walks[q] = new_walk_io(q, self.device)
         if not greedy:
             io.posterior[:n].copy_(posterior)
-        io.parents[:n].copy_(parents)
+        if parents is not None:  # None: stage_tree already wrote them
+            io.parents[:n].copy_(parents)
         set_walk_inputs(io, n, greedy)
         if io.graph is not None:
             io.graph.replay()
