@@ -59,8 +59,6 @@ class FastPath:
                  slots: int = DEFAULT_SLOTS, graphs: bool = True, compile: bool = True) -> None:
         self.engine = engine
         self.target = target
-        # A round uses the verify's outputs before the next forward: no copies out of the stages.
-        target.copy_outputs = False
         self.drafts = None
         if drafter is not None:
             self.drafts = FastDrafter(drafter, target.embed, target.lm_head,
@@ -235,7 +233,8 @@ class FastPath:
             if out is not None:
                 self._parents_staged = tree.tokens
                 return out
-        return self.target.forward(tree.tokens, tree.depths + start, cache, mask, features=True)
+        # A round reads the verify's outputs before the next forward: no copies out of the stage.
+        return self.target.forward(tree.tokens, tree.depths + start, cache, mask, features=True, copy=False)
 
     def _tree_graph(self, budget: int, depth: int, source: int = 0) -> _TreeGraph:
         key = (budget, depth, source)
@@ -290,8 +289,8 @@ class FastPath:
         if last is not None and tree.size == last.n:
             parents = None if staged is tree.tokens else tree.parents
             if greedy:
-                return self.target.walk_commit(last, parents, None, greedy=True)
-            return self.target.walk_commit(last, parents, choose(logits))
+                return self.target.walk_commit(last, parents, None, greedy=True, copy=False)
+            return self.target.walk_commit(last, parents, choose(logits), copy=False)
         posterior = choose(logits)
         order, count = walk_device(tree, posterior)
         return fetch_walk(tree, posterior, order, count)

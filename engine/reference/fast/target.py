@@ -141,10 +141,6 @@ class FastTarget(HeadShapes):
         self.attention = attention
         self._graph_pool = None  # one CUDA graph memory pool for every cache's graphs
         self._last: _Verify | None = None
-        # Copy a static forward's logits/features out of the shared stage buffers (and a walk's
-        # path out of its packed buffer) before returning them. The engine's rounds use them
-        # before the next forward, so FastPath turns this off: no per-round clone of [q, V].
-        self.copy_outputs = True
         # (sink, count) after a walk that staged the accepted features in a drafter's rows.
         self.staged: tuple[torch.Tensor, int] | None = None
         model.rope(self._arange[:1], self.dtype)  # moves the RoPE table to the device now, not in a capture
@@ -170,12 +166,14 @@ class FastTarget(HeadShapes):
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticKVCache,
                 attention_mask: torch.Tensor | None = None, *, features: bool = False,
-                last_only: bool = False) -> ForwardOut:
+                last_only: bool = False, copy: bool = True) -> ForwardOut:
         """input_ids/position_ids [n] -> logits float32 [n, V] ([1, V] with last_only).
 
         attention_mask: None (causal among the new rows) or bool [n, n], True where new row i sees
         new row j. An additive mask [1, 1, n, length+n] (tree.tree_attention_mask) is read too.
         features: concat of feature_layers' outputs [n, K*H] in the model dtype.
+        copy=False: a static forward returns views of its stage's buffers, which the next forward
+        on this cache overwrites (a round that reads them first saves a clone of [q, V]).
         """
         n = int(input_ids.shape[0])
         if n < 1 or input_ids.dim() != 1 or tuple(position_ids.shape) != (n,):
@@ -200,7 +198,7 @@ class FastTarget(HeadShapes):
             self.static_forward(stage.ids, stage.positions, stage.tree, cache, span, stage)
         else:
             return self._eager(input_ids, position_ids, visible, cache, features, last_only)
-        return self._static_out(cache, stage, q, n, start, features, last_only)
+        return self._static_out(cache, stage, q, n, start, features, last_only, copy)
 
     def stage_tree(self, cache: StaticKVCache, tree: Tree) -> int | None:
         """Write a tree verify's inputs straight into the stage of its query bucket: ids,
@@ -223,7 +221,8 @@ class FastTarget(HeadShapes):
     def forward_staged(self, cache: StaticKVCache, n: int, q: int) -> ForwardOut | None:
         """The verify of n nodes whose inputs stage_tree wrote into bucket q's stage: replay (or
         the static path on a CPU) with nothing copied in. None where bucket q does not serve it
-        now (the caller then runs forward, which stages the inputs itself)."""
+        now (the caller then runs forward, which stages the inputs itself). Its logits and
+        features are views of the stage, as forward's with copy=False."""
         start = cache.length
         cache.moved = None
         self._last = None
@@ -242,18 +241,18 @@ class FastTarget(HeadShapes):
         else:
             return None
         stage.n_set = n  # stage_tree left the padded rows' identity for this n
-        return self._static_out(cache, stage, q, n, start, True, False)
+        return self._static_out(cache, stage, q, n, start, True, False, False)
 
     def _static_out(self, cache: StaticKVCache, stage: _Stage, q: int, n: int, start: int,
-                    features: bool, last_only: bool) -> ForwardOut:
+                    features: bool, last_only: bool, copy: bool) -> ForwardOut:
         logits, feats = stage.logits, stage.features
         self._last = _Verify(weakref.ref(cache), stage, q, n, start)
         cache.set_length(start + n)
         logits = logits[n - 1:n] if last_only else logits[:n]
         feats = feats[:n] if features and feats is not None else None
         # Graph outputs are overwritten by the next replay; callers may keep what we return
-        # unless copy_outputs is off (a prefill's features are kept across forwards: copied).
-        copy = self.copy_outputs or last_only
+        # unless copy is off (a prefill's features are kept across forwards: always copied).
+        copy = copy or last_only
         return ForwardOut(logits=logits.clone() if copy else logits,
                           features=self._features(feats, n, features, copy))
 
@@ -393,7 +392,7 @@ class FastTarget(HeadShapes):
 
     @torch.no_grad()
     def walk_commit(self, last: _Verify, parents: torch.Tensor, posterior: torch.Tensor | None,
-                    greedy: bool = False) -> tuple[torch.Tensor, list[int], list[int]]:
+                    greedy: bool = False, copy: bool = True) -> tuple[torch.Tensor, list[int], list[int]]:
         """The walk and commit of a static verify: (path, path_list, new_tokens) as fetch_walk.
 
         parents [n] and posterior [n] long: the tree's parents (None: stage_tree wrote them) and
@@ -424,8 +423,8 @@ class FastTarget(HeadShapes):
         cache.moved = (last.start, c)
         self.staged = (sink, c) if sink is not None and stage.features is not None else None
         path = io.packed[1:1 + c]
-        if self.copy_outputs:
-            path = path.clone()  # the buffer is rewritten by the next walk
+        if copy:  # the buffer is rewritten by the next walk (copy=False: a round reads it first)
+            path = path.clone()
         return path, packed[1:1 + c], packed[1 + q:1 + q + c]
 
     def accepted_features(self, features: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
