@@ -359,8 +359,14 @@ class SweepForm(ModalScreen[dict | None]):
         ("name", "Name", "a name for the run", "demo-budgets"),
         ("model", "Model", "folder or hub id; empty: the demo pair", ""),
         ("draft", "Drafter", "DFlash drafter folder or hub id", ""),
+        ("kind", "Engine", "builtin, sglang or vllm", "builtin"),
+        ("python", "Python", "sglang/vllm: the interpreter that has it; empty: this one", ""),
+        ("backend", "Backend", "builtin: auto, fast or transformers", "auto"),
+        ("gpus", "GPUs", "sglang/vllm: GPU indices, e.g. 0, 1; empty: placed on this box", ""),
+        ("tp", "TP", "tensor-parallel sizes, e.g. 1, 2", "1"),
         ("budgets", "Budgets", "DDTree node budgets, e.g. 4, 8, 16", "4, 16"),
         ("concurrency", "Concurrency", "e.g. 1, 2", "1"),
+        ("temperature", "Temperature", "e.g. 0 or 0, 0.7", "0"),
         ("dataset", "Dataset", "builtin:code or a .jsonl file", "builtin:code"),
         ("prompts", "Prompts", "prompts per point", "8"),
         ("tokens", "Max tokens", "new tokens per request", "48"),
@@ -375,10 +381,13 @@ class SweepForm(ModalScreen[dict | None]):
         with Vertical(classes="dialog form wide"):
             yield Static("Start a sweep", classes="dialog-title")
             with VerticalScroll(id="sweep-fields"):
+                # what was typed when a sweep was last started from this console (the app keeps it)
+                last = getattr(self.app, "sweep_form_values", {})
                 for field_id, label, placeholder, value in self.FIELDS:
                     with Horizontal(classes="form-row"):
                         yield Label(label)
-                        yield Input(value, placeholder=placeholder, id=f"f-{field_id}", compact=True)
+                        yield Input(last.get(field_id, value), placeholder=placeholder,
+                                    id=f"f-{field_id}", compact=True)
                 yield Static("", id="plan", classes="plan")
             with Horizontal(classes="buttons"):
                 yield Button("Start", id="start", variant="primary")
@@ -398,7 +407,19 @@ class SweepForm(ModalScreen[dict | None]):
         path = self.value("recipe")
         if path:
             return recipe_to_dict(load_recipe(Path(path).expanduser())), str(Path(path).expanduser().resolve())
-        engine: dict = {"kind": "builtin", "device": self.value("device") or "cpu"}
+        kind = self.value("kind") or "builtin"
+        engine: dict = {"kind": kind}
+        if kind == "builtin":
+            engine["device"] = self.value("device") or "cpu"
+            engine["backend"] = self.value("backend") or "auto"
+        if self.value("python"):
+            engine["python"] = self.value("python")
+        try:
+            gpus = _ints(self.value("gpus"))
+        except ValueError:
+            raise _FormError("gpus: GPU indices separated by commas") from None
+        if gpus:
+            engine["gpus"] = gpus
         if self.value("model"):
             engine["model"] = self.value("model")
         if self.value("draft"):
@@ -409,7 +430,13 @@ class SweepForm(ModalScreen[dict | None]):
             if interleave not in ("yes", "no", "true", "false"):
                 raise _FormError("interleave: yes or no")
             sweep["interleave"] = interleave in ("yes", "true")
-        for key, field_id in (("budget", "budgets"), ("concurrency", "concurrency")):
+        try:
+            temperature = [float(t) for t in self.value("temperature").replace(";", ",").split(",") if t.strip()]
+        except ValueError:
+            raise _FormError("temperature: numbers separated by commas") from None
+        if temperature:
+            sweep["temperature"] = temperature
+        for key, field_id in (("budget", "budgets"), ("concurrency", "concurrency"), ("tp", "tp")):
             try:
                 values = _ints(self.value(field_id))
             except ValueError:
@@ -499,7 +526,12 @@ class SweepForm(ModalScreen[dict | None]):
             self._start_when_checked = False
             self._start()
 
-    def on_input_changed(self, _event) -> None:
+    def on_input_changed(self, event) -> None:
+        if event.input.id == "f-recipe":
+            # a recipe file decides everything: the fields it overrides are greyed out
+            given = bool(event.value.strip())
+            for field_id, *_ in self.FIELDS[1:]:
+                self.query_one(f"#f-{field_id}", Input).disabled = given
         self.check()
 
     def on_input_submitted(self, _event) -> None:
@@ -511,6 +543,7 @@ class SweepForm(ModalScreen[dict | None]):
         if generation != self._generation:
             self._start_when_checked = True  # Enter typed before the plan came back
         elif spec is not None:
+            self.app.sweep_form_values = {field_id: self.value(field_id) for field_id, *_ in self.FIELDS}
             self.dismiss(spec)
 
     @on(Button.Pressed, "#cancel")
