@@ -1,0 +1,42 @@
+"""A fast-backend round's host work on CUDA with graphs: what a round launches outside its four
+graph replays (draft step, tree build, verify, walk) and that it syncs with the host once.
+Run on the H200 by the lead (bench/gpu_fast.sh); skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
+from ddtree.engine.reference.fast.probe import HostWork
+
+from .conftest import make_drafter, make_target
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def fast():
+    model = make_target(41).to("cuda")
+    engine = Engine(model, make_drafter(model, block_size=8, seed=4), backend="fast", max_budget=64, slots=1)
+    engine.warmup(budgets=(16,))
+    assert engine.graphs
+    return engine
+
+
+@pytest.mark.parametrize("spec", [SpecParams("ddtree", 16), SpecParams("dflash")], ids=["ddtree", "dflash"])
+def test_a_round_is_four_replays_one_sync_and_a_few_fills(fast, spec):
+    sess = fast.start(list(range(3, 40)), GenParams(max_new_tokens=200, ignore_eos=True), spec)
+    try:
+        for _ in range(3):
+            sess.step()
+        for _ in range(3):
+            with HostWork() as work:
+                sess.step()
+            assert work.replays == 4, work.ops
+            assert work.syncs == 1 and work.h2d == 0, work.ops
+            assert work.launches <= 4, work.ops
+    finally:
+        sess.close()
