@@ -110,3 +110,16 @@ def test_host_work_counts_launches_syncs_and_host_copies():
         float(y[0])
     assert work.launches == 2 and work.syncs == 1 and work.as_dict()["host_syncs"] == 1
     assert tree_mod.partition and commit_mod.walk_commit_static  # the names the graphs capture
+
+
+def test_compile_raises_dynamos_recompile_limit_to_cover_every_captured_shape(monkeypatch):
+    from ddtree.engine.reference.fast.cache import kv_buckets
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    fast = _fast(0)
+    target = fast.target
+    assert target.new_cache_rows() == target.new_cache().rows
+    monkeypatch.setattr(target.model, "compile_layers", lambda: None)  # no compiler needed here
+    target.compile()
+    shapes = len(target.buckets) * len(kv_buckets(target.new_cache_rows()))
+    assert torch._dynamo.config.recompile_limit >= shapes > 8
