@@ -58,7 +58,7 @@ def run_busy_note(points: list) -> str | None:
              and p.contention.get("load1") is not None]
     cores = [p.contention.get("others_cores") for p in busy if isinstance(p.contention, dict)
              and p.contention.get("others_cores") is not None]
-    parts = [f"{len(busy)}/{len(points)} point(s)"]
+    parts = [f"{len(busy)}/{len(points)} " + ("point" if len(points) == 1 else "points")]
     if loads:
         parts.append(f"load {max(loads):.1f}")
     if cores:

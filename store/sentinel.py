@@ -224,7 +224,7 @@ class SentinelReport:
         if not self.flags:
             extra = f" ({self.unchecked} without an interval: more repeats or runs needed)" if self.unchecked else ""
             return f"against runs {runs}: {self.checked} figures within their history{extra}"
-        return f"against runs {runs}: {len(self.flags)} figure(s) below their history"
+        return f"against runs {runs}: {len(self.flags)} " + ("figure" if len(self.flags) == 1 else "figures") + " below their history"
 
     def to_dict(self) -> dict:
         return {"run_id": self.run_id, "fingerprint": self.fingerprint.to_dict(), "history": list(self.history),

@@ -21,6 +21,7 @@ from ddtree.engine.machine.hw import LINK_MEANING, GpuInfo, GpuView, format_cpul
 from ddtree.engine.machine.placement import Placement, suggest
 from ddtree.engine.machine.preflight import estimate_vram
 from ddtree.store.db import data_dir
+from ddtree.engine.units import plural
 
 GIB = 1024**3
 
@@ -90,7 +91,7 @@ def fit(args: argparse.Namespace, view: GpuView | None) -> int:
         gpus = view.gpus if view is not None else []
         totals = [g.memory_total for g in gpus[:tp] if g.memory_total]
         if len(totals) < tp:
-            reason = f"this machine has {len(gpus)} GPU(s) with known memory" if gpus else \
+            reason = f"this machine has {plural(len(gpus), 'GPU')} with known memory" if gpus else \
                 f"no GPUs here ({(view.reason if view else None) or 'none found'})"
             raise HwInputError(f"tp {tp} needs {tp} GPUs: {reason}", "pass --gpu-mem-gb G to assume GPUs of G GB")
         where = f"GPUs {', '.join(str(g.index) for g in gpus[:tp])} ({', '.join(g.name or '?' for g in gpus[:tp])})"
@@ -105,7 +106,7 @@ def fit(args: argparse.Namespace, view: GpuView | None) -> int:
     dtypes = ", ".join(f"{k} {_size(v)}" for k, v in est.weights.dtypes.items())
     lines = [f"VRAM fit: {est.model} at tp {tp} on {where}",
              f"  weights   {_size(est.weights.bytes):>10}  {_count(est.weights.params)} params in "
-             f"{est.weights.files} file(s) ({dtypes})"]
+             f"{plural(est.weights.files, 'file')} ({dtypes})"]
     if est.draft_weights:
         lines.append(f"  drafter   {_size(est.draft_weights.bytes):>10}  {_count(est.draft_weights.params)} params")
     lines.append(f"  KV cache  {kv.bytes_per_token / 1024:7.1f} KiB/token ({kv.layers} layers x {kind} x "

@@ -24,6 +24,7 @@ import psutil
 
 from ddtree.engine.errors import EngineError
 from ddtree.engine.machine.hw import Nvml, nvml
+from ddtree.engine.units import plural
 
 #: Clock event reasons that say nothing about competition: an idle GPU, clocks a user set.
 BENIGN_CLOCK_EVENTS = frozenset({"gpu_idle", "applications_clocks_setting", "display_clock_setting", "sync_boost"})
@@ -131,7 +132,7 @@ def busy_reasons(c: Contention, thresholds: Thresholds | None = None) -> list[st
         out.append(f"cpu {c.cpu_percent:.0f}%")
     for g in c.gpus:
         if g.other_pids:
-            out.append(f"gpu {g.index}: {len(g.other_pids)} other process(es)")
+            out.append(f"gpu {g.index}: {plural(len(g.other_pids), 'other process', 'other processes')}")
         if g.slowdowns:
             out.append(f"gpu {g.index}: {', '.join(g.slowdowns)}")
     return out

@@ -39,6 +39,7 @@ from ddtree.jobs.plan import Hardware, Launch, Plan, PlanPoint, UnsupportedEngin
 from ddtree.jobs.point import measure_point
 from ddtree.jobs.recipe import Recipe, RecipeError, recipe_from_dict, recipe_to_dict
 from ddtree.store import sweeps
+from ddtree.engine.units import plural
 
 # Our previous engine on the same GPUs has just exited; the driver may list it for a moment more.
 GPU_BUSY_WAIT_S = 20.0
@@ -180,7 +181,7 @@ def _open_run(ctx, spec: dict) -> tuple[int, Recipe]:
         sweeps.update_run(db, run.id, job_id=ctx.job_id, state="running", ended_at=None, error=None)
         reset = sweeps.reset_interrupted(db, run.id)
         if reset:
-            ctx.log(f"run {run.id}: {reset} point(s) interrupted earlier will run again")
+            ctx.log(f"run {run.id}: {plural(reset, 'point')} interrupted earlier will run again")
         if not run.hardware:
             sweeps.update_run(db, run.id, hardware=hardware_fingerprint(str(ctx.data_dir)),
                               software=software_versions(recipe.engine.python))
@@ -212,7 +213,7 @@ def run(ctx, spec: dict) -> dict:
     if first is None and result["points_failed"]:
         # Points that failed one by one (requests refused, the engine died mid-point): the first one's cause.
         first = next((p.error for p in sweeps.list_points(ctx.db, run_id) if p.state == "failed" and p.error), None)
-    error = f"all {result['points_failed']} point(s) failed" + (f"; {first}" if first else "")
+    error = f"all {plural(result['points_failed'], 'point')} failed" + (f"; {first}" if first else "")
     sweeps.finish_run(ctx.db, run_id, state, error=None if state == "succeeded" else error[:1000])
     if state == "failed":
         raise JobError(f"sweep run {run_id}: every point failed" + (f"; {first}" if first else ""),
@@ -235,7 +236,7 @@ def _sweep(ctx, run_id: int, recipe: Recipe) -> dict:
     todo = [p for p in plan.points if states.get(p.key) not in sweeps.FINISHED_POINT_STATES]
     finished = len(plan.points) - len(todo)
     if finished:
-        ctx.log(f"run {run_id}: {finished} of {len(plan.points)} point(s) already finished; skipping them")
+        ctx.log(f"run {run_id}: {finished} of {plural(len(plan.points), 'point')} already finished; skipping them")
     ctx.progress(done=finished, total=len(plan.points), message=f"run {run_id}: starting")
     counts = {"done": 0, "failed": 0, "skipped": 0, "restarts": 0}
     saturated: dict[tuple, str] = {}

@@ -63,7 +63,7 @@ def test_other_gpu_processes_and_slowdowns_are_contended_idle_is_not():
     idle = GpuPressure(index=0, clock_events=("gpu_idle", "applications_clocks_setting"))
     assert busy_reasons(quiet(gpus=(idle,))) == []
     hot = GpuPressure(index=1, other_pids=(42,), clock_events=("sw_thermal_slowdown",))
-    assert busy_reasons(quiet(gpus=(hot,))) == ["gpu 1: 1 other process(es)", "gpu 1: sw_thermal_slowdown"]
+    assert busy_reasons(quiet(gpus=(hot,))) == ["gpu 1: 1 other process", "gpu 1: sw_thermal_slowdown"]
 
 
 def test_thresholds_validate():
@@ -114,7 +114,7 @@ def test_watch_reads_other_gpu_processes_clock_events_and_temperature():
     assert g0.clock_sm_mhz == fixture["gpus"][0]["clock_sm_mhz"]
     assert g1.other_pids == () and g1.clock_events == ("gpu_idle",)
     reasons = busy_reasons(reading, Thresholds(others_cores=1e9, load_per_cpu=1e9))
-    assert reasons == ["gpu 0: 1 other process(es)", "gpu 0: sw_thermal_slowdown"]
+    assert reasons == ["gpu 0: 1 other process", "gpu 0: sw_thermal_slowdown"]
 
 
 def test_an_old_driver_answers_by_the_throttle_name_and_a_missing_query_says_why():
@@ -208,10 +208,10 @@ def test_a_point_run_under_a_cpu_hog_is_flagged_in_store_pane_and_exports(tmp_pa
         assert any(r.startswith("others ") for r in point.contention["reasons"])
         assert point.contention["others_cores"] > 0.1
         assert "busy box" in str(point_cells(point)[-1])  # the pane's NOTE cell
-    assert run_busy_note(points).startswith("busy box: 2/2 point(s)")  # the pane's header note
+    assert run_busy_note(points).startswith("busy box: 2/2 points")  # the pane's header note
     # the exports
     md = export.render(run_row, points, "md")
-    assert "**warning: busy box: 2/2 point(s)" in md and "## Contention" in md
+    assert "**warning: busy box: 2/2 points" in md and "## Contention" in md
     assert md.count("busy box (1/1 repeats)") == 2  # each cell's note in the main table
     rows = list(csv.DictReader(io.StringIO(export.render(run_row, points, "csv"))))
     assert [r["contended"] for r in rows] == ["1", "1"] and all("others" in r["busy_reasons"] for r in rows)
@@ -240,4 +240,4 @@ def test_record_contention_stores_the_reading_and_the_flag(tmp_path, tiny_pair, 
     assert fields["gpu_other_processes"] == 1 and fields["gpu_clock_events"] == "hw_slowdown"
     assert fields["gpu_temperature_c"] == 83.0
     assert export_fields(calm)["contended"] is False and export_fields(calm)["busy_reasons"] is None
-    assert run_busy_note([busy, calm]) == "busy box: 1/2 point(s), load 5.5, others 0.02 cores"
+    assert run_busy_note([busy, calm]) == "busy box: 1/2 points, load 5.5, others 0.02 cores"
