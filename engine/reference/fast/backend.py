@@ -8,6 +8,12 @@ one dropped without close() gives its slot back when it is garbage-collected (we
 Sessions beyond the slots get caches of their own and run the same code eagerly. Trees are built
 and walked on the device; a round brings one packed tensor to the host (the accepted length, path
 and tokens), and after a static verify the walk also moves the accepted K/V rows (commit.py).
+
+On a slot each graph writes what the next one reads, where it reads it, so a round is four
+replays and a few fills (fast/probe.HostWork counts them): the draft step (append + block) writes
+its logits where the slot's tree (or chain) graph reads them; that graph writes the verify's
+inputs and the walk's parents into the target's stage (FastTarget.stage_tree); the walk takes
+the greedy argmax itself and writes the accepted features into the drafter's staging rows.
 """
 
 from __future__ import annotations
