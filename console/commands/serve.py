@@ -35,7 +35,8 @@ def server_argv(args: argparse.Namespace) -> list[str]:
     return builtin_argv(model=args.model, draft=args.draft, algorithm=args.algorithm, budget=args.budget,
                         block_size=args.block_size, device=args.device, backend=args.backend, host=args.host,
                         port=args.port, dtype=args.dtype, max_running_requests=args.max_running_requests,
-                        max_queued_requests=args.max_queued_requests, threads=args.threads, batch=args.batch)
+                        max_queued_requests=args.max_queued_requests, threads=args.threads, batch=args.batch,
+                        context_window=getattr(args, "context_window", None))
 
 
 def refusal(args: argparse.Namespace) -> str | None:

@@ -20,3 +20,13 @@ def test_the_server_refuses_a_window_below_two_in_one_line(capsys):
     assert server.main(["--context-window", "1"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert any("--context-window must be at least 2, got 1" in line for line in err)
+
+
+def test_serve_passes_the_window_to_the_server():
+    from ddtree.console import cli
+    from ddtree.console.commands import serve
+
+    parser, _ = cli.build_parser("serve")
+    args = parser.parse_args(["serve", "--context-window", "2048"])
+    argv = serve.server_argv(args)
+    assert argv[argv.index("--context-window") + 1] == "2048"
