@@ -11,6 +11,7 @@ set -u
 OUT=${OUT:-$PWD/gpu-fast-out}; mkdir -p "$OUT"
 PART=${PART:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+rm -rf /tmp/site  # a warm machine keeps the last install, and pip --target does not replace it
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >"$OUT/install.log" 2>&1 \
     || { cat "$OUT/install.log"; exit 1; }
 export PYTHONPATH=/tmp/site

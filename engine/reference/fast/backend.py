@@ -265,15 +265,18 @@ class FastPath:
                 return tree
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            side = torch.cuda.Stream(device=target.device)
-            side.wait_stream(torch.cuda.current_stream(target.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    build()
-            torch.cuda.current_stream(target.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                tree = build()
+            # The slot's stages were made under inference mode (FastTarget.capture); writing them
+            # from outside it is refused, so the build is warmed up and captured inside it too.
+            with torch.inference_mode():
+                side = torch.cuda.Stream(device=target.device)
+                side.wait_stream(torch.cuda.current_stream(target.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        build()
+                torch.cuda.current_stream(target.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    tree = build()
             self._trees[key] = _TreeGraph(graph, logits, root, tree, staged[0])
         return self._trees[key]
 
