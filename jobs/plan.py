@@ -304,11 +304,32 @@ def _builtin_argv(recipe: Recipe, algorithm: str, budget: int | None) -> tuple[s
     """The builtin server's command line. With no model (the demo pair) --model is left out: the
     server then loads the demo pair itself and serves it as demo/target, and the plan shows no
     install path (build/__editable__... with an editable install). --draft is left out likewise
-    unless the recipe names one."""
+    unless the recipe names one. The demo pair's own folders, written out (an exported recipe
+    resolves its defaults), count as no model, so such a recipe plans the same command line."""
     engine = recipe.engine
-    return tuple(builtin_argv(python=engine.python, model=engine.model, draft=engine.draft_model,
+    model = _unless_demo(engine.model, 0)
+    # the demo drafter goes without saying only beside the demo target
+    draft = _unless_demo(engine.draft_model, 1) if model is None else engine.draft_model
+    return tuple(builtin_argv(python=engine.python, model=model, draft=draft,
                               algorithm=algorithm, budget=budget,
                               block_size=engine.block_size, device=engine.device, backend=engine.backend))
+
+
+def _unless_demo(path: str | None, which: int) -> str | None:
+    """None where `path` is the demo target (which=0) or drafter (1) as installed, else path."""
+    if path is None:
+        return None
+    from ddtree.engine.demo import DemoMissing, demo_paths
+
+    try:
+        demo = demo_paths()[which]
+    except DemoMissing:
+        return path
+    try:
+        same = Path(path).expanduser().resolve() == demo.resolve()
+    except OSError:
+        same = False
+    return None if same else path
 
 
 def _specs(recipe: Recipe) -> list[tuple[str, int | None, bool]]:
