@@ -123,11 +123,9 @@ def test_cancel_kills_a_child_that_ignores_sigterm(db_path):
     (proc,) = wait_processes(db_path, job_id)
     wait_state(db_path, job_id, {"running"})
     time.sleep(0.3)  # let the shell install its trap
-    t0 = time.monotonic()
     j = cancel(db_path, job_id, grace_s=2.0)
     assert j.state == "cancelled"
-    # Left alone the child would live 120 s: well under that, it was killed after the grace.
-    assert time.monotonic() - t0 < 60
+    # Left alone the child ignores SIGTERM and lives 120 s: gone when cancel returns, it was killed.
     assert not is_alive(proc.pid, proc.pid_started)
     assert not group_exists(proc.pgid)  # the backgrounded sleep went with it
     assert events(db_path, job_id)[-1] == "cancelled"
