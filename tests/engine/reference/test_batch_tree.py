@@ -243,3 +243,86 @@ def test_device_functions_read_nothing_back_to_the_host():
                         "torch.tensor(", ".numpy(", "torch.equal(", ".any()", ".all()"):
             assert syncing not in src, (fn.__name__, syncing)
     assert _code(batch_tree.fetch_walks).count(".tolist(") == 1
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _cuda_round(roots16, lp16, roots64, lp64, roots_ch, logits, roots_ar, posterior):
+    """A mixed batched round on the device: builds, pad, walks; no host value anywhere. The
+    given posterior mostly stops at the root; a second one, made on the device, has every node
+    choose its first child's token, so that walk goes deep."""
+    parts = [build_trees_device(roots16, lp16, 16), build_trees_device(roots64, lp64, 64),
+             chains_device(roots_ch, logits), roots_only(roots_ar)]
+    batch = pad_batch(parts, posterior.shape[1])
+    b, q = batch.tokens.shape
+    idx = torch.arange(1, q, device=posterior.device).expand(b, q - 1)
+    first = torch.full((b, q), q - 1, device=posterior.device).scatter_reduce(
+        1, batch.parents[:, 1:], idx, "amin")
+    deep = batch.tokens.gather(1, first).clamp(min=0)       # a choice is never -1
+    return batch, posterior, walk_batch(batch, posterior), deep, walk_batch(batch, deep)
+
+
+def _cuda_inputs(seed, depth=7, vocab=1000):
+    g = torch.Generator().manual_seed(seed)
+    lp16 = torch.log_softmax(torch.randn(3, depth, vocab, generator=g) * 4, -1)
+    lp64 = torch.log_softmax(torch.randn(2, depth, vocab, generator=g) * 4, -1)
+    logits = torch.randn(2, depth, vocab, generator=g)
+    roots = [torch.randint(0, vocab, (n,), generator=g) for n in (3, 2, 2, 1)]
+    posterior = torch.randint(0, vocab, (8, 65), generator=g)
+    return [x.cuda() for x in (roots[0], lp16, roots[1], lp64, roots[2], logits, roots[3], posterior)]
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_round_never_syncs_and_matches_the_single_trees():
+    args = _cuda_inputs(0)
+    torch.cuda.synchronize()
+    _cuda_round(*args)                      # builds the cached layouts before the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch, posterior, (order, count), deep, (deep_order, deep_count) = _cuda_round(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    roots16, lp16, roots64, lp64, roots_ch, logits, roots_ar, _ = args
+    singles = ([build_tree_device(roots16[i], lp16[i], 16) for i in range(3)]
+               + [build_tree_device(roots64[i], lp64[i], 64) for i in range(2)]
+               + [chain_of(roots_ch[i], logits[i], "cuda") for i in range(2)]
+               + [root_tree(int(roots_ar[0]), "cuda")])
+    for r, tree in enumerate(singles):
+        # Random fp32 scores: no ties, so the device's topk order cannot tell the rows apart.
+        _assert_row_is(batch, r, tree)
+        for post, o, c in ((posterior, order, count), (deep, deep_order, deep_count)):
+            want_order, want_count = walk_device(tree, post[r, :tree.size])
+            assert int(c[r]) == int(want_count)
+            assert torch.equal(o[r, :int(c[r])], want_order[:int(want_count)])
+    assert int(deep_count[:7].min()) > 2                     # the deep walks did go deep
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_round_replays_in_a_graph():
+    static = _cuda_inputs(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):                  # warm-up: layouts cached, kernels chosen
+            _cuda_round(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _cuda_round(*static)
+    for seed in (1, 2):
+        fresh = _cuda_inputs(seed)
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        want = _cuda_round(*fresh)
+        torch.cuda.synchronize()
+        assert torch.equal(out[0].tokens, want[0].tokens)
+        assert torch.equal(out[0].visible, want[0].visible)
+        for walk in (slice(1, 3), slice(3, 5)):
+            (post, (o, c)), (post_w, (o_w, c_w)) = out[walk], want[walk]
+            assert torch.equal(o, o_w) and torch.equal(c, c_w)
+            assert fetch_walks(out[0], post, o, c) == fetch_walks(want[0], post_w, o_w, c_w)
