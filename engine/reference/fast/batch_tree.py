@@ -34,8 +34,9 @@ class TreeBatch:
         # Shapes only: checking values would cost a host sync.
         b, n = self.tokens.shape if self.tokens.dim() == 2 else (-1, -1)
         if b < 0 or self.depths.shape != (b, n) or self.parents.shape != (b, n):
-            raise BadParams(f"tree batch tokens, depths and parents must share one [b, n] shape, got "
-                            f"{tuple(self.tokens.shape)}, {tuple(self.depths.shape)}, {tuple(self.parents.shape)}")
+            raise BadParams("tree batch tokens, depths and parents must share one [b, n] shape, got "
+                            f"{tuple(self.tokens.shape)}, {tuple(self.depths.shape)}, "
+                            f"{tuple(self.parents.shape)}")
         if self.visible.shape != (b, n, n):
             raise BadParams(f"tree batch visible must be [{b}, {n}, {n}], got {tuple(self.visible.shape)}")
         if len(self.sizes) != b or any(not 1 <= s <= n for s in self.sizes):
