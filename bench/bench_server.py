@@ -41,17 +41,36 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.support: the tests' tokenizer and server process
 
 
-# Random pairs of published shapes: (target hidden, layers, intermediate, heads, kv heads, vocab,
-# tied embeddings, drafter layers). "1.7b" is Qwen3-1.7B's; "demo" is the demo recipe's
+from bench_engine import SHAPES as ENGINE_SHAPES  # noqa: E402  (this folder is sys.path[0])
+
+
+def published_shape(name: str, tied: bool, draft_layers: int) -> tuple:
+    """bench_engine's shape of a published model, in this file's order, with the embedding tying
+    of that model and a drafter depth (Qwen3-1.7B ties its embeddings, Qwen3-8B does not)."""
+    hidden, inter, layers, heads, kv, _head_dim, vocab = ENGINE_SHAPES[name]
+    return (hidden, layers, inter, heads, kv, vocab, tied, draft_layers)
+
+
+# Random pairs: (target hidden, layers, intermediate, heads, kv heads, vocab, tied embeddings,
+# drafter layers). "1.7b" and "8b" are Qwen3's; "demo" is the demo recipe's
 # (engine/reference/train_demo.py).
 SHAPES = {
     "demo": (256, 8, 768, 4, 2, 4096, False, 2),
-    "1.7b": (2048, 28, 6144, 16, 8, 151936, True, 4),
+    "1.7b": published_shape("1.7b", tied=True, draft_layers=4),
+    "8b": published_shape("8b", tied=False, draft_layers=5),
 }
 
 
-def build_random_pair(root: Path, shape: str, device: str) -> tuple[str, str]:
-    """A random Qwen3 target of `shape` (bf16 on CUDA) with a random DFlash drafter (block 16) and
+def weights_dtype(args: argparse.Namespace) -> str:
+    """The dtype name --dtype resolves to for a random pair: as the server's auto, bfloat16 on a
+    GPU and float32 on a CPU."""
+    if args.dtype != "auto":
+        return args.dtype
+    return "float32" if args.device == "cpu" else "bfloat16"
+
+
+def build_random_pair(root: Path, shape: str, device: str, dtype_name: str | None = None) -> tuple[str, str]:
+    """A random Qwen3 target of `shape` (in `dtype_name`; by default bf16 on CUDA) with a random DFlash drafter (block 16) and
     the tests' small tokenizer; the vocab is padded to the shape's. Weights are random, so tau is
     about 1: this measures cost, not acceptance."""
     import torch
@@ -66,7 +85,9 @@ def build_random_pair(root: Path, shape: str, device: str) -> tuple[str, str]:
     vocab = max(vocab, build_tokenizer(target_dir))
     config_path = target_dir / "tokenizer_config.json"
     config_path.write_text(config_path.read_text().replace('"model_max_length": 512', '"model_max_length": 4096'))
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    if dtype_name is None:
+        dtype_name = "float32" if device == "cpu" else "bfloat16"
+    dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
     head_dim = 128 if hidden >= 1024 else hidden // heads
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
@@ -89,7 +110,8 @@ def resolve_pair(args: argparse.Namespace, workdir: Path) -> tuple[str, str, str
         return args.model, args.draft, "given"
     if args.random_shape:
         t0 = time.perf_counter()
-        target, drafter = build_random_pair(workdir / f"random-{args.random_shape}", args.random_shape, args.device)
+        target, drafter = build_random_pair(workdir / f"random-{args.random_shape}", args.random_shape, args.device,
+                                            weights_dtype(args))
         print(f"built a random {args.random_shape}-shaped pair in {time.perf_counter() - t0:.0f} s", flush=True)
         return target, drafter, f"random, {args.random_shape}-shaped"
     try:
@@ -101,20 +123,24 @@ def resolve_pair(args: argparse.Namespace, workdir: Path) -> tuple[str, str, str
     except Exception as exc:  # the demo pair may not exist yet on this checkout
         print(f"demo pair unavailable ({type(exc).__name__}: {exc}); using a random pair of its shape",
               file=sys.stderr)
-    return (*build_random_pair(workdir / "random-demo", "demo", args.device), "random, demo-shaped")
+    return (*build_random_pair(workdir / "random-demo", "demo", args.device, weights_dtype(args)),
+            "random, demo-shaped")
 
 
 def start_server(model: str, draft: str, max_running: int, log_path: Path,
-                 threads: int | None, batch: bool = True, device: str = "cpu"):
+                 threads: int | None, batch: bool = True, device: str = "cpu", backend: str = "auto",
+                 dtype: str = "auto", context_window: int | None = None):
     """A builtin server subprocess (tests/support/server.py's ServerProcess), with this process's
     thread settings rather than the tests' one thread."""
     from tests.support.server import SERVER, ServerProcess
 
     argv = [*SERVER, "--model", model, "--draft", draft, "--device", device, "--port", "0",
             "--max-running-requests", str(max_running), "--max-queued-requests", str(4 * max_running),
-            "--batch" if batch else "--no-batch"]
+            "--batch" if batch else "--no-batch", "--backend", backend, "--dtype", dtype]
     if threads:
         argv += ["--threads", str(threads)]
+    if context_window:
+        argv += ["--context-window", str(context_window)]
     return ServerProcess(argv, log_path, timeout_s=600, env={})
 
 
@@ -185,47 +211,55 @@ def serving_bench(args: argparse.Namespace, urls: dict[str, str]) -> dict:
     return out
 
 
+def transformers_verifier(engine, k: int, q: int, ctx: int, seed: int):
+    """A k-row batched cache holding ctx random tokens per row (transformers backend), and a
+    function timing one verify forward of q tokens per row on it through `Target.forward_batch`
+    (what batch.py calls), in seconds; the cache is cropped back to ctx after each."""
+    import torch
+
+    target = engine.target
+    dev = torch.device(engine.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    neg = torch.finfo(engine.dtype).min
+    gen = torch.Generator().manual_seed(seed)
+    vocab = target.vocab_size
+    cache = target.new_cache()  # KVCache: crop(length) works across transformers versions
+    prefill = {"logits_to_keep": 1} if target.has_logits_to_keep else {}  # [k, ctx, 150k] logits are GBs
+    with torch.inference_mode():
+        target.model(input_ids=torch.randint(4, vocab, (k, ctx), generator=gen).to(dev), use_cache=True,
+                     **{target.cache_kwarg: cache.cache}, **prefill)
+    mask = torch.zeros(k, 1, q, ctx + q, dtype=engine.dtype, device=dev)
+    mask[:, :, :, ctx:] = torch.triu(torch.full((q, q), neg, dtype=engine.dtype, device=dev), diagonal=1)
+    positions = torch.arange(ctx, ctx + q, device=dev).expand(k, q)
+
+    def run() -> float:
+        ids = torch.randint(4, vocab, (k, q), generator=gen).to(dev)
+        with torch.inference_mode():
+            sync()
+            t0 = time.perf_counter()
+            target.forward_batch(ids, positions, cache, mask)
+            sync()
+            elapsed = time.perf_counter() - t0
+        cache.crop(ctx)
+        return elapsed
+
+    return run
+
+
 def batching_bench(args: argparse.Namespace, model: str, draft: str, budget: int) -> dict:
-    """Would verifying k requests in one forward beat k forwards? Timed in this process."""
+    """Would verifying k requests in one forward beat k forwards? Timed in this process, on the
+    transformers backend (its batched rounds are what this compares; --grid covers the others)."""
     import torch
 
     from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
     from ddtree.engine.serving.prompts import load_prompts
 
-    engine = Engine.load(model, draft, device=args.device)
-    net = engine.model
-    cache_kw = engine.target.cache_kwarg
-    vocab = engine.target.vocab_size
+    engine = Engine.load(model, draft, device=args.device, backend="transformers",
+                         dtype=None if args.dtype == "auto" else getattr(torch, args.dtype))
     q, ctx = budget + 1, args.context
-    neg = torch.finfo(engine.dtype).min
-
-    dev = torch.device(engine.device)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def verifier(k: int, seed: int):
-        """A k-sequence cache holding ctx tokens each, and a function timing one verify forward on it."""
-        gen = torch.Generator().manual_seed(seed)
-        cache = engine.target.new_cache()  # KVCache: crop(length) works across transformers versions
-        with torch.inference_mode():
-            net(input_ids=torch.randint(4, vocab, (k, ctx), generator=gen).to(dev), use_cache=True,
-                **{cache_kw: cache.cache})
-        mask = torch.zeros(k, 1, q, ctx + q, dtype=engine.dtype, device=dev)
-        mask[:, :, :, ctx:] = torch.triu(torch.full((q, q), neg, dtype=engine.dtype, device=dev), diagonal=1)
-        positions = torch.arange(ctx, ctx + q, device=dev).expand(k, q)
-
-        def run() -> float:
-            ids = torch.randint(4, vocab, (k, q), generator=gen).to(dev)
-            with torch.inference_mode():
-                sync()
-                t0 = time.perf_counter()
-                net(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                    **{cache_kw: cache.cache})
-                sync()
-                elapsed = time.perf_counter() - t0
-            cache.crop(ctx)
-            return elapsed
-
-        return run
+        return transformers_verifier(engine, k, q, ctx, seed)
 
     rows = []
     for k in (1, 2, 4, 8):
@@ -304,25 +338,51 @@ def step_many_bench(engine, args: argparse.Namespace, budget: int, k: int) -> di
     return out
 
 
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model")
     p.add_argument("--draft")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dataset", default="builtin:code")
-    p.add_argument("--concurrency", default="1,4,8")
-    p.add_argument("--budgets", default="4,8,16,32")
-    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--concurrency", default=None, help="default 1,4,8; with --grid 1,4,16,64")
+    p.add_argument("--budgets", default=None, help="DDTree budgets; default 4,8,16,32; with --grid 16,64")
+    p.add_argument("--num-prompts", type=int, default=16, help="with --grid, per cell max(this, 2 x concurrency)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--context", type=int, default=256, help="context tokens per request in the batching timing")
+    p.add_argument("--context", type=int, default=256,
+                   help="context tokens per request in the batching and verify-grid timings")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=None, help="torch threads, here and in the server")
     p.add_argument("--algorithms", default="ar,dflash,ddtree", help="served algorithms to compare")
     p.add_argument("--random-shape", choices=sorted(SHAPES), help="a random pair of this shape instead of the demo pair")
+    p.add_argument("--backend", default="auto", choices=("auto", "fast", "transformers"),
+                   help="the servers' --backend, and the in-process engine's in --grid/--verify-grid")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="weights dtype (auto: bfloat16 on a GPU, float32 on a CPU and for the demo pair)")
+    p.add_argument("--context-window", type=int, default=None, help="the servers' --context-window (default theirs)")
+    p.add_argument("--grid", action="store_true",
+                   help="issue 15's table: one batching server and the same loop in process, per concurrency "
+                        "and algorithm (replaces the batch / no-batch serving comparison)")
+    p.add_argument("--verify-grid", action="store_true",
+                   help="time one batched verify forward by batch size (--verify-b) and tokens per row (--verify-q)")
+    p.add_argument("--verify-b", type=int_list, default=[1, 4, 16, 64])
+    p.add_argument("--verify-q", type=int_list, default=[1, 17, 65])
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds for the whole run: --grid starts no server cell past half of it, no "
+                        "in-process cell past 90%%, and the verify grid only within it")
     p.add_argument("--skip-serving", action="store_true")
-    p.add_argument("--skip-batching", action="store_true", help="skip the in-process timings")
+    p.add_argument("--skip-inprocess", action="store_true", help="--grid: skip the in-process side")
+    p.add_argument("--skip-batching", action="store_true", help="skip the batched-verify timings (not --grid's)")
     p.add_argument("--out", default=None, help="JSON results (default: bench_server.json in a temp folder)")
     args = p.parse_args()
+    grid_mode = args.grid or args.verify_grid
+    args.concurrency = args.concurrency or ("1,4,16,64" if grid_mode else "1,4,8")
+    args.budgets = args.budgets or ("16,64" if grid_mode else "4,8,16,32")
+    args.concurrency_list, args.budget_list = int_list(args.concurrency), int_list(args.budgets)
+    clock_start = time.perf_counter()
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-server-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
     if args.threads:
@@ -331,17 +391,36 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     model, draft, kind = resolve_pair(args, workdir)
     report: dict = {"pair": kind, "model": model, "draft": draft, "cpus": os.cpu_count(),
-                    "load_avg_start": os.getloadavg()}
+                    "load_avg_start": os.getloadavg(), "args": {k: v for k, v in vars(args).items()},
+                    "environment": environment(args.device)}
+    out = Path(args.out) if args.out else workdir / "bench_server.json"
+
+    def save() -> None:
+        out.write_text(json.dumps(report, indent=2, default=str))
+
     print(f"pair: {kind} ({model}, {draft})", flush=True)
-    best = int(args.budgets.split(",")[0])
-    if not args.skip_serving:
-        max_running = max(int(c) for c in args.concurrency.split(","))
+    report["build_s"] = round(time.perf_counter() - clock_start, 1)
+    best = args.budget_list[0]
+    if grid_mode:
+        from serving_grid import Clock, run_grid
+
+        def grid_server(max_running: int, log_name: str):
+            return start_server(model, draft, max_running, workdir / log_name, args.threads, batch=True,
+                                device=args.device, backend=args.backend, dtype=args.dtype,
+                                context_window=args.context_window)
+
+        run_grid(args, model, draft, grid_server, report, save, Clock(clock_start, args.time_budget),
+                 transformers_verifier)
+    elif not args.skip_serving:
+        max_running = max(args.concurrency_list)
         procs = []
         try:
             urls = {}
             for mode in ("batch", "no-batch"):
                 procs.append(start_server(model, draft, max_running, workdir / f"server-{mode}.log",
-                                          args.threads, batch=mode == "batch", device=args.device))
+                                          args.threads, batch=mode == "batch", device=args.device,
+                                          backend=args.backend, dtype=args.dtype,
+                                          context_window=args.context_window))
                 urls[mode] = procs[-1].url
             report["serving"] = serving_bench(args, urls)
             best = report["serving"]["best_budget"]
@@ -352,10 +431,20 @@ def main() -> int:
         print("batching verification across requests:", flush=True)
         report["batching"] = batching_bench(args, model, draft, best)
     report["load_avg_end"] = os.getloadavg()
-    out = Path(args.out) if args.out else workdir / "bench_server.json"
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    report["total_s"] = round(time.perf_counter() - clock_start, 1)
+    save()
+    print(f"wrote {out} ({report['total_s']} s in all)")
     return 0
+
+
+def environment(device: str) -> dict:
+    import torch
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
 
 
 if __name__ == "__main__":

@@ -1,0 +1,432 @@
+"""bench_server.py's --grid and --verify-grid (issue 15): the server against its own loop in process.
+
+For each concurrency and each algorithm (ar, dflash, ddtree@budget for each budget):
+- through ONE builtin server, batching on, with the project's sweep client
+  (engine/serving/bench.py `run_point`): output tok/s, TTFT p50/p99, ITL p50/p99 and tau;
+- in process, the same prompts and max_new_tokens driven by the loop the server's scheduler runs
+  (`drive`): up to `concurrency` sessions, new ones admitted at the next turn as others finish,
+  fresh sessions prefilled together with `Engine.step_many` and the running ones stepped together
+  with it; the same figures from the same percentile code.
+Then server / in-process per cell, AR aggregate throughput at 16 (or the largest) over 1, the
+concurrency at which each DDTree budget stops beating AR, and the issue's three targets.
+
+--verify-grid times one batched target verify forward against batch size b and tokens per row q
+(context --context): `Target.forward_batch` on the transformers backend, and on the fast backend
+`ddtree.engine.reference.fast.batch.verify_timing(engine, b, q, context, repeats)` once it exists.
+
+Everything the server side measures uses the engine the server builds; the in-process side loads
+its own after the server has stopped, so the two never share the device. With --time-budget the
+script stops starting new cells once its share of the budget is spent, and marks the rest
+skipped; the JSON is rewritten after every cell, so a cut-off run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+# Shares of --time-budget (from the script's start) past which no new cell of a part starts: the
+# server cells first, then the in-process ones (which take about as long), the verify grid last.
+SERVER_SHARE, INPROCESS_SHARE = 0.5, 0.9
+VERIFY_UNAVAILABLE = "verify grid: fast batched forward not available"
+
+
+@dataclass(frozen=True)
+class Clock:
+    """Seconds since the script started, against an optional budget."""
+
+    t0: float
+    budget_s: float | None = None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def spent(self, share: float) -> bool:
+        return self.budget_s is not None and self.elapsed() > share * self.budget_s
+
+
+def grid_specs(algorithms: list[str], budgets: list[int]) -> list[tuple[str, dict]]:
+    """(name, the request's `speculative` object) per grid column: ddtree once per budget."""
+    out = []
+    for algorithm in algorithms:
+        if algorithm == "ddtree":
+            out += [(f"ddtree@{b}", {"algorithm": "ddtree", "budget": b}) for b in budgets]
+        else:
+            out.append((algorithm, {"algorithm": algorithm}))
+    return out
+
+
+def prompts_for(args, concurrency: int):
+    """The measured prompts of a cell, max(--num-prompts, 2 x concurrency), and its warm-up ones
+    (a disjoint slice), as bench_server's serving bench picks them."""
+    from ddtree.engine.serving.prompts import load_prompts
+
+    prompts = load_prompts(args.dataset, max(args.num_prompts, 2 * concurrency), seed=0)
+    warm = load_prompts(args.dataset, min(concurrency, 4), seed=0, offset=1000)
+    return prompts, warm
+
+
+POINT_KEYS = ("requests_ok", "requests_failed", "output_tokens", "duration_s", "output_tok_s", "ttft_p50",
+              "ttft_p99", "itl_p50", "itl_p99", "e2e_p50", "tau_weighted")
+
+
+# -- the server side -----------------------------------------------------------------------------
+
+
+def server_cell(url: str, args, concurrency: int, spec: dict) -> dict:
+    from ddtree.engine.serving.bench import BenchConfig, run_point
+
+    prompts, warm = prompts_for(args, concurrency)
+    cfg = BenchConfig(concurrency=concurrency, max_new_tokens=args.max_new_tokens, temperature=0.0,
+                      warmup=len(warm), speculative=spec)
+    result = run_point(url, prompts, cfg, warmup_prompts=warm)
+    cell = {k: result.metrics.get(k) for k in POINT_KEYS}
+    cell["prompts"] = len(prompts)
+    cell["warnings"] = result.warnings
+    failed = [r for r in result.requests if not r.ok]
+    if failed:
+        cell["first_failure"] = f"{failed[0].error}: {failed[0].detail}"
+    return cell
+
+
+def server_info(url: str) -> dict | None:
+    """/server_info after the grid: backend, CUDA graphs, average batch size, pool use once reported."""
+    import httpx
+
+    try:
+        with httpx.Client(timeout=10.0, trust_env=False) as client:
+            return client.get(url.rstrip("/") + "/server_info").json()
+    except (httpx.HTTPError, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def server_grid(args, url: str, specs, concurrencies: list[int], clock: Clock, save: Callable[[], None],
+                cells: list[dict]) -> None:
+    """Appends one cell per (concurrency, algorithm) to `cells`, in the order measured."""
+    from ddtree.engine.serving.bench import BenchConfig, run_point
+
+    # Every prompt prefilled once, unmeasured: on CUDA the first forward at a new sequence length
+    # pays for kernel selection, which would land on whichever cell came first.
+    every = prompts_for(args, max(concurrencies))
+    run_point(url, every[0] + every[1], BenchConfig(concurrency=max(concurrencies), max_new_tokens=2,
+                                                    speculative={"algorithm": "ar"}))
+    for i, c in enumerate(concurrencies):
+        # The algorithm order rotates with the concurrency, so drift in machine load is spread.
+        for name, spec in specs[i % len(specs):] + specs[:i % len(specs)]:
+            if clock.spent(SERVER_SHARE):
+                cells.append({"concurrency": c, "algorithm": name, "skipped": "time budget"})
+                continue
+            t0 = time.perf_counter()
+            cell = {"concurrency": c, "algorithm": name, **server_cell(url, args, c, spec),
+                    "wall_s": round(time.perf_counter() - t0, 2)}
+            cells.append(cell)
+            save()
+            print(f"  server     c={c:3d} {name:10s} {line(cell)}", flush=True)
+
+
+# -- the in-process side -------------------------------------------------------------------------
+
+
+def drive(engine, prompts: list[list[int]], gen, spec, concurrency: int) -> dict:
+    """The server scheduler's loop without HTTP: each turn admits waiting prompts up to
+    `concurrency` running sessions, prefills the fresh ones together, then steps the others
+    together (`Engine.step_many`; one session alone steps by itself, as the scheduler does). A
+    prompt arrives when an earlier session finishes (the sweep client's closed loop), so TTFT
+    counts the wait for the next turn as it does through the server. ITL splits a round's gap
+    over the tokens it brought, as the client does."""
+    from ddtree.engine.serving.bench import percentile
+
+    waiting = deque(range(len(prompts)))
+    t0 = time.perf_counter()
+    arrivals = deque([t0] * min(concurrency, len(prompts)))
+    running: list[tuple[int, object]] = []
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    ttfts, itls, ends = [], [], []
+    tokens = verifies = spec_tokens = 0
+    arrived: dict[int, float] = {}
+
+    def record(pairs, new_lists, now: float) -> None:
+        for (i, _), new in zip(pairs, new_lists):
+            if not new:
+                continue
+            if i not in first:
+                first[i] = now
+                ttfts.append(now - arrived[i])
+            else:
+                itls.extend([(now - last[i]) / len(new)] * len(new))
+            last[i] = now
+
+    def step(group) -> None:
+        if len(group) > 1:
+            new = engine.step_many([s for _, s in group])
+        else:
+            new = [s.step() for _, s in group]
+        record(group, new, time.perf_counter())
+
+    while waiting or running:
+        while waiting and arrivals and len(running) < concurrency:
+            i = waiting.popleft()
+            arrived[i] = arrivals.popleft()
+            running.append((i, engine.start(prompts[i], gen, spec)))
+        fresh = [(i, s) for i, s in running if not s.output_ids]
+        live = [(i, s) for i, s in running if s.output_ids and not s.done]
+        if fresh:
+            step(fresh)
+        if live:
+            step(live)
+        now = time.perf_counter()
+        for pair in [p for p in running if p[1].done]:
+            running.remove(pair)
+            sess = pair[1]
+            tokens += len(sess.output_ids)
+            if spec.algorithm != "ar":  # as the server, which reports no acceptance for ar
+                verifies += sess.verify_ct
+                spec_tokens += len(sess.output_ids)
+            sess.close()
+            ends.append(now)
+            if waiting:
+                arrivals.append(now)
+    duration = (max(ends) - t0) if ends else 0.0
+    return {"requests_ok": len(ends), "output_tokens": tokens, "duration_s": duration,
+            "output_tok_s": tokens / duration if duration > 0 else None,
+            "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
+            "itl_p50": percentile(itls, 50), "itl_p99": percentile(itls, 99),
+            "tau_weighted": spec_tokens / verifies if verifies else None}
+
+
+def load_engine(args, model: str, draft: str):
+    import torch
+
+    from ddtree.engine.reference.engine import Engine
+
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    t0 = time.perf_counter()
+    engine = Engine.load(model, draft, device=args.device, dtype=dtype, backend=args.backend,
+                         context_window=args.context_window)
+    engine.warmup(budgets=tuple(args.budget_list))
+    print(f"in-process engine: backend {engine.backend} ({engine.backend_reason}), cuda graphs {engine.graphs}, "
+          f"loaded and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
+    return engine
+
+
+def inprocess_grid(args, engine, specs, concurrencies: list[int], server_cells: list[dict] | None,
+                   clock: Clock, save: Callable[[], None], cells: list[dict]) -> None:
+    """The cells the server side measured (every cell without one), each after a warm-up run of
+    its warm-up prompts, as the sweep client warms a point up."""
+    from ddtree.engine.reference.engine import GenParams, SpecParams
+
+    encode = engine.tokenizer.encode  # as the server's /generate tokenizes text
+    measured = None if server_cells is None else {(c["concurrency"], c["algorithm"]) for c in server_cells
+                                                  if "skipped" not in c}
+    gen = GenParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    every = prompts_for(args, max(concurrencies))
+    drive(engine, [list(encode(p.text)) for p in every[0] + every[1]], GenParams(max_new_tokens=2),
+          SpecParams("ar"), max(concurrencies))
+    for i, c in enumerate(concurrencies):
+        prompts, warm = prompts_for(args, c)
+        ids = [list(encode(p.text)) for p in prompts]
+        warm_ids = [list(encode(p.text)) for p in warm]
+        for name, spec_dict in specs[i % len(specs):] + specs[:i % len(specs)]:
+            if (measured is not None and (c, name) not in measured) or clock.spent(INPROCESS_SHARE):
+                cells.append({"concurrency": c, "algorithm": name,
+                              "skipped": "not measured on the server" if measured is not None
+                              and (c, name) not in measured else "time budget"})
+                continue
+            spec = SpecParams(spec_dict["algorithm"], spec_dict.get("budget", SpecParams().budget))
+            drive(engine, warm_ids, gen, spec, min(c, len(warm_ids)))
+            t0 = time.perf_counter()
+            cell = {"concurrency": c, "algorithm": name, "prompts": len(ids), **drive(engine, ids, gen, spec, c),
+                    "wall_s": round(time.perf_counter() - t0, 2)}
+            cells.append(cell)
+            save()
+            print(f"  in-process c={c:3d} {name:10s} {line(cell)}", flush=True)
+
+
+# -- the summary ---------------------------------------------------------------------------------
+
+
+def _ms(value) -> str:
+    return f"{1000 * value:7.1f}" if isinstance(value, (int, float)) else f"{'-':>7s}"
+
+
+def _num(value, fmt: str = "8.1f") -> str:
+    return format(value, fmt) if isinstance(value, (int, float)) else format("-", ">" + fmt.split(".")[0])
+
+
+def line(cell: dict) -> str:
+    return (f"{_num(cell.get('output_tok_s'))} tok/s  TTFT p50/p99 {_ms(cell.get('ttft_p50'))} /"
+            f"{_ms(cell.get('ttft_p99'))} ms  ITL p50/p99 {_ms(cell.get('itl_p50'))} /{_ms(cell.get('itl_p99'))} ms"
+            f"  tau {_num(cell.get('tau_weighted'), '5.2f')}  ({cell.get('wall_s')} s)")
+
+
+def summarize(server: list[dict] | None, inprocess: list[dict] | None, specs, concurrencies: list[int]) -> dict:
+    """Per cell, both sides and server / in-process; AR scaling; the DDTree crossover; the targets."""
+
+    def index(cells):
+        return {(c["concurrency"], c["algorithm"]): c for c in cells or [] if "skipped" not in c}
+
+    srv, inp = index(server), index(inprocess)
+    rows = []
+    for c in concurrencies:
+        for name, _ in specs:
+            s, p = srv.get((c, name)), inp.get((c, name))
+            ratio = None
+            if s and p and s.get("output_tok_s") and p.get("output_tok_s"):
+                ratio = s["output_tok_s"] / p["output_tok_s"]
+            rows.append({"concurrency": c, "algorithm": name, "server": s, "inprocess": p,
+                         "server_over_inprocess": ratio})
+    out: dict = {"rows": rows}
+
+    def tok_s(side, c, name):
+        cell = side.get((c, name))
+        return cell.get("output_tok_s") if cell else None
+
+    for label, side in (("server", srv), ("inprocess", inp)):
+        top = 16 if 16 in concurrencies else max(concurrencies)
+        one, many = tok_s(side, 1, "ar"), tok_s(side, top, "ar")
+        out[f"ar_scaling_{label}"] = {"concurrency": top, "ratio": many / one if one and many else None}
+        crossover = {}
+        for name, _ in specs:
+            if not name.startswith("ddtree"):
+                continue
+            pairs = [(c, tok_s(side, c, name), tok_s(side, c, "ar")) for c in concurrencies]
+            pairs = [(c, d, a) for c, d, a in pairs if d and a]
+            # The first concurrency measured where DDTree is no faster than AR; None: it beat AR
+            # at every one measured (or nothing was measured).
+            crossover[name] = next((c for c, d, a in pairs if d <= a), None)
+        out[f"crossover_{label}"] = crossover
+    ratios = [r["server_over_inprocess"] for r in rows if r["server_over_inprocess"] is not None]
+    c16 = srv.get((16, "ar"))
+    scaling = out["ar_scaling_server"]
+    out["targets"] = {
+        "ar_c16_ge_10x_c1": (scaling["ratio"] >= 10 if scaling["ratio"] is not None and scaling["concurrency"] == 16
+                             else None),
+        "server_within_10pct_of_inprocess": all(r >= 0.9 for r in ratios) if ratios else None,
+        "itl_p99_le_2x_p50_at_c16": (c16["itl_p99"] <= 2 * c16["itl_p50"]
+                                     if c16 and c16.get("itl_p99") is not None and c16.get("itl_p50") else None),
+    }
+    return out
+
+
+def print_summary(summary: dict) -> None:
+    print()
+    print(f"{'c':>4s} {'algorithm':10s} | {'server tok/s':>12s} {'TTFT p50':>8s} {'p99':>7s} {'ITL p50':>8s} "
+          f"{'p99':>7s} {'tau':>5s} | {'in-proc tok/s':>13s} {'ITL p50':>8s} {'p99':>7s} | {'srv/in':>6s}")
+    for r in summary["rows"]:
+        s, p = r["server"] or {}, r["inprocess"] or {}
+        ratio = r["server_over_inprocess"]
+        print(f"{r['concurrency']:4d} {r['algorithm']:10s} | {_num(s.get('output_tok_s'), '12.1f')} "
+              f"{_ms(s.get('ttft_p50')):>8s} {_ms(s.get('ttft_p99'))} {_ms(s.get('itl_p50')):>8s} "
+              f"{_ms(s.get('itl_p99'))} {_num(s.get('tau_weighted'), '5.2f')} | "
+              f"{_num(p.get('output_tok_s'), '13.1f')} {_ms(p.get('itl_p50')):>8s} {_ms(p.get('itl_p99'))} | "
+              f"{_num(ratio, '6.2f')}")
+    print("(times in ms)")
+    for label in ("server", "inprocess"):
+        sc = summary[f"ar_scaling_{label}"]
+        print(f"AR throughput c={sc['concurrency']} / c=1 ({label}): {_num(sc['ratio'], '.2f')}; "
+              f"DDTree no faster than AR from c= {summary[f'crossover_{label}']}")
+    print(f"targets: {summary['targets']}")
+
+
+# -- the verify grid -----------------------------------------------------------------------------
+
+
+def verify_grid(args, engine, transformers_verifier) -> dict:
+    """ms of one batched verify forward per (b rows, q tokens per row), context --context per row.
+    `transformers_verifier(engine, b, q, ctx, seed)` is bench_server's timer for that backend."""
+    import torch
+
+    out: dict = {"backend": engine.backend, "context": args.context, "repeats": args.repeats, "rows": []}
+    if engine.backend == "fast":
+        try:
+            from ddtree.engine.reference.fast.batch import verify_timing
+        except (ImportError, AttributeError):
+            print(VERIFY_UNAVAILABLE, flush=True)
+            out["skipped"] = VERIFY_UNAVAILABLE
+            return out
+
+        def time_ms(b: int, q: int) -> float:
+            return float(verify_timing(engine, b, q, args.context, args.repeats))
+    else:
+        def time_ms(b: int, q: int) -> float:
+            run = transformers_verifier(engine, b, q, args.context, seed=b * 1000 + q)
+            for _ in range(2):  # the first calls of a shape pay for allocation and kernel choice
+                run()
+            ms = 1000 * statistics.median([run() for _ in range(args.repeats)])
+            del run
+            if engine.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            return ms
+
+    base = None
+    for b in args.verify_b:
+        for q in args.verify_q:
+            ms = time_ms(b, q)
+            base = base or ms  # the first point, (b, q) = (1, 1) by default: one decode step
+            row = {"b": b, "q": q, "ms": ms, "ms_per_row": ms / b, "tokens_per_s": b * q / (ms / 1000),
+                   "x_first": ms / base}
+            out["rows"].append(row)
+            print(f"  verify b={b:3d} q={q:3d}: {ms:8.2f} ms ({row['ms_per_row']:7.3f} ms/row, "
+                  f"x{row['x_first']:.2f} of b={args.verify_b[0]} q={args.verify_q[0]})", flush=True)
+    return out
+
+
+# -- the whole mode ------------------------------------------------------------------------------
+
+
+def run_grid(args, model: str, draft: str, start_server: Callable[[int, str], object], report: dict,
+             save: Callable[[], None], clock: Clock, transformers_verifier) -> None:
+    """--grid and/or --verify-grid into report["grid"] / report["verify_grid"]. `start_server(
+    max_running, log_name)` starts the one batching server (bench_server.start_server's options)."""
+    specs = grid_specs(args.algorithms.split(","), args.budget_list)
+    concurrencies = args.concurrency_list
+    grid: dict = {"concurrencies": concurrencies, "algorithms": [n for n, _ in specs],
+                  "max_new_tokens": args.max_new_tokens, "backend_asked": args.backend, "dtype": args.dtype,
+                  "prompts_per_cell": {c: max(args.num_prompts, 2 * c) for c in concurrencies}}
+    timings: dict = {}
+    grid["part_s"] = timings
+    if args.grid:
+        report["grid"] = grid
+    server_cells: list[dict] | None = None
+    if args.grid and not args.skip_serving:
+        server_cells = grid["server"] = []
+        t0 = time.perf_counter()
+        proc = start_server(max(concurrencies), "server-grid.log")
+        try:
+            timings["server_start"] = round(time.perf_counter() - t0, 1)
+            print(f"server up in {timings['server_start']} s at {proc.url}", flush=True)
+            t0 = time.perf_counter()
+            server_grid(args, proc.url, specs, concurrencies, clock, save, server_cells)
+            grid["server_info"] = server_info(proc.url)
+            timings["server_cells"] = round(time.perf_counter() - t0, 1)
+        finally:
+            proc.stop(60)
+        save()
+    engine = None
+    if (args.grid and not args.skip_inprocess) or args.verify_grid:
+        t0 = time.perf_counter()
+        engine = load_engine(args, model, draft)
+        timings["engine_load"] = round(time.perf_counter() - t0, 1)
+        report["inprocess_backend"] = engine.backend
+    if args.grid and not args.skip_inprocess:
+        grid["inprocess"] = []
+        t0 = time.perf_counter()
+        inprocess_grid(args, engine, specs, concurrencies, server_cells, clock, save, grid["inprocess"])
+        timings["inprocess_cells"] = round(time.perf_counter() - t0, 1)
+    if args.grid:
+        grid["summary"] = summarize(server_cells, grid.get("inprocess"), specs, concurrencies)
+        save()
+        print_summary(grid["summary"])
+    if args.verify_grid:
+        if clock.spent(1.0):
+            report["verify_grid"] = {"skipped": "time budget"}
+        else:
+            print("verify forward cost by batch size and tokens per row:", flush=True)
+            t0 = time.perf_counter()
+            report["verify_grid"] = verify_grid(args, engine, transformers_verifier)
+            timings["verify_grid"] = round(time.perf_counter() - t0, 1)
+        save()
