@@ -53,13 +53,14 @@ class Engine:
                  eos_token_ids: tuple[int, ...] = (), mask_token_id: int | None = None,
                  max_budget: int = DEFAULT_MAX_BUDGET, context_window: int | None = None,
                  block_size: int | None = None, backend: str = "transformers", graphs: bool = True,
-                 slots: int | None = None, compile: bool = True) -> None:
+                 slots: int | None = None, compile: bool = True, pool_slots: int = 0) -> None:
         """Wrap already-built modules (Engine.load builds them from checkpoints).
 
         backend: "transformers" (the reference, any architecture) or "fast" (our own forward for
         dense Qwen3/Llama/Qwen2 decoders: static caches, trees on the device, and on CUDA graphs
         captured by `warmup()` for `slots` concurrent sessions, with the decoder layer run through
-        torch.compile first unless compile=False). `model` is a transformers model
+        torch.compile first unless compile=False; pool_slots > 0 keeps that many sessions' K/V in
+        one pool that step_many batches in place, fast/pool.py). `model` is a transformers model
         (the fast backend then shares its weights) or, for "fast", a fast.model.DenseDecoder.
         context_window: tokens a session may hold (default the model's max_position_embeddings;
         the fast backend preallocates it per slot, so it caps that default at FAST_CONTEXT).
@@ -125,7 +126,7 @@ class Engine:
             from ddtree.engine.reference.fast.backend import DEFAULT_SLOTS, FastPath
 
             self.impl = FastPath(self, self.target, self.drafter, slots=slots or DEFAULT_SLOTS, graphs=graphs,
-                                 compile=compile)
+                                 compile=compile, pool_slots=pool_slots)
         else:
             self.impl = TransformersPath(self)
 
@@ -247,6 +248,10 @@ class Engine:
         If a forward raises, no session has changed.
         """
         sessions = list(sessions)
+        if self.backend == "fast" and self.impl.pool is not None:
+            from ddtree.engine.reference.fast.batch import step_many as fast_step_many
+
+            return fast_step_many(self, sessions)
         if self.hybrid_reason or self.backend == "fast":
             # A recurrent state cannot be padded or stacked the way KV rows are, and the fast
             # backend's static caches have no batched round yet (issue 15): one by one.

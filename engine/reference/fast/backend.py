@@ -62,7 +62,11 @@ class FastPath:
     name = "fast"
 
     def __init__(self, engine: Engine, target: FastTarget, drafter: DFlashDrafter | None, *,
-                 slots: int = DEFAULT_SLOTS, graphs: bool = True, compile: bool = True) -> None:
+                 slots: int = DEFAULT_SLOTS, graphs: bool = True, compile: bool = True,
+                 pool_slots: int = 0) -> None:
+        """slots: sessions with captured CUDA graphs; pool_slots: sessions whose K/V live in one
+        KV pool (fast/pool.py) that batched rounds read in place (0: no pool, a cache per
+        session). With a pool, the graph slots are its first slots."""
         self.engine = engine
         self.target = target
         self.drafts = None
@@ -91,6 +95,14 @@ class FastPath:
         self._staged_tree: tuple | None = None
         self._parents_staged: torch.Tensor | None = None
         self._pool = None
+        self.pool = None
+        if pool_slots:
+            from ddtree.engine.reference.fast.pool import KVPool
+
+            self.pool = KVPool(target, self.drafts, max(int(pool_slots), self.slots if self.want_graphs else 0))
+            if not self.want_graphs:
+                for i in range(self.pool.slots):
+                    self.add_slot(self.pool.caches[i], self.pool.draft_caches[i] if self.drafts else None)
 
     def warmup(self, progress: Callable[[str], None] | None = None, budgets: tuple[int, ...] = ()) -> None:
         """Allocate the slots and, on CUDA, capture their graphs (once; later calls do nothing),
@@ -114,12 +126,12 @@ class FastPath:
             if self.drafts is not None:
                 self.drafts.compile()
         for i in range(self.slots):
-            cache = self.target.new_cache()
+            cache = self.pool.caches[i] if self.pool is not None else self.target.new_cache()
             # The drafter's graphs first: the target's walk graphs write the accepted features
             # straight into its staging rows (the sink), so those must exist before they are captured.
             draft_cache = None
             if self.drafts is not None:
-                draft_cache = self.drafts.new_cache()
+                draft_cache = self.pool.draft_caches[i] if self.pool is not None else self.drafts.new_cache()
                 try:
                     self.drafts.capture(draft_cache)
                 except Exception as exc:
@@ -150,6 +162,10 @@ class FastPath:
             spans = sorted({kv for _, kv in cache.graphs})
             say(f"captured CUDA graphs for session slot {i + 1}/{self.slots} "
                 f"(verify buckets {sorted(cache.stages)} at KV spans {spans}, {len(cache.graphs)} graphs)")
+        if self.pool is not None:
+            for i in range(self.slots, self.pool.slots):  # pool slots beyond the graphs' run eagerly
+                self.add_slot(self.pool.caches[i], self.pool.draft_caches[i] if self.drafts else None)
+            say(f"KV pool: {self.pool.slots} sessions, {self.pool.nbytes() / 2**30:.2f} GiB")
         self.graphs = True
 
     def add_slot(self, cache, draft_cache) -> None:
@@ -172,7 +188,13 @@ class FastPath:
 
     def new_caches(self, drafting: bool):
         if self._free:
-            slot = self._free.pop()
+            if self.pool is not None:
+                # Lowest slot first: the running sessions then fill slots 0..b-1, the block a
+                # batched round reads (fast/batch.py).
+                at = min(range(len(self._free)), key=lambda i: self.pool.index_of(self._free[i][0]))
+                slot = self._free.pop(at)
+            else:
+                slot = self._free.pop()
             cache = slot[0].share()
             draft_cache = slot[1].share() if drafting and slot[1] is not None else None
             key = id(cache)

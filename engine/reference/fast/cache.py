@@ -84,6 +84,27 @@ class StaticKVCache:
         # pairs a slot's two caches), or None.
         self.sink: torch.Tensor | None = None
 
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor, length_t: torch.Tensor, *, capacity: int,
+             slack: int) -> StaticKVCache:
+        """A cache over buffers someone else owns (a KV pool's slot, fast/pool.py): k/v
+        [layers, kv_heads, rows, d] views, length_t a 0-dim long view that the owner may set for
+        many caches in one write."""
+        if k.shape != v.shape or k.dim() != 4 or length_t.dim() != 0:
+            raise DecodeError(f"a cache over views needs k, v [layers, heads, rows, d] and a 0-dim "
+                              f"length, got {tuple(k.shape)}, {tuple(v.shape)}, {tuple(length_t.shape)}")
+        if capacity < 1 or slack < 0 or capacity + slack > k.shape[2]:
+            raise DecodeError(f"capacity {capacity} + slack {slack} do not fit {k.shape[2]} rows")
+        cache = cls.__new__(cls)
+        cache.k, cache.v = k, v
+        cache.capacity, cache.slack = int(capacity), int(slack)
+        cache.length_t = length_t
+        cache.stages, cache.graphs, cache.spans, cache.walks = {}, {}, {}, {}
+        cache.moved = None
+        cache.sink = None
+        cache.set_length(0)
+        return cache
+
     def share(self) -> StaticKVCache:
         """A new, empty cache object over these same buffers, stages and graphs (graphs read the
         buffers by address, so they serve it). The two must not be used at the same time."""

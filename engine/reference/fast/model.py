@@ -238,6 +238,24 @@ class AttentionPlan:
     kernel: str = "sdpa"
 
 
+@dataclass
+class BatchPlan:
+    """A batched forward over a KV pool's slots 0..b-1 (fast/pool.py, fast/batch.py): b rows of q
+    queries each, flattened to b*q tokens for every GEMM; attention per row, over its own slot.
+
+    slots/rows: [b, q] long, where each new K/V goes (slot r, row length_r + j).
+    read: attend over rows [:read] of every slot.
+    mask: additive [b, 1, groups*q, read] (folded per KV group), in float32 for "matmul".
+    """
+    b: int
+    q: int
+    slots: torch.Tensor
+    rows: torch.Tensor
+    read: int
+    mask: torch.Tensor
+    kernel: str = "sdpa"
+
+
 def matmul_attention_works(device: torch.device) -> bool:
     """Whether this torch has bmm with a float32 output for half inputs on this device (CUDA)."""
     if device.type != "cuda":
@@ -339,6 +357,8 @@ class Attention(nn.Module):
         qk = torch.cat((q, k), dim=1)
         qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
         q, k = qk.split([self.num_heads, kvh], dim=1)
+        if isinstance(plan, BatchPlan):
+            return self._batched(q, k, v, k_cache, v_cache, plan)
         k, v = k.transpose(0, 1), v.transpose(0, 1)           # [kv_heads, n, d]
         if isinstance(plan.rows, slice):
             k_cache[:, plan.rows] = k
@@ -361,6 +381,25 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(qf[None], keys[None], values[None], attn_mask=plan.mask)[0]
         out = out.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads * d)
+        return self.o_proj(out)
+
+    def _batched(self, q, k, v, k_cache, v_cache, plan: BatchPlan) -> torch.Tensor:
+        """q [b*q, heads, d], k/v [b*q, kv_heads, d]; caches [slots, kv_heads, rows, d]."""
+        b, n, d, kvh, g = plan.b, plan.q, self.head_dim, self.num_kv_heads, self.groups
+        k_cache[plan.slots, :, plan.rows] = k.view(b, n, kvh, d)
+        v_cache[plan.slots, :, plan.rows] = v.view(b, n, kvh, d)
+        keys, values = k_cache[:b, :, :plan.read], v_cache[:b, :, :plan.read]   # views: no copy
+        # Fold per row as the single path does: query g*n+i of row r is query i of head kv*g+g'.
+        qf = q.view(b, n, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * n, d)
+        if plan.kernel == "matmul":
+            scores = _scores(qf.reshape(b * kvh, g * n, d), keys.reshape(b * kvh, plan.read, d))
+            scores = scores.view(b, kvh, g * n, plan.read).mul_(d ** -0.5).add_(plan.mask)
+            probs = torch.softmax(scores, dim=-1).to(values.dtype)
+            out = torch.bmm(probs.view(b * kvh, g * n, plan.read), values.reshape(b * kvh, plan.read, d))
+            out = out.view(b, kvh, g * n, d)
+        else:
+            out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=plan.mask)
+        out = out.view(b, kvh, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, self.num_heads * d)
         return self.o_proj(out)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,394 @@
+"""Batched rounds of the fast backend: many sessions in one drafter and one target forward, read
+in place from the KV pool (fast/pool.py).
+
+Running sessions hold pool slots; slots are leased lowest first, so a round over b' sessions whose
+highest slot is b-1 runs every forward over slots 0..b-1 as one batch. A slot that has no part
+in the round (free, or its session is not in it) rides along as a dummy row: it writes its K/V at
+its own length and beyond, rows no query sees until a real token is written there (the pool's
+invariant, as for a single cache's padding), and its outputs are never read. So no context K/V is
+stacked, padded or copied: attention reads pool[layer, :b, :, :span] as a view, each row masked
+to its own context (its length in `pool.lengths`) and, among the new rows, its own tree.
+
+A round mixes AR steps, DFlash chains and DDTree trees of any budgets: each row's tree is built
+on the device (fast/batch_tree.py, rows of one budget and depth in one build) and padded to a
+common query bucket q; padded nodes carry token -1 and see only themselves, so the walk never
+accepts one. The walks of every row come to the host in one transfer. Then one gather and one
+scatter move every row's accepted K/V into place, and one write sets every length.
+
+The rounds are lossless the same way the single path is: every committed token is the target's
+choice at its true prefix, from the same inputs; a batched GEMM only rounds differently, which
+matters at a true tie of the top two logits. If anything raises before the commit, the lengths
+are put back and no session has changed (the scheduler then steps each session alone).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.engine.reference.errors import BadParams
+from ddtree.engine.reference.fast.batch_tree import (
+    TreeBatch,
+    build_trees_device,
+    chains_device,
+    fetch_walks,
+    pad_batch,
+    roots_only,
+    walk_batch,
+)
+from ddtree.engine.reference.fast.cache import kv_bucket
+from ddtree.engine.reference.fast.draft import _apply_rope
+from ddtree.engine.reference.fast.model import BatchPlan
+
+if TYPE_CHECKING:
+    from ddtree.engine.reference.decode import Session
+    from ddtree.engine.reference.engine import Engine
+    from ddtree.engine.reference.fast.pool import KVPool
+
+# Logits rows computed at once for a greedy argmax: bounds the float32 [rows, V] block (a 64-row
+# batch of budget-64 trees over a 152k vocabulary would otherwise want 2.5 GB).
+_LOGIT_ELEMENTS = 1 << 26
+
+
+def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
+    """One round of every session (Engine.step_many's contract): prefills one by one, then one
+    batched round over the prefilled sessions on pool slots; the others step alone."""
+    if len({id(s) for s in sessions}) != len(sessions):
+        raise BadParams("step_many got the same session twice")
+    if any(s.engine is not engine for s in sessions):
+        raise BadParams("step_many got a session of another engine")
+    out: list[list[int]] = [[] for _ in sessions]
+    pool = engine.impl.pool
+    pooled, alone = [], []
+    for i, sess in enumerate(sessions):
+        if sess.done:
+            continue
+        if sess._bonus is None:
+            out[i] = sess.step()  # the prefill: a causal forward of its own
+        elif pool is not None and pool.index_of(sess._cache) is not None:
+            pooled.append(i)
+        else:
+            alone.append(i)
+    if len(pooled) == 1:
+        alone += pooled
+    elif pooled:
+        with torch.inference_mode():
+            for i, tokens in zip(pooled, batched_round(engine, [sessions[i] for i in pooled])):
+                out[i] = tokens
+    for i in alone:
+        out[i] = sessions[i].step()
+    return out
+
+
+def batched_round(engine: Engine, sessions: list[Session]) -> list[list[int]]:
+    """Draft, build, verify, walk and commit every session's round in one batch."""
+    impl, target = engine.impl, engine.target
+    pool: KVPool = impl.pool
+    slots = [pool.index_of(s._cache) for s in sessions]
+    b = max(slots) + 1
+    lengths = pool.lengths.clone()
+    dlengths = pool.dlengths.clone() if pool.dlengths is not None else None
+    draft_host = [s._draft_cache.length if s._draft_cache is not None else 0 for s in sessions]
+    t0 = engine.clock()
+    try:
+        depths = [s._depth_cap() for s in sessions]
+        drafting = [j for j, s in enumerate(sessions) if s.mode != "ar" and depths[j] > 0]
+        draft_logits: dict[int, torch.Tensor] = {}
+        if drafting:
+            logits = draft_rows(engine, [sessions[j] for j in drafting], [slots[j] for j in drafting],
+                                [depths[j] for j in drafting], b)
+            draft_logits = dict(zip(drafting, logits))
+        t1 = engine.clock()
+        trees, order = _trees(engine, sessions, draft_logits)
+        t2 = engine.clock()
+        rows = [slots[j] for j in order]
+        starts = [sessions[j]._start for j in order]
+        features = any(sessions[j].mode != "ar" for j in order)
+        hidden, feats = verify_rows(engine, pool, b, rows, trees, starts, features)
+        posterior = _posterior(engine, [sessions[j] for j in order], hidden, rows, trees)
+        walk_order, count = walk_batch(trees, posterior)
+        walks = fetch_walks(trees, posterior, walk_order, count)  # the round's one host sync
+        t3 = engine.clock()
+    except BaseException:
+        pool.lengths.copy_(lengths)
+        if dlengths is not None:
+            pool.dlengths.copy_(dlengths)
+        for s, n in zip(sessions, draft_host):
+            if s._draft_cache is not None:
+                s._draft_cache.length = n
+        raise
+    _commit_rows(pool, rows, starts, [w[0] for w in walks])
+    q = trees.tokens.shape[1]
+    accepted = None
+    if feats is not None:
+        flat = [r * q + i for r, (path, _) in zip(rows, walks) for i in path]
+        accepted = feats.index_select(0, torch.tensor(flat, device=feats.device))
+    committed: list[list[int]] = [[] for _ in sessions]
+    at = 0
+    target._last = target.staged = None
+    impl._staged_tree = impl._parents_staged = None
+    for k, j in enumerate(order):
+        sess = sessions[j]
+        path_list, new = walks[k]
+        tau = len(path_list)
+        sess._cache.length = starts[k] + tau
+        sess._cache.moved = None
+        mine = accepted[at:at + tau] if accepted is not None and sess.mode != "ar" else None
+        at += tau
+        committed[j] = sess._advance(path_list, new, mine, drafted=j in draft_logits)
+    t4 = engine.clock()
+    n = len(sessions)
+    for j, sess in enumerate(sessions):
+        # Batch time is shared: each session books its share, so sums over sessions stay true.
+        if j in draft_logits:
+            sess.timings["draft"] += (t1 - t0) / len(draft_logits)
+        sess.timings["tree"] += (t2 - t1) / n
+        sess.timings["verify"] += (t3 - t2) / n
+        sess.timings["commit"] += (t4 - t3) / n
+    return committed
+
+
+# ---- the drafter ------------------------------------------------------------------------------
+def draft_rows(engine: Engine, sessions: list[Session], slots: list[int], depths: list[int],
+               b: int) -> list[torch.Tensor]:
+    """Each session's draft logits [depth, V] float32: its pending features appended to its
+    drafter rows, then the block [bonus, MASK...] of every slot 0..b-1 in one forward."""
+    drafts = engine.impl.drafts
+    pool: KVPool = engine.impl.pool
+    device = pool.lengths.device
+    block = drafts.block_size
+    pending = [s._pending for s in sessions]
+    # A prompt's features (the first draft after a prefill) go in alone: padding every row to
+    # a prompt's length would multiply the append's work.
+    counts = []
+    for s, p in zip(sessions, pending):
+        if p.shape[0] > block + 1:
+            drafts.append(p, s._draft_cache)
+            counts.append(0)
+        else:
+            counts.append(int(p.shape[0]))
+    widest = max(counts)
+    if widest:
+        _append_rows(engine, pool, sessions, slots, pending, counts, widest, b)
+    for s, c in zip(sessions, counts):
+        s._draft_cache.length += c
+    span = max(s._draft_cache.length for s in sessions) + block
+    slot_t = torch.tensor(slots, device=device)
+    ids = torch.full((b, block), engine.mask_token_id, dtype=torch.long, device=device)
+    ids[slot_t, 0] = torch.tensor([s._bonus for s in sessions], dtype=torch.long, device=device)
+    lengths = pool.dlengths[:b]
+    steps = torch.arange(block, device=device)
+    positions = lengths[:, None] + steps                                   # [b, B]
+    slot_rows = torch.arange(b, device=device)[:, None].expand(b, block)
+    visible = (torch.arange(span, device=device)[None] < (lengths + block)[:, None])[:, None, None, :]
+    x = drafts.embed(ids.view(-1))
+    cos, sin = drafts._rope(positions.reshape(-1), x.dtype)
+    heads, kvh, g, d = drafts.num_heads, drafts.num_kv_heads, drafts.groups, drafts.head_dim
+    n = b * block
+    for i, layer in enumerate(drafts.drafter.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_norm(attn.q_proj(h).view(n, heads, d))
+        k = attn.k_norm(attn.k_proj(h).view(n, kvh, d))
+        v = attn.v_proj(h).view(n, kvh, d)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        keys, values = pool.dk[i], pool.dv[i]
+        keys[slot_rows, :, positions] = k.view(b, block, kvh, d)
+        values[slot_rows, :, positions] = v.view(b, block, kvh, d)
+        folded = q.view(b, block, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * block, d)
+        out = F.scaled_dot_product_attention(folded, keys[:b, :, :span], values[:b, :, :span],
+                                             attn_mask=visible, scale=drafts.scaling)
+        out = out.view(b, kvh, g, block, d).permute(0, 3, 1, 2, 4).reshape(n, heads * d)
+        x = x + attn.o_proj(out)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    hidden = drafts.drafter.norm(x)
+    picks = [r * block + 1 + i for r, depth in zip(slots, depths) for i in range(depth)]
+    logits = drafts.lm_head(hidden.index_select(0, torch.tensor(picks, device=device))).float()
+    return list(logits.split(depths))
+
+
+def _append_rows(engine: Engine, pool: KVPool, sessions, slots, pending, counts, widest: int,
+                 b: int) -> None:
+    """Project every row's pending features to drafter context K/V at its own length; pad rows
+    (and the slots without a part) all write the slots' scratch row, past every context."""
+    drafts = engine.impl.drafts
+    device = pool.lengths.device
+    feats = torch.zeros((b, widest, drafts.feature_width), dtype=drafts.dtype, device=device)
+    count = torch.zeros(b, dtype=torch.long, device=device)
+    for s, slot, p, c in zip(sessions, slots, pending, counts):
+        if c:
+            feats[slot, :c] = p.to(drafts.dtype)
+    count[torch.tensor(slots, device=device)] = torch.tensor(counts, device=device)
+    lengths = pool.dlengths[:b]
+    steps = torch.arange(widest, device=device)
+    positions = lengths[:, None] + steps                                   # [b, widest]
+    scratch = pool.dk.shape[3] - 1
+    rows = torch.where(steps[None] < count[:, None], positions, torch.full_like(positions, scratch))
+    slot_rows = torch.arange(b, device=device)[:, None].expand(b, widest)
+    ctx, cos, sin = drafts._project(feats.view(b * widest, -1), positions.reshape(-1))
+    kvh, d = drafts.num_kv_heads, drafts.head_dim
+    for i, layer in enumerate(drafts.drafter.layers):
+        k, v = drafts._context_kv(layer, ctx, cos, sin)
+        pool.dk[i][slot_rows, :, rows] = k.view(b, widest, kvh, d)
+        pool.dv[i][slot_rows, :, rows] = v.view(b, widest, kvh, d)
+    pool.dlengths[:b] += count
+
+
+# ---- trees ------------------------------------------------------------------------------------
+def _trees(engine: Engine, sessions: list[Session], draft_logits: dict[int, torch.Tensor]
+           ) -> tuple[TreeBatch, list[int]]:
+    """Every session's tree padded to one query bucket, and the session index of each row."""
+    device = engine.target.device
+    groups: dict[tuple, list[int]] = {}
+    for j, sess in enumerate(sessions):
+        if j not in draft_logits:
+            key = ("root",)
+        elif sess.mode == "chain":
+            key = ("chain", int(draft_logits[j].shape[0]))
+        else:
+            key = ("tree", int(sess.spec.budget), int(draft_logits[j].shape[0]))
+        groups.setdefault(key, []).append(j)
+    parts, order = [], []
+    for key, members in groups.items():
+        roots = torch.tensor([sessions[j]._bonus for j in members], dtype=torch.long, device=device)
+        if key[0] == "root":
+            parts.append(roots_only(roots))
+        else:
+            logits = torch.stack([draft_logits[j] for j in members])
+            if key[0] == "chain":
+                parts.append(chains_device(roots, logits))
+            else:
+                parts.append(build_trees_device(roots, torch.log_softmax(logits, dim=-1), key[1]))
+        order += members
+    widest = max(max(p.sizes) for p in parts)
+    q = next((size for size in engine.target.buckets if size >= widest), widest)
+    return pad_batch(parts, q), order
+
+
+# ---- the target -------------------------------------------------------------------------------
+def verify_rows(engine: Engine, pool: KVPool, b: int, rows: list[int], trees: TreeBatch,
+                starts: list[int], features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One target forward over slots 0..b-1; row rows[k] carries trees row k at positions
+    starts[k] + depth. Returns the final hidden [b*q, H] and the feature layers' [b*q, K*H]."""
+    target = engine.target
+    device = target.device
+    q = trees.tokens.shape[1]
+    row_t = torch.tensor(rows, device=device)
+    ids = torch.zeros((b, q), dtype=torch.long, device=device)
+    ids[row_t] = trees.tokens.clamp(min=0)
+    lengths = pool.lengths[:b]
+    positions = lengths[:, None].expand(b, q).clone()
+    positions[row_t] += trees.depths
+    tree = torch.eye(q, dtype=torch.bool, device=device).repeat(b, 1, 1)
+    tree[row_t] = trees.visible
+    span = max(starts) + q
+    if target.bucket_kv:
+        span = kv_bucket(target.new_cache_rows(), span)
+    plan = batch_plan(target, lengths, tree, span)
+    layers = target.feature_layers if features else ()
+    hidden, feats = target.model(ids.view(-1), positions.view(-1), pool.k, pool.v, plan, layers)
+    if features and feats is None:
+        feats = hidden.new_zeros((hidden.shape[0], 0))
+    return hidden, feats
+
+
+def batch_plan(target, lengths: torch.Tensor, tree: torch.Tensor, span: int) -> BatchPlan:
+    """Where b rows of q new tokens go (each slot's length onward) and what each query sees:
+    its row's context (rows < length) and, among the new rows, what `tree` [b, q, q] allows."""
+    b, q = tree.shape[0], tree.shape[1]
+    device = lengths.device
+    steps = torch.arange(q, device=device)
+    rel = torch.arange(span, device=device)[None] - lengths[:, None]         # [b, S]
+    among = (rel >= 0) & (rel < q)
+    cols = tree.gather(2, rel.clamp(0, q - 1)[:, None, :].expand(b, q, span))  # [b, q, S]
+    seen = (rel < 0)[:, None, :] | (among[:, None, :] & cols)
+    dtype = torch.float32 if target.attention == "matmul" else target.dtype
+    additive = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+    groups = target.cfg.num_attention_heads // target.cfg.num_key_value_heads
+    if groups > 1:
+        additive = additive.repeat(1, groups, 1)
+    return BatchPlan(b=b, q=q, slots=torch.arange(b, device=device)[:, None].expand(b, q),
+                     rows=lengths[:, None] + steps, read=span, mask=additive[:, None],
+                     kernel=target.attention)
+
+
+def _posterior(engine: Engine, sessions: list[Session], hidden: torch.Tensor, rows: list[int],
+               trees: TreeBatch) -> torch.Tensor:
+    """The target's choice at every real node [rows, q] (-1 at padding): the argmax for greedy
+    sessions, in blocks of rows; a sampling session draws from its own generator."""
+    target = engine.target
+    q = trees.tokens.shape[1]
+    out = torch.full((len(rows), q), -1, dtype=torch.long, device=hidden.device)
+    greedy = [k for k, s in enumerate(sessions) if s.gen.greedy]
+    flat = [rows[k] * q + i for k in greedy for i in range(trees.sizes[k])]
+    if flat:
+        index = torch.tensor(flat, device=hidden.device)
+        dest = torch.tensor([k * q + i for k in greedy for i in range(trees.sizes[k])], device=hidden.device)
+        step = max(1, _LOGIT_ELEMENTS // target.vocab_size)
+        picks = [target.lm_head(hidden.index_select(0, index[at:at + step])).float().argmax(dim=-1)
+                 for at in range(0, len(flat), step)]
+        out.view(-1).index_copy_(0, dest, torch.cat(picks))
+    for k, sess in enumerate(sessions):
+        if not sess.gen.greedy:
+            n = trees.sizes[k]
+            logits = target.lm_head(hidden[rows[k] * q:rows[k] * q + n]).float()
+            out[k, :n] = sess._choose(logits)
+    return out
+
+
+def _commit_rows(pool: KVPool, rows: list[int], starts: list[int], paths: list[list[int]]) -> None:
+    """Move each row's accepted K/V rows to sit right after its context (one gather and one
+    scatter over every layer and row), then set every length in one write."""
+    device = pool.lengths.device
+    slot, dst, src = [], [], []
+    for r, start, path in zip(rows, starts, paths):
+        for i, node in enumerate(path):
+            if node != i:
+                slot.append(r)
+                dst.append(start + i)
+                src.append(start + node)
+    if slot:
+        s = torch.tensor(slot, device=device)
+        d = torch.tensor(dst, device=device)
+        moved_k = pool.k[:, s, :, torch.tensor(src, device=device)]       # [m, layers, kv_heads, d]
+        moved_v = pool.v[:, s, :, torch.tensor(src, device=device)]
+        pool.k[:, s, :, d] = moved_k
+        pool.v[:, s, :, d] = moved_v
+    pool.lengths[torch.tensor(rows, device=device)] = torch.tensor(
+        [start + len(path) for start, path in zip(starts, paths)], device=device)
+
+
+# ---- timing (bench/bench_server.py) -----------------------------------------------------------
+def verify_timing(engine: Engine, b: int, q: int, context: int, repeats: int = 10) -> float:
+    """Median ms of one batched target forward of b rows x q tokens over `context` rows each
+    (random weights give the cost for any acceptance). Leaves the pool's slots as it found them."""
+    pool = engine.impl.pool
+    if pool is None or b > pool.slots:
+        raise BadParams(f"verify timing needs a KV pool of at least {b} slots")
+    target = engine.target
+    device = target.device
+    saved = pool.lengths.clone()
+    pool.lengths[:b] = context
+    tokens = torch.zeros((b, q), dtype=torch.long, device=device)
+    depths = torch.arange(q, device=device).expand(b, q)
+    visible = torch.ones((q, q), dtype=torch.bool, device=device).tril().expand(b, q, q)
+    trees = TreeBatch(tokens, depths, (depths - 1).clamp(min=0), visible, tuple([q] * b))
+    times = []
+    try:
+        with torch.inference_mode():
+            for _ in range(repeats + 2):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                hidden, _ = verify_rows(engine, pool, b, list(range(b)), trees, [context] * b, False)
+                target.lm_head(hidden).argmax(dim=-1)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - t0)
+    finally:
+        pool.lengths.copy_(saved)
+    return statistics.median(times[2:]) * 1000.0

@@ -1,0 +1,178 @@
+"""Batched rounds of the fast backend over its KV pool (issue 15, Tests).
+
+CPU, float32. Sessions on pool slots step together through Engine.step_many (fast/batch.py): one
+drafter forward and one target forward for every session, read in place from the pool. They must
+decode exactly what each session decodes alone, with AR, DFlash and DDTree at several budgets in
+one batch and sessions joining, finishing and being dropped at any round; and the pool must get
+every slot back.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
+from ddtree.engine.reference.errors import BadParams
+from ddtree.engine.reference.fast import batch as fast_batch
+from ddtree.engine.reference.fast.pool import KVPool, slot_bytes, slots_for
+
+from .conftest import make_drafter, make_target
+
+SPECS = [SpecParams("ar"), SpecParams("dflash"), SpecParams("ddtree", 1), SpecParams("ddtree", 4),
+         SpecParams("ddtree", 16), SpecParams("ddtree", 64)]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    model = make_target(0)
+    return model, make_drafter(model, block_size=8, seed=1)
+
+
+def _jobs(seed: int, count: int, vocab: int = 64):
+    rng = random.Random(seed)
+    return [([rng.randrange(vocab) for _ in range(rng.randrange(1, 14))], rng.choice(SPECS),
+             rng.randrange(1, 40)) for _ in range(count)]
+
+
+def _drive(engine: Engine, jobs, *, running: int, rng: random.Random | None = None, gens=None):
+    """Run every job through step_many, at most `running` at once, new ones joining as others
+    end; with rng, some sessions are closed or dropped (a client gone) mid-generation."""
+    out, active, nxt, gone = {}, [], 0, set()
+    while active or nxt < len(jobs):
+        while len(active) < running and nxt < len(jobs):
+            prompt, spec, n = jobs[nxt]
+            gen = gens[nxt] if gens else GenParams(max_new_tokens=n)
+            active.append((nxt, engine.start(prompt, gen, spec)))
+            nxt += 1
+        engine.step_many([s for _, s in active])
+        for item in list(active):
+            j, sess = item
+            if sess.done:
+                out[j] = sess.output_ids
+                active.remove(item)
+            elif rng is not None and rng.random() < 0.05:
+                gone.add(j)
+                active.remove(item)
+                if rng.random() < 0.5:
+                    sess.close()
+                del sess, item  # the other half is dropped without close()
+        gc.collect()
+    return out, gone
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    calls = []
+    real = fast_batch.batched_round
+
+    def spy(engine, sessions):
+        calls.append(len(sessions))
+        return real(engine, sessions)
+    monkeypatch.setattr(fast_batch, "batched_round", spy)
+    return calls
+
+
+def test_batched_rounds_equal_serial_with_mixed_algorithms_and_joins(pair, counted):
+    model, drafter = pair
+    serial = Engine(model, drafter, backend="fast", max_budget=64)
+    pooled = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=5)
+    jobs = _jobs(0, 24)
+    want = [serial.generate(p, GenParams(max_new_tokens=n), s).output_ids for p, s, n in jobs]
+    got, _ = _drive(pooled, jobs, running=5)
+    assert [got[j] for j in range(len(jobs))] == want
+    assert counted and max(counted) == 5  # rounds really ran batched, up to the pool's size
+    assert len(pooled.impl._free) == pooled.impl.pool.slots
+
+
+def test_the_transformers_backend_decodes_the_same(pair):
+    model, drafter = pair
+    reference = Engine(model, drafter, backend="transformers", max_budget=64)
+    pooled = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=4)
+    jobs = _jobs(3, 10)
+    want = [reference.generate(p, GenParams(max_new_tokens=n), s).output_ids for p, s, n in jobs]
+    got, _ = _drive(pooled, jobs, running=4)
+    assert [got[j] for j in range(len(jobs))] == want
+
+
+def test_seeded_sampling_draws_the_same_batched(pair):
+    model, drafter = pair
+    serial = Engine(model, drafter, backend="fast", max_budget=64)
+    pooled = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=4)
+    jobs = _jobs(5, 8)
+    gens = [GenParams(max_new_tokens=n, temperature=0.8, seed=100 + j) for j, (_, _, n) in enumerate(jobs)]
+    want = [serial.generate(p, gens[j], s).output_ids for j, (p, s, _) in enumerate(jobs)]
+    got, _ = _drive(pooled, jobs, running=4, gens=gens)
+    assert [got[j] for j in range(len(jobs))] == want
+
+
+def test_no_slot_leaks_after_random_joins_leaves_and_drops(pair):
+    model, drafter = pair
+    serial = Engine(model, drafter, backend="fast", max_budget=64)
+    pooled = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=6)
+    jobs = _jobs(7, 40)
+    got, gone = _drive(pooled, jobs, running=6, rng=random.Random(11))
+    assert gone and len(got) + len(gone) == len(jobs)
+    for j in list(got)[:12]:  # the ones that ran to the end still decoded what serial decodes
+        prompt, spec, n = jobs[j]
+        assert got[j] == serial.generate(prompt, GenParams(max_new_tokens=n), spec).output_ids
+    gc.collect()
+    assert len(pooled.impl._free) == pooled.impl.pool.slots  # free rows equal total rows
+
+
+def test_sessions_beyond_the_pool_run_alone_and_equal_serial(pair, counted):
+    model, drafter = pair
+    serial = Engine(model, drafter, backend="fast", max_budget=64)
+    pooled = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=2)
+    jobs = _jobs(9, 8)
+    want = [serial.generate(p, GenParams(max_new_tokens=n), s).output_ids for p, s, n in jobs]
+    got, _ = _drive(pooled, jobs, running=5)
+    assert [got[j] for j in range(len(jobs))] == want
+    assert counted and max(counted) == 2
+
+
+def test_a_failing_round_changes_no_session(pair, monkeypatch):
+    model, drafter = pair
+    pooled = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=3)
+    sessions = [pooled.start([1, 2, 3], GenParams(max_new_tokens=20), SpecParams("ddtree", 8)) for _ in range(3)]
+    pooled.step_many(sessions)  # prefills
+    pooled.step_many(sessions)
+    before = [(s._start, s._draft_cache.length, list(s.output_ids)) for s in sessions]
+    lengths = pooled.impl.pool.lengths.clone()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("verify failed")
+    monkeypatch.setattr(fast_batch, "verify_rows", broken)
+    with pytest.raises(RuntimeError):
+        pooled.step_many(sessions)
+    assert [(s._start, s._draft_cache.length, list(s.output_ids)) for s in sessions] == before
+    assert torch.equal(pooled.impl.pool.lengths, lengths)
+    monkeypatch.undo()
+    alone = Engine(model, drafter, backend="fast", max_budget=64)
+    want = alone.generate([1, 2, 3], GenParams(max_new_tokens=20), SpecParams("ddtree", 8)).output_ids
+    while not all(s.done for s in sessions):
+        pooled.step_many(sessions)
+    assert all(s.output_ids == want for s in sessions)
+
+
+def test_pool_sizing(pair):
+    model, drafter = pair
+    engine = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=3)
+    pool = engine.impl.pool
+    per_slot = slot_bytes(engine.target, engine.impl.drafts)
+    assert pool.nbytes() == 3 * per_slot
+    assert slots_for(per_slot * 5 + 1, engine.target, engine.impl.drafts) == 5
+    assert slots_for(per_slot - 1, engine.target, engine.impl.drafts) == 0
+    with pytest.raises(BadParams):
+        KVPool(engine.target, engine.impl.drafts, 0)
+
+
+def test_verify_timing_leaves_the_pool_as_it_was(pair):
+    model, drafter = pair
+    engine = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=3)
+    before = engine.impl.pool.lengths.clone()
+    assert fast_batch.verify_timing(engine, 3, 5, 20, repeats=2) > 0
+    assert torch.equal(engine.impl.pool.lengths, before)
