@@ -127,21 +127,31 @@ def resolve_pair(args: argparse.Namespace, workdir: Path) -> tuple[str, str, str
             "random, demo-shaped")
 
 
+def server_flags(model: str, draft: str, max_running: int, threads: int | None, batch: bool = True,
+                 device: str = "cpu", backend: str = "auto", dtype: str = "auto",
+                 context_window: int | None = None) -> list[str]:
+    """The builtin server's options for this bench (--grid parses them again to load its
+    in-process engine exactly as the server does)."""
+    flags = ["--model", model, "--draft", draft, "--device", device, "--port", "0",
+             "--max-running-requests", str(max_running), "--max-queued-requests", str(4 * max_running),
+             "--batch" if batch else "--no-batch", "--backend", backend, "--dtype", dtype]
+    if threads:
+        flags += ["--threads", str(threads)]
+    if context_window:
+        flags += ["--context-window", str(context_window)]
+    return flags
+
+
 def start_server(model: str, draft: str, max_running: int, log_path: Path,
                  threads: int | None, batch: bool = True, device: str = "cpu", backend: str = "auto",
-                 dtype: str = "auto", context_window: int | None = None):
+                 dtype: str = "auto", context_window: int | None = None, flags: list[str] | None = None):
     """A builtin server subprocess (tests/support/server.py's ServerProcess), with this process's
-    thread settings rather than the tests' one thread."""
+    thread settings rather than the tests' one thread; `flags` replaces the options built from the rest."""
     from tests.support.server import SERVER, ServerProcess
 
-    argv = [*SERVER, "--model", model, "--draft", draft, "--device", device, "--port", "0",
-            "--max-running-requests", str(max_running), "--max-queued-requests", str(4 * max_running),
-            "--batch" if batch else "--no-batch", "--backend", backend, "--dtype", dtype]
-    if threads:
-        argv += ["--threads", str(threads)]
-    if context_window:
-        argv += ["--context-window", str(context_window)]
-    return ServerProcess(argv, log_path, timeout_s=600, env={})
+    if flags is None:
+        flags = server_flags(model, draft, max_running, threads, batch, device, backend, dtype, context_window)
+    return ServerProcess([*SERVER, *flags], log_path, timeout_s=600, env={})
 
 
 def point(url: str, prompts, warm, concurrency: int, max_new_tokens: int, speculative: dict) -> dict:
@@ -404,12 +414,14 @@ def main() -> int:
     if grid_mode:
         from serving_grid import Clock, run_grid
 
-        def grid_server(max_running: int, log_name: str):
-            return start_server(model, draft, max_running, workdir / log_name, args.threads, batch=True,
-                                device=args.device, backend=args.backend, dtype=args.dtype,
-                                context_window=args.context_window)
+        def grid_flags(max_running: int) -> list[str]:
+            return server_flags(model, draft, max_running, args.threads, batch=True, device=args.device,
+                                backend=args.backend, dtype=args.dtype, context_window=args.context_window)
 
-        run_grid(args, model, draft, grid_server, report, save, Clock(clock_start, args.time_budget),
+        def grid_server(flags: list[str], log_name: str):
+            return start_server(model, draft, 0, workdir / log_name, None, flags=flags)
+
+        run_grid(args, grid_flags, grid_server, report, save, Clock(clock_start, args.time_budget),
                  transformers_verifier)
     elif not args.skip_serving:
         max_running = max(args.concurrency_list)

@@ -198,17 +198,27 @@ def drive(engine, prompts: list[list[int]], gen, spec, concurrency: int) -> dict
             "tau_weighted": spec_tokens / verifies if verifies else None}
 
 
-def load_engine(args, model: str, draft: str):
-    import torch
+def load_engine(args, flags: list[str]):
+    """The engine the server builds from the same options (server.py's own loader), warmed up
+    for the grid's budgets; Engine.load with those options if that loader is gone."""
+    from ddtree.engine.reference import server
 
-    from ddtree.engine.reference.engine import Engine
-
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     t0 = time.perf_counter()
-    engine = Engine.load(model, draft, device=args.device, dtype=dtype, backend=args.backend,
-                         context_window=args.context_window)
+    parsed = server.build_parser().parse_args(flags)
+    try:
+        engine = server._load(parsed)[0]
+    except AttributeError:  # the server's loader renamed: load as it did when this was written
+        import torch
+
+        from ddtree.engine.reference.engine import Engine
+
+        dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+        engine = Engine.load(parsed.model, parsed.draft, device=parsed.device, dtype=dtype,
+                             backend=parsed.backend, context_window=parsed.context_window)
     engine.warmup(budgets=tuple(args.budget_list))
+    pool = getattr(engine.impl, "pool", None)
     print(f"in-process engine: backend {engine.backend} ({engine.backend_reason}), cuda graphs {engine.graphs}, "
+          f"KV pool {'none' if pool is None else getattr(pool, 'slots', '?')} slots, "
           f"loaded and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
     return engine
 
@@ -340,6 +350,8 @@ def verify_grid(args, engine, transformers_verifier) -> dict:
     `transformers_verifier(engine, b, q, ctx, seed)` is bench_server's timer for that backend."""
     import torch
 
+    from ddtree.engine.reference.errors import BadParams
+
     out: dict = {"backend": engine.backend, "context": args.context, "repeats": args.repeats, "rows": []}
     if engine.backend == "fast":
         try:
@@ -365,26 +377,33 @@ def verify_grid(args, engine, transformers_verifier) -> dict:
     base = None
     for b in args.verify_b:
         for q in args.verify_q:
-            ms = time_ms(b, q)
+            try:
+                ms = time_ms(b, q)
+            except BadParams as exc:  # e.g. a KV pool with fewer slots than b rows
+                out["rows"].append({"b": b, "q": q, "skipped": str(exc)})
+                print(f"  verify b={b:3d} q={q:3d}: skipped ({exc})", flush=True)
+                continue
             base = base or ms  # the first point, (b, q) = (1, 1) by default: one decode step
             row = {"b": b, "q": q, "ms": ms, "ms_per_row": ms / b, "tokens_per_s": b * q / (ms / 1000),
                    "x_first": ms / base}
             out["rows"].append(row)
             print(f"  verify b={b:3d} q={q:3d}: {ms:8.2f} ms ({row['ms_per_row']:7.3f} ms/row, "
-                  f"x{row['x_first']:.2f} of b={args.verify_b[0]} q={args.verify_q[0]})", flush=True)
+                  f"x{row['x_first']:.2f} of the first point)", flush=True)
     return out
 
 
 # -- the whole mode ------------------------------------------------------------------------------
 
 
-def run_grid(args, model: str, draft: str, start_server: Callable[[int, str], object], report: dict,
-             save: Callable[[], None], clock: Clock, transformers_verifier) -> None:
-    """--grid and/or --verify-grid into report["grid"] / report["verify_grid"]. `start_server(
-    max_running, log_name)` starts the one batching server (bench_server.start_server's options)."""
+def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Callable[[list[str], str], object],
+             report: dict, save: Callable[[], None], clock: Clock, transformers_verifier) -> None:
+    """--grid and/or --verify-grid into report["grid"] / report["verify_grid"]. `server_flags(
+    max_running)` are the one batching server's options, `start_server(flags, log_name)` starts it;
+    the in-process engine is loaded from the same options."""
     specs = grid_specs(args.algorithms.split(","), args.budget_list)
     concurrencies = args.concurrency_list
-    grid: dict = {"concurrencies": concurrencies, "algorithms": [n for n, _ in specs],
+    flags = server_flags(max(concurrencies))
+    grid: dict = {"server_flags": flags, "concurrencies": concurrencies, "algorithms": [n for n, _ in specs],
                   "max_new_tokens": args.max_new_tokens, "backend_asked": args.backend, "dtype": args.dtype,
                   "prompts_per_cell": {c: max(args.num_prompts, 2 * c) for c in concurrencies}}
     timings: dict = {}
@@ -395,7 +414,7 @@ def run_grid(args, model: str, draft: str, start_server: Callable[[int, str], ob
     if args.grid and not args.skip_serving:
         server_cells = grid["server"] = []
         t0 = time.perf_counter()
-        proc = start_server(max(concurrencies), "server-grid.log")
+        proc = start_server(flags, "server-grid.log")
         try:
             timings["server_start"] = round(time.perf_counter() - t0, 1)
             print(f"server up in {timings['server_start']} s at {proc.url}", flush=True)
@@ -409,9 +428,12 @@ def run_grid(args, model: str, draft: str, start_server: Callable[[int, str], ob
     engine = None
     if (args.grid and not args.skip_inprocess) or args.verify_grid:
         t0 = time.perf_counter()
-        engine = load_engine(args, model, draft)
+        engine = load_engine(args, flags)
         timings["engine_load"] = round(time.perf_counter() - t0, 1)
-        report["inprocess_backend"] = engine.backend
+        pool = getattr(engine.impl, "pool", None)
+        report["inprocess_engine"] = {"backend": engine.backend, "backend_reason": engine.backend_reason,
+                                      "cuda_graphs": engine.graphs,
+                                      "pool_slots": None if pool is None else getattr(pool, "slots", None)}
     if args.grid and not args.skip_inprocess:
         grid["inprocess"] = []
         t0 = time.perf_counter()
