@@ -1,14 +1,21 @@
 """Benchmark the builtin server: throughput and TTFT at several concurrencies, ar vs dflash vs
-ddtree, with batched rounds (--batch) against one request per forward (--no-batch).
+ddtree, with batched rounds (--batch) against one request per forward (--no-batch); with --grid,
+issue 15's table: one batching server against the same loop in process.
 
-    .venv/bin/python bench/bench_server.py [--model DIR --draft DIR | --random-shape demo|1.7b]
-        [--device cpu|cuda] [--concurrency 1,4,8] [--budgets 4,8,16,32] [--algorithms ar,dflash,ddtree]
+    .venv/bin/python bench/bench_server.py [--model DIR --draft DIR | --random-shape demo|1.7b|8b]
+        [--device cpu|cuda] [--backend auto|fast|transformers] [--dtype auto|float32|bfloat16]
+        [--concurrency 1,4,8] [--budgets 4,8,16,32] [--algorithms ar,dflash,ddtree]
         [--num-prompts 16] [--max-new-tokens 64] [--threads 1] [--skip-serving] [--skip-batching]
-        [--out FILE.json]
+        [--grid [--skip-inprocess]] [--verify-grid [--verify-b 1,4,16,64] [--verify-q 1,17,65]]
+        [--time-budget SECONDS] [--out FILE.json]
 
 On a GPU, for the issue-5 figures (bench/RESULTS.md):
     python bench/bench_server.py --device cuda --random-shape 1.7b --concurrency 1,4,16 --budgets 16
+For issue 15's (bench/serving_grid.py says what each part measures):
+    python bench/bench_server.py --device cuda --random-shape 1.7b --grid --verify-grid --skip-batching \
+        --time-budget 540 --out grid-1.7b.json
 
+Without --grid:
 1. Starts two `python -m ddtree.engine.reference.server` processes on free ports, one with
    --batch and one with --no-batch (the demo pair by default; when it is not there yet, a random
    pair of the demo's shape: Qwen3 hidden 256, 8 layers, vocab 4096, 2-layer drafter, block 16).
@@ -18,11 +25,18 @@ On a GPU, for the issue-5 figures (bench/RESULTS.md):
 3. At each concurrency runs ar, dflash and ddtree@best on both servers, back to back in an order
    that alternates (same prompts, warm-up left out): output tok/s, TTFT p50/p99, tau, the ratio to
    ar at that concurrency, and the ratio batched / not batched.
-4. Stops the servers, then measures in-process (a) one target forward over k sequences of
-   (budget+1) tokens against k forwards of one sequence, with a context of --context tokens each;
-   (b) whole generations of k sessions stepped with Engine.step_many against the same k sessions
-   stepped one by one, interleaved, medians of --repeats/3 (at least 3); (c) what share of a DDTree round the
-   verify forward is.
+4. Stops the servers, then measures in-process on the transformers backend (a) one target
+   forward over k sequences of (budget+1) tokens against k forwards of one sequence, with a
+   context of --context tokens each; (b) whole generations of k sessions stepped with
+   Engine.step_many against the same k sessions stepped one by one, interleaved, medians of
+   --repeats/3 (at least 3); (c) what share of a DDTree round the verify forward is.
+
+With --grid (defaults then: --concurrency 1,4,16,64 --budgets 16,64), per concurrency and
+algorithm (ar, dflash, ddtree@each budget), --num-prompts or 2 x concurrency prompts, whichever
+is more: the server's output tok/s, TTFT p50/p99, ITL p50/p99 and tau through the sweep client,
+then the same cells in process with the server's engine and loop, server / in-process per cell,
+AR throughput c=16 / c=1, the DDTree-vs-AR crossover, and the issue's targets. --verify-grid:
+one batched verify forward's ms by rows b and tokens per row q at --context tokens of context.
 
 Results print as tables and go to --out as JSON. Numbers are medians of --repeats timings.
 """
