@@ -402,7 +402,9 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
     the in-process engine is loaded from the same options."""
     specs = grid_specs(args.algorithms.split(","), args.budget_list)
     concurrencies = args.concurrency_list
-    flags = server_flags(max(concurrencies))
+    # The verify grid's b rows run in the in-process engine's KV pool, which (once the server
+    # sizes one) follows --max-running-requests: room for the largest b as well.
+    flags = server_flags(max(concurrencies + (args.verify_b if args.verify_grid else [])))
     grid: dict = {"server_flags": flags, "concurrencies": concurrencies, "algorithms": [n for n, _ in specs],
                   "max_new_tokens": args.max_new_tokens, "backend_asked": args.backend, "dtype": args.dtype,
                   "prompts_per_cell": {c: max(args.num_prompts, 2 * c) for c in concurrencies}}
