@@ -143,7 +143,7 @@ def resolve_pair(args: argparse.Namespace, workdir: Path) -> tuple[str, str, str
 
 def server_flags(model: str, draft: str, max_running: int, threads: int | None, batch: bool = True,
                  device: str = "cpu", backend: str = "auto", dtype: str = "auto",
-                 context_window: int | None = None) -> list[str]:
+                 context_window: int | None = None, kv_pool_gb: float | None = None) -> list[str]:
     """The builtin server's options for this bench (--grid parses them again to load its
     in-process engine exactly as the server does)."""
     flags = ["--model", model, "--draft", draft, "--device", device, "--port", "0",
@@ -153,6 +153,8 @@ def server_flags(model: str, draft: str, max_running: int, threads: int | None, 
         flags += ["--threads", str(threads)]
     if context_window:
         flags += ["--context-window", str(context_window)]
+    if kv_pool_gb:
+        flags += ["--kv-pool-gb", str(kv_pool_gb)]
     return flags
 
 
@@ -387,6 +389,7 @@ def main() -> int:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights dtype (auto: bfloat16 on a GPU, float32 on a CPU and for the demo pair)")
     p.add_argument("--context-window", type=int, default=None, help="the servers' --context-window (default theirs)")
+    p.add_argument("--kv-pool-gb", type=float, default=None, help="--grid: the server's --kv-pool-gb (default theirs)")
     p.add_argument("--grid", action="store_true",
                    help="issue 15's table: one batching server and the same loop in process, per concurrency "
                         "and algorithm (replaces the batch / no-batch serving comparison)")
@@ -430,7 +433,8 @@ def main() -> int:
 
         def grid_flags(max_running: int) -> list[str]:
             return server_flags(model, draft, max_running, args.threads, batch=True, device=args.device,
-                                backend=args.backend, dtype=args.dtype, context_window=args.context_window)
+                                backend=args.backend, dtype=args.dtype, context_window=args.context_window,
+                                kv_pool_gb=args.kv_pool_gb)
 
         def grid_server(flags: list[str], log_name: str):
             return start_server(model, draft, 0, workdir / log_name, None, flags=flags)

@@ -216,11 +216,23 @@ def load_engine(args, flags: list[str]):
         engine = Engine.load(parsed.model, parsed.draft, device=parsed.device, dtype=dtype,
                              backend=parsed.backend, context_window=parsed.context_window)
     engine.warmup(budgets=tuple(args.budget_list))
-    pool = getattr(engine.impl, "pool", None)
     print(f"in-process engine: backend {engine.backend} ({engine.backend_reason}), cuda graphs {engine.graphs}, "
-          f"KV pool {'none' if pool is None else getattr(pool, 'slots', '?')} slots, "
-          f"loaded and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
+          f"KV pool {pool_usage(engine)}, loaded and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
     return engine
+
+
+def pool_usage(engine) -> dict | None:
+    """Engine.pool_usage() (slots, free slots, bytes, tokens) where the engine has one."""
+    usage = getattr(engine, "pool_usage", None)
+    return usage() if usage is not None else None
+
+
+def running_cap(engine, concurrency: int) -> int:
+    """Sessions run at once: as the server, no more than the KV pool has slots (it lowers
+    --max-running-requests to that)."""
+    pool = pool_usage(engine)
+    slots = pool.get("slots") if isinstance(pool, dict) else None
+    return min(concurrency, slots) if slots else concurrency
 
 
 def inprocess_grid(args, engine, specs, concurrencies: list[int], server_cells: list[dict] | None,
@@ -235,7 +247,7 @@ def inprocess_grid(args, engine, specs, concurrencies: list[int], server_cells: 
     gen = GenParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     every = prompts_for(args, max(concurrencies))
     drive(engine, [list(encode(p.text)) for p in every[0] + every[1]], GenParams(max_new_tokens=2),
-          SpecParams("ar"), max(concurrencies))
+          SpecParams("ar"), running_cap(engine, max(concurrencies)))
     for i, c in enumerate(concurrencies):
         prompts, warm = prompts_for(args, c)
         ids = [list(encode(p.text)) for p in prompts]
@@ -247,10 +259,11 @@ def inprocess_grid(args, engine, specs, concurrencies: list[int], server_cells: 
                               and (c, name) not in measured else "time budget"})
                 continue
             spec = SpecParams(spec_dict["algorithm"], spec_dict.get("budget", SpecParams().budget))
-            drive(engine, warm_ids, gen, spec, min(c, len(warm_ids)))
+            running = running_cap(engine, c)
+            drive(engine, warm_ids, gen, spec, min(running, len(warm_ids)))
             t0 = time.perf_counter()
-            cell = {"concurrency": c, "algorithm": name, "prompts": len(ids), **drive(engine, ids, gen, spec, c),
-                    "wall_s": round(time.perf_counter() - t0, 2)}
+            cell = {"concurrency": c, "algorithm": name, "prompts": len(ids), "running_cap": running,
+                    **drive(engine, ids, gen, spec, running), "wall_s": round(time.perf_counter() - t0, 2)}
             cells.append(cell)
             save()
             print(f"  in-process c={c:3d} {name:10s} {line(cell)}", flush=True)
@@ -432,10 +445,8 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
         t0 = time.perf_counter()
         engine = load_engine(args, flags)
         timings["engine_load"] = round(time.perf_counter() - t0, 1)
-        pool = getattr(engine.impl, "pool", None)
         report["inprocess_engine"] = {"backend": engine.backend, "backend_reason": engine.backend_reason,
-                                      "cuda_graphs": engine.graphs,
-                                      "pool_slots": None if pool is None else getattr(pool, "slots", None)}
+                                      "cuda_graphs": engine.graphs, "kv_pool": pool_usage(engine)}
     if args.grid and not args.skip_inprocess:
         grid["inprocess"] = []
         t0 = time.perf_counter()
