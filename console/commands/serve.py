@@ -36,7 +36,8 @@ def server_argv(args: argparse.Namespace) -> list[str]:
                         block_size=args.block_size, device=args.device, backend=args.backend, host=args.host,
                         port=args.port, dtype=args.dtype, max_running_requests=args.max_running_requests,
                         max_queued_requests=args.max_queued_requests, threads=args.threads, batch=args.batch,
-                        context_window=getattr(args, "context_window", None))
+                        context_window=getattr(args, "context_window", None),
+                        kv_pool_gb=getattr(args, "kv_pool_gb", None))
 
 
 def refusal(args: argparse.Namespace) -> str | None:

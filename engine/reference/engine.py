@@ -53,7 +53,8 @@ class Engine:
                  eos_token_ids: tuple[int, ...] = (), mask_token_id: int | None = None,
                  max_budget: int = DEFAULT_MAX_BUDGET, context_window: int | None = None,
                  block_size: int | None = None, backend: str = "transformers", graphs: bool = True,
-                 slots: int | None = None, compile: bool = True, pool_slots: int = 0) -> None:
+                 slots: int | None = None, compile: bool = True, pool_slots: int = 0,
+                 pool_bytes: int | None = None) -> None:
         """Wrap already-built modules (Engine.load builds them from checkpoints).
 
         backend: "transformers" (the reference, any architecture) or "fast" (our own forward for
@@ -126,7 +127,7 @@ class Engine:
             from ddtree.engine.reference.fast.backend import DEFAULT_SLOTS, FastPath
 
             self.impl = FastPath(self, self.target, self.drafter, slots=slots or DEFAULT_SLOTS, graphs=graphs,
-                                 compile=compile, pool_slots=pool_slots)
+                                 compile=compile, pool_slots=pool_slots, pool_bytes=pool_bytes)
         else:
             self.impl = TransformersPath(self)
 
@@ -172,13 +173,16 @@ class Engine:
              dtype=None, attn_implementation: str = "sdpa",
              max_budget: int = DEFAULT_MAX_BUDGET, block_size: int | None = None,
              algorithm: str | None = None, budget: int | None = None, backend: str = "auto",
-             context_window: int | None = None, graphs: bool = True, compile: bool = True) -> Engine:
+             context_window: int | None = None, graphs: bool = True, compile: bool = True,
+             pool_slots: int = 0, pool_bytes: int | None = None) -> Engine:
         """Load a target and (optionally) a DFlash drafter from dirs or hub ids.
 
         algorithm/budget: what the caller will decode with by default (a server's --algorithm). A
         speculative one on a target with recurrent layers is refused here, before any weight loads.
         backend: "auto" takes "fast" on CUDA for the architectures it supports and "transformers"
         otherwise; `engine.backend_reason` says why. "fast" on a CPU runs its non-graph code.
+        pool_slots/pool_bytes: the fast backend's KV pool, pool_slots sessions or as many as
+        pool_bytes hold if fewer (Engine's pool_slots); the transformers backend ignores both.
         """
         device = str(device)
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -209,7 +213,8 @@ class Engine:
                      draft_name=str(draft) if draft is not None else None,
                      eos_token_ids=eos_token_ids(target_dir, target.config, tokenizer),
                      mask_token_id=mask_id, max_budget=max_budget, block_size=block_size,
-                     backend=chosen, context_window=context_window, graphs=graphs, compile=compile)
+                     backend=chosen, context_window=context_window, graphs=graphs, compile=compile,
+                     pool_slots=pool_slots, pool_bytes=pool_bytes)
         engine.backend_reason = why
         log.info("backend %s: %s", chosen, why)
         return engine
@@ -237,6 +242,11 @@ class Engine:
             if spec.algorithm == "ddtree" and spec.budget > self.max_budget:
                 raise BadParams(f"budget {spec.budget} exceeds this engine's maximum {self.max_budget}")
         return Session(self, ids, gen, spec)
+
+    def pool_usage(self) -> dict | None:
+        """The fast backend's KV pool: slots, free slots, bytes, tokens held (None: no pool)."""
+        usage = getattr(self.impl, "pool_usage", None)
+        return usage() if usage is not None else None
 
     def step_many(self, sessions: list[Session]) -> list[list[int]]:
         """One round of each session, batched: every draft in one drafter forward and every verify

@@ -509,8 +509,10 @@ def _number(value: float) -> str:
     return repr(float(value))
 
 
-def render_metrics(stats: Stats, running: int, queued: int, labels: dict[str, str], now: float) -> str:
-    """The /metrics body: gauges, counters and latency histograms named as SGLang names them."""
+def render_metrics(stats: Stats, running: int, queued: int, labels: dict[str, str], now: float,
+                   pool: dict | None = None) -> str:
+    """The /metrics body: gauges, counters and latency histograms named as SGLang names them;
+    with a KV pool (Engine.pool_usage), its use as SGLang's token_usage and our slot gauges."""
     lab = _labels(labels)
     out: list[str] = []
 
@@ -536,6 +538,11 @@ def render_metrics(stats: Stats, running: int, queued: int, labels: dict[str, st
            "The average acceptance length of speculative decoding (recent rounds).", accept_length)
     scalar("sglang:spec_accept_rate", "gauge",
            "The average acceptance rate of speculative decoding (recent rounds).", accept_rate)
+    if pool is not None:
+        scalar("sglang:token_usage", "gauge", "The token usage of the KV pool (0..1).", pool["token_usage"])
+        scalar("ddtree:kv_pool_slots", "gauge", "Requests the KV pool holds.", pool["slots"])
+        scalar("ddtree:kv_pool_used_slots", "gauge", "KV pool slots held by running requests.", pool["used_slots"])
+        scalar("ddtree:kv_pool_bytes", "gauge", "Bytes of the KV pool.", pool["bytes"])
     with stats._lock:
         counters = [
             ("sglang:prompt_tokens_total", "Number of prefill tokens processed.", stats.prompt_tokens_total),

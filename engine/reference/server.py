@@ -161,6 +161,7 @@ def build_app(api: Api) -> Starlette:
             "context_length": engine.context_window,
             "max_running_requests": config.max_running, "max_queued_requests": config.max_queued,
             "batch": config.batch,
+            "kv_pool": engine.pool_usage(),
             "chat_template": "model" if api.has_chat_template else "fallback",
             "uptime_s": time.time() - api.started_at,
             "internal_states": [{
@@ -178,7 +179,7 @@ def build_app(api: Api) -> Starlette:
     async def metrics(request: Request) -> Response:
         running, queued = api.scheduler.counts()
         body = render_metrics(api.stats, running, queued, {"model_name": api.config.served_model_name},
-                              time.perf_counter())
+                              time.perf_counter(), api.engine.pool_usage())
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(request: Request) -> Response:
@@ -438,8 +439,12 @@ def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
         import torch
 
         dtype = getattr(torch, args.dtype)
+    batch = DEFAULT_BATCH if args.batch is None else args.batch
+    pool_bytes = None if args.kv_pool_gb is None else int(args.kv_pool_gb * 2**30)
+    # The fast backend batches in place from one KV pool: one slot per request it runs at once.
     engine = Engine.load(model, draft, device=args.device, dtype=dtype, backend=args.backend,
-                         context_window=args.context_window)
+                         context_window=args.context_window,
+                         pool_slots=args.max_running_requests if batch else 0, pool_bytes=pool_bytes)
     if args.block_size is not None and args.block_size != engine.block_size:
         # A shorter block drafts fewer positions per round (SGLang's --speculative-dflash-block-size);
         # the drafter has no causal mask inside a block, so any length up to the trained one works.
@@ -471,6 +476,10 @@ def main(argv: list[str] | None = None) -> int:
             raise BadRequest(f"--context-window must be at least 2, got {args.context_window}")
         if args.threads is not None and args.threads < 1:
             raise BadRequest(f"--threads must be at least 1, got {args.threads}")
+        if args.kv_pool_gb is not None and not args.kv_pool_gb > 0:
+            raise BadRequest(f"--kv-pool-gb must be a positive number, got {args.kv_pool_gb}")
+        if args.max_running_requests < 1:
+            raise BadRequest(f"--max-running-requests must be at least 1, got {args.max_running_requests}")
         engine, model_path, draft_path = engine_thread.call(_load, args)
         # A target served without a drafter has max_budget 0: the default must follow it down, not up.
         default_budget = DEFAULT_BUDGET if engine.max_budget is None else min(DEFAULT_BUDGET, engine.max_budget)
@@ -478,13 +487,19 @@ def main(argv: list[str] | None = None) -> int:
         if engine.max_budget is not None and not 0 <= budget <= engine.max_budget:
             raise BadRequest(f"--budget must be between 0 and {engine.max_budget}, got {budget}")
         algorithm = args.algorithm if engine.draft_name is not None else "ar"
+        max_running = args.max_running_requests
+        pool = engine.pool_usage()
+        if pool is not None and pool["slots"] < max_running:
+            log.warning("the KV pool holds %d requests: running at most %d at once (--max-running-requests %d)",
+                        pool["slots"], pool["slots"], max_running)
+            max_running = pool["slots"]
         if args.algorithm != "ar" and engine.draft_name is None:
             log.warning("no drafter loaded: serving %s requests as ar", args.algorithm)
         config = ServerConfig(algorithm=algorithm, budget=budget,
                               # the name a user gave, or the repo id; never the demo's install path
                               served_model_name=args.served_model_name or display_name(model_path),
                               model_path=model_path, draft_path=draft_path,
-                              max_running=args.max_running_requests, max_queued=args.max_queued_requests,
+                              max_running=max_running, max_queued=args.max_queued_requests,
                               graceful_timeout_s=args.graceful_timeout,
                               batch=DEFAULT_BATCH if args.batch is None else args.batch)
         engine_thread.call(warm_up, engine, config)

@@ -194,7 +194,8 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
                  device: str = "cpu", backend: str | None = "auto", host: str = HOST, port: int = 0,
                  dtype: str | None = None, max_running_requests: int | None = None,
                  max_queued_requests: int | None = None, threads: int | None = None,
-                 batch: bool | None = None, context_window: int | None = None) -> list[str]:
+                 batch: bool | None = None, context_window: int | None = None,
+                 kv_pool_gb: float | None = None) -> list[str]:
     """The builtin server's command line. Options left None are not passed (the server's default
     applies); model None is the server's demo pair."""
     argv = [python or sys.executable, "-m", BUILTIN_MODULE]
@@ -210,7 +211,7 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
     argv += ["--device", device, "--backend", backend or "auto", "--host", host, "--port", str(port)]
     for flag, value in (("--dtype", dtype), ("--max-running-requests", max_running_requests),
                         ("--max-queued-requests", max_queued_requests), ("--threads", threads),
-                        ("--context-window", context_window)):
+                        ("--context-window", context_window), ("--kv-pool-gb", kv_pool_gb)):
         if value is not None:
             argv += [flag, str(value)]
     if batch is not None:
@@ -241,6 +242,17 @@ def device_name(text: str) -> str:
     if name == "cpu" and not index or name == "cuda" and (not colon or index.isdigit()):
         return text
     raise argparse.ArgumentTypeError(f"unknown device {text!r} (cpu, cuda or cuda:N)")
+
+
+def positive_gb(text: str) -> float:
+    """An argparse type: a size in GiB > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
+    return value
 
 
 def port_number(text: str) -> int:
@@ -289,6 +301,10 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
     parser.add_argument("--batch", action=argparse.BooleanOptionalAction, default=None,
                         help="verify (and draft) all running requests in one forward per round "
                              "(default: on; --no-batch steps them one by one)")
+    parser.add_argument("--kv-pool-gb", type=positive_gb if passthrough else float, default=None,
+                        help="fast backend: GiB for the KV pool that batched requests share; it runs at most as "
+                             "many requests as it holds at the context window (default: room for "
+                             "--max-running-requests)")
 
 
 def _builtin(table: dict, *, algorithm: str, budget, tp: int, gpus, port: int) -> tuple[list[str], dict, list[str]]:

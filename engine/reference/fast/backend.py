@@ -63,10 +63,11 @@ class FastPath:
 
     def __init__(self, engine: Engine, target: FastTarget, drafter: DFlashDrafter | None, *,
                  slots: int = DEFAULT_SLOTS, graphs: bool = True, compile: bool = True,
-                 pool_slots: int = 0) -> None:
+                 pool_slots: int = 0, pool_bytes: int | None = None) -> None:
         """slots: sessions with captured CUDA graphs; pool_slots: sessions whose K/V live in one
         KV pool (fast/pool.py) that batched rounds read in place (0: no pool, a cache per
-        session). With a pool, the graph slots are its first slots."""
+        session), or as many as pool_bytes hold when that is fewer. With a pool, the graph
+        slots are its first slots."""
         self.engine = engine
         self.target = target
         self.drafts = None
@@ -96,10 +97,25 @@ class FastPath:
         self._parents_staged: torch.Tensor | None = None
         self._pool = None
         self.pool = None
+        # Homogeneous greedy rounds on the pool run as one graph per shape on CUDA
+        # (fast/batch_graph.py); batch_static runs that code without graphs (tests, on a CPU).
+        self.batch_static = False
+        self._round_stage = None
         if pool_slots:
-            from ddtree.engine.reference.fast.pool import KVPool
+            from ddtree.engine.reference.fast.pool import KVPool, slot_bytes, slots_for
 
-            self.pool = KVPool(target, self.drafts, max(int(pool_slots), self.slots if self.want_graphs else 0))
+            wanted = int(pool_slots)
+            if pool_bytes is not None:
+                fits = slots_for(pool_bytes, target, self.drafts)
+                if fits < 1:
+                    per = slot_bytes(target, self.drafts)
+                    raise ModelLoadError(
+                        f"a KV pool of {pool_bytes / 2**30:.2f} GiB holds no session: one takes "
+                        f"{per / 2**30:.2f} GiB at a {target.context_window}-token context window",
+                        "raise --kv-pool-gb or lower --context-window")
+                wanted = min(wanted, fits)
+            self.slots = min(self.slots, wanted)
+            self.pool = KVPool(target, self.drafts, wanted)
             if not self.want_graphs:
                 for i in range(self.pool.slots):
                     self.add_slot(self.pool.caches[i], self.pool.draft_caches[i] if self.drafts else None)
@@ -167,6 +183,27 @@ class FastPath:
                 self.add_slot(self.pool.caches[i], self.pool.draft_caches[i] if self.drafts else None)
             say(f"KV pool: {self.pool.slots} sessions, {self.pool.nbytes() / 2**30:.2f} GiB")
         self.graphs = True
+
+    def round_stage(self):
+        """The buffers of the pool's graphed rounds (made on first use)."""
+        if self._round_stage is None:
+            from ddtree.engine.reference.fast.batch_graph import RoundStage
+
+            self._round_stage = RoundStage(self.engine, self.pool)
+        return self._round_stage
+
+    def pool_usage(self) -> dict | None:
+        """What the KV pool holds now (read from host state only: safe from another thread)."""
+        pool = self.pool
+        if pool is None:
+            return None
+        free = len(self._free)
+        held = [lease.peek() for lease in list(self._leases.values())]
+        tokens = sum(info[0].length for info in held if info is not None)
+        return {"slots": pool.slots, "free_slots": free, "used_slots": pool.slots - free,
+                "bytes": pool.nbytes(), "bytes_per_token": pool.bytes_per_token,
+                "tokens_per_slot": pool.slot_tokens, "used_tokens": tokens,
+                "token_usage": tokens / (pool.slots * pool.slot_tokens)}
 
     def add_slot(self, cache, draft_cache) -> None:
         """Put a (target cache, drafter cache) pair in the pool that sessions draw from."""

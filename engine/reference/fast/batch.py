@@ -76,9 +76,18 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
     if len(pooled) == 1:
         alone += pooled
     elif pooled:
+        from ddtree.engine.reference.fast import batch_graph
+
+        members = [sessions[i] for i in pooled]
+        impl = engine.impl
+        kind = batch_graph.eligible(engine, members) if (impl.graphs or impl.batch_static) else None
         with torch.inference_mode():
-            for i, tokens in zip(pooled, batched_round(engine, [sessions[i] for i in pooled])):
-                out[i] = tokens
+            if kind is not None:
+                results = batch_graph.graphed_round(engine, members, kind, graphs=impl.graphs)
+            else:
+                results = batched_round(engine, members)
+        for i, tokens in zip(pooled, results):
+            out[i] = tokens
     for i in alone:
         out[i] = sessions[i].step()
     return out

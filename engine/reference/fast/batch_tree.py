@@ -192,14 +192,28 @@ def fetch_walks(trees: TreeBatch, posterior: torch.Tensor, order: torch.Tensor,
     """Every row's walk on the host in one transfer: per row (path_list, new_tokens), exactly
     fetch_walk's second and third items. The counts, orders and committed tokens of all rows
     go in one tensor and one .tolist(): the round's single host sync."""
-    b, q = order.shape
+    return unpack_walks(pack_walks(trees.tokens, posterior, order, count).tolist())
+
+
+def pack_walks(tokens: torch.Tensor, posterior: torch.Tensor, order: torch.Tensor,
+               count: torch.Tensor) -> torch.Tensor:
+    """[b, 1 + 2q] long on the device: each row's count, its order, then the tokens it commits
+    (graph-ready: fast/batch_graph.py packs inside the captured round)."""
+    q = order.shape[1]
     last = order.gather(1, (count - 1)[:, None])
     bonus = posterior.gather(1, last)                          # [b, 1] the next round's root
-    after = torch.cat((trees.tokens.gather(1, order[:, 1:]), bonus), dim=1)
+    after = torch.cat((tokens.gather(1, order[:, 1:]), bonus), dim=1)
     # Step i commits the token of the path's next node, except the last step: the bonus.
     at_end = torch.arange(q, device=order.device)[None, :] == (count - 1)[:, None]
     new = torch.where(at_end, bonus, after)
-    packed = torch.cat((count[:, None].long(), order, new.long()), dim=1).tolist()
+    return torch.cat((count[:, None].long(), order, new.long()), dim=1)
+
+
+def unpack_walks(packed: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+    """pack_walks' rows, read on the host, as (path_list, new_tokens) per row."""
+    if not packed:
+        return []
+    q = (len(packed[0]) - 1) // 2
     return [(row[1:1 + row[0]], row[1 + q:1 + q + row[0]]) for row in packed]
 
 

@@ -176,3 +176,49 @@ def test_verify_timing_leaves_the_pool_as_it_was(pair):
     before = engine.impl.pool.lengths.clone()
     assert fast_batch.verify_timing(engine, 3, 5, 20, repeats=2) > 0
     assert torch.equal(engine.impl.pool.lengths, before)
+
+
+# ---- the graphed round's code (fast/batch_graph.py), run without graphs -----------------------
+@pytest.fixture
+def graphed(monkeypatch):
+    from ddtree.engine.reference.fast import batch_graph
+
+    calls = []
+    real = batch_graph.static_round
+
+    def spy(engine, stage, mode, budget, b, span):
+        calls.append((mode, budget, b))
+        return real(engine, stage, mode, budget, b, span)
+    monkeypatch.setattr(batch_graph, "static_round", spy)
+    return calls
+
+
+@pytest.mark.parametrize("spec", [SpecParams("ar"), SpecParams("dflash"), SpecParams("ddtree", 4),
+                                  SpecParams("ddtree", 64)], ids=lambda s: f"{s.algorithm}{s.budget}")
+def test_static_rounds_equal_serial(pair, graphed, spec):
+    model, drafter = pair
+    serial = Engine(model, drafter, backend="fast", max_budget=64)
+    pooled = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=5)
+    pooled.impl.batch_static = True
+    rng = random.Random(21)
+    jobs = [([rng.randrange(64) for _ in range(rng.randrange(1, 14))], spec, rng.randrange(1, 40))
+            for _ in range(14)]
+    want = [serial.generate(p, GenParams(max_new_tokens=n), s).output_ids for p, s, n in jobs]
+    got, _ = _drive(pooled, jobs, running=5)
+    assert [got[j] for j in range(len(jobs))] == want
+    assert graphed and {b for _, _, b in graphed} <= {2, 4, 5}  # slots 0..b-1, b a power of two or all
+    assert len(pooled.impl._free) == pooled.impl.pool.slots
+
+
+def test_static_rounds_mixed_with_eager_ones_and_drops(pair, graphed):
+    model, drafter = pair
+    serial = Engine(model, drafter, backend="fast", max_budget=64)
+    pooled = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=6)
+    pooled.impl.batch_static = True
+    jobs = _jobs(31, 30)
+    got, gone = _drive(pooled, jobs, running=6, rng=random.Random(5))
+    for j in got:
+        prompt, spec, n = jobs[j]
+        assert got[j] == serial.generate(prompt, GenParams(max_new_tokens=n), spec).output_ids, j
+    gc.collect()
+    assert len(pooled.impl._free) == pooled.impl.pool.slots

@@ -1,0 +1,309 @@
+"""A whole batched round as one CUDA graph, for the rounds a load test is made of: every session
+greedy, one algorithm, one budget (fast/batch.py runs every other mix eagerly).
+
+One replay does what fast/batch.py does step by step, over slots 0..b-1 (b a power of two):
+append each row's staged features to its drafter rows, draft the block, build the trees, verify
+them in one target forward, take the argmax, walk, move the accepted K/V rows into place, add
+the accepted lengths, and stage what the next round needs (its bonus, and the accepted rows'
+features, which the next append reads where they are). The host then reads one packed tensor.
+
+Every shape follows from the key (mode, budget, b, span), so a graph per key serves any round
+with those; nothing in the replay reads a host value. Rows are told apart by `active`: a row
+whose slot has no part in the round (free, or its session not in it) still computes, but its
+lengths, staged features and bonus stay as they were and its K/V writes land past its length,
+where no query looks (the pool's invariant). Capture runs with every row inactive, so it may
+happen between any two rounds of a live server.
+
+A row's tree may be deeper than its session may go (Session._depth_cap: tokens still wanted, the
+context window): nodes past the row's cap get token -1 and are never accepted. So the committed
+tokens are still the target's greedy choices, exactly what plain decoding gives; only the tree
+differs from the one the single path would build at that cap, which changes no output.
+
+On a CPU the same function runs without a graph (FastPath.batch_static, for tests).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.engine.reference.fast.batch import batch_plan
+from ddtree.engine.reference.fast.batch_tree import (
+    TreeBatch,
+    build_trees_device,
+    chains_device,
+    pack_walks,
+    pad_batch,
+    roots_only,
+    unpack_walks,
+    walk_batch,
+)
+from ddtree.engine.reference.fast.cache import kv_bucket
+from ddtree.engine.reference.fast.draft import _apply_rope
+
+if TYPE_CHECKING:
+    from ddtree.engine.reference.decode import Session
+    from ddtree.engine.reference.engine import Engine
+    from ddtree.engine.reference.fast.pool import KVPool
+
+_WARMUP_RUNS = 2
+
+
+class RoundStage:
+    """The buffers every round graph of one pool reads and writes (graphs bake their addresses)."""
+
+    def __init__(self, engine: Engine, pool: KVPool) -> None:
+        slots, device = pool.slots, pool.lengths.device
+        drafts = engine.impl.drafts
+        self.bonus = torch.zeros(slots, dtype=torch.long, device=device)
+        self.cap = torch.zeros(slots, dtype=torch.long, device=device)
+        self.active = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.count = torch.zeros(slots, dtype=torch.long, device=device)   # staged feature rows
+        self.feats = None
+        if drafts is not None:
+            self.feats = torch.zeros((slots, drafts.block_size, drafts.feature_width),
+                                     dtype=drafts.dtype, device=device)
+        # slot -> (session id, rows) whose bonus and features the stage holds after a graph round.
+        self.holds: dict[int, tuple[int, int]] = {}
+        self.graphs: dict[tuple, tuple[object, torch.Tensor]] = {}
+        self.graph_pool = None
+
+
+def eligible(engine: Engine, sessions: list[Session]) -> tuple | None:
+    """(mode, budget) when these sessions can share a graphed round, else None."""
+    first = sessions[0]
+    if any(not s.gen.greedy or s.mode != first.mode for s in sessions):
+        return None
+    if first.mode == "tree" and any(s.spec.budget != first.spec.budget for s in sessions):
+        return None
+    if first.mode != "ar":
+        block = engine.impl.drafts.block_size
+        if any(s._pending is None or s._pending.shape[0] > block for s in sessions):
+            return None  # a prompt's features: the eager round appends them
+    return first.mode, int(first.spec.budget) if first.mode == "tree" else 0
+
+
+def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graphs: bool) -> list[list[int]]:
+    """The round of these sessions (all eligible with `kind`) through the stage; graphs=False
+    runs the same code without capture."""
+    impl, target = engine.impl, engine.target
+    pool: KVPool = impl.pool
+    stage: RoundStage = impl.round_stage()
+    slots = [pool.index_of(s._cache) for s in sessions]
+    b = 1
+    while b < max(slots) + 1:
+        b *= 2
+    b = min(b, pool.slots)
+    mode, budget = kind
+    depth = engine.block_size - 1
+    q = _width(engine, mode, budget, depth)
+    span = max(s._start for s in sessions) + q
+    if target.bucket_kv:
+        span = kv_bucket(target.new_cache_rows(), span)
+    else:
+        span = target.new_cache_rows()
+    device = pool.lengths.device
+    t0 = engine.clock()
+    # What the stage must hold: the active rows, their depth caps and, where a session's
+    # features are not already staged (it joined, or ran elsewhere), its bonus and features.
+    active = [False] * pool.slots
+    caps = [0] * pool.slots
+    staged = []
+    for s, r in zip(sessions, slots):
+        active[r] = True
+        caps[r] = s._depth_cap()
+        if mode != "ar":
+            rows = int(s._pending.shape[0])
+            held = stage.holds.get(r)
+            if held != (id(s), rows) or s._pending.data_ptr() != stage.feats[r].data_ptr():
+                staged.append((s, r, rows))
+    stage.active.copy_(torch.tensor(active, device=device))
+    stage.cap.copy_(torch.tensor(caps, device=device))
+    for s, r, rows in staged:
+        stage.feats[r, :rows].copy_(s._pending)
+        stage.count[r] = rows
+        stage.bonus[r] = s._bonus
+    if mode == "ar":
+        for s, r in zip(sessions, slots):
+            stage.bonus[r] = s._bonus
+    key = (mode, budget, b, span)
+    saved = (pool.lengths.clone(), pool.dlengths.clone() if pool.dlengths is not None else None)
+    try:
+        packed = _replay(engine, stage, key) if graphs else static_round(engine, stage, *key)
+        rows_out = unpack_walks(packed[:b].tolist())  # the round's one host sync
+    except BaseException:
+        # No session has changed: put the lengths back and forget what the stage held.
+        pool.lengths.copy_(saved[0])
+        if saved[1] is not None:
+            pool.dlengths.copy_(saved[1])
+        stage.holds.clear()
+        raise
+    t1 = engine.clock()
+    target._last = target.staged = None
+    impl._staged_tree = impl._parents_staged = None
+    committed = []
+    for s, r in zip(sessions, slots):
+        path, new = rows_out[r]
+        tau = len(path)
+        if mode != "ar":
+            s._draft_cache.length += int(s._pending.shape[0])
+        s._cache.length = s._start + tau
+        s._cache.moved = None
+        features = stage.feats[r, :tau] if mode != "ar" else None
+        stage.holds[r] = (id(s), tau)
+        committed.append(s._advance(path, new, features, drafted=mode != "ar"))
+    share = (t1 - t0) / len(sessions)
+    for s in sessions:
+        s.timings["verify"] += share
+    return committed
+
+
+def _width(engine: Engine, mode: str, budget: int, depth: int) -> int:
+    """The query bucket a round of this kind pads its trees to."""
+    vocab = engine.target.vocab_size
+    if mode == "ar":
+        n = 1
+    elif mode == "chain":
+        n = 1 + depth
+    else:
+        total, width = 0, 1
+        for _ in range(depth):  # prefixes of length 1..depth, as build_tree_device counts them
+            width = min(budget, width * vocab)
+            total += width
+        n = 1 + min(budget, total)
+    return next((size for size in engine.target.buckets if size >= n), n)
+
+
+def _replay(engine: Engine, stage: RoundStage, key: tuple) -> torch.Tensor:
+    found = stage.graphs.get(key)
+    if found is None:
+        found = stage.graphs[key] = capture(engine, stage, key)
+    graph, packed = found
+    graph.replay()
+    return packed
+
+
+def capture(engine: Engine, stage: RoundStage, key: tuple) -> tuple[object, torch.Tensor]:
+    """Record static_round for this key with every row inactive (so nothing any session holds
+    changes), then restore the rows' activity."""
+    device = stage.bonus.device
+    saved = stage.active.clone()
+    stage.active.zero_()
+    if stage.graph_pool is None:
+        stage.graph_pool = torch.cuda.graph_pool_handle()
+    with torch.inference_mode():
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(_WARMUP_RUNS):
+                static_round(engine, stage, *key)
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=stage.graph_pool):
+            packed = static_round(engine, stage, *key)
+    stage.active.copy_(saved)
+    return graph, packed
+
+
+def static_round(engine: Engine, stage: RoundStage, mode: str, budget: int, b: int, span: int) -> torch.Tensor:
+    """One round over slots 0..b-1 with shapes fixed by the arguments; returns the packed walks
+    [b, 1 + 2q] (pack_walks)."""
+    target = engine.target
+    pool: KVPool = engine.impl.pool
+    device = pool.lengths.device
+    active = stage.active[:b]
+    bonus = stage.bonus[:b]
+    if mode == "ar":
+        trees = roots_only(bonus)
+    else:
+        logits = _draft(engine, stage, b, span)
+        if mode == "chain":
+            trees = chains_device(bonus, logits)
+        else:
+            trees = build_trees_device(bonus, torch.log_softmax(logits, dim=-1), budget)
+        q = _width(engine, mode, budget, logits.shape[1])
+        if q > trees.width:
+            trees = pad_batch([trees], q)
+        # Nodes deeper than a row may go are never accepted (see the module docstring).
+        tokens = torch.where(trees.depths > stage.cap[:b, None], -1, trees.tokens)
+        trees = TreeBatch(tokens, trees.depths, trees.parents, trees.visible, trees.sizes)
+    q = trees.tokens.shape[1]
+    lengths = pool.lengths[:b]
+    start = lengths.clone()
+    plan = batch_plan(target, lengths, trees.visible, span)
+    positions = lengths[:, None] + trees.depths
+    layers = target.feature_layers if mode != "ar" else ()
+    hidden, feats = target.model(trees.tokens.clamp(min=0).view(-1), positions.reshape(-1),
+                                 pool.k, pool.v, plan, layers)
+    # The argmax of the model-dtype logits is that of their float32 copy (the cast is exact).
+    posterior = target.lm_head(hidden).argmax(dim=-1).view(b, q)
+    order, count = walk_batch(trees, posterior)
+    packed = pack_walks(trees.tokens, posterior, order, count)
+    # Commit: every row's accepted K/V rows to start.., its length, its next bonus and features.
+    slot_rows = torch.arange(b, device=device)[:, None].expand(b, q)
+    src = start[:, None] + order
+    dst = start[:, None] + torch.arange(q, device=device)[None]
+    for cache in (pool.k, pool.v):
+        cache[:, slot_rows, :, dst] = cache[:, slot_rows, :, src]
+    lengths.add_(torch.where(active, count, 0))
+    last = order.gather(1, (count - 1)[:, None])
+    stage.bonus[:b] = torch.where(active, posterior.gather(1, last)[:, 0], bonus)
+    if mode != "ar" and feats is not None:
+        rows = min(q, stage.feats.shape[1])
+        width = feats.shape[-1]
+        picked = feats.view(b, q, width).gather(1, order[:, :rows, None].expand(b, rows, width))
+        stage.feats[:b, :rows] = torch.where(active[:, None, None], picked, stage.feats[:b, :rows])
+        stage.count[:b] = torch.where(active, count, stage.count[:b])
+    return packed
+
+
+def _draft(engine: Engine, stage: RoundStage, b: int, span: int) -> torch.Tensor:
+    """Append the staged features of the active rows, then draft every row's block: draft
+    logits [b, depth, V] float32 (depth = engine.block_size - 1)."""
+    drafts = engine.impl.drafts
+    pool: KVPool = engine.impl.pool
+    device = pool.lengths.device
+    block, width = drafts.block_size, stage.feats.shape[1]
+    active = stage.active[:b]
+    count = torch.where(active, stage.count[:b], 0)
+    lengths = pool.dlengths[:b]
+    steps = torch.arange(max(block, width), device=device)
+    positions = lengths[:, None] + steps[:width]
+    scratch = pool.dk.shape[3] - 1
+    rows = torch.where(steps[None, :width] < count[:, None], positions, scratch)
+    slot_rows = torch.arange(b, device=device)[:, None]
+    ctx, cos, sin = drafts._project(stage.feats[:b].reshape(b * width, -1), positions.reshape(-1))
+    kvh, heads, g, d = drafts.num_kv_heads, drafts.num_heads, drafts.groups, drafts.head_dim
+    for i, layer in enumerate(drafts.drafter.layers):
+        k, v = drafts._context_kv(layer, ctx, cos, sin)
+        pool.dk[i][slot_rows.expand(b, width), :, rows] = k.view(b, width, kvh, d)
+        pool.dv[i][slot_rows.expand(b, width), :, rows] = v.view(b, width, kvh, d)
+    lengths.add_(count)
+    dspan = min(span + block, pool.dk.shape[3])
+    ids = torch.full((b, block), engine.mask_token_id, dtype=torch.long, device=device)
+    ids[:, 0] = stage.bonus[:b]
+    positions = lengths[:, None] + steps[:block]
+    visible = (torch.arange(dspan, device=device)[None] < (lengths + block)[:, None])[:, None, None, :]
+    x = drafts.embed(ids.view(-1))
+    cos, sin = drafts._rope(positions.reshape(-1), x.dtype)
+    n = b * block
+    for i, layer in enumerate(drafts.drafter.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        qh = attn.q_norm(attn.q_proj(h).view(n, heads, d))
+        k = attn.k_norm(attn.k_proj(h).view(n, kvh, d))
+        v = attn.v_proj(h).view(n, kvh, d)
+        qh, k = _apply_rope(qh, cos, sin), _apply_rope(k, cos, sin)
+        pool.dk[i][slot_rows.expand(b, block), :, positions] = k.view(b, block, kvh, d)
+        pool.dv[i][slot_rows.expand(b, block), :, positions] = v.view(b, block, kvh, d)
+        folded = qh.view(b, block, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * block, d)
+        out = F.scaled_dot_product_attention(folded, pool.dk[i][:b, :, :dspan], pool.dv[i][:b, :, :dspan],
+                                             attn_mask=visible, scale=drafts.scaling)
+        out = out.view(b, kvh, g, block, d).permute(0, 3, 1, 2, 4).reshape(n, heads * d)
+        x = x + attn.o_proj(out)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    hidden = drafts.drafter.norm(x).view(b, block, -1)[:, 1:engine.block_size]
+    return drafts.lm_head(hidden).float()
