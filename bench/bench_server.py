@@ -143,7 +143,8 @@ def resolve_pair(args: argparse.Namespace, workdir: Path) -> tuple[str, str, str
 
 def server_flags(model: str, draft: str, max_running: int, threads: int | None, batch: bool = True,
                  device: str = "cpu", backend: str = "auto", dtype: str = "auto",
-                 context_window: int | None = None, kv_pool_gb: float | None = None) -> list[str]:
+                 context_window: int | None = None, kv_pool_gb: float | None = None,
+                 capture_budgets: tuple[int, ...] = ()) -> list[str]:
     """The builtin server's options for this bench (--grid parses them again to load its
     in-process engine exactly as the server does)."""
     flags = ["--model", model, "--draft", draft, "--device", device, "--port", "0",
@@ -155,6 +156,8 @@ def server_flags(model: str, draft: str, max_running: int, threads: int | None, 
         flags += ["--context-window", str(context_window)]
     if kv_pool_gb:
         flags += ["--kv-pool-gb", str(kv_pool_gb)]
+    if capture_budgets:
+        flags += ["--capture-budgets", ",".join(str(b) for b in capture_budgets)]
     return flags
 
 
@@ -434,7 +437,7 @@ def main() -> int:
         def grid_flags(max_running: int) -> list[str]:
             return server_flags(model, draft, max_running, args.threads, batch=True, device=args.device,
                                 backend=args.backend, dtype=args.dtype, context_window=args.context_window,
-                                kv_pool_gb=args.kv_pool_gb)
+                                kv_pool_gb=args.kv_pool_gb, capture_budgets=tuple(args.budget_list))
 
         def grid_server(flags: list[str], log_name: str):
             return start_server(model, draft, 0, workdir / log_name, None, flags=flags)

@@ -47,6 +47,8 @@ class ServerConfig:
     #: One batched round over all running requests per turn (Engine.step_many) instead of one
     #: Session.step() per request.
     batch: bool = False
+    #: DDTree budgets whose graphs warm-up captures besides `budget`'s (fast backend on CUDA).
+    capture_budgets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:

@@ -360,7 +360,8 @@ def print_progress(message: str) -> None:
 def warm_up(engine: Engine, config: ServerConfig, progress=print_progress) -> None:
     """The backend's own warm-up (CUDA graph capture on the fast backend), then short generations
     (alone, and two batched), so the first real requests do not pay for lazy initialisation."""
-    engine.warmup(progress=progress, budgets=(config.budget,) if config.algorithm == "ddtree" else ())
+    budgets = set(config.capture_budgets) | ({config.budget} if config.algorithm == "ddtree" else set())
+    engine.warmup(progress=progress, budgets=tuple(sorted(budgets)))
     ids = list(engine.tokenizer.encode("def main():\n    ")) or list(engine.eos_token_ids or [0])
     gen = GenParams(max_new_tokens=8, temperature=0.0)
     spec = SpecParams(algorithm=config.algorithm, budget=config.budget)
@@ -410,11 +411,24 @@ def _uvicorn_server(app: Starlette, api: Api, announce: Any, graceful_timeout_s:
     return Server(config)
 
 
+def _budget_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected budgets like 16,64, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"budgets must be >= 1, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {BUILTIN_MODULE}",
                                 description="The builtin DFlash/DDTree engine behind an SGLang-compatible HTTP API.")
     add_builtin_options(p, passthrough=False, default_budget=DEFAULT_BUDGET)
     p.add_argument("--served-model-name", default=None, help="the model name the OpenAI endpoints report")
+    p.add_argument("--capture-budgets", type=_budget_list, default=(),
+                   help="fast backend on CUDA: DDTree budgets (comma-separated) whose graphs are captured before "
+                        "/health turns 200, besides --budget's; other budgets capture on their first round")
     p.add_argument("--graceful-timeout", type=float, default=60.0,
                    help="seconds in-flight requests get to finish after SIGTERM (default: 60)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
@@ -501,7 +515,9 @@ def main(argv: list[str] | None = None) -> int:
                               model_path=model_path, draft_path=draft_path,
                               max_running=max_running, max_queued=args.max_queued_requests,
                               graceful_timeout_s=args.graceful_timeout,
-                              batch=DEFAULT_BATCH if args.batch is None else args.batch)
+                              batch=DEFAULT_BATCH if args.batch is None else args.batch,
+                              capture_budgets=tuple(b for b in args.capture_budgets
+                                                    if engine.max_budget is None or b <= engine.max_budget))
         engine_thread.call(warm_up, engine, config)
         sock = bind_socket(args.host, args.port)
     except EngineError as exc:

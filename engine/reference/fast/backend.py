@@ -183,6 +183,10 @@ class FastPath:
                 self.add_slot(self.pool.caches[i], self.pool.draft_caches[i] if self.drafts else None)
             say(f"KV pool: {self.pool.slots} sessions, {self.pool.nbytes() / 2**30:.2f} GiB")
         self.graphs = True
+        if self.pool is not None and self.pool.slots > 1:
+            from ddtree.engine.reference.fast.batch_graph import precapture
+
+            precapture(self.engine, tuple(b for b in budgets if b > 0), say)
 
     def round_stage(self):
         """The buffers of the pool's graphed rounds (made on first use)."""

@@ -160,6 +160,39 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
     return committed
 
 
+def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
+    """Capture the round graphs a server meets first, before it takes requests: AR, DFlash and
+    DDTree at these budgets, every power-of-two batch up to the pool, at the two smallest KV
+    spans (longer contexts capture on their first round). Returns how many it captured."""
+    from ddtree.engine.reference.fast.cache import kv_buckets
+
+    pool = engine.impl.pool
+    stage = engine.impl.round_stage()
+    kinds = [("ar", 0)]
+    if engine.impl.drafts is not None:
+        kinds += [("chain", 0)] + [("tree", int(b)) for b in budgets if 0 < b <= engine.max_budget]
+    sizes, b = [], 2
+    while b < pool.slots:
+        sizes.append(b)
+        b *= 2
+    sizes.append(pool.slots)
+    depth = engine.block_size - 1
+    spans = kv_buckets(engine.target.new_cache_rows())
+    made = 0
+    for mode, budget in kinds:
+        q = _width(engine, mode, budget, depth)
+        for span in sorted({kv_bucket(engine.target.new_cache_rows(), size + q) for size in spans[:2]}):
+            for b in sizes:
+                key = (mode, budget, b, span)
+                if key not in stage.graphs:
+                    stage.graphs[key] = capture(engine, stage, key)
+                    made += 1
+        if progress is not None:
+            progress(f"captured batched-round graphs for {mode}{'@' + str(budget) if budget else ''} "
+                     f"(batches {sizes})")
+    return made
+
+
 def _width(engine: Engine, mode: str, budget: int, depth: int) -> int:
     """The query bucket a round of this kind pads its trees to."""
     vocab = engine.target.vocab_size

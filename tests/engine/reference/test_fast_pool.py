@@ -222,3 +222,33 @@ def test_static_rounds_mixed_with_eager_ones_and_drops(pair, graphed):
         assert got[j] == serial.generate(prompt, GenParams(max_new_tokens=n), spec).output_ids, j
     gc.collect()
     assert len(pooled.impl._free) == pooled.impl.pool.slots
+
+
+def test_round_widths_are_the_widths_the_trees_get(pair):
+    """The graph key's query width, known before the round, is the bucket of the tree it builds."""
+    from ddtree.engine.reference.fast import batch_graph
+    from ddtree.engine.reference.fast.batch_tree import build_trees_device
+
+    model, drafter = pair
+    engine = Engine(model, drafter, backend="fast", max_budget=256, pool_slots=2)
+    depth = engine.block_size - 1
+    logits = torch.randn(2, depth, engine.target.vocab_size).log_softmax(-1)
+    for budget in (1, 2, 4, 16, 64, 255, 256):
+        width = build_trees_device(torch.zeros(2, dtype=torch.long), logits, budget).width
+        bucket = next(b for b in engine.target.buckets if b >= width)
+        assert batch_graph._width(engine, "tree", budget, depth) == bucket, budget
+    assert batch_graph._width(engine, "chain", 0, depth) == next(b for b in engine.target.buckets if b > depth)
+    assert batch_graph._width(engine, "ar", 0, depth) == 1
+
+
+def test_precapture_covers_every_batch_size_and_kind(pair, monkeypatch):
+    from ddtree.engine.reference.fast import batch_graph
+
+    model, drafter = pair
+    engine = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=6)
+    monkeypatch.setattr(batch_graph, "capture", lambda engine, stage, key: ("graph", key))
+    said = []
+    made = batch_graph.precapture(engine, (16, 64, 500), said.append)
+    keys = set(engine.impl.round_stage().graphs)
+    assert {(m, b) for m, b, _, _ in keys} == {("ar", 0), ("chain", 0), ("tree", 16), ("tree", 64)}
+    assert {k[2] for k in keys} == {2, 4, 6} and made == len(keys) and len(said) == 4

@@ -18,7 +18,8 @@ from ....support.server import SERVER, TEST_ENV, ServerProcess
 
 pytestmark = pytest.mark.slow
 
-WINDOW = 256
+# Long enough that the requests a burst holds open are still decoding when its last ones arrive.
+WINDOW = 4096
 PROMPTS = ["def parse(s):\n    ", "import json\n", "class Decoder:\n", "for key, value in"]
 
 
@@ -59,8 +60,9 @@ def test_past_the_pool_and_the_queue_answers_503(pooled):
     async def burst():
         statuses = []
         async with httpx.AsyncClient(timeout=120) as http:
-            body = {"text": PROMPTS[1], "sampling_params": {"max_new_tokens": 200, "temperature": 0.0,
-                                                            "ignore_eos": True}, "stream": True}
+            body = {"text": PROMPTS[1], "sampling_params": {"max_new_tokens": WINDOW - 64, "temperature": 0.0,
+                                                            "ignore_eos": True},
+                    "speculative": {"algorithm": "ar"}, "stream": True}
             async with contextlib.AsyncExitStack() as stack:
                 async def open_one():
                     r = await stack.enter_async_context(http.stream("POST", pooled.url + "/generate", json=body))

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 15 on a GPU box: the KV pool's CUDA tests, then bench_server.py --grid (through the HTTP
+# server with the sweep client, and the same loop in process) and --verify-grid. Writes under $OUT.
+# The lent H200 machines lack starlette and uvicorn: put their wheels in .whl/ (README of bench).
+#   PART=tests bash bench/gpu_pool.sh        # the CUDA tests (cuda-pool-tests.txt)
+#   PART=grid SHAPE=1.7b bash bench/gpu_pool.sh  # the grid (grid-$SHAPE.{json,txt})
+set -u
+OUT=${OUT:-$PWD/gpu-pool-out}; mkdir -p "$OUT"
+PART=${PART:-all}
+SHAPE=${SHAPE:-1.7b}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+rm -rf /tmp/site  # a warm machine keeps the last install, and pip --target does not replace it
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >"$OUT/install.log" 2>&1 \
+    || { cat "$OUT/install.log"; exit 1; }
+export PYTHONPATH=/tmp/site
+python3 -c "import aiohttp, httpx, starlette, uvicorn" || exit 1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
+if [ "$PART" != grid ]; then
+    tests=${CUDA_TESTS:-tests/engine/reference/test_cuda_pool.py tests/engine/reference/test_batch_tree.py}
+    timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m cuda -x $tests > "$OUT/cuda-pool-tests.txt" 2>&1
+    tail -15 "$OUT/cuda-pool-tests.txt"
+fi
+if [ "$PART" != tests ]; then
+    timeout ${GRID_TIMEOUT:-420} python3 bench/bench_server.py --device cuda --random-shape "$SHAPE" --grid --verify-grid \
+        --skip-batching --context-window ${CONTEXT_WINDOW:-2048} --max-new-tokens ${MAX_NEW:-64} \
+        --time-budget ${TIME_BUDGET:-380} --out "$OUT/grid-$SHAPE.json" ${GRID_ARGS:-} 2>&1 \
+        | grep -v "Loading weights\|Writing model" | tee "$OUT/grid-$SHAPE.txt"
+    cp /tmp/bench-server-*/server-grid.log "$OUT/" 2>/dev/null
+fi
