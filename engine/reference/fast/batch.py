@@ -79,6 +79,7 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         from ddtree.engine.reference.fast import batch_graph
 
         members = [sessions[i] for i in pooled]
+        append_prompts(engine, members)
         impl = engine.impl
         kind = batch_graph.eligible(engine, members) if (impl.graphs or impl.batch_static) else None
         with torch.inference_mode():
@@ -162,6 +163,22 @@ def batched_round(engine: Engine, sessions: list[Session]) -> list[list[int]]:
 
 
 # ---- the drafter ------------------------------------------------------------------------------
+def append_prompts(engine: Engine, sessions: list[Session]) -> None:
+    """A prompt's features (pending after a prefill) go into its drafter rows alone, before the
+    batched round: padding every row of a batched append to a prompt's length would multiply
+    its work. The first draft then appends nothing, as the single path's would after it."""
+    drafts = engine.impl.drafts
+    if drafts is None:
+        return
+    for s in sessions:
+        pending = s._pending
+        if s.mode != "ar" and pending is not None and pending.shape[0] > drafts.block_size:
+            with torch.inference_mode():
+                drafts.append(pending, s._draft_cache)
+            s._pending = pending[:0]
+
+
+
 def draft_rows(engine: Engine, sessions: list[Session], slots: list[int], depths: list[int],
                b: int) -> list[torch.Tensor]:
     """Each session's draft logits [depth, V] float32: its pending features appended to its
@@ -171,15 +188,7 @@ def draft_rows(engine: Engine, sessions: list[Session], slots: list[int], depths
     device = pool.lengths.device
     block = drafts.block_size
     pending = [s._pending for s in sessions]
-    # A prompt's features (the first draft after a prefill) go in alone: padding every row to
-    # a prompt's length would multiply the append's work.
-    counts = []
-    for s, p in zip(sessions, pending):
-        if p.shape[0] > block + 1:
-            drafts.append(p, s._draft_cache)
-            counts.append(0)
-        else:
-            counts.append(int(p.shape[0]))
+    counts = [int(p.shape[0]) for p in pending]
     widest = max(counts)
     if widest:
         _append_rows(engine, pool, sessions, slots, pending, counts, widest, b)
