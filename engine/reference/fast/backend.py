@@ -101,6 +101,7 @@ class FastPath:
         # (fast/batch_graph.py); batch_static runs that code without graphs (tests, on a CPU).
         self.batch_static = False
         self._round_stage = None
+        self._prefill_stage = None
         if pool_slots:
             from ddtree.engine.reference.fast.pool import KVPool, slot_bytes, slots_for
 
@@ -186,7 +187,18 @@ class FastPath:
         if self.pool is not None and self.pool.slots > 1:
             from ddtree.engine.reference.fast.batch_graph import precapture
 
+            from ddtree.engine.reference.fast import prefill
+
             precapture(self.engine, tuple(b for b in budgets if b > 0), say)
+            prefill.precapture(self.engine, say)
+
+    def prefill_stage(self):
+        """The buffers of the pool's prefill graphs (made on first use)."""
+        if self._prefill_stage is None:
+            from ddtree.engine.reference.fast.prefill import PrefillStage
+
+            self._prefill_stage = PrefillStage(self.engine)
+        return self._prefill_stage
 
     def round_stage(self):
         """The buffers of the pool's graphed rounds (made on first use)."""

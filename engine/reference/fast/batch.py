@@ -68,7 +68,7 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         if sess.done:
             continue
         if sess._bonus is None:
-            out[i] = sess.step()  # the prefill: a causal forward of its own
+            out[i] = _prefill(engine, sess)
         elif pool is not None and pool.index_of(sess._cache) is not None:
             pooled.append(i)
         else:
@@ -92,6 +92,19 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
     for i in alone:
         out[i] = sessions[i].step()
     return out
+
+
+def _prefill(engine: Engine, sess: Session) -> list[int]:
+    """A new session's prefill: a graph replay on a pool slot where graphs run (fast/prefill.py),
+    else Session.step()'s own causal forward."""
+    impl = engine.impl
+    if (impl.graphs or impl.batch_static) and impl.pool.index_of(sess._cache) is not None:
+        from ddtree.engine.reference.fast.prefill import prefill
+
+        committed = prefill(engine, sess, graphs=impl.graphs)
+        if committed is not None:
+            return committed
+    return sess.step()
 
 
 def batched_round(engine: Engine, sessions: list[Session]) -> list[list[int]]:
@@ -382,8 +395,9 @@ def _commit_rows(pool: KVPool, rows: list[int], starts: list[int], paths: list[l
 
 # ---- timing (bench/bench_server.py) -----------------------------------------------------------
 def verify_timing(engine: Engine, b: int, q: int, context: int, repeats: int = 10) -> float:
-    """Median ms of one batched target forward of b rows x q tokens over `context` rows each
-    (random weights give the cost for any acceptance). Leaves the pool's slots as it found them."""
+    """Median ms of one batched target forward (and argmax) of b rows x q tokens over `context`
+    rows each, replayed as a CUDA graph on CUDA (random weights give the cost for any
+    acceptance). Its K/V writes land past `context`; the lengths are put back afterwards."""
     pool = engine.impl.pool
     if pool is None or b > pool.slots:
         raise BadParams(f"verify timing needs a KV pool of at least {b} slots")
@@ -396,14 +410,29 @@ def verify_timing(engine: Engine, b: int, q: int, context: int, repeats: int = 1
     visible = torch.ones((q, q), dtype=torch.bool, device=device).tril().expand(b, q, q)
     trees = TreeBatch(tokens, depths, (depths - 1).clamp(min=0), visible, tuple([q] * b))
     times = []
+
+    def forward():
+        hidden, _ = verify_rows(engine, pool, b, list(range(b)), trees, [context] * b, False)
+        return target.lm_head(hidden).argmax(dim=-1)
     try:
         with torch.inference_mode():
+            run = forward
+            if device.type == "cuda":
+                # Timed as the rounds run it: one graph replay (eager, the launches dominate).
+                side = torch.cuda.Stream(device=device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    forward()
+                torch.cuda.current_stream(device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    forward()
+                run = graph.replay
             for _ in range(repeats + 2):
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
-                hidden, _ = verify_rows(engine, pool, b, list(range(b)), trees, [context] * b, False)
-                target.lm_head(hidden).argmax(dim=-1)
+                run()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - t0)

@@ -65,7 +65,8 @@ class RoundStage:
         if drafts is not None:
             self.feats = torch.zeros((slots, drafts.block_size, drafts.feature_width),
                                      dtype=drafts.dtype, device=device)
-        # slot -> (session id, rows) whose bonus and features the stage holds after a graph round.
+        # slot -> (session id, its verify count) whose bonus and features the stage holds after
+        # a graphed round; any other round of that session since makes the entry stale.
         self.holds: dict[int, tuple[int, int]] = {}
         self.graphs: dict[tuple, tuple[object, torch.Tensor]] = {}
         self.graph_pool = None
@@ -114,20 +115,21 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
     for s, r in zip(sessions, slots):
         active[r] = True
         caps[r] = s._depth_cap()
-        if mode != "ar":
-            rows = int(s._pending.shape[0])
-            held = stage.holds.get(r)
-            if held != (id(s), rows) or s._pending.data_ptr() != stage.feats[r].data_ptr():
-                staged.append((s, r, rows))
+        # The stage still holds this session's state when its last round was a graphed one
+        # here (same session, same round count) and its pending rows are the staged ones.
+        held = stage.holds.get(r) == (id(s), s.verify_ct)
+        if mode != "ar" and s._pending.data_ptr() != stage.feats[r].data_ptr():
+            held = False
+        if not held:
+            staged.append((s, r))
     stage.active.copy_(torch.tensor(active, device=device))
     stage.cap.copy_(torch.tensor(caps, device=device))
-    for s, r, rows in staged:
-        stage.feats[r, :rows].copy_(s._pending)
-        stage.count[r] = rows
+    for s, r in staged:
         stage.bonus[r] = s._bonus
-    if mode == "ar":
-        for s, r in zip(sessions, slots):
-            stage.bonus[r] = s._bonus
+        if mode != "ar":
+            rows = int(s._pending.shape[0])
+            stage.feats[r, :rows].copy_(s._pending)
+            stage.count[r] = rows
     key = (mode, budget, b, span)
     saved = (pool.lengths.clone(), pool.dlengths.clone() if pool.dlengths is not None else None)
     try:
@@ -152,8 +154,8 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
         s._cache.length = s._start + tau
         s._cache.moved = None
         features = stage.feats[r, :tau] if mode != "ar" else None
-        stage.holds[r] = (id(s), tau)
         committed.append(s._advance(path, new, features, drafted=mode != "ar"))
+        stage.holds[r] = (id(s), s.verify_ct)
     share = (t1 - t0) / len(sessions)
     for s in sessions:
         s.timings["verify"] += share

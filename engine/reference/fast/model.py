@@ -244,7 +244,8 @@ class BatchPlan:
     queries each, flattened to b*q tokens for every GEMM; attention per row, over its own slot.
 
     slots/rows: [b, q] long, where each new K/V goes (slot r, row length_r + j).
-    read: attend over rows [:read] of every slot.
+    read: attend over rows [:read] of every slot; 0: the slots are empty and each row attends
+    causally among its own new rows (a prompt's prefill; mask None).
     mask: additive [b, 1, groups*q, read] (folded per KV group), in float32 for "matmul".
     """
     b: int
@@ -252,7 +253,7 @@ class BatchPlan:
     slots: torch.Tensor
     rows: torch.Tensor
     read: int
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     kernel: str = "sdpa"
 
 
@@ -388,6 +389,17 @@ class Attention(nn.Module):
         b, n, d, kvh, g = plan.b, plan.q, self.head_dim, self.num_kv_heads, self.groups
         k_cache[plan.slots, :, plan.rows] = k.view(b, n, kvh, d)
         v_cache[plan.slots, :, plan.rows] = v.view(b, n, kvh, d)
+        if plan.read == 0:
+            # Prompts into empty slots: each row attends among its own new rows, causally (no
+            # mask, so the flash kernel stays eligible); padding after a prompt sees only itself
+            # and what precedes it, and nobody reads it.
+            qh = q.view(b, n, self.num_heads, d).transpose(1, 2)
+            kh, vh = k.view(b, n, kvh, d).transpose(1, 2), v.view(b, n, kvh, d).transpose(1, 2)
+            if g > 1 and not _SDPA_GQA:
+                kh, vh = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
+            kwargs = {"enable_gqa": True} if g > 1 and _SDPA_GQA else {}
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, **kwargs)
+            return self.o_proj(out.transpose(1, 2).reshape(b * n, self.num_heads * d))
         keys, values = k_cache[:b, :, :plan.read], v_cache[:b, :, :plan.read]   # views: no copy
         # Fold per row as the single path does: query g*n+i of row r is query i of head kv*g+g'.
         qf = q.view(b, n, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * n, d)
