@@ -3,7 +3,8 @@
 # server with the sweep client, and the same loop in process) and --verify-grid. Writes under $OUT.
 # The lent H200 machines lack starlette and uvicorn: put their wheels in .whl/ (README of bench).
 #   PART=tests bash bench/gpu_pool.sh        # the CUDA tests (cuda-pool-tests.txt)
-#   PART=grid SHAPE=1.7b bash bench/gpu_pool.sh  # the grid (grid-$SHAPE.{json,txt})
+#   PART=grid SHAPE=1.7b bash bench/gpu_pool.sh  # the grid (grid-$SHAPE.{json,txt}); random weights
+#   PART=grid SHAPE=pair bash bench/gpu_pool.sh  # the trained demo pair (its real acceptance)
 set -u
 OUT=${OUT:-$PWD/gpu-pool-out}; mkdir -p "$OUT"
 PART=${PART:-all}
@@ -24,7 +25,8 @@ if [ "$PART" != grid ]; then
     tail -15 "$OUT/cuda-pool-tests.txt"
 fi
 if [ "$PART" != tests ]; then
-    timeout ${GRID_TIMEOUT:-420} python3 bench/bench_server.py --device cuda --random-shape "$SHAPE" --grid --verify-grid \
+    shape="--random-shape $SHAPE"; [ "$SHAPE" = pair ] && shape=""
+    timeout ${GRID_TIMEOUT:-420} python3 bench/bench_server.py --device cuda $shape --grid ${VERIFY_GRID:---verify-grid} \
         --skip-batching --context-window ${CONTEXT_WINDOW:-2048} --max-new-tokens ${MAX_NEW:-64} \
         --time-budget ${TIME_BUDGET:-380} --out "$OUT/grid-$SHAPE.json" ${GRID_ARGS:-} 2>&1 \
         | grep -v "Loading weights\|Writing model" | tee "$OUT/grid-$SHAPE.txt"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -141,6 +142,7 @@ class Api:
         model_vocab = getattr(getattr(engine, "target", None), "vocab_size", None)
         self.vocab_size = model_vocab or (len(tokenizer) if tokenizer is not None else None)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self._couriers: dict[int, Courier] = {}
 
     # -- request building ----------------------------------------------------------------------
     def _encode(self, text: str, **kwargs) -> list[int]:
@@ -153,6 +155,13 @@ class Api:
             raise BadRequest(f"prompt of {len(text)} characters cannot fit the context window "
                              f"({self.engine.context_window} tokens)", hint="shorten the prompt")
         return list(self.engine.tokenizer.encode(text, **kwargs))
+
+    def courier(self, loop: asyncio.AbstractEventLoop) -> Courier:
+        """The courier to this event loop (a server has one; tests may drive several)."""
+        courier = self._couriers.get(id(loop))
+        if courier is None or courier.loop is not loop:
+            courier = self._couriers[id(loop)] = Courier(loop)
+        return courier
 
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.engine.tokenizer is None:
@@ -400,6 +409,33 @@ class IncrementalText:
         return self.text
 
 
+class Courier:
+    """Hands updates from the engine thread to the event loop, one wake-up per burst: a batched
+    round updates every running request at once, and a wake-up per update (a syscall, a loop
+    turn and GIL hand-offs each) slowed the engine thread at high concurrency."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, Update]] = []
+        self._scheduled = False
+
+    def put(self, queue: asyncio.Queue, update: Update) -> None:
+        with self._lock:
+            self._items.append((queue, update))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._scheduled = False
+        for queue, update in items:
+            queue.put_nowait(update)
+
+
 class Reply:
     """One request on the event loop: submits the ticket, gathers updates, applies stop strings."""
 
@@ -424,8 +460,8 @@ class Reply:
         self.ticket = api.scheduler.submit(req.input_ids, req.gen, req.spec, self._sink)
 
     def _sink(self, update: Update) -> None:
-        # Called on the engine thread; hand the update to the event loop.
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+        # Called on the engine thread; the courier hands it to the event loop.
+        self.api.courier(self.loop).put(self.queue, update)
 
     def cancel(self) -> None:
         if not self.done:

@@ -408,11 +408,16 @@ def verify_timing(engine: Engine, b: int, q: int, context: int, repeats: int = 1
     tokens = torch.zeros((b, q), dtype=torch.long, device=device)
     depths = torch.arange(q, device=device).expand(b, q)
     visible = torch.ones((q, q), dtype=torch.bool, device=device).tril().expand(b, q, q)
-    trees = TreeBatch(tokens, depths, (depths - 1).clamp(min=0), visible, tuple([q] * b))
     times = []
+    tree = visible.contiguous()
+    span = context + q
+    if target.bucket_kv:
+        span = kv_bucket(target.new_cache_rows(), span)
+    positions = (context + depths).reshape(-1)
 
     def forward():
-        hidden, _ = verify_rows(engine, pool, b, list(range(b)), trees, [context] * b, False)
+        plan = batch_plan(target, pool.lengths[:b], tree, span)
+        hidden, _ = target.model(tokens.view(-1), positions, pool.k, pool.v, plan, ())
         return target.lm_head(hidden).argmax(dim=-1)
     try:
         with torch.inference_mode():

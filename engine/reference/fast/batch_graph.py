@@ -70,6 +70,8 @@ class RoundStage:
         self.holds: dict[int, tuple[int, int]] = {}
         self.graphs: dict[tuple, tuple[object, torch.Tensor]] = {}
         self.graph_pool = None
+        self.host: dict[tuple, torch.Tensor] = {}  # key -> pinned copy of its packed walks
+        self.done = torch.cuda.Event() if device.type == "cuda" else None
 
 
 def eligible(engine: Engine, sessions: list[Session]) -> tuple | None:
@@ -133,8 +135,10 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
     key = (mode, budget, b, span)
     saved = (pool.lengths.clone(), pool.dlengths.clone() if pool.dlengths is not None else None)
     try:
-        packed = _replay(engine, stage, key) if graphs else static_round(engine, stage, *key)
-        rows_out = unpack_walks(packed[:b].tolist())  # the round's one host sync
+        if graphs:
+            rows_out = unpack_walks(_replay(engine, stage, key))
+        else:
+            rows_out = unpack_walks(static_round(engine, stage, *key).tolist())
     except BaseException:
         # No session has changed: put the lengths back and forget what the stage held.
         pool.lengths.copy_(saved[0])
@@ -211,13 +215,22 @@ def _width(engine: Engine, mode: str, budget: int, depth: int) -> int:
     return next((size for size in engine.target.buckets if size >= n), n)
 
 
-def _replay(engine: Engine, stage: RoundStage, key: tuple) -> torch.Tensor:
+def _replay(engine: Engine, stage: RoundStage, key: tuple) -> list[list[int]]:
+    """Replay the key's graph and read its packed walks: the round's one host sync, waited for
+    on an event with the GIL released (a server's HTTP thread streams meanwhile), from pinned
+    memory."""
     found = stage.graphs.get(key)
     if found is None:
         found = stage.graphs[key] = capture(engine, stage, key)
     graph, packed = found
+    host = stage.host.get(key)
+    if host is None:
+        host = stage.host[key] = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
     graph.replay()
-    return packed
+    host.copy_(packed, non_blocking=True)
+    stage.done.record()
+    stage.done.synchronize()
+    return host.tolist()
 
 
 def capture(engine: Engine, stage: RoundStage, key: tuple) -> tuple[object, torch.Tensor]:
