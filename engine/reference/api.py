@@ -14,7 +14,7 @@ import math
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from ddtree.engine.errors import EngineError
@@ -409,6 +409,20 @@ class IncrementalText:
         return self.text
 
 
+def _merged(first: Update, queue: asyncio.Queue) -> Update:
+    """first and every update already queued behind it, as one: when the event loop falls behind
+    the engine (many streams at a high token rate), a stream catches up in one chunk, one
+    decode and one write instead of one per round."""
+    if first.error is not None or first.done or queue.empty():
+        return first
+    parts = [first]
+    while not queue.empty() and parts[-1].error is None and not parts[-1].done:
+        parts.append(queue.get_nowait())
+    last = parts[-1]
+    return replace(last, new_ids=tuple(t for u in parts for t in u.new_ids),
+                   new_accepts=tuple(a for u in parts for a in u.new_accepts))
+
+
 class Courier:
     """Hands updates from the engine thread to the event loop, one wake-up per burst: a batched
     round updates every running request at once, and a wake-up per update (a syscall, a loop
@@ -480,7 +494,7 @@ class Reply:
         """Yields self after every update that changed anything; the last has done=True."""
         try:
             while not self.done:
-                update = await self.queue.get()
+                update = _merged(await self.queue.get(), self.queue)
                 if update.error is not None:
                     self.done = True
                     raise update.error
