@@ -42,6 +42,7 @@ from ddtree.engine.reference.fast.batch_tree import (
 )
 from ddtree.engine.reference.fast.cache import kv_bucket
 from ddtree.engine.reference.fast.draft import _apply_rope
+from ddtree.engine.reference.fast.graphs import record_graph
 from ddtree.engine.reference.fast.model import BatchPlan
 
 if TYPE_CHECKING:
@@ -208,15 +209,29 @@ def draft_rows(engine: Engine, sessions: list[Session], slots: list[int], depths
     for s, c in zip(sessions, counts):
         s._draft_cache.length += c
     span = max(s._draft_cache.length for s in sessions) + block
-    slot_t = torch.tensor(slots, device=device)
     ids = torch.full((b, block), engine.mask_token_id, dtype=torch.long, device=device)
-    ids[slot_t, 0] = torch.tensor([s._bonus for s in sessions], dtype=torch.long, device=device)
+    ids[torch.tensor(slots, device=device), 0] = torch.tensor([s._bonus for s in sessions],
+                                                              dtype=torch.long, device=device)
+    hidden = draft_block(engine, ids, span).view(b * block, -1)
+    picks = [r * block + 1 + i for r, depth in zip(slots, depths) for i in range(depth)]
+    logits = drafts.lm_head(hidden.index_select(0, torch.tensor(picks, device=device))).float()
+    return list(logits.split(depths))
+
+
+def draft_block(engine: Engine, ids: torch.Tensor, span: int) -> torch.Tensor:
+    """The drafter's block forward for slots 0..b-1: ids [b, B] at each slot's positions
+    length..length+B-1, attending over its context and its own block (rows [:span] of every slot
+    read in place, each masked to its own length). Returns the final hidden [b, B, H]."""
+    drafts = engine.impl.drafts
+    pool: KVPool = engine.impl.pool
+    device = pool.lengths.device
+    b, block = ids.shape
+    span = min(span, pool.dk.shape[3])
     lengths = pool.dlengths[:b]
-    steps = torch.arange(block, device=device)
-    positions = lengths[:, None] + steps                                   # [b, B]
+    positions = lengths[:, None] + torch.arange(block, device=device)        # [b, B]
     slot_rows = torch.arange(b, device=device)[:, None].expand(b, block)
     visible = (torch.arange(span, device=device)[None] < (lengths + block)[:, None])[:, None, None, :]
-    x = drafts.embed(ids.view(-1))
+    x = drafts.embed(ids.reshape(-1))
     cos, sin = drafts._rope(positions.reshape(-1), x.dtype)
     heads, kvh, g, d = drafts.num_heads, drafts.num_kv_heads, drafts.groups, drafts.head_dim
     n = b * block
@@ -236,37 +251,45 @@ def draft_rows(engine: Engine, sessions: list[Session], slots: list[int], depths
         out = out.view(b, kvh, g, block, d).permute(0, 3, 1, 2, 4).reshape(n, heads * d)
         x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    hidden = drafts.drafter.norm(x)
-    picks = [r * block + 1 + i for r, depth in zip(slots, depths) for i in range(depth)]
-    logits = drafts.lm_head(hidden.index_select(0, torch.tensor(picks, device=device))).float()
-    return list(logits.split(depths))
+    return drafts.drafter.norm(x).view(b, block, -1)
 
 
 def _append_rows(engine: Engine, pool: KVPool, sessions, slots, pending, counts, widest: int,
                  b: int) -> None:
-    """Project every row's pending features to drafter context K/V at its own length; pad rows
-    (and the slots without a part) all write the slots' scratch row, past every context."""
+    """Stage every row's pending features [b, widest, F] (zeros where a slot has no part), then
+    append_context."""
     drafts = engine.impl.drafts
     device = pool.lengths.device
     feats = torch.zeros((b, widest, drafts.feature_width), dtype=drafts.dtype, device=device)
     count = torch.zeros(b, dtype=torch.long, device=device)
-    for s, slot, p, c in zip(sessions, slots, pending, counts):
+    for slot, p, c in zip(slots, pending, counts):
         if c:
             feats[slot, :c] = p.to(drafts.dtype)
     count[torch.tensor(slots, device=device)] = torch.tensor(counts, device=device)
+    append_context(engine, feats, count)
+
+
+def append_context(engine: Engine, feats: torch.Tensor, count: torch.Tensor) -> None:
+    """The drafter's context step for slots 0..b-1: the first count[r] rows of feats [b, A, F]
+    become slot r's context K/V at its own length, and its length grows by count[r]. Pad rows
+    (and slots with count 0) all write the slots' scratch row, past every context."""
+    drafts = engine.impl.drafts
+    pool: KVPool = engine.impl.pool
+    device = pool.lengths.device
+    b, widest = feats.shape[0], feats.shape[1]
     lengths = pool.dlengths[:b]
     steps = torch.arange(widest, device=device)
     positions = lengths[:, None] + steps                                   # [b, widest]
     scratch = pool.dk.shape[3] - 1
     rows = torch.where(steps[None] < count[:, None], positions, torch.full_like(positions, scratch))
     slot_rows = torch.arange(b, device=device)[:, None].expand(b, widest)
-    ctx, cos, sin = drafts._project(feats.view(b * widest, -1), positions.reshape(-1))
+    ctx, cos, sin = drafts._project(feats.reshape(b * widest, -1), positions.reshape(-1))
     kvh, d = drafts.num_kv_heads, drafts.head_dim
     for i, layer in enumerate(drafts.drafter.layers):
         k, v = drafts._context_kv(layer, ctx, cos, sin)
         pool.dk[i][slot_rows, :, rows] = k.view(b, widest, kvh, d)
         pool.dv[i][slot_rows, :, rows] = v.view(b, widest, kvh, d)
-    pool.dlengths[:b] += count
+    lengths.add_(count)
 
 
 # ---- trees ------------------------------------------------------------------------------------
@@ -424,15 +447,7 @@ def verify_timing(engine: Engine, b: int, q: int, context: int, repeats: int = 1
             run = forward
             if device.type == "cuda":
                 # Timed as the rounds run it: one graph replay (eager, the launches dominate).
-                side = torch.cuda.Stream(device=device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    forward()
-                torch.cuda.current_stream(device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    forward()
-                run = graph.replay
+                run = record_graph(forward, None, device, 1)[0].replay
             for _ in range(repeats + 2):
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)

@@ -27,9 +27,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
-from ddtree.engine.reference.fast.batch import batch_plan
+from ddtree.engine.reference.fast.batch import append_context, batch_plan, draft_block
 from ddtree.engine.reference.fast.batch_tree import (
     TreeBatch,
     build_trees_device,
@@ -41,7 +40,7 @@ from ddtree.engine.reference.fast.batch_tree import (
     walk_batch,
 )
 from ddtree.engine.reference.fast.cache import kv_bucket
-from ddtree.engine.reference.fast.draft import _apply_rope
+from ddtree.engine.reference.fast.graphs import record_graph
 
 if TYPE_CHECKING:
     from ddtree.engine.reference.decode import Session
@@ -236,24 +235,15 @@ def _replay(engine: Engine, stage: RoundStage, key: tuple) -> list[list[int]]:
 def capture(engine: Engine, stage: RoundStage, key: tuple) -> tuple[object, torch.Tensor]:
     """Record static_round for this key with every row inactive (so nothing any session holds
     changes), then restore the rows' activity."""
-    device = stage.bonus.device
     saved = stage.active.clone()
     stage.active.zero_()
     if stage.graph_pool is None:
         stage.graph_pool = torch.cuda.graph_pool_handle()
-    with torch.inference_mode():
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(_WARMUP_RUNS):
-                static_round(engine, stage, *key)
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=stage.graph_pool):
-            packed = static_round(engine, stage, *key)
-    stage.active.copy_(saved)
-    return graph, packed
+    try:
+        return record_graph(lambda: static_round(engine, stage, *key), stage.graph_pool,
+                            stage.bonus.device, _WARMUP_RUNS, inference=True)
+    finally:
+        stage.active.copy_(saved)
 
 
 def static_round(engine: Engine, stage: RoundStage, mode: str, budget: int, b: int, span: int) -> torch.Tensor:
@@ -312,46 +302,9 @@ def _draft(engine: Engine, stage: RoundStage, b: int, span: int) -> torch.Tensor
     """Append the staged features of the active rows, then draft every row's block: draft
     logits [b, depth, V] float32 (depth = engine.block_size - 1)."""
     drafts = engine.impl.drafts
-    pool: KVPool = engine.impl.pool
-    device = pool.lengths.device
-    block, width = drafts.block_size, stage.feats.shape[1]
-    active = stage.active[:b]
-    count = torch.where(active, stage.count[:b], 0)
-    lengths = pool.dlengths[:b]
-    steps = torch.arange(max(block, width), device=device)
-    positions = lengths[:, None] + steps[:width]
-    scratch = pool.dk.shape[3] - 1
-    rows = torch.where(steps[None, :width] < count[:, None], positions, scratch)
-    slot_rows = torch.arange(b, device=device)[:, None]
-    ctx, cos, sin = drafts._project(stage.feats[:b].reshape(b * width, -1), positions.reshape(-1))
-    kvh, heads, g, d = drafts.num_kv_heads, drafts.num_heads, drafts.groups, drafts.head_dim
-    for i, layer in enumerate(drafts.drafter.layers):
-        k, v = drafts._context_kv(layer, ctx, cos, sin)
-        pool.dk[i][slot_rows.expand(b, width), :, rows] = k.view(b, width, kvh, d)
-        pool.dv[i][slot_rows.expand(b, width), :, rows] = v.view(b, width, kvh, d)
-    lengths.add_(count)
-    dspan = min(span + block, pool.dk.shape[3])
-    ids = torch.full((b, block), engine.mask_token_id, dtype=torch.long, device=device)
-    ids[:, 0] = stage.bonus[:b]
-    positions = lengths[:, None] + steps[:block]
-    visible = (torch.arange(dspan, device=device)[None] < (lengths + block)[:, None])[:, None, None, :]
-    x = drafts.embed(ids.view(-1))
-    cos, sin = drafts._rope(positions.reshape(-1), x.dtype)
-    n = b * block
-    for i, layer in enumerate(drafts.drafter.layers):
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        qh = attn.q_norm(attn.q_proj(h).view(n, heads, d))
-        k = attn.k_norm(attn.k_proj(h).view(n, kvh, d))
-        v = attn.v_proj(h).view(n, kvh, d)
-        qh, k = _apply_rope(qh, cos, sin), _apply_rope(k, cos, sin)
-        pool.dk[i][slot_rows.expand(b, block), :, positions] = k.view(b, block, kvh, d)
-        pool.dv[i][slot_rows.expand(b, block), :, positions] = v.view(b, block, kvh, d)
-        folded = qh.view(b, block, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * block, d)
-        out = F.scaled_dot_product_attention(folded, pool.dk[i][:b, :, :dspan], pool.dv[i][:b, :, :dspan],
-                                             attn_mask=visible, scale=drafts.scaling)
-        out = out.view(b, kvh, g, block, d).permute(0, 3, 1, 2, 4).reshape(n, heads * d)
-        x = x + attn.o_proj(out)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    hidden = drafts.drafter.norm(x).view(b, block, -1)[:, 1:engine.block_size]
+    append_context(engine, stage.feats[:b], torch.where(stage.active[:b], stage.count[:b], 0))
+    ids = torch.cat((stage.bonus[:b, None],
+                     torch.full((b, drafts.block_size - 1), engine.mask_token_id, dtype=torch.long,
+                                device=stage.bonus.device)), dim=1)
+    hidden = draft_block(engine, ids, span + drafts.block_size)[:, 1:engine.block_size]
     return drafts.lm_head(hidden).float()

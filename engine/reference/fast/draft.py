@@ -37,6 +37,7 @@ from torch import nn
 
 from ddtree.engine.reference.drafter import DFlashDrafter, rope_inv_freq
 from ddtree.engine.reference.errors import BadParams
+from ddtree.engine.reference.fast.graphs import record_graph
 
 _WARMUP_RUNS = 3  # side-stream runs before a capture, as torch's CUDA graph notes advise
 
@@ -227,16 +228,7 @@ class FastDrafter:
         cache.graphs = _Graphs(block=block, block_out=block_out, appends=appends, drafts=drafts)
 
     def _record(self, fn):
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(_WARMUP_RUNS):
-                fn()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = fn()
-        return graph, out
+        return record_graph(fn, self._pool, self.device, _WARMUP_RUNS)
 
     # ---- the context step --------------------------------------------------------------------
     @torch.no_grad()

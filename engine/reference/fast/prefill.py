@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ddtree.engine.reference.fast.model import BatchPlan
+from ddtree.engine.reference.fast.graphs import record_graph
 
 if TYPE_CHECKING:
     from ddtree.engine.reference.decode import Session
@@ -101,20 +102,10 @@ def capture(engine: Engine, stage: PrefillStage, q: int) -> tuple:
     """Record prefill_static at length q. Its warm-up runs write rows 0..q-1 of slot stage.slot,
     so the caller points that at a free slot, or at the fresh slot of the session about to
     prefill (whose prompt overwrites them next)."""
-    device = stage.ids.device
     if stage.graph_pool is None:
         stage.graph_pool = torch.cuda.graph_pool_handle()
-    with torch.inference_mode():
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(_WARMUP_RUNS):
-                prefill_static(engine, stage, q)
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=stage.graph_pool):
-            logits, feats = prefill_static(engine, stage, q)
+    graph, (logits, feats) = record_graph(lambda: prefill_static(engine, stage, q), stage.graph_pool,
+                                          stage.ids.device, _WARMUP_RUNS, inference=True)
     return graph, logits, feats
 
 

@@ -34,6 +34,7 @@ import torch
 from ddtree.engine.reference.errors import BadParams, DecodeError, ModelLoadError
 from ddtree.engine.reference.fast.cache import ROW_ALIGN, StaticKVCache, kv_bucket, kv_buckets
 from ddtree.engine.reference.fast.commit import new_walk_io, set_walk_inputs, walk_commit_static
+from ddtree.engine.reference.fast.graphs import record_graph
 from ddtree.engine.reference.fast.model import (
     AttentionPlan,
     DenseDecoder,
@@ -498,7 +499,7 @@ class FastTarget(HeadShapes):
                     # Warm up on a side stream (lazy kernel, cuBLAS and compile work stays out of
                     # the graph), as torch.cuda.graph's documentation asks; once the first span
                     # of a bucket has warmed up, one run is enough for the others.
-                    graphs[(q, kv)] = _record(run, pool, self.device, _WARMUP_RUNS if first else 1)
+                    graphs[(q, kv)] = record_graph(run, pool, self.device, _WARMUP_RUNS if first else 1)[0]
                     first = False
                 if walks:
                     io = cache.walks.get(q)
@@ -512,26 +513,11 @@ class FastTarget(HeadShapes):
 
                     def walk(stage=stage, io=io):
                         walk_commit_static(stage.ids, stage.tree, io, cache, stage.logits, stage.features, io.sink)
-                    io.graph = _record(walk, pool, self.device, _WARMUP_RUNS)
+                    io.graph = record_graph(walk, pool, self.device, _WARMUP_RUNS)[0]
         torch.cuda.synchronize(self.device)
         for q, kv in sorted(graphs):
             cache.spans.setdefault(q, []).append(kv)
         cache.graphs.update(graphs)
-
-
-def _record(fn, pool, device, runs: int) -> torch.cuda.CUDAGraph:
-    """fn warmed up `runs` times on a side stream, then captured into a graph of this pool."""
-    current = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device=device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        for _ in range(runs):
-            fn()
-    current.wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        fn()
-    return graph
 
 
 def load_fast_target(directory: str | Path, *, device: str | torch.device = "cpu",
