@@ -32,7 +32,7 @@ from ddtree.engine.arch import SPECULATIVE_HINT, read_config
 from ddtree.engine.arch import builtin_refusal as arch_refusal
 from ddtree.engine.errors import EngineError
 from ddtree.engine.units import duration, plural
-from ddtree.engine.serving.launch import LaunchSpec, build_launch, builtin_argv, free_port
+from ddtree.engine.serving.launch import DEFAULT_MAX_RUNNING, LaunchSpec, build_launch, builtin_argv, free_port
 from ddtree.engine.machine.placement import suggest
 from ddtree.engine.machine.preflight import check_gpus, preflight
 from ddtree.engine.serving.probe import Capabilities
@@ -310,9 +310,14 @@ def _builtin_argv(recipe: Recipe, algorithm: str, budget: int | None) -> tuple[s
     model = _unless_demo(engine.model, 0)
     # the demo drafter goes without saying only beside the demo target
     draft = _unless_demo(engine.draft_model, 1) if model is None else engine.draft_model
+    # The concurrency axis reuses one server: it must run the sweep's highest concurrency at
+    # once, or those points would measure its queue (and the fast backend sizes its KV pool
+    # from this). Below the server's default the flag goes unsaid.
+    widest = max(recipe.sweep.concurrency)
     return tuple(builtin_argv(python=engine.python, model=model, draft=draft,
                               algorithm=algorithm, budget=budget,
-                              block_size=engine.block_size, device=engine.device, backend=engine.backend))
+                              block_size=engine.block_size, device=engine.device, backend=engine.backend,
+                              max_running_requests=widest if widest > DEFAULT_MAX_RUNNING else None))
 
 
 def _unless_demo(path: str | None, which: int) -> str | None:

@@ -189,6 +189,10 @@ def _numa_prefix(numa_bind, numa_node, numa_cpus, which: Callable[[str], str | N
     return [], "unknown", (), ["numactl not found and the GPUs' local CPUs are unknown: nothing is pinned"]
 
 
+#: The builtin server's --max-running-requests when none is given.
+DEFAULT_MAX_RUNNING = 8
+
+
 def builtin_argv(*, python: str | None = None, model: str | None = None, draft: str | None = None,
                  algorithm: str = "ddtree", budget: int | None = None, block_size: int | None = None,
                  device: str = "cpu", backend: str | None = "auto", host: str = HOST, port: int = 0,
@@ -289,8 +293,9 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
     parser.add_argument("--host", default=HOST, help=f"address to bind (default: {HOST})")
     parser.add_argument("--port", type=port_number if passthrough else int, default=0,
                         help="port (default: 0, a free port printed on stdout)")
-    parser.add_argument("--max-running-requests", type=int, default=default(8),
-                        help="requests decoded at once, interleaved round by round (default: 8)")
+    parser.add_argument("--max-running-requests", type=int, default=default(DEFAULT_MAX_RUNNING),
+                        help=f"requests decoded at once, batched round by round (default: {DEFAULT_MAX_RUNNING}; "
+                             "the fast backend holds a KV pool slot for each)")
     parser.add_argument("--max-queued-requests", type=int, default=default(64),
                         help="requests waiting beyond those; past this the server answers 503 (default: 64)")
     parser.add_argument("--threads", type=int, default=None,

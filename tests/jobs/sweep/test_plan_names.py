@@ -61,3 +61,16 @@ def test_demo_engine_job_starts_the_server_without_the_pairs_path(tmp_path):
     # a model of one's own is passed as given
     argv = server_argv(validate({"model": str(tmp_path / "mine"), "algorithm": "ar"}))
     assert argv[argv.index("--model") + 1] == str(tmp_path / "mine")
+
+
+def test_the_server_runs_the_sweeps_highest_concurrency_at_once():
+    """Concurrency is a client-side axis on one server: past the server's default it is told to
+    run that many at once (its KV pool holds as many), else those points would measure a queue."""
+    import re
+
+    low = list(make_plan(parse_recipe(re.sub(r"concurrency = \[[^]]*\]", "concurrency = [1, 4]", DEMO)))
+               .launches[0].argv)
+    assert "--max-running-requests" not in low
+    high = list(make_plan(parse_recipe(re.sub(r"concurrency = \[[^]]*\]", "concurrency = [1, 16, 64]", DEMO)))
+                .launches[0].argv)
+    assert high[high.index("--max-running-requests") + 1] == "64"
