@@ -259,12 +259,13 @@ class Engine:
         """
         sessions = list(sessions)
         if self.backend == "fast" and self.impl.pool is not None:
+            # Sessions on the KV pool batch in place (fast/batch.py).
             from ddtree.engine.reference.fast.batch import step_many as fast_step_many
 
             return fast_step_many(self, sessions)
         if self.hybrid_reason or self.backend == "fast":
-            # A recurrent state cannot be padded or stacked the way KV rows are, and the fast
-            # backend's static caches have no batched round yet (issue 15): one by one.
+            # A recurrent state cannot be padded or stacked the way KV rows are, and a fast
+            # engine without a pool (pool_slots=0) has a cache per session: one by one.
             if len({id(s) for s in sessions}) != len(sessions):
                 raise BadParams("step_many got the same session twice")
             if any(s.engine is not self for s in sessions):

@@ -19,7 +19,9 @@ context window): nodes past the row's cap get token -1 and are never accepted. S
 tokens are still the target's greedy choices, exactly what plain decoding gives; only the tree
 differs from the one the single path would build at that cap, which changes no output.
 
-On a CPU the same function runs without a graph (FastPath.batch_static, for tests).
+On a CPU the same function runs without a graph (FastPath.batch_static, for tests). A graphed
+round is one replay, so its phases cannot be told apart on the host: its time is booked as
+verify in each session's timings.
 """
 
 from __future__ import annotations
