@@ -494,7 +494,9 @@ class Reply:
         """Yields self after every update that changed anything; the last has done=True."""
         try:
             while not self.done:
-                update = _merged(await self.queue.get(), self.queue)
+                update = await self.queue.get()
+                if self.first_token_at is not None:  # the first token keeps its own turn and time
+                    update = _merged(update, self.queue)
                 if update.error is not None:
                     self.done = True
                     raise update.error

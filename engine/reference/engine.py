@@ -255,7 +255,8 @@ class Engine:
         Returns each session's newly committed tokens, as `Session.step()` would; a session that
         is done gets [], one not yet prefilled gets its prefill. Outputs equal stepping the
         sessions one by one (at temperature 0 token for token; seeded sampling draws the same).
-        If a forward raises, no session has changed.
+        If the batched round raises, no session in it has changed; the prefills before it have
+        happened, each complete.
         """
         sessions = list(sessions)
         if self.backend == "fast" and self.impl.pool is not None:

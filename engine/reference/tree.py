@@ -258,7 +258,10 @@ class _Layout:
     parent_base: torch.Tensor        # [sum(widths[1:])] layout index of its parent beam's first node
 
 
-@functools.lru_cache(maxsize=64)
+# Unbounded on purpose: captured graphs (the single path's tree graphs, the batched rounds) read
+# these tensors by address and hold no reference to them, so an evicted layout would be freed
+# under a graph that still replays it. The keys are few: budgets x depths x devices.
+@functools.cache
 def _layout(budget: int, k: int, depth_count: int, device: torch.device) -> _Layout:
     rows, cols, pairs_within = _candidate_pairs(budget, k, device)
     widths = [k]

@@ -102,6 +102,7 @@ class FastPath:
         self.batch_static = False
         self._round_stage = None
         self._prefill_stage = None
+        self._usage: dict | None = None
         if pool_slots:
             from ddtree.engine.reference.fast.pool import KVPool, slot_bytes, slots_for
 
@@ -117,6 +118,7 @@ class FastPath:
                 wanted = min(wanted, fits)
             self.slots = min(self.slots, wanted)
             self.pool = KVPool(target, self.drafts, wanted)
+            self.refresh_usage()
             if not self.want_graphs:
                 for i in range(self.pool.slots):
                     self.add_slot(self.pool.caches[i], self.pool.draft_caches[i] if self.drafts else None)
@@ -209,17 +211,23 @@ class FastPath:
         return self._round_stage
 
     def pool_usage(self) -> dict | None:
-        """What the KV pool holds now (read from host state only: safe from another thread)."""
+        """What the KV pool held after the engine thread's last change to it: a snapshot, so
+        another thread (the server's /server_info, /metrics) reads it without touching a lease."""
+        return self._usage
+
+    def refresh_usage(self) -> None:
+        """Take the snapshot pool_usage returns (on the engine thread: leases, releases, rounds)."""
         pool = self.pool
         if pool is None:
-            return None
-        free = len(self._free)
+            return
         held = [lease.peek() for lease in list(self._leases.values())]
         tokens = sum(info[0].length for info in held if info is not None)
-        return {"slots": pool.slots, "free_slots": free, "used_slots": pool.slots - free,
-                "bytes": pool.nbytes(), "bytes_per_token": pool.bytes_per_token,
-                "tokens_per_slot": pool.slot_tokens, "used_tokens": tokens,
-                "token_usage": tokens / (pool.slots * pool.slot_tokens)}
+        used = sum(1 for info in held if info is not None)
+        del held
+        self._usage = {"slots": pool.slots, "free_slots": pool.slots - used, "used_slots": used,
+                       "bytes": pool.nbytes(), "bytes_per_token": pool.bytes_per_token,
+                       "tokens_per_slot": pool.slot_tokens, "used_tokens": tokens,
+                       "token_usage": tokens / (pool.slots * pool.slot_tokens)}
 
     def add_slot(self, cache, draft_cache) -> None:
         """Put a (target cache, drafter cache) pair in the pool that sessions draw from."""
@@ -253,6 +261,10 @@ class FastPath:
             key = id(cache)
             # Held by the session only: when it goes without release(), the slot comes back.
             self._leases[key] = weakref.finalize(cache, self._give_back, key, slot)
+            if self._round_stage is not None and self.pool is not None:
+                # What the graphed rounds staged for this slot belonged to its last session.
+                self._round_stage.holds.pop(self.pool.index_of(cache), None)
+            self.refresh_usage()
             return cache, draft_cache
         cache = self.target.new_cache()
         return cache, self.drafts.new_cache() if drafting else None
@@ -266,6 +278,7 @@ class FastPath:
         self._leases.pop(key, None)
         if not any(slot is free for free in self._free):
             self._free.append(slot)
+        self.refresh_usage()
 
     def draft(self, bonus: int, start: int, pending: torch.Tensor, draft_cache, depth: int) -> torch.Tensor:
         return self.drafts.draft(bonus, start, pending, draft_cache, depth)

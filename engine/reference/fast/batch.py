@@ -17,8 +17,9 @@ scatter move every row's accepted K/V into place, and one write sets every lengt
 
 The rounds are lossless the same way the single path is: every committed token is the target's
 choice at its true prefix, from the same inputs; a batched GEMM only rounds differently, which
-matters at a true tie of the top two logits. If anything raises before the commit, the lengths
-are put back and no session has changed (the scheduler then steps each session alone).
+matters at a true tie of the top two logits. If the batched round raises, the lengths are put back
+and no session in it has changed (the scheduler then steps each session alone); prefills and the
+prompt appends before it (step_many) have happened by then, each complete.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
             out[i] = tokens
     for i in alone:
         out[i] = sessions[i].step()
+    engine.impl.refresh_usage()
     return out
 
 
@@ -137,6 +139,7 @@ def batched_round(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         walk_order, count = walk_batch(trees, posterior)
         walks = fetch_walks(trees, posterior, walk_order, count)  # the round's one host sync
         t3 = engine.clock()
+        _commit_rows(pool, rows, starts, [w[0] for w in walks])
     except BaseException:
         pool.lengths.copy_(lengths)
         if dlengths is not None:
@@ -145,7 +148,6 @@ def batched_round(engine: Engine, sessions: list[Session]) -> list[list[int]]:
             if s._draft_cache is not None:
                 s._draft_cache.length = n
         raise
-    _commit_rows(pool, rows, starts, [w[0] for w in walks])
     q = trees.tokens.shape[1]
     accepted = None
     if feats is not None:
@@ -424,6 +426,9 @@ def verify_timing(engine: Engine, b: int, q: int, context: int, repeats: int = 1
     pool = engine.impl.pool
     if pool is None or b > pool.slots:
         raise BadParams(f"verify timing needs a KV pool of at least {b} slots")
+    usage = engine.impl.pool_usage()
+    if usage is not None and usage["used_slots"]:
+        raise BadParams("verify timing writes into the pool's slots: run it on an engine with no sessions")
     target = engine.target
     device = target.device
     saved = pool.lengths.clone()

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ddtree.engine.reference.fast.batch import append_context, batch_plan, draft_block
+from ddtree.engine.reference.fast.batch import _LOGIT_ELEMENTS, append_context, batch_plan, draft_block
 from ddtree.engine.reference.fast.batch_tree import (
     TreeBatch,
     build_trees_device,
@@ -141,7 +141,10 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
         else:
             rows_out = unpack_walks(static_round(engine, stage, *key).tolist())
     except BaseException:
-        # No session has changed: put the lengths back and forget what the stage held.
+        # Put the lengths back and forget what the stage held. A failure after the replay has
+        # run leaves the staged features (a held session's pending rows) as the replay wrote
+        # them: that session's next drafts may accept less, but what it commits stays exact,
+        # since the walk checks every draft against the target.
         pool.lengths.copy_(saved[0])
         if saved[1] is not None:
             pool.dlengths.copy_(saved[1])
@@ -170,7 +173,8 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
 def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
     """Capture the round graphs a server meets first, before it takes requests: AR, DFlash and
     DDTree at these budgets, every power-of-two batch up to the pool, at the two smallest KV
-    spans (longer contexts capture on their first round). Returns how many it captured."""
+    spans a round of that kind can have (longer contexts capture on their first round).
+    Returns how many it captured."""
     from ddtree.engine.reference.fast.cache import kv_buckets
 
     pool = engine.impl.pool
@@ -184,11 +188,15 @@ def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
         b *= 2
     sizes.append(pool.slots)
     depth = engine.block_size - 1
-    spans = kv_buckets(engine.target.new_cache_rows())
+    rows = engine.target.new_cache_rows()
+    buckets = kv_buckets(rows)
     made = 0
     for mode, budget in kinds:
         q = _width(engine, mode, budget, depth)
-        for span in sorted({kv_bucket(engine.target.new_cache_rows(), size + q) for size in spans[:2]}):
+        # graphed_round's span: the bucket of (longest context + q), the context at least 1.
+        first = kv_bucket(rows, 1 + q)
+        later = [size for size in buckets if size > first][:1]
+        for span in [first, *later]:
             for b in sizes:
                 key = (mode, budget, b, span)
                 if key not in stage.graphs:
@@ -278,8 +286,11 @@ def static_round(engine: Engine, stage: RoundStage, mode: str, budget: int, b: i
     layers = target.feature_layers if mode != "ar" else ()
     hidden, feats = target.model(trees.tokens.clamp(min=0).view(-1), positions.reshape(-1),
                                  pool.k, pool.v, plan, layers)
-    # The argmax of the model-dtype logits is that of their float32 copy (the cast is exact).
-    posterior = target.lm_head(hidden).argmax(dim=-1).view(b, q)
+    # The argmax of the model-dtype logits is that of their float32 copy (the cast is exact);
+    # in blocks of rows, so b*q rows over a large vocabulary never sit in memory at once.
+    step = max(1, _LOGIT_ELEMENTS // target.vocab_size)
+    posterior = torch.cat([target.lm_head(hidden[at:at + step]).argmax(dim=-1)
+                           for at in range(0, b * q, step)]).view(b, q)
     order, count = walk_batch(trees, posterior)
     packed = pack_walks(trees.tokens, posterior, order, count)
     # Commit: every row's accepted K/V rows to start.., its length, its next bonus and features.

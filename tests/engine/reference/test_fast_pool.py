@@ -252,3 +252,32 @@ def test_precapture_covers_every_batch_size_and_kind(pair, monkeypatch):
     keys = set(engine.impl.round_stage().graphs)
     assert {(m, b) for m, b, _, _ in keys} == {("ar", 0), ("chain", 0), ("tree", 16), ("tree", 64)}
     assert {k[2] for k in keys} == {2, 4, 6} and made == len(keys) and len(said) == 4
+    # The smallest span of each kind is the one a round over a short context takes.
+    from ddtree.engine.reference.fast.cache import kv_bucket
+
+    rows = engine.target.new_cache_rows()
+    for mode, budget in {(m, b) for m, b, _, _ in keys}:
+        q = batch_graph._width(engine, mode, budget, engine.block_size - 1)
+        assert min(k[3] for k in keys if k[:2] == (mode, budget)) == kv_bucket(rows, 1 + q)
+
+
+def test_a_new_lease_forgets_what_the_stage_held_for_its_slot(pair):
+    """A graphed round's staged bonus and features belong to the session that ran it; the next
+    session on that slot (whatever its id) is staged afresh."""
+    model, drafter = pair
+    engine = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=2)
+    engine.impl.batch_static = True
+    sessions = [engine.start([1, 2, 3], GenParams(max_new_tokens=6), SpecParams("ar")) for _ in range(2)]
+    while not all(s.done for s in sessions):
+        engine.step_many([s for s in sessions if not s.done])
+    stage = engine.impl.round_stage()
+    assert stage.holds  # the rounds ran graphed and left their staging behind
+    again = engine.start([4, 5], GenParams(max_new_tokens=4), SpecParams("ar"))
+    assert engine.impl.pool.index_of(again._cache) not in stage.holds
+
+
+def test_tree_layouts_are_never_evicted():
+    """Captured graphs read the layouts' tensors by address and hold no reference to them."""
+    from ddtree.engine.reference import tree
+
+    assert tree._layout.cache_info().maxsize is None
