@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ddtree.engine.reference.drafter import DraftCache
-from ddtree.engine.reference.errors import BadParams
 from ddtree.engine.reference.target import KVCache
 from ddtree.engine.reference.tree import Tree
 
@@ -43,11 +42,8 @@ PREFILL_BATCH_TOKENS = 16384
 
 
 def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
-    """One round of every session (see Engine.step_many); returns each one's committed tokens."""
-    if len({id(s) for s in sessions}) != len(sessions):
-        raise BadParams("step_many got the same session twice")
-    if any(s.engine is not engine for s in sessions):
-        raise BadParams("step_many got a session of another engine")
+    """One round of every session (see Engine.step_many); returns each one's committed tokens.
+    Engine.step_many has checked that the sessions are distinct and this engine's."""
     out: list[list[int]] = [[] for _ in sessions]
     ready: list[int] = []
     new: list[int] = []

@@ -259,6 +259,12 @@ class Engine:
         happened, each complete.
         """
         sessions = list(sessions)
+        # Checked here once for every backend below: batch.step_many and fast/batch.step_many
+        # trust their caller for it.
+        if len({id(s) for s in sessions}) != len(sessions):
+            raise BadParams("step_many got the same session twice")
+        if any(s.engine is not self for s in sessions):
+            raise BadParams("step_many got a session of another engine")
         if self.backend == "fast" and self.impl.pool is not None:
             # Sessions on the KV pool batch in place (fast/batch.py).
             from ddtree.engine.reference.fast.batch import step_many as fast_step_many
@@ -267,10 +273,6 @@ class Engine:
         if self.hybrid_reason or self.backend == "fast":
             # A recurrent state cannot be padded or stacked the way KV rows are, and a fast
             # engine without a pool (pool_slots=0) has a cache per session: one by one.
-            if len({id(s) for s in sessions}) != len(sessions):
-                raise BadParams("step_many got the same session twice")
-            if any(s.engine is not self for s in sessions):
-                raise BadParams("step_many got a session of another engine")
             return [s.step() for s in sessions]
         return step_many(self, sessions)
 
