@@ -50,9 +50,10 @@ if TYPE_CHECKING:
     from ddtree.engine.reference.decode import Session
     from ddtree.engine.reference.engine import Engine
     from ddtree.engine.reference.fast.pool import KVPool
+    from ddtree.engine.reference.fast.target import FastTarget
 
-# Logits rows computed at once for a greedy argmax: bounds the float32 [rows, V] block (a 64-row
-# batch of budget-64 trees over a 152k vocabulary would otherwise want 2.5 GB).
+# Logits computed at once for a greedy argmax (argmax_rows): bounds the [rows, V] block (a 64-row
+# batch of budget-64 trees over a 152k vocabulary would otherwise want 2.5 GB in float32).
 _LOGIT_ELEMENTS = 1 << 26
 
 
@@ -381,16 +382,29 @@ def _posterior(engine: Engine, sessions: list[Session], hidden: torch.Tensor, ro
     if flat:
         index = torch.tensor(flat, device=hidden.device)
         dest = torch.tensor([k * q + i for k in greedy for i in range(trees.sizes[k])], device=hidden.device)
-        step = max(1, _LOGIT_ELEMENTS // target.vocab_size)
-        picks = [target.lm_head(hidden.index_select(0, index[at:at + step])).float().argmax(dim=-1)
-                 for at in range(0, len(flat), step)]
-        out.view(-1).index_copy_(0, dest, torch.cat(picks))
+        out.view(-1).index_copy_(0, dest, argmax_rows(target, hidden, index))
     for k, sess in enumerate(sessions):
         if not sess.gen.greedy:
             n = trees.sizes[k]
             logits = target.lm_head(hidden[rows[k] * q:rows[k] * q + n]).float()
             out[k, :n] = sess._choose(logits)
     return out
+
+
+def argmax_rows(target: FastTarget, hidden: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """The target's greedy choice [n] (long) at n rows of hidden [rows, H]: all rows, or the rows
+    `index` [n] names. The logits are made in blocks of rows, so no more than _LOGIT_ELEMENTS of
+    them sit in memory at once. The argmax is of the model-dtype logits, which is that of their
+    float32 copy (the cast is exact and keeps the order, ties included). Shapes and the blocks
+    follow from the arguments alone and nothing syncs the host, so a graph capture may run this
+    (batch_graph.static_round)."""
+    n = hidden.shape[0] if index is None else index.shape[0]
+    step = max(1, _LOGIT_ELEMENTS // target.vocab_size)
+    picks = []
+    for at in range(0, n, step):
+        block = hidden[at:at + step] if index is None else hidden.index_select(0, index[at:at + step])
+        picks.append(target.lm_head(block).argmax(dim=-1))
+    return torch.cat(picks)
 
 
 def _commit_rows(pool: KVPool, rows: list[int], starts: list[int], paths: list[list[int]]) -> None:

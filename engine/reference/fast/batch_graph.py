@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ddtree.engine.reference.fast.batch import _LOGIT_ELEMENTS, append_context, batch_plan, draft_block
+from ddtree.engine.reference.fast.batch import append_context, argmax_rows, batch_plan, draft_block
 from ddtree.engine.reference.fast.batch_tree import (
     TreeBatch,
     build_trees_device,
@@ -286,11 +286,8 @@ def static_round(engine: Engine, stage: RoundStage, mode: str, budget: int, b: i
     layers = target.feature_layers if mode != "ar" else ()
     hidden, feats = target.model(trees.tokens.clamp(min=0).view(-1), positions.reshape(-1),
                                  pool.k, pool.v, plan, layers)
-    # The argmax of the model-dtype logits is that of their float32 copy (the cast is exact);
-    # in blocks of rows, so b*q rows over a large vocabulary never sit in memory at once.
-    step = max(1, _LOGIT_ELEMENTS // target.vocab_size)
-    posterior = torch.cat([target.lm_head(hidden[at:at + step]).argmax(dim=-1)
-                           for at in range(0, b * q, step)]).view(b, q)
+    # In blocks of rows, so b*q rows over a large vocabulary never sit in memory at once.
+    posterior = argmax_rows(target, hidden).view(b, q)
     order, count = walk_batch(trees, posterior)
     packed = pack_walks(trees.tokens, posterior, order, count)
     # Commit: every row's accepted K/V rows to start.., its length, its next bonus and features.
