@@ -29,24 +29,28 @@ if TYPE_CHECKING:
     from ddtree.engine.reference.fast.target import FastTarget
 
 
-def bytes_per_token(target: FastTarget, drafter: FastDrafter | None) -> int:
-    """K/V bytes one context token costs in the target (and the drafter, when there is one)."""
+def _row_bytes(target: FastTarget, drafter: FastDrafter | None) -> tuple[int, int]:
+    """K/V bytes of one cache row in the target and in the drafter (0 when there is none)."""
     cfg = target.cfg
     size = torch.tensor([], dtype=target.dtype).element_size()
-    total = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * size
+    per_target = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * size
+    per_draft = 0
     if drafter is not None:
-        total += 2 * drafter.num_layers * drafter.num_kv_heads * drafter.head_dim * size
-    return total
+        per_draft = 2 * drafter.num_layers * drafter.num_kv_heads * drafter.head_dim * size
+    return per_target, per_draft
+
+
+def bytes_per_token(target: FastTarget, drafter: FastDrafter | None) -> int:
+    """K/V bytes one context token costs in the target (and the drafter, when there is one)."""
+    return sum(_row_bytes(target, drafter))
 
 
 def slot_bytes(target: FastTarget, drafter: FastDrafter | None) -> int:
     """Bytes of one slot: every row of the target's cache and of the drafter's."""
-    cfg = target.cfg
-    size = torch.tensor([], dtype=target.dtype).element_size()
-    total = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * size * target.new_cache_rows()
+    per_target, per_draft = _row_bytes(target, drafter)
+    total = per_target * target.new_cache_rows()
     if drafter is not None:
-        total += (2 * drafter.num_layers * drafter.num_kv_heads * drafter.head_dim * size
-                  * (drafter.capacity + drafter.block_size + 1))
+        total += per_draft * (drafter.capacity + drafter.block_size + 1)
     return total
 
 
