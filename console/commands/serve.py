@@ -37,7 +37,8 @@ def server_argv(args: argparse.Namespace) -> list[str]:
                         port=args.port, dtype=args.dtype, max_running_requests=args.max_running_requests,
                         max_queued_requests=args.max_queued_requests, threads=args.threads, batch=args.batch,
                         context_window=getattr(args, "context_window", None),
-                        kv_pool_gb=getattr(args, "kv_pool_gb", None))
+                        kv_pool_gb=getattr(args, "kv_pool_gb", None),
+                        engine_loop=getattr(args, "engine_loop", None))
 
 
 def refusal(args: argparse.Namespace) -> str | None:

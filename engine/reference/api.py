@@ -14,15 +14,20 @@ import math
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from ddtree.engine.errors import EngineError
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 from ddtree.engine.reference.params import ALGORITHMS
-from ddtree.engine.reference.scheduler import EngineThread, Scheduler, Update, proposed_per_round
+from ddtree.engine.reference.scheduler import (EngineThread, Scheduler, ShuttingDown, Snapshot, Update,
+                                               proposed_per_round)
 
 DEFAULT_BUDGET = 16
+
+#: How long /server_info and /metrics wait for the engine process's counters.
+SNAPSHOT_TIMEOUT_S = 30.0
 
 
 # No tokenizer in use packs more characters than this into one token on real text.
@@ -128,18 +133,23 @@ def _token_ids(value: Any, vocab_size: int | None, *, what: str) -> list[int]:
 class Api:
     """The request handlers; one instance per server, bound to one engine and scheduler."""
 
-    def __init__(self, engine: Engine, config: ServerConfig, thread: EngineThread | None = None) -> None:
-        """`thread`: the one that loaded and warmed up the engine, which then runs its rounds."""
+    def __init__(self, engine: Engine | Any, config: ServerConfig, thread: EngineThread | None = None,
+                 scheduler: Any = None) -> None:
+        """`thread`: the one that loaded and warmed up the engine, which then runs its rounds.
+        `scheduler`: one that runs them elsewhere (engine_loop.RemoteScheduler); `engine` is
+        then that engine's EngineFacts."""
         self.engine = engine
         self.config = config
-        self.scheduler = Scheduler(engine, max_running=config.max_running, max_queued=config.max_queued,
-                                   batch=config.batch, thread=thread)
+        self.scheduler = scheduler or Scheduler(engine, max_running=config.max_running,
+                                                max_queued=config.max_queued, batch=config.batch, thread=thread)
         self.stats = self.scheduler.stats
+        #: Where the rounds run (/server_info says): "thread" of this process, or their own "process".
+        self.engine_loop = "thread" if scheduler is None else "process"
         self.draining = False
         self.started_at = time.time()
         tokenizer = engine.tokenizer
         # The model's embedding rows, which may exceed the tokenizer's size (padded vocabularies).
-        model_vocab = getattr(getattr(engine, "target", None), "vocab_size", None)
+        model_vocab = getattr(engine, "vocab_size", None) or getattr(getattr(engine, "target", None), "vocab_size", None)
         self.vocab_size = model_vocab or (len(tokenizer) if tokenizer is not None else None)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self._couriers: dict[int, Courier] = {}
@@ -344,6 +354,18 @@ class Api:
     # -- running a request ---------------------------------------------------------------------
     def submit(self, req: GenRequest) -> "Reply":
         return Reply(self, req)
+
+    async def snapshot(self) -> Snapshot:
+        """Counters, request counts and pool use, from wherever the rounds run."""
+        got = self.scheduler.snapshot(time.perf_counter())
+        if not isinstance(got, Future):
+            return got
+        try:
+            # The engine process answers from its pipe thread, between the engine's kernels; one
+            # that is stuck must cost a poller a 503, not hang it.
+            return await asyncio.wait_for(asyncio.wrap_future(got), SNAPSHOT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ShuttingDown(f"the engine process did not answer within {SNAPSHOT_TIMEOUT_S:.0f} s") from None
 
     def meta_info(self, req: GenRequest, run: "Reply", *, final: bool) -> dict:
         ids = run.ids

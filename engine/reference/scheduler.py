@@ -69,7 +69,7 @@ class Update:
 class Ticket:
     """One submitted request. `sink` is called on the engine thread with each `Update`."""
 
-    def __init__(self, input_ids: list[int], gen: Any, spec: Any, sink: Callable[[Update], None]) -> None:
+    def __init__(self, input_ids: list[int], gen: Any, spec: Any, sink: Callable[[Update], None] | None) -> None:
         self.input_ids = input_ids
         self.gen = gen
         self.spec = spec
@@ -156,12 +156,48 @@ class Histogram:
         self.count = 0
         self.sum = 0.0
 
+    def copy(self) -> "Histogram":
+        other = Histogram(self.bounds)
+        other.counts, other.count, other.sum = list(self.counts), self.count, self.sum
+        return other
+
     def observe(self, value: float) -> None:
         self.count += 1
         self.sum += value
         for i, bound in enumerate(self.bounds):
             if value <= bound:
                 self.counts[i] += 1
+
+
+@dataclass(frozen=True)
+class StatsView:
+    """What /metrics and /server_info read from `Stats`, taken at one moment: plain values, so it
+    crosses from the engine process to the HTTP one in one small message."""
+
+    requests_total: int
+    aborted_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    verify_calls_total: int
+    batched_rounds_total: int
+    avg_batch_size: float | None
+    avg_accept_length: float | None
+    recent_accept_length: float
+    recent_accept_rate: float
+    gen_throughput: float
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The server's state for /metrics and /server_info: counters, request counts, KV pool use."""
+
+    stats: StatsView
+    running: int
+    queued: int
+    pool: dict | None
 
 
 class Stats:
@@ -251,6 +287,19 @@ class Stats:
             tokens = sum(n for _, n in self._recent_tokens)
         return tokens / self.THROUGHPUT_WINDOW_S
 
+    def view(self, now: float) -> StatsView:
+        tau, rate = self.recent_accept()
+        throughput = self.gen_throughput(now)
+        batch = self.avg_batch_size()
+        accept = self.avg_accept_length()
+        with self._lock:
+            return StatsView(
+                requests_total=self.requests_total, aborted_total=self.aborted_total,
+                prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+                verify_calls_total=self.verify_calls_total, batched_rounds_total=self.batched_rounds_total,
+                avg_batch_size=batch, avg_accept_length=accept, recent_accept_length=tau, recent_accept_rate=rate,
+                gen_throughput=throughput, ttft=self.ttft.copy(), itl=self.itl.copy(), e2e=self.e2e.copy())
+
 
 def proposed_per_round(algorithm: str, budget: int, block_size: int) -> int:
     """Draft tokens one verify round checks: the tree's nodes, the chain's block, none for AR."""
@@ -265,7 +314,10 @@ class Scheduler:
     """Runs sessions of `engine` (the `Engine.start -> Session` API) round by round on one thread."""
 
     def __init__(self, engine: Any, *, max_running: int = 8, max_queued: int = 64, stats: Stats | None = None,
-                 batch: bool = False, thread: EngineThread | None = None) -> None:
+                 batch: bool = False, thread: EngineThread | None = None,
+                 on_turn: Callable[[], None] | None = None) -> None:
+        """`on_turn` runs on the engine thread after every turn (the engine process sends the
+        turn's updates from there, in one message)."""
         if max_running < 1 or max_queued < 0:
             raise ValueError("max_running must be >= 1 and max_queued >= 0")
         self.engine = engine
@@ -282,6 +334,7 @@ class Scheduler:
         self._looping: Future | None = None
         #: Turns started so far (each admits, then advances every running session by one round).
         self.turns = 0
+        self._on_turn = on_turn
 
     # -- any thread ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -296,7 +349,10 @@ class Scheduler:
             log.error("the scheduler loop failed", exc_info=looping.exception())
 
     def submit(self, input_ids: list[int], gen: Any, spec: Any, sink: Callable[[Update], None]) -> Ticket:
-        ticket = Ticket(input_ids, gen, spec, sink)
+        return self.enqueue(Ticket(input_ids, gen, spec, sink))
+
+    def enqueue(self, ticket: Ticket) -> Ticket:
+        """Queue a ticket built by the caller (one whose sink needs the ticket itself)."""
         with self._cond:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
@@ -314,6 +370,20 @@ class Scheduler:
         """(running, queued) right now."""
         with self._cond:
             return len(self._running), len(self._waiting)
+
+    def snapshot(self, now: float) -> Snapshot:
+        running, queued = self.counts()
+        pool_usage = getattr(self.engine, "pool_usage", None)
+        return Snapshot(self.stats.view(now), running, queued, pool_usage() if pool_usage else None)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the rounds stopped for good (the loop raised), else None."""
+        looping = self._looping
+        if looping is None or not looping.done() or looping.cancelled() or looping.exception() is None:
+            return None
+        exc = looping.exception()
+        return f"the engine loop failed: {type(exc).__name__}: {exc}"
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop after the current round; requests still held get an error update."""
@@ -359,6 +429,8 @@ class Scheduler:
             else:
                 for active in turn:
                     self._advance(active)
+            if self._on_turn is not None:
+                self._on_turn()
 
     def _admit(self, ticket: Ticket) -> None:
         if ticket.cancelled:
@@ -509,10 +581,10 @@ def _number(value: float) -> str:
     return repr(float(value))
 
 
-def render_metrics(stats: Stats, running: int, queued: int, labels: dict[str, str], now: float,
-                   pool: dict | None = None) -> str:
+def render_metrics(snapshot: Snapshot, labels: dict[str, str]) -> str:
     """The /metrics body: gauges, counters and latency histograms named as SGLang names them;
     with a KV pool (Engine.pool_usage), its use as SGLang's token_usage and our slot gauges."""
+    stats, pool = snapshot.stats, snapshot.pool
     lab = _labels(labels)
     out: list[str] = []
 
@@ -530,33 +602,29 @@ def render_metrics(stats: Stats, running: int, queued: int, labels: dict[str, st
         out.append(f"{name}_count{lab} {_number(hist.count)}")
         out.append(f"{name}_sum{lab} {_number(hist.sum)}")
 
-    accept_length, accept_rate = stats.recent_accept()
-    scalar("sglang:num_running_reqs", "gauge", "The number of running requests.", running)
-    scalar("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", queued)
-    scalar("sglang:gen_throughput", "gauge", "The generation throughput (token/s).", stats.gen_throughput(now))
+    scalar("sglang:num_running_reqs", "gauge", "The number of running requests.", snapshot.running)
+    scalar("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", snapshot.queued)
+    scalar("sglang:gen_throughput", "gauge", "The generation throughput (token/s).", stats.gen_throughput)
     scalar("sglang:spec_accept_length", "gauge",
-           "The average acceptance length of speculative decoding (recent rounds).", accept_length)
+           "The average acceptance length of speculative decoding (recent rounds).", stats.recent_accept_length)
     scalar("sglang:spec_accept_rate", "gauge",
-           "The average acceptance rate of speculative decoding (recent rounds).", accept_rate)
+           "The average acceptance rate of speculative decoding (recent rounds).", stats.recent_accept_rate)
     if pool is not None:
         scalar("sglang:token_usage", "gauge", "The token usage of the KV pool (0..1).", pool["token_usage"])
         scalar("ddtree:kv_pool_slots", "gauge", "Requests the KV pool holds.", pool["slots"])
         scalar("ddtree:kv_pool_used_slots", "gauge", "KV pool slots held by running requests.", pool["used_slots"])
         scalar("ddtree:kv_pool_bytes", "gauge", "Bytes of the KV pool.", pool["bytes"])
-    with stats._lock:
-        counters = [
-            ("sglang:prompt_tokens_total", "Number of prefill tokens processed.", stats.prompt_tokens_total),
-            ("sglang:generation_tokens_total", "Number of generation tokens processed.",
-             stats.generation_tokens_total),
-            ("sglang:num_requests_total", "Number of requests processed.", stats.requests_total),
-            ("sglang:num_aborted_requests_total", "Number of requests aborted.", stats.aborted_total),
-            ("sglang:spec_verify_calls_total", "Number of speculative decoding verification calls.",
-             stats.verify_calls_total),
-        ]
-        for name, doc, value in counters:
-            scalar(name, "counter", doc, value)
-        histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", stats.ttft)
-        histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", stats.itl)
-        histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
-                  stats.e2e)
+    counters = [
+        ("sglang:prompt_tokens_total", "Number of prefill tokens processed.", stats.prompt_tokens_total),
+        ("sglang:generation_tokens_total", "Number of generation tokens processed.", stats.generation_tokens_total),
+        ("sglang:num_requests_total", "Number of requests processed.", stats.requests_total),
+        ("sglang:num_aborted_requests_total", "Number of requests aborted.", stats.aborted_total),
+        ("sglang:spec_verify_calls_total", "Number of speculative decoding verification calls.",
+         stats.verify_calls_total),
+    ]
+    for name, doc, value in counters:
+        scalar(name, "counter", doc, value)
+    histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", stats.ttft)
+    histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", stats.itl)
+    histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", stats.e2e)
     return "\n".join(out) + "\n"

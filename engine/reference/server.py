@@ -43,6 +43,7 @@ from starlette.routing import Route
 from ddtree.engine.errors import EngineError
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 from ddtree.engine.reference.scheduler import EngineThread, QueueFull, ShuttingDown, render_metrics
+from ddtree.engine.reference import engine_loop
 from ddtree.engine.reference.access import AccessLog, access_log
 from ddtree.engine.reference.api import DEFAULT_BUDGET, Api, BadRequest, Reply, ServerConfig
 from ddtree.engine.serving.launch import BUILTIN_MODULE, add_builtin_options
@@ -138,13 +139,14 @@ def build_app(api: Api) -> Starlette:
     async def health(request: Request) -> Response:
         if api.draining:
             return _error(503, "the server is shutting down")
+        if api.scheduler.failure is not None:
+            return _error(503, api.scheduler.failure)
         return JSONResponse({"status": "ok"})
 
     async def server_info(request: Request) -> Response:
         engine, config = api.engine, api.config
-        running, queued = api.scheduler.counts()
-        now = time.perf_counter()
-        tau, rate = api.stats.recent_accept()
+        snap = await api.snapshot()
+        stats = snap.stats
         return JSONResponse({
             "engine": "builtin",
             "version": _version(),
@@ -160,26 +162,25 @@ def build_app(api: Api) -> Starlette:
             "speculative_num_draft_tokens": engine.block_size,
             "context_length": engine.context_window,
             "max_running_requests": config.max_running, "max_queued_requests": config.max_queued,
-            "batch": config.batch,
-            "kv_pool": engine.pool_usage(),
+            "batch": config.batch, "engine_loop": api.engine_loop,
+            "kv_pool": snap.pool,
             "chat_template": "model" if api.has_chat_template else "fallback",
             "uptime_s": time.time() - api.started_at,
             "internal_states": [{
-                "avg_spec_accept_length": api.stats.avg_accept_length(),
-                "recent_spec_accept_length": tau, "recent_spec_accept_rate": rate,
-                "last_gen_throughput": api.stats.gen_throughput(now),
-                "num_running_reqs": running, "num_queue_reqs": queued,
-                "spec_verify_calls_total": api.stats.verify_calls_total,
-                "generation_tokens_total": api.stats.generation_tokens_total,
-                "batched_rounds_total": api.stats.batched_rounds_total,
-                "avg_batch_size": api.stats.avg_batch_size(),
+                "avg_spec_accept_length": stats.avg_accept_length,
+                "recent_spec_accept_length": stats.recent_accept_length,
+                "recent_spec_accept_rate": stats.recent_accept_rate,
+                "last_gen_throughput": stats.gen_throughput,
+                "num_running_reqs": snap.running, "num_queue_reqs": snap.queued,
+                "spec_verify_calls_total": stats.verify_calls_total,
+                "generation_tokens_total": stats.generation_tokens_total,
+                "batched_rounds_total": stats.batched_rounds_total,
+                "avg_batch_size": stats.avg_batch_size,
             }],
         })
 
     async def metrics(request: Request) -> Response:
-        running, queued = api.scheduler.counts()
-        body = render_metrics(api.stats, running, queued, {"model_name": api.config.served_model_name},
-                              time.perf_counter(), api.engine.pool_usage())
+        body = render_metrics(await api.snapshot(), {"model_name": api.config.served_model_name})
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(request: Request) -> Response:
@@ -471,54 +472,109 @@ def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
     return engine, str(model), None if draft is None else str(draft)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse out-of-range options before anything loads."""
+    if args.port < 0 or args.port > 65535:
+        raise BadRequest(f"--port must be in 0..65535, got {args.port}")
+    if args.block_size is not None and args.block_size < 2:
+        raise BadRequest(f"--block-size must be at least 2, got {args.block_size}")
+    if args.context_window is not None and args.context_window < 2:
+        raise BadRequest(f"--context-window must be at least 2, got {args.context_window}")
+    if args.threads is not None and args.threads < 1:
+        raise BadRequest(f"--threads must be at least 1, got {args.threads}")
+    if args.kv_pool_gb is not None and not args.kv_pool_gb > 0:
+        raise BadRequest(f"--kv-pool-gb must be a positive number, got {args.kv_pool_gb}")
+    if args.max_running_requests < 1:
+        raise BadRequest(f"--max-running-requests must be at least 1, got {args.max_running_requests}")
+
+
+def prepare(args: argparse.Namespace, engine_thread: EngineThread) -> tuple[Engine, ServerConfig]:
+    """Load the engine, settle the server's configuration, warm up: all on `engine_thread`."""
+    engine, model_path, draft_path = engine_thread.call(_load, args)
+    # A target served without a drafter has max_budget 0: the default must follow it down, not up.
+    default_budget = DEFAULT_BUDGET if engine.max_budget is None else min(DEFAULT_BUDGET, engine.max_budget)
+    budget = args.budget if args.budget is not None else default_budget
+    if engine.max_budget is not None and not 0 <= budget <= engine.max_budget:
+        raise BadRequest(f"--budget must be between 0 and {engine.max_budget}, got {budget}")
+    algorithm = args.algorithm if engine.draft_name is not None else "ar"
+    max_running = args.max_running_requests
+    pool = engine.pool_usage()
+    if pool is not None and pool["slots"] < max_running:
+        log.warning("the KV pool holds %d requests: running at most %d at once (--max-running-requests %d)",
+                    pool["slots"], pool["slots"], max_running)
+        max_running = pool["slots"]
+    if args.algorithm != "ar" and engine.draft_name is None:
+        log.warning("no drafter loaded: serving %s requests as ar", args.algorithm)
+    config = ServerConfig(algorithm=algorithm, budget=budget,
+                          # the name a user gave, or the repo id; never the demo's install path
+                          served_model_name=args.served_model_name or display_name(model_path),
+                          model_path=model_path, draft_path=draft_path,
+                          max_running=max_running, max_queued=args.max_queued_requests,
+                          graceful_timeout_s=args.graceful_timeout,
+                          batch=DEFAULT_BATCH if args.batch is None else args.batch,
+                          capture_budgets=tuple(b for b in args.capture_budgets
+                                                if engine.max_budget is None or b <= engine.max_budget))
+    engine_thread.call(warm_up, engine, config)
+    return engine, config
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def engine_loop_main(conn: Any, args: argparse.Namespace, parent_pid: int) -> None:
+    """The engine process (--engine-loop process): load, warm up, then run the rounds for the
+    HTTP process on the other end of `conn` (engine_loop.host)."""
+    engine_loop.die_with_parent(parent_pid)
+    # Ctrl-C and SIGTERM reach the whole process group; the HTTP process drains its requests
+    # and then says "stop", so the engine must outlive the signal until then.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _setup_logging(args)
+    engine_thread = EngineThread()
+    try:
+        engine, config = prepare(args, engine_thread)
+    except EngineError as exc:
+        conn.send(("failed", exc.exit_code, str(exc)))
+        return
+    except Exception as exc:  # boundary: the HTTP process prints it as its one error line
+        log.exception("loading the engine failed")
+        conn.send(("failed", 1, f"loading the engine failed: {type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", engine_loop.EngineFacts.of(engine), config))
+    engine_loop.host(conn, engine, config, engine_thread)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args)
     # Request lines at INFO whatever --log-level says, unless it asks for errors only: they are what
     # makes following the engine's log worth it.
     access_log.setLevel(logging.ERROR if args.log_level == "error" else logging.INFO)
-    # Loading, warm-up and every round run on this one thread, so torch keeps one OpenMP pool
-    # (scheduler.EngineThread says why); the main thread runs the event loop and no torch.
-    engine_thread = EngineThread()
+    failed: list[str] = []
+    server: Any = None
+
+    def engine_failed(reason: str) -> None:
+        failed.append(reason)
+        if server is not None:
+            server.should_exit = True
+
     try:
-        if args.port < 0 or args.port > 65535:
-            raise BadRequest(f"--port must be in 0..65535, got {args.port}")
-        if args.block_size is not None and args.block_size < 2:
-            raise BadRequest(f"--block-size must be at least 2, got {args.block_size}")
-        if args.context_window is not None and args.context_window < 2:
-            raise BadRequest(f"--context-window must be at least 2, got {args.context_window}")
-        if args.threads is not None and args.threads < 1:
-            raise BadRequest(f"--threads must be at least 1, got {args.threads}")
-        if args.kv_pool_gb is not None and not args.kv_pool_gb > 0:
-            raise BadRequest(f"--kv-pool-gb must be a positive number, got {args.kv_pool_gb}")
-        if args.max_running_requests < 1:
-            raise BadRequest(f"--max-running-requests must be at least 1, got {args.max_running_requests}")
-        engine, model_path, draft_path = engine_thread.call(_load, args)
-        # A target served without a drafter has max_budget 0: the default must follow it down, not up.
-        default_budget = DEFAULT_BUDGET if engine.max_budget is None else min(DEFAULT_BUDGET, engine.max_budget)
-        budget = args.budget if args.budget is not None else default_budget
-        if engine.max_budget is not None and not 0 <= budget <= engine.max_budget:
-            raise BadRequest(f"--budget must be between 0 and {engine.max_budget}, got {budget}")
-        algorithm = args.algorithm if engine.draft_name is not None else "ar"
-        max_running = args.max_running_requests
-        pool = engine.pool_usage()
-        if pool is not None and pool["slots"] < max_running:
-            log.warning("the KV pool holds %d requests: running at most %d at once (--max-running-requests %d)",
-                        pool["slots"], pool["slots"], max_running)
-            max_running = pool["slots"]
-        if args.algorithm != "ar" and engine.draft_name is None:
-            log.warning("no drafter loaded: serving %s requests as ar", args.algorithm)
-        config = ServerConfig(algorithm=algorithm, budget=budget,
-                              # the name a user gave, or the repo id; never the demo's install path
-                              served_model_name=args.served_model_name or display_name(model_path),
-                              model_path=model_path, draft_path=draft_path,
-                              max_running=max_running, max_queued=args.max_queued_requests,
-                              graceful_timeout_s=args.graceful_timeout,
-                              batch=DEFAULT_BATCH if args.batch is None else args.batch,
-                              capture_budgets=tuple(b for b in args.capture_budgets
-                                                    if engine.max_budget is None or b <= engine.max_budget))
-        engine_thread.call(warm_up, engine, config)
+        check_args(args)
+        if args.engine_loop == "process":
+            # The rounds run in a process of their own (engine_loop says why); this one
+            # serves HTTP and never runs torch.
+            process, conn, engine, config = engine_loop.start(f"{BUILTIN_MODULE}:engine_loop_main", args)
+            scheduler = engine_loop.RemoteScheduler(process, conn, max_running=config.max_running,
+                                                       max_queued=config.max_queued, on_failure=engine_failed)
+            api_args: tuple = (engine, config, None, scheduler)
+        else:
+            # Loading, warm-up and every round run on this one thread, so torch keeps one OpenMP
+            # pool (scheduler.EngineThread says why); the main thread runs the event loop.
+            engine_thread = EngineThread()
+            engine, config = prepare(args, engine_thread)
+            api_args = (engine, config, engine_thread)
         sock = bind_socket(args.host, args.port)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -531,9 +587,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"event": "listening", "host": host, "port": port, "url": f"http://{url_host}:{port}",
                           "backend": engine.backend}), flush=True)
 
-    api = Api(engine, config, engine_thread)
+    api = Api(*api_args)
     server = _uvicorn_server(build_app(api), api, announce, args.graceful_timeout)
     server.run(sockets=[sock])
+    if failed:
+        print(f"error: {failed[0]}", file=sys.stderr)
+        return 1
     return 0
 
 

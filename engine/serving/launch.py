@@ -199,7 +199,7 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
                  dtype: str | None = None, max_running_requests: int | None = None,
                  max_queued_requests: int | None = None, threads: int | None = None,
                  batch: bool | None = None, context_window: int | None = None,
-                 kv_pool_gb: float | None = None) -> list[str]:
+                 kv_pool_gb: float | None = None, engine_loop: str | None = None) -> list[str]:
     """The builtin server's command line. Options left None are not passed (the server's default
     applies); model None is the server's demo pair."""
     argv = [python or sys.executable, "-m", BUILTIN_MODULE]
@@ -215,7 +215,8 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
     argv += ["--device", device, "--backend", backend or "auto", "--host", host, "--port", str(port)]
     for flag, value in (("--dtype", dtype), ("--max-running-requests", max_running_requests),
                         ("--max-queued-requests", max_queued_requests), ("--threads", threads),
-                        ("--context-window", context_window), ("--kv-pool-gb", kv_pool_gb)):
+                        ("--context-window", context_window), ("--kv-pool-gb", kv_pool_gb),
+                        ("--engine-loop", engine_loop)):
         if value is not None:
             argv += [flag, str(value)]
     if batch is not None:
@@ -310,6 +311,9 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                         help="fast backend: GiB for the KV pool that batched requests share; it runs at most as "
                              "many requests as it holds at the context window (default: room for "
                              "--max-running-requests)")
+    parser.add_argument("--engine-loop", choices=("process", "thread"), default=default("process"),
+                        help="where the rounds run: process (default), a process of their own beside the HTTP one, "
+                             "as SGLang's scheduler; thread, on a thread of the HTTP process, sharing its GIL")
 
 
 def _builtin(table: dict, *, algorithm: str, budget, tp: int, gpus, port: int) -> tuple[list[str], dict, list[str]]:

@@ -214,7 +214,7 @@ def test_render_metrics_parses(started):
     _, q = collect(sched, 9, 6)
     drain(q)
     sched.stats.observe_ttft(0.02)
-    text = render_metrics(sched.stats, 0, 0, {"model_name": 'a "quoted"\\name'}, time.perf_counter())
+    text = render_metrics(sched.snapshot(time.perf_counter()), {"model_name": 'a "quoted"\\name'})
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert families["sglang:spec_accept_length"].samples[0].value == 2.0
     assert families["sglang:spec_accept_rate"].samples[0].value == 0.25  # 1 correct of 4 proposed per round

@@ -1,0 +1,356 @@
+"""The engine loop in its own process, as SGLang runs its scheduler: the HTTP side and the rounds
+no longer share one GIL.
+
+Measured before this (bench/RESULTS.md, issue 15): in one process the HTTP side (detokenizing,
+SSE chunks, socket writes) held the GIL the engine thread needed between rounds, and the server
+gave 0.34-0.91 of the same rounds in process. Here the engine process runs the real `Scheduler`
+on its `EngineThread`; the HTTP process holds a `RemoteScheduler` with the same surface
+(`submit`, `snapshot`, `stop`, `failure`), and the two talk over one socket pair, in pickled
+messages:
+
+    HTTP -> engine: (target "module:function", args, parent_pid)                  (once, at start)
+                    | ("submit", tid, input_ids, gen, spec) | ("cancel", tid, reason)
+                    | ("snapshot", qid) | ("stop", timeout_s)
+    engine -> HTTP: ("ready", facts, config) | ("failed", exit_code, message)     (once, at start)
+                    | ("updates", [(tid, submitted_turn, Update), ...])           (one per turn)
+                    | ("snapshot", qid, Snapshot) | ("stopped",)
+
+A turn's updates go in one message, sent on the engine thread when the turn ends, so a batched
+round over 64 requests costs one pickle and one write, not 64. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any, Callable
+
+from ddtree.engine.errors import EngineError
+from ddtree.engine.reference.scheduler import (EngineThread, QueueFull, Scheduler, ShuttingDown, Snapshot, Stats,
+                                               Ticket, Update)
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the HTTP side needs of a loaded engine, under the engine's own attribute names (the
+    request parser and /server_info read either), so it can live in the other process."""
+
+    tokenizer: Any
+    context_window: int
+    max_budget: int | None
+    draft_name: str | None
+    block_size: int
+    vocab_size: int | None
+    device: str
+    backend: str
+    backend_reason: str
+    graphs: bool
+
+    @classmethod
+    def of(cls, engine: Any) -> "EngineFacts":
+        return cls(tokenizer=engine.tokenizer, context_window=engine.context_window, max_budget=engine.max_budget,
+                   draft_name=engine.draft_name, block_size=engine.block_size,
+                   vocab_size=getattr(getattr(engine, "target", None), "vocab_size", None), device=str(engine.device),
+                   backend=engine.backend, backend_reason=engine.backend_reason, graphs=bool(engine.graphs))
+
+
+# -- the engine process ------------------------------------------------------------------------
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this process when its parent dies (Linux), so a server killed with
+    SIGKILL never leaves an engine holding the GPU. Elsewhere the closed pipe ends it instead."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before the call took effect
+        os._exit(1)
+
+
+class _Outbox:
+    """The engine side of the pipe: updates gathered during a turn, sent as one message."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._items: list[tuple[int, int, Update]] = []
+
+    def put(self, tid: int, ticket: Ticket, update: Update) -> None:
+        with self._lock:
+            self._items.append((tid, ticket.submitted_turn, update))
+
+    def flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        if items:
+            self.send(("updates", items))
+
+    def send(self, message: tuple) -> None:
+        with self._send_lock:
+            try:
+                self.conn.send(message)
+            except (BrokenPipeError, EOFError, OSError):
+                pass  # the HTTP side is gone; the pipe's read end tells the loop to stop
+
+
+def host(conn: Any, engine: Any, config: Any, thread: EngineThread) -> None:
+    """Run `engine`'s rounds for the requests that arrive on `conn`, until "stop" or until the
+    HTTP process goes away. Call after the engine is loaded and warmed up, on `thread`."""
+    outbox = _Outbox(conn)
+    scheduler = Scheduler(engine, max_running=config.max_running, max_queued=config.max_queued,
+                          batch=config.batch, thread=thread, on_turn=outbox.flush)
+    tickets: dict[int, Ticket] = {}
+
+    def relay(tid: int, ticket: Ticket, update: Update) -> None:
+        if update.done or update.error is not None:
+            tickets.pop(tid, None)
+        outbox.put(tid, ticket, update)
+
+    scheduler.start()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            message = ("stop", 5.0)  # the HTTP process is gone: nobody reads what is left
+        kind = message[0]
+        if kind == "submit":
+            _, tid, input_ids, gen, spec = message
+            ticket = Ticket(input_ids, gen, spec, None)
+            ticket.sink = partial(relay, tid, ticket)
+            tickets[tid] = ticket
+            try:
+                scheduler.enqueue(ticket)
+            except EngineError as exc:  # the HTTP side caps what it sends, so only a race gets here
+                relay(tid, ticket, Update(done=True, finish_reason="abort", error=exc))
+                outbox.flush()
+        elif kind == "cancel":
+            ticket = tickets.get(message[1])
+            if ticket is not None:
+                ticket.cancel(message[2])
+        elif kind == "snapshot":
+            outbox.send(("snapshot", message[1], scheduler.snapshot(time.perf_counter())))
+        elif kind == "stop":
+            scheduler.stop(message[1])
+            outbox.flush()
+            outbox.send(("stopped",))
+            return
+
+
+# -- the HTTP process --------------------------------------------------------------------------
+
+class EngineStartFailed(EngineError):
+    """The engine process refused its arguments or failed to load; exit_code is its own."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def __reduce__(self):
+        return type(self), (self.message, self.exit_code)
+
+
+def start(target: str, args: Any) -> tuple[Any, Any, EngineFacts, Any]:
+    """Start the engine process, which calls `target` ("module:function") with (conn, args,
+    parent_pid), and wait until it has loaded and warmed up the engine.
+    Returns (process, conn, facts, config); raises EngineStartFailed."""
+    ours, theirs = socket.socketpair()
+    # A process of its own, not multiprocessing's spawn: no resource-tracker process beside it,
+    # and `ps` shows what it is. It stays in the server's process group, so the job layer's
+    # signals to the group reach it.
+    process = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+    theirs.close()
+    conn = Connection(ours.detach())
+    try:
+        conn.send((target, args, os.getpid()))
+        message = conn.recv()
+    except (EOFError, OSError):
+        process.wait()
+        raise EngineStartFailed(f"the engine process exited while loading (exit code {process.returncode})") from None
+    if message[0] == "failed":
+        process.wait(60)
+        raise EngineStartFailed(message[2], message[1])
+    _, facts, config = message
+    return process, conn, facts, config
+
+
+def _child(fd: int) -> None:
+    conn = Connection(fd)
+    try:
+        target, args, parent_pid = conn.recv()
+    except (EOFError, OSError):
+        return
+    module, function = target.split(":")
+    getattr(importlib.import_module(module), function)(conn, args, parent_pid)
+
+
+class _RemoteTicket(Ticket):
+    def __init__(self, owner: "RemoteScheduler", tid: int, *args: Any) -> None:
+        super().__init__(*args)
+        self.owner, self.tid = owner, tid
+
+    def cancel(self, reason: str = "abort") -> None:
+        first = not self.cancelled
+        super().cancel(reason)
+        if first and not self.finished:
+            self.owner._send(("cancel", self.tid, self.cancel_reason))
+
+
+class RemoteScheduler:
+    """The HTTP side's scheduler: each request goes to the engine process, and its updates come
+    back to the ticket's sink (on a reader thread, as a Scheduler calls sinks on its own)."""
+
+    def __init__(self, process: Any, conn: Any, *, max_running: int, max_queued: int,
+                 on_failure: Callable[[str], None] | None = None) -> None:
+        self.process, self.conn = process, conn
+        self.max_running, self.max_queued = max_running, max_queued
+        #: TTFT and ITL, observed where the tokens reach the client; the rest comes with snapshot().
+        self.stats = Stats()
+        self._on_failure = on_failure
+        self._lock = threading.Lock()
+        self._tickets: dict[int, _RemoteTicket] = {}
+        self._queries: dict[int, Future] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self._failure: str | None = None
+        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+
+    def start(self) -> None:
+        self._reader.start()
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    def submit(self, input_ids: list[int], gen: Any, spec: Any, sink: Callable[[Update], None]) -> Ticket:
+        with self._lock:
+            if self._stopping or self._failure is not None:
+                raise ShuttingDown(self._failure or "the server is shutting down")
+            # The engine's scheduler holds no more than this side has sent and not seen finish,
+            # so counting here refuses exactly what it would refuse.
+            if len(self._tickets) >= self.max_running + self.max_queued:
+                raise QueueFull(
+                    f"{len(self._tickets)} requests held ({self.max_running} running, the rest queued)",
+                    hint="retry later, or start the server with a larger --max-queued-requests",
+                )
+            tid = next(self._ids)
+            ticket = _RemoteTicket(self, tid, input_ids, gen, spec, sink)
+            self._tickets[tid] = ticket
+            self._send_locked(("submit", tid, input_ids, gen, spec))
+        return ticket
+
+    def snapshot(self, now: float) -> Future:
+        """A future of the engine's Snapshot, with this side's TTFT and ITL in it."""
+        future: Future = Future()
+        with self._lock:
+            if self._failure is not None:
+                future.set_exception(EngineError(self._failure))
+                return future
+            qid = next(self._ids)
+            self._queries[qid] = future
+            self._send_locked(("snapshot", qid))
+        return future
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._lock:
+            self._stopping = True
+            self._send_locked(("stop", timeout))
+        self._reader.join(timeout + 10)
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            log.warning("the engine process did not stop; killing it")
+            self.process.kill()
+            self.process.wait()
+
+    def _send(self, message: tuple) -> None:
+        with self._lock:
+            self._send_locked(message)
+
+    def _send_locked(self, message: tuple) -> None:
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, EOFError, OSError):
+            pass  # the reader sees the engine gone and fails what it held
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "updates":
+                self._deliver(message[1])
+            elif kind == "snapshot":
+                self._answer(message[1], message[2])
+            elif kind == "stopped":
+                break
+        self._ended()
+
+    def _deliver(self, items: list[tuple[int, int, Update]]) -> None:
+        for tid, turn, update in items:
+            ticket = self._tickets.get(tid)
+            if ticket is None:
+                continue
+            ticket.submitted_turn = turn
+            if update.done or update.error is not None:
+                ticket.finished = True
+                with self._lock:
+                    self._tickets.pop(tid, None)
+            try:
+                ticket.sink(update)
+            except Exception:  # boundary: one consumer that went away must not stop the reader
+                log.exception("delivering an update failed")
+
+    def _answer(self, qid: int, snapshot: Snapshot) -> None:
+        with self._lock:
+            future = self._queries.pop(qid, None)
+        if future is None:
+            return
+        local = self.stats.view(time.perf_counter())
+        future.set_result(replace(snapshot, stats=replace(snapshot.stats, ttft=local.ttft, itl=local.itl)))
+
+    def _ended(self) -> None:
+        """The engine process is gone (stopped, or died): fail whatever it still held."""
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        with self._lock:
+            if not self._stopping:
+                self._failure = f"the engine process exited (exit code {self.process.returncode})"
+            error = EngineError(self._failure or "the server shut down")
+            tickets, self._tickets = list(self._tickets.values()), {}
+            queries, self._queries = list(self._queries.values()), {}
+        for future in queries:
+            future.set_exception(error)
+        for ticket in tickets:
+            ticket.finished = True
+            try:
+                ticket.sink(Update(done=True, finish_reason="abort", error=error))
+            except Exception:
+                log.exception("delivering an update failed")
+        if self._failure is not None:
+            log.error("%s", self._failure)
+            if self._on_failure is not None:
+                self._on_failure(self._failure)
+
+
+if __name__ == "__main__":
+    _child(int(sys.argv[1]))

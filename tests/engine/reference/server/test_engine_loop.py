@@ -1,0 +1,90 @@
+"""The engine loop in a process of its own (--engine-loop process, the default), against a real
+server: same tokens as the single-process server, the engine never outlives the server, and an
+engine that dies fails what it held in one line instead of hanging it."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import httpx
+import psutil
+
+from ....support.client import EngineClient
+from ....support.server import SERVER, ServerProcess
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "import numpy as np\n", "Once upon a time"]
+SPECS = [{"algorithm": "ar"}, {"algorithm": "dflash"}, {"algorithm": "ddtree", "budget": 4},
+         {"algorithm": "ddtree", "budget": 8}]
+
+
+def start(tiny_pair, log_path, *extra: str) -> ServerProcess:
+    target, drafter = tiny_pair
+    return ServerProcess([*SERVER, "--model", str(target), "--draft", str(drafter), "--port", "0", "--budget", "4",
+                          *extra], log_path)
+
+
+def greedy_outputs(url: str) -> list[list[int]]:
+    client = EngineClient(url)
+    return [client.generate(p, sampling_params={"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True},
+                            speculative=s)["output_ids"] for p in PROMPTS for s in SPECS]
+
+
+def test_engine_process_serves_the_single_process_tokens_and_dies_with_the_server(tiny_pair, tmp_path):
+    threaded = start(tiny_pair, tmp_path / "thread.log", "--engine-loop", "thread")
+    try:
+        assert httpx.get(threaded.url + "/server_info").json()["engine_loop"] == "thread"
+        assert psutil.Process(threaded.proc.pid).children() == []
+        want = greedy_outputs(threaded.url)
+    finally:
+        assert threaded.stop() == 0, threaded.log_tail()
+    srv = start(tiny_pair, tmp_path / "process.log")
+    try:
+        info = httpx.get(srv.url + "/server_info").json()
+        assert info["engine_loop"] == "process" and info["backend"] == "transformers"
+        engines = psutil.Process(srv.proc.pid).children()
+        assert [p.cmdline()[1:3] for p in engines] == [["-m", "ddtree.engine.reference.engine_loop"]]
+        assert greedy_outputs(srv.url) == want
+        # The counters live in the engine process and reach /metrics through the pipe.
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert f'sglang:num_requests_total{{model_name="{info["served_model_name"]}"}} {float(len(want))}' in metrics
+        srv.proc.kill()  # the server dies without a word to its engine
+        srv.proc.wait()
+        gone, alive = psutil.wait_procs(engines, timeout=60)
+        assert alive == [], "the engine process outlived a killed server"
+    finally:
+        srv.stop()
+
+
+def test_an_engine_that_dies_fails_its_requests_and_the_server_in_one_line(tiny_pair, tmp_path):
+    srv = start(tiny_pair, tmp_path / "server.log")
+    try:
+        (engine,) = psutil.Process(srv.proc.pid).children()
+        # Stopped first, so the request is surely held (sent, unanswered) when the engine dies.
+        engine.send_signal(signal.SIGSTOP)
+        answers: list[httpx.Response] = []
+        request = threading.Thread(target=lambda: answers.append(httpx.post(
+            srv.url + "/generate", json={"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 8}},
+            timeout=120)))
+        request.start()
+        engine.kill()
+        request.join(120)
+        assert len(answers) == 1
+        assert answers[0].status_code in (500, 503)  # held when it died, or refused just after
+        assert "the engine process exited" in answers[0].json()["message"]
+        assert srv.proc.wait(60) == 1
+        errors = [line for line in srv.log_tail().splitlines() if line.startswith("error:")]
+        assert errors == [f"error: the engine process exited (exit code {-signal.SIGKILL})"]
+    finally:
+        srv.stop()
+
+
+def test_a_model_that_fails_to_load_is_one_line_from_the_server(tmp_path):
+    import subprocess
+
+    out = subprocess.run([*SERVER, "--model", str(tmp_path / "missing"), "--port", "0"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "missing" in lines[-1]
+    assert "Traceback" not in out.stderr
