@@ -404,6 +404,9 @@ def main() -> int:
                    help="seconds for the whole run: --grid starts no server cell past half of it, no "
                         "in-process cell past 90%%, and the verify grid only within it")
     p.add_argument("--skip-serving", action="store_true")
+    p.add_argument("--engine-loops", default="process",
+                   help="--grid: one server per value, comma-separated (process, thread): where the server runs "
+                        "its rounds; default process")
     p.add_argument("--skip-inprocess", action="store_true", help="--grid: skip the in-process side")
     p.add_argument("--skip-batching", action="store_true", help="skip the batched-verify timings (not --grid's)")
     p.add_argument("--out", default=None, help="JSON results (default: bench_server.json in a temp folder)")
@@ -412,6 +415,9 @@ def main() -> int:
     args.concurrency = args.concurrency or ("1,4,16,64" if grid_mode else "1,4,8")
     args.budgets = args.budgets or ("16,64" if grid_mode else "4,8,16,32")
     args.concurrency_list, args.budget_list = int_list(args.concurrency), int_list(args.budgets)
+    args.engine_loops = [part.strip() for part in args.engine_loops.split(",") if part.strip()]
+    if not args.engine_loops or set(args.engine_loops) - {"process", "thread"}:
+        p.error(f"--engine-loops takes process and/or thread, got {','.join(args.engine_loops) or 'nothing'}")
     clock_start = time.perf_counter()
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-server-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)

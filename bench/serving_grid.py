@@ -104,8 +104,9 @@ def server_info(url: str) -> dict | None:
 
 
 def server_grid(args, url: str, specs, concurrencies: list[int], clock: Clock, save: Callable[[], None],
-                cells: list[dict]) -> None:
-    """Appends one cell per (concurrency, algorithm) to `cells`, in the order measured."""
+                cells: list[dict], share: float = SERVER_SHARE, label: str = "server") -> None:
+    """Appends one cell per (concurrency, algorithm) to `cells`, in the order measured; no cell
+    starts past `share` of the time budget."""
     from ddtree.engine.serving.bench import BenchConfig, run_point
 
     # Every prompt prefilled once, unmeasured: on CUDA the first forward at a new sequence length
@@ -116,7 +117,7 @@ def server_grid(args, url: str, specs, concurrencies: list[int], clock: Clock, s
     for i, c in enumerate(concurrencies):
         # The algorithm order rotates with the concurrency, so drift in machine load is spread.
         for name, spec in specs[i % len(specs):] + specs[:i % len(specs)]:
-            if clock.spent(SERVER_SHARE):
+            if clock.spent(share):
                 cells.append({"concurrency": c, "algorithm": name, "skipped": "time budget"})
                 continue
             t0 = time.perf_counter()
@@ -124,7 +125,7 @@ def server_grid(args, url: str, specs, concurrencies: list[int], clock: Clock, s
                     "wall_s": round(time.perf_counter() - t0, 2)}
             cells.append(cell)
             save()
-            print(f"  server     c={c:3d} {name:10s} {line(cell)}", flush=True)
+            print(f"  {label:10s} c={c:3d} {name:10s} {line(cell)}", flush=True)
 
 
 # -- the in-process side -------------------------------------------------------------------------
@@ -426,20 +427,29 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
     if args.grid:
         report["grid"] = grid
     server_cells: list[dict] | None = None
+    loops = list(getattr(args, "engine_loops", None) or ["process"])
     if args.grid and not args.skip_serving:
-        server_cells = grid["server"] = []
-        t0 = time.perf_counter()
-        proc = start_server(flags, "server-grid.log")
-        try:
-            timings["server_start"] = round(time.perf_counter() - t0, 1)
-            print(f"server up in {timings['server_start']} s at {proc.url}", flush=True)
+        # One server per --engine-loops value, each with its share of the server time, so the
+        # engine loop in its own process and on a thread are measured in the same run.
+        grid["servers"] = {}
+        for k, loop in enumerate(loops):
+            cells = grid["servers"][loop] = []
             t0 = time.perf_counter()
-            server_grid(args, proc.url, specs, concurrencies, clock, save, server_cells)
-            grid["server_info"] = server_info(proc.url)
-            timings["server_cells"] = round(time.perf_counter() - t0, 1)
-        finally:
-            proc.stop(60)
-        save()
+            proc = start_server(flags + ["--engine-loop", loop], f"server-grid-{loop}.log")
+            try:
+                timings[f"server_start_{loop}"] = round(time.perf_counter() - t0, 1)
+                print(f"server (--engine-loop {loop}) up in {timings[f'server_start_{loop}']} s at {proc.url}",
+                      flush=True)
+                t0 = time.perf_counter()
+                server_grid(args, proc.url, specs, concurrencies, clock, save, cells,
+                            share=SERVER_SHARE * (k + 1) / len(loops), label=f"srv-{loop}")
+                grid.setdefault("server_info", {})[loop] = server_info(proc.url)
+                timings[f"server_cells_{loop}"] = round(time.perf_counter() - t0, 1)
+            finally:
+                proc.stop(60)
+            save()
+        grid["server"] = grid["servers"][loops[0]]
+        server_cells = [cell for loop in loops for cell in grid["servers"][loop]]
     engine = None
     if (args.grid and not args.skip_inprocess) or args.verify_grid:
         t0 = time.perf_counter()
@@ -453,9 +463,14 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
         inprocess_grid(args, engine, specs, concurrencies, server_cells, clock, save, grid["inprocess"])
         timings["inprocess_cells"] = round(time.perf_counter() - t0, 1)
     if args.grid:
-        grid["summary"] = summarize(server_cells, grid.get("inprocess"), specs, concurrencies)
+        by_loop = grid.get("servers") or {loops[0]: None}
+        grid["summary_by_loop"] = {loop: summarize(cells, grid.get("inprocess"), specs, concurrencies)
+                                   for loop, cells in by_loop.items()}
+        grid["summary"] = grid["summary_by_loop"][loops[0]]
         save()
-        print_summary(grid["summary"])
+        for loop, summary in grid["summary_by_loop"].items():
+            print(f"\n--engine-loop {loop}:")
+            print_summary(summary)
     if args.verify_grid:
         if clock.spent(1.0):
             report["verify_grid"] = {"skipped": "time budget"}
