@@ -31,5 +31,5 @@ if [ "$PART" != tests ]; then
         --skip-batching --context-window ${CONTEXT_WINDOW:-2048} --max-new-tokens ${MAX_NEW:-64} \
         --time-budget ${TIME_BUDGET:-380} --out "$OUT/grid-$SHAPE.json" ${GRID_ARGS:-} 2>&1 \
         | grep -v "Loading weights\|Writing model" | tee "$OUT/grid-$SHAPE.txt"
-    cp /tmp/bench-server-*/server-grid.log "$OUT/" 2>/dev/null
+    cp /tmp/bench-server-*/server-grid*.log "$OUT/" 2>/dev/null
 fi
