@@ -4,16 +4,18 @@
         [--algorithm ar|dflash|ddtree] [--budget M] [--block-size B] [--device cpu|cuda]
         [--backend auto|fast|transformers] [--host 127.0.0.1] [--port 0]
 
-Startup: load the engine, warm it up (the fast backend on CUDA captures its CUDA graphs here, each
-step printed on stdout as `{"event": "warmup", "message": ...}`), bind the socket (port 0 = a free
+Startup: start the engine process (--engine-loop process, the default; engine_loop.py), which
+loads the engine and warms it up (the fast backend on CUDA captures its CUDA graphs here, each
+step printed on stdout as `{"event": "warmup", "message": ...}`); then bind the socket (port 0 = a free
 port, bound here and handed to uvicorn so nobody can take it in between), start serving, then print
 one line on stdout: `{"event": "listening", "host": ..., "port": N, "url": "http://HOST:N",
 "backend": "fast"|"transformers"}`. /health answers only from then on. SIGTERM/SIGINT: stop
-accepting, let in-flight requests finish (up to --graceful-timeout), exit 0.
+accepting, let in-flight requests finish (up to --graceful-timeout), stop the engine, exit 0. An
+engine process that dies fails the requests it held, and the server exits 1 with one error line.
 
 Endpoints: /health, /server_info (= /get_server_info), /generate, /v1/completions,
-/v1/chat/completions, /v1/models, /metrics. Requests run on one engine thread, interleaved round by
-round (scheduler.py); with --batch (the default) each round drafts and verifies all running
+/v1/chat/completions, /v1/models, /metrics. Requests run on one engine thread in the engine
+process (with --engine-loop thread, in this one), interleaved round by round (scheduler.py); with --batch (the default) each round drafts and verifies all running
 requests in one forward each (batch.py). Bad requests get 400 with SGLang's JSON error shape; a
 full queue gets 503.
 """
