@@ -32,11 +32,11 @@ if TYPE_CHECKING:
 def _row_bytes(target: FastTarget, drafter: FastDrafter | None) -> tuple[int, int]:
     """K/V bytes of one cache row in the target and in the drafter (0 when there is none)."""
     cfg = target.cfg
-    size = torch.tensor([], dtype=target.dtype).element_size()
-    per_target = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * size
+    per_target = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * target.dtype.itemsize
     per_draft = 0
     if drafter is not None:
-        per_draft = 2 * drafter.num_layers * drafter.num_kv_heads * drafter.head_dim * size
+        # KVPool allocates the drafter's rows in the drafter's dtype, which may differ.
+        per_draft = 2 * drafter.num_layers * drafter.num_kv_heads * drafter.head_dim * drafter.dtype.itemsize
     return per_target, per_draft
 
 

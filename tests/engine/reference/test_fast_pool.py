@@ -170,6 +170,23 @@ def test_pool_sizing(pair):
         KVPool(engine.target, engine.impl.drafts, 0)
 
 
+def test_pool_sizing_counts_the_drafter_rows_in_the_drafter_dtype(pair):
+    import types
+
+    model, drafter = pair
+    engine = Engine(model, drafter, backend="fast", max_budget=16)
+    drafts = engine.impl.drafts
+    # The pool allocates the drafter's rows in its own dtype: a half-precision drafter beside an
+    # fp32 target must be counted at 2 bytes an element, not the target's 4.
+    half = types.SimpleNamespace(**{k: getattr(drafts, k) for k in
+                                    ("num_layers", "num_kv_heads", "head_dim", "capacity", "block_size")},
+                                 dtype=torch.bfloat16)
+    assert engine.target.dtype == torch.float32
+    pool = KVPool(engine.target, half, 2)
+    assert pool.dk.dtype == torch.bfloat16
+    assert pool.nbytes() == 2 * slot_bytes(engine.target, half)
+
+
 def test_verify_timing_leaves_the_pool_as_it_was(pair):
     model, drafter = pair
     engine = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=3)
