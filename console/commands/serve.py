@@ -38,7 +38,8 @@ def server_argv(args: argparse.Namespace) -> list[str]:
                         max_queued_requests=args.max_queued_requests, threads=args.threads, batch=args.batch,
                         context_window=getattr(args, "context_window", None),
                         kv_pool_gb=getattr(args, "kv_pool_gb", None),
-                        engine_loop=getattr(args, "engine_loop", None))
+                        engine_loop=getattr(args, "engine_loop", None),
+                        chunked_prefill_size=getattr(args, "chunked_prefill_size", None))
 
 
 def refusal(args: argparse.Namespace) -> str | None:

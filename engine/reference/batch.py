@@ -64,13 +64,19 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
 
 
 def prefill_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
-    """The prefill of each new session, as `Session.step()` would do it, batched where it pays."""
+    """The prefill of each new session, as `Session.step()` would do it, batched where it pays.
+    A prefill in chunks steps alone: its cache already holds its earlier chunks."""
     if len(sessions) < 2:
         return [s.step() for s in sessions]
     lengths = [len(s.prompt_ids) for s in sessions]
     out: list[list[int]] = [[] for _ in sessions]
+    whole = [j for j, s in enumerate(sessions) if not s.chunked_prefill]
+    for j, s in enumerate(sessions):
+        if s.chunked_prefill:
+            out[j] = s.step()
     groups = []
-    for group in _groups(lengths, engine.target.device.type == "cuda"):
+    for group in _groups([lengths[j] for j in whole], engine.target.device.type == "cuda") if whole else []:
+        group = [whole[k] for k in group]
         # Bound the padded batch: long prompts together would multiply activation memory.
         width = max(lengths[j] for j in group)
         per = max(1, PREFILL_BATCH_TOKENS // width)

@@ -57,6 +57,8 @@ class Session:
         self._pending: torch.Tensor | None = None  # features of committed rows not yet drafted on
         self._start = 0                            # rows in the target KV cache
         self._bonus: int | None = None             # last committed token, not yet in the cache
+        self._prefilled_rows = 0                   # prompt tokens in the cache (a chunked prefill)
+        self._prefill_features: list[torch.Tensor] = []
         self._stops = set(gen.stop_token_ids)
         if not gen.ignore_eos:
             self._stops.update(engine.eos_token_ids)
@@ -99,15 +101,40 @@ class Session:
             self.finish_reason = "abort"
         self._free_caches()
 
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether this session's prefill runs in chunks, one a step: its prompt is longer than
+        the engine's prefill_chunk, or a chunk of it is already in the cache."""
+        chunk = self.engine.prefill_chunk
+        return (self._bonus is None and not self.engine.hybrid_reason
+                and (self._prefilled_rows > 0 or 0 < chunk < len(self.prompt_ids)))
+
     # ---- rounds -----------------------------------------------------------------------------
     def _prefill(self) -> list[int]:
+        """The prompt into the cache, then the first token. With a prefill chunk (the server's
+        --chunked-prefill-size), one chunk a step and no token until the last one, so a long
+        prompt delays the other sessions' rounds by one chunk a turn, not by its whole prefill."""
         t0 = self.engine.clock()
         target = self.engine.target
         device = target.device
-        ids = torch.tensor(self.prompt_ids, dtype=torch.long, device=device)
-        positions = torch.arange(len(self.prompt_ids), device=device)
+        n, start = len(self.prompt_ids), self._prefilled_rows
+        chunk = self.engine.prefill_chunk
+        end = min(n, start + chunk) if chunk > 0 and self.chunked_prefill else n
+        ids = torch.tensor(self.prompt_ids[start:end], dtype=torch.long, device=device)
+        positions = torch.arange(start, end, device=device)
         out = target.forward(ids, positions, self._cache, features=self.mode != "ar", last_only=True)
-        committed = self._prefilled(out.logits, out.features)
+        committed: list[int] = []
+        if end < n:
+            if out.features is not None:
+                # A copy: a static forward's features are views its next forward overwrites.
+                self._prefill_features.append(out.features.clone())
+        else:
+            features = out.features
+            if self._prefill_features:
+                features = torch.cat([*self._prefill_features, features], dim=0)
+                self._prefill_features = []
+            committed = self._prefilled(out.logits, features)
+        self._prefilled_rows = end
         self.timings["prefill"] += self.engine.clock() - t0
         return committed
 

@@ -100,6 +100,9 @@ class Engine:
         self.dtype = self.target.dtype
         self.context_window = int(cw)
         self.sync_timings = False
+        #: Prompt tokens a prefill step takes at most (0: the whole prompt in one step); the
+        #: server's --chunked-prefill-size. A target with recurrent layers always prefills whole.
+        self.prefill_chunk = 0
         # Recurrent (linear-attention, Mamba) layers: such a target decodes with ar only; start()
         # refuses dflash and ddtree (arch.speculative_refusal says why).
         self.hybrid_reason = hybrid_reason(model.config)

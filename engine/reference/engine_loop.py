@@ -59,13 +59,15 @@ class EngineFacts:
     backend: str
     backend_reason: str
     graphs: bool
+    prefill_chunk: int
 
     @classmethod
     def of(cls, engine: Any) -> "EngineFacts":
         return cls(tokenizer=engine.tokenizer, context_window=engine.context_window, max_budget=engine.max_budget,
                    draft_name=engine.draft_name, block_size=engine.block_size,
                    vocab_size=getattr(getattr(engine, "target", None), "vocab_size", None), device=str(engine.device),
-                   backend=engine.backend, backend_reason=engine.backend_reason, graphs=bool(engine.graphs))
+                   backend=engine.backend, backend_reason=engine.backend_reason, graphs=bool(engine.graphs),
+                   prefill_chunk=engine.prefill_chunk)
 
 
 # -- the engine process ------------------------------------------------------------------------

@@ -165,6 +165,7 @@ def build_app(api: Api) -> Starlette:
             "context_length": engine.context_window,
             "max_running_requests": config.max_running, "max_queued_requests": config.max_queued,
             "batch": config.batch, "engine_loop": api.engine_loop,
+            "chunked_prefill_size": engine.prefill_chunk or -1,
             "kv_pool": snap.pool,
             "chat_template": "model" if api.has_chat_template else "fallback",
             "uptime_s": time.time() - api.started_at,
@@ -462,6 +463,7 @@ def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
     engine = Engine.load(model, draft, device=args.device, dtype=dtype, backend=args.backend,
                          context_window=args.context_window,
                          pool_slots=args.max_running_requests if batch else 0, pool_bytes=pool_bytes)
+    engine.prefill_chunk = max(0, args.chunked_prefill_size)
     if args.block_size is not None and args.block_size != engine.block_size:
         # A shorter block drafts fewer positions per round (SGLang's --speculative-dflash-block-size);
         # the drafter has no causal mask inside a block, so any length up to the trained one works.
@@ -488,6 +490,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise BadRequest(f"--kv-pool-gb must be a positive number, got {args.kv_pool_gb}")
     if args.max_running_requests < 1:
         raise BadRequest(f"--max-running-requests must be at least 1, got {args.max_running_requests}")
+    if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
+        raise BadRequest(f"--chunked-prefill-size must be -1 (prefill whole) or a positive number of tokens, "
+                         f"got {args.chunked_prefill_size}")
 
 
 def prepare(args: argparse.Namespace, engine_thread: EngineThread) -> tuple[Engine, ServerConfig]:

@@ -199,7 +199,8 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
                  dtype: str | None = None, max_running_requests: int | None = None,
                  max_queued_requests: int | None = None, threads: int | None = None,
                  batch: bool | None = None, context_window: int | None = None,
-                 kv_pool_gb: float | None = None, engine_loop: str | None = None) -> list[str]:
+                 kv_pool_gb: float | None = None, engine_loop: str | None = None,
+                 chunked_prefill_size: int | None = None) -> list[str]:
     """The builtin server's command line. Options left None are not passed (the server's default
     applies); model None is the server's demo pair."""
     argv = [python or sys.executable, "-m", BUILTIN_MODULE]
@@ -216,7 +217,7 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
     for flag, value in (("--dtype", dtype), ("--max-running-requests", max_running_requests),
                         ("--max-queued-requests", max_queued_requests), ("--threads", threads),
                         ("--context-window", context_window), ("--kv-pool-gb", kv_pool_gb),
-                        ("--engine-loop", engine_loop)):
+                        ("--engine-loop", engine_loop), ("--chunked-prefill-size", chunked_prefill_size)):
         if value is not None:
             argv += [flag, str(value)]
     if batch is not None:
@@ -232,6 +233,18 @@ def _bounded(text: str, low: int, high: int | None = None, what: str = "") -> in
     if value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f"{what} ({low}..{high})"
         raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+    return value
+
+
+#: The builtin server's --chunked-prefill-size.
+DEFAULT_PREFILL_CHUNK = 2048
+
+
+def prefill_chunk(text: str) -> int:
+    """An argparse type: -1 (prefill whole) or a positive number of tokens."""
+    value = _bounded(text, -1)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be -1 (prefill whole) or a positive number of tokens, got 0")
     return value
 
 
@@ -311,6 +324,11 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                         help="fast backend: GiB for the KV pool that batched requests share; it runs at most as "
                              "many requests as it holds at the context window (default: room for "
                              "--max-running-requests)")
+    parser.add_argument("--chunked-prefill-size", type=prefill_chunk if passthrough else int,
+                        default=default(DEFAULT_PREFILL_CHUNK),
+                        help=f"prompt tokens one prefill step takes at most: a longer prompt prefills a chunk a round, "
+                             f"so running streams keep their inter-token latency; -1 prefills whole "
+                             f"(default: {DEFAULT_PREFILL_CHUNK}, as SGLang's flag of that name)")
     parser.add_argument("--engine-loop", choices=("process", "thread"), default=default("process"),
                         help="where the rounds run: process (default), a process of their own beside the HTTP one, "
                              "as SGLang's scheduler; thread, on a thread of the HTTP process, sharing its GIL")

@@ -97,8 +97,10 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
 
 def _prefill(engine: Engine, sess: Session) -> list[int]:
     """A new session's prefill: a graph replay on a pool slot where graphs run (fast/prefill.py),
-    else Session.step()'s own causal forward."""
+    else Session.step()'s own causal forward (always for a prefill in chunks)."""
     impl = engine.impl
+    if sess.chunked_prefill:  # a chunk a step, through the session's own forward
+        return sess.step()
     if (impl.graphs or impl.batch_static) and impl.pool.index_of(sess._cache) is not None:
         from ddtree.engine.reference.fast.prefill import prefill
 

@@ -31,17 +31,20 @@ def greedy_outputs(url: str) -> list[list[int]]:
 
 
 def test_engine_process_serves_the_single_process_tokens_and_dies_with_the_server(tiny_pair, tmp_path):
-    threaded = start(tiny_pair, tmp_path / "thread.log", "--engine-loop", "thread")
+    threaded = start(tiny_pair, tmp_path / "thread.log", "--engine-loop", "thread", "--chunked-prefill-size", "-1")
     try:
-        assert httpx.get(threaded.url + "/server_info").json()["engine_loop"] == "thread"
+        info = httpx.get(threaded.url + "/server_info").json()
+        assert info["engine_loop"] == "thread" and info["chunked_prefill_size"] == -1
         assert psutil.Process(threaded.proc.pid).children() == []
         want = greedy_outputs(threaded.url)
     finally:
         assert threaded.stop() == 0, threaded.log_tail()
-    srv = start(tiny_pair, tmp_path / "process.log")
+    # Prompts of 9-15 tokens in chunks of 3: the chunked prefill's tokens are checked here too.
+    srv = start(tiny_pair, tmp_path / "process.log", "--chunked-prefill-size", "3")
     try:
         info = httpx.get(srv.url + "/server_info").json()
         assert info["engine_loop"] == "process" and info["backend"] == "transformers"
+        assert info["chunked_prefill_size"] == 3
         engines = psutil.Process(srv.proc.pid).children()
         assert [p.cmdline()[1:3] for p in engines] == [["-m", "ddtree.engine.reference.engine_loop"]]
         assert greedy_outputs(srv.url) == want
@@ -77,6 +80,14 @@ def test_an_engine_that_dies_fails_its_requests_and_the_server_in_one_line(tiny_
         assert errors == [f"error: the engine process exited (exit code {-signal.SIGKILL})"]
     finally:
         srv.stop()
+
+
+def test_a_bad_prefill_chunk_is_refused_in_one_line_before_loading():
+    import subprocess
+
+    out = subprocess.run([*SERVER, "--chunked-prefill-size", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "--chunked-prefill-size" in out.stderr
 
 
 def test_a_model_that_fails_to_load_is_one_line_from_the_server(tmp_path):

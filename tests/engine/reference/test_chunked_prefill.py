@@ -1,0 +1,115 @@
+"""Chunked prefill (issue 15: long prompts prefill in chunks so running streams keep their ITL).
+CPU, float32. A prompt longer than `engine.prefill_chunk` goes into the cache one chunk a step;
+the tokens must be exactly those of a whole prefill, on both backends, alone and in batched
+rounds beside running sessions; and in the scheduler the running stream gets a token in every
+turn of the long prompt's prefill."""
+
+from __future__ import annotations
+
+import queue
+import random
+
+import pytest
+
+from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
+from ddtree.engine.reference.scheduler import Scheduler
+
+from .conftest import make_drafter, make_target
+
+SPECS = [SpecParams("ar"), SpecParams("dflash"), SpecParams("ddtree", 4), SpecParams("ddtree", 16)]
+CHUNK = 4
+
+
+@pytest.fixture(scope="module")
+def pair():
+    model = make_target(0)
+    return model, make_drafter(model, block_size=8, seed=1)
+
+
+def engines(pair, backend: str, **kw) -> tuple[Engine, Engine]:
+    """(whole-prefill engine, chunked engine) on the same weights."""
+    whole = Engine(*pair, backend=backend, max_budget=16, **kw)
+    chunked = Engine(*pair, backend=backend, max_budget=16, **kw)
+    chunked.prefill_chunk = CHUNK
+    return whole, chunked
+
+
+def prompts(seed: int, count: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(64) for _ in range(rng.randrange(1, 15))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("backend", ["transformers", "fast"])
+def test_chunked_prefill_decodes_the_whole_prefills_tokens(pair, backend):
+    whole, chunked = engines(pair, backend)
+    gen = GenParams(max_new_tokens=12, ignore_eos=True)
+    for prompt in prompts(0, 6) + [list(range(1, 14))]:
+        for spec in SPECS:
+            want = whole.generate(prompt, gen, spec).output_ids
+            assert chunked.generate(prompt, gen, spec).output_ids == want, (prompt, spec)
+
+
+@pytest.mark.parametrize("backend", ["transformers", "fast"])
+def test_a_long_prompt_takes_a_step_per_chunk_before_its_first_token(pair, backend):
+    _, chunked = engines(pair, backend)
+    sess = chunked.start(list(range(1, 11)), GenParams(max_new_tokens=4), SpecParams("ddtree", 4))
+    assert sess.chunked_prefill
+    assert [sess.step(), sess.step()] == [[], []] and sess.output_ids == []
+    first = sess.step()  # rows 9 and 10, then the first token
+    assert len(first) == 1 and sess.output_ids == first and not sess.chunked_prefill
+    short = chunked.start([1, 2, 3], GenParams(max_new_tokens=4), SpecParams("ar"))
+    assert not short.chunked_prefill and len(short.step()) == 1
+
+
+@pytest.mark.parametrize("backend,pooled", [("transformers", False), ("fast", False), ("fast", True)])
+def test_chunked_prefills_in_batched_rounds_match_serial(pair, backend, pooled):
+    whole, chunked = engines(pair, backend, **({"pool_slots": 4} if pooled else {}))
+    if pooled:
+        chunked.impl.batch_static = True  # the graphed round's code, without graphs, on a CPU
+    gen = GenParams(max_new_tokens=10, ignore_eos=True)
+    jobs = [(p, SPECS[i % len(SPECS)]) for i, p in enumerate(prompts(1, 8) + [list(range(2, 16))] * 2)]
+    want = [whole.generate(p, gen, s).output_ids for p, s in jobs]
+    # Sessions join two a round, so long prompts prefill chunk by chunk beside running rounds.
+    active, out, nxt = [], {}, 0
+    while active or nxt < len(jobs):
+        for _ in range(2):
+            if nxt < len(jobs) and len(active) < 4:
+                active.append((nxt, chunked.start(jobs[nxt][0], gen, jobs[nxt][1])))
+                nxt += 1
+        chunked.step_many([s for _, s in active])
+        for item in list(active):
+            if item[1].done:
+                out[item[0]] = item[1].output_ids
+                item[1].close()
+                active.remove(item)
+    assert [out[j] for j in range(len(jobs))] == want
+    if pooled:
+        assert chunked.pool_usage()["free_slots"] == 4
+
+
+def test_a_running_stream_gets_a_token_every_turn_of_a_long_prefill(pair):
+    engine = Engine(*pair, backend="transformers", max_budget=16)
+    engine.prefill_chunk = CHUNK
+    sched = Scheduler(engine, max_running=4, max_queued=4, batch=True)
+    sched.start()
+    try:
+        running: queue.Queue = queue.Queue()
+        long: queue.Queue = queue.Queue()
+        sched.submit([1, 2, 3], GenParams(max_new_tokens=60, ignore_eos=True), SpecParams("ar"), running.put)
+        first = running.get(timeout=120)  # the stream is running before the long prompt arrives
+        assert first.new_ids
+        prompt = list(range(1, 4 * CHUNK + 2))  # 5 chunks
+        ticket = sched.submit(prompt, GenParams(max_new_tokens=2, ignore_eos=True), SpecParams("ar"), long.put)
+        head = long.get(timeout=120)
+        assert head.new_ids
+        updates = [first]
+        while not updates[-1].done:
+            updates.append(running.get(timeout=120))
+        # Admitted in the turn after it was submitted, it prefills one chunk a turn and gets its
+        # first token with the fifth; the stream got a token in each of those turns.
+        chunks = -(-len(prompt) // CHUNK)
+        assert head.turn == ticket.submitted_turn + chunks
+        turns = {u.turn for u in updates if u.new_ids}
+        assert set(range(ticket.submitted_turn + 1, head.turn + 1)) <= turns
+    finally:
+        sched.stop(timeout=30)
