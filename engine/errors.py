@@ -26,10 +26,6 @@ class HintedError(Exception):
     def __str__(self) -> str:
         return f"{self.message} ({self.hint})" if self.hint else self.message
 
-    def __reduce__(self):
-        # Pickled with its hint (the builtin server's engine process sends errors to the HTTP one).
-        return type(self), (self.message, self.hint)
-
 
 class EngineError(HintedError):
     """Base of every error this package raises on purpose."""

@@ -3,8 +3,9 @@
 `Api` turns SGLang-native (/generate) and OpenAI-shaped bodies into one `GenRequest` (400 on
 anything malformed, out of range or unsupported, never a silent default for a value that changes
 the output), submits it to the round-robin scheduler, and builds SGLang's meta_info. `Reply` is one
-request on the event loop: it gathers the engine thread's updates, decodes text, applies stop
-strings, and cancels the request when its consumer goes away.
+request on the event loop: it gathers the scheduler's updates (from the engine thread, or from the
+reader of the engine process's socket), decodes text, applies stop strings, and cancels the
+request when its consumer goes away.
 """
 
 from __future__ import annotations
@@ -361,8 +362,8 @@ class Api:
         if not isinstance(got, Future):
             return got
         try:
-            # The engine process answers from its pipe thread, between the engine's kernels; one
-            # that is stuck must cost a poller a 503, not hang it.
+            # The engine process answers from its main thread, beside the engine thread; one that
+            # is stuck must cost a poller a 503, not hang it.
             return await asyncio.wait_for(asyncio.wrap_future(got), SNAPSHOT_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise ShuttingDown(f"the engine process did not answer within {SNAPSHOT_TIMEOUT_S:.0f} s") from None
@@ -446,9 +447,10 @@ def _merged(first: Update, queue: asyncio.Queue) -> Update:
 
 
 class Courier:
-    """Hands updates from the engine thread to the event loop, one wake-up per burst: a batched
-    round updates every running request at once, and a wake-up per update (a syscall, a loop
-    turn and GIL hand-offs each) slowed the engine thread at high concurrency."""
+    """Hands updates from the thread that delivers them (the engine thread, or the engine
+    process's reader) to the event loop, one wake-up per burst: a batched round updates every
+    running request at once, and a wake-up per update (a syscall, a loop turn and GIL hand-offs
+    each) slowed the engine thread at high concurrency when it ran in this process."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -496,7 +498,7 @@ class Reply:
         self.ticket = api.scheduler.submit(req.input_ids, req.gen, req.spec, self._sink)
 
     def _sink(self, update: Update) -> None:
-        # Called on the engine thread; the courier hands it to the event loop.
+        # Called on the scheduler's delivering thread; the courier hands it to the event loop.
         self.api.courier(self.loop).put(self.queue, update)
 
     def cancel(self) -> None:
@@ -545,8 +547,9 @@ class Reply:
         if not (self.req.stream or self.req.stops or update.done):
             return  # nobody reads the text before the end: skip decoding per round
         # Decoding only the new tokens keeps a round's cost flat: the whole text decoded at every
-        # update cost about 1 ms at 2k tokens, per stream, on the event loop the engine thread
-        # shares the GIL with. The final text is one whole decode, so it is exact.
+        # update cost about 1 ms at 2k tokens, per stream, on the event loop (which, with
+        # --engine-loop thread, shares the GIL with the engine thread). The final text is one
+        # whole decode, so it is exact.
         full = self._detok.extend(self.ids) if not update.done else \
             self.api._decode(self.ids, self.req.skip_special_tokens)
         if self.req.stops and self._apply_stop(full, previous):

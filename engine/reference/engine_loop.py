@@ -116,7 +116,7 @@ def host(conn: Any, engine: Any, config: Any, thread: EngineThread) -> None:
     HTTP process goes away. Call after the engine is loaded and warmed up, on `thread`."""
     outbox = _Outbox(conn)
     scheduler = Scheduler(engine, max_running=config.max_running, max_queued=config.max_queued,
-                          batch=config.batch, thread=thread, on_turn=outbox.flush)
+                          batch=config.batch, thread=thread, on_publish=outbox.flush)
     tickets: dict[int, Ticket] = {}
 
     def relay(tid: int, ticket: Ticket, update: Update) -> None:
@@ -124,7 +124,14 @@ def host(conn: Any, engine: Any, config: Any, thread: EngineThread) -> None:
             tickets.pop(tid, None)
         outbox.put(tid, ticket, update)
 
-    scheduler.start()
+    def loop_ended(looping: Future) -> None:
+        # The rounds stopped for good (a bug): say why, then go, so the HTTP side fails what it
+        # held and the server exits with the reason rather than hanging its requests.
+        if not looping.cancelled() and looping.exception() is not None:
+            outbox.send(("dead", scheduler.failure))
+            os._exit(1)
+
+    scheduler.start().add_done_callback(loop_ended)
     while True:
         try:
             message = conn.recv()
@@ -163,9 +170,6 @@ class EngineStartFailed(EngineError):
         super().__init__(message)
         self.exit_code = exit_code
 
-    def __reduce__(self):
-        return type(self), (self.message, self.exit_code)
-
 
 def start(target: str, args: Any) -> tuple[Any, Any, EngineFacts, Any]:
     """Start the engine process, which calls `target` ("module:function") with (conn, args,
@@ -185,13 +189,20 @@ def start(target: str, args: Any) -> tuple[Any, Any, EngineFacts, Any]:
         process.wait()
         raise EngineStartFailed(f"the engine process exited while loading (exit code {process.returncode})") from None
     if message[0] == "failed":
-        process.wait(60)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
         raise EngineStartFailed(message[2], message[1])
     _, facts, config = message
     return process, conn, facts, config
 
 
 def _child(fd: int) -> None:
+    # First thing: Ctrl-C and SIGTERM reach the whole process group, and the HTTP process (which
+    # drains its requests, then says "stop") decides when the engine ends.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     try:
         target, args, parent_pid = conn.recv()
@@ -213,9 +224,23 @@ class _RemoteTicket(Ticket):
             self.owner._send(("cancel", self.tid, self.cancel_reason))
 
 
+def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve a future its waiter may have cancelled (a timed-out or dropped /metrics poll)."""
+    if future.set_running_or_notify_cancel():
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+
 class RemoteScheduler:
     """The HTTP side's scheduler: each request goes to the engine process, and its updates come
-    back to the ticket's sink (on a reader thread, as a Scheduler calls sinks on its own)."""
+    back to the ticket's sink (on a reader thread, as a Scheduler calls sinks on its own).
+
+    Two locks, never held together: `_lock` guards the tickets and queries, `_send_lock` the
+    socket. Nobody holds `_lock` while a send may block on a full socket, so the reader, which
+    needs `_lock` to retire a ticket, always drains the engine's side and the engine never
+    waits on us for long."""
 
     def __init__(self, process: Any, conn: Any, *, max_running: int, max_queued: int,
                  on_failure: Callable[[str], None] | None = None) -> None:
@@ -225,6 +250,7 @@ class RemoteScheduler:
         self.stats = Stats()
         self._on_failure = on_failure
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
         self._tickets: dict[int, _RemoteTicket] = {}
         self._queries: dict[int, Future] = {}
         self._ids = itertools.count()
@@ -244,7 +270,8 @@ class RemoteScheduler:
             if self._stopping or self._failure is not None:
                 raise ShuttingDown(self._failure or "the server is shutting down")
             # The engine's scheduler holds no more than this side has sent and not seen finish,
-            # so counting here refuses exactly what it would refuse.
+            # so it never refuses what this side lets through; this side refuses at most one
+            # turn early (a final update still on its way).
             if len(self._tickets) >= self.max_running + self.max_queued:
                 raise QueueFull(
                     f"{len(self._tickets)} requests held ({self.max_running} running, the rest queued)",
@@ -253,7 +280,10 @@ class RemoteScheduler:
             tid = next(self._ids)
             ticket = _RemoteTicket(self, tid, input_ids, gen, spec, sink)
             self._tickets[tid] = ticket
-            self._send_locked(("submit", tid, input_ids, gen, spec))
+        if not self._send(("submit", tid, input_ids, gen, spec)):
+            with self._lock:
+                self._tickets.pop(tid, None)
+            raise ShuttingDown(self._failure or "the engine process is gone")
         return ticket
 
     def snapshot(self, now: float) -> Future:
@@ -261,17 +291,20 @@ class RemoteScheduler:
         future: Future = Future()
         with self._lock:
             if self._failure is not None:
-                future.set_exception(EngineError(self._failure))
+                future.set_exception(ShuttingDown(self._failure))
                 return future
             qid = next(self._ids)
             self._queries[qid] = future
-            self._send_locked(("snapshot", qid))
+        if not self._send(("snapshot", qid)):
+            with self._lock:
+                self._queries.pop(qid, None)
+            _settle(future, error=ShuttingDown(self._failure or "the engine process is gone"))
         return future
 
     def stop(self, timeout: float = 30.0) -> None:
         with self._lock:
             self._stopping = True
-            self._send_locked(("stop", timeout))
+        self._send(("stop", timeout))
         self._reader.join(timeout + 10)
         try:
             self.process.wait(10)
@@ -279,16 +312,17 @@ class RemoteScheduler:
             log.warning("the engine process did not stop; killing it")
             self.process.kill()
             self.process.wait()
+        if self.process.returncode not in (0, None) and self._failure is None:
+            log.warning("the engine process exited with code %s while stopping", self.process.returncode)
 
-    def _send(self, message: tuple) -> None:
-        with self._lock:
-            self._send_locked(message)
-
-    def _send_locked(self, message: tuple) -> None:
-        try:
-            self.conn.send(message)
-        except (BrokenPipeError, EOFError, OSError):
-            pass  # the reader sees the engine gone and fails what it held
+    def _send(self, message: tuple) -> bool:
+        """Send one message; False when the engine is gone (the reader then fails what it held)."""
+        with self._send_lock:
+            try:
+                self.conn.send(message)
+            except (OSError, EOFError):
+                return False
+        return True
 
     def _read(self) -> None:
         while True:
@@ -301,6 +335,8 @@ class RemoteScheduler:
                 self._deliver(message[1])
             elif kind == "snapshot":
                 self._answer(message[1], message[2])
+            elif kind == "dead":  # the engine's loop raised; its process exits next
+                self._failure = message[1]
             elif kind == "stopped":
                 break
         self._ended()
@@ -319,6 +355,7 @@ class RemoteScheduler:
                 ticket.sink(update)
             except Exception:  # boundary: one consumer that went away must not stop the reader
                 log.exception("delivering an update failed")
+                ticket.cancel()
 
     def _answer(self, qid: int, snapshot: Snapshot) -> None:
         with self._lock:
@@ -326,7 +363,7 @@ class RemoteScheduler:
         if future is None:
             return
         local = self.stats.view(time.perf_counter())
-        future.set_result(replace(snapshot, stats=replace(snapshot.stats, ttft=local.ttft, itl=local.itl)))
+        _settle(future, replace(snapshot, stats=replace(snapshot.stats, ttft=local.ttft, itl=local.itl)))
 
     def _ended(self) -> None:
         """The engine process is gone (stopped, or died): fail whatever it still held."""
@@ -336,19 +373,19 @@ class RemoteScheduler:
             pass
         with self._lock:
             if not self._stopping:
-                self._failure = f"the engine process exited (exit code {self.process.returncode})"
-            error = EngineError(self._failure or "the server shut down")
+                self._failure = self._failure or f"the engine process exited (exit code {self.process.returncode})"
+            error = ShuttingDown(self._failure or "the server shut down")
             tickets, self._tickets = list(self._tickets.values()), {}
             queries, self._queries = list(self._queries.values()), {}
         for future in queries:
-            future.set_exception(error)
+            _settle(future, error=error)
         for ticket in tickets:
             ticket.finished = True
             try:
-                ticket.sink(Update(done=True, finish_reason="abort", error=error))
+                ticket.sink(Update(done=True, finish_reason="abort", error=EngineError(str(error))))
             except Exception:
                 log.exception("delivering an update failed")
-        if self._failure is not None:
+        if not self._stopping and self._failure is not None:
             log.error("%s", self._failure)
             if self._on_failure is not None:
                 self._on_failure(self._failure)

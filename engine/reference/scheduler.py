@@ -52,7 +52,8 @@ class ShuttingDown(EngineError):
 
 @dataclass(frozen=True)
 class Update:
-    """What one request gained since its previous update (sent from the engine thread)."""
+    """What one request gained since its previous update (made on the engine thread; with the
+    engine in its own process, pickled to the HTTP one)."""
 
     new_ids: tuple[int, ...] = ()
     #: tau of each verify round finished since the previous update (bonus token included).
@@ -67,7 +68,8 @@ class Update:
 
 
 class Ticket:
-    """One submitted request. `sink` is called on the engine thread with each `Update`."""
+    """One submitted request. `sink` is called with each `Update` on the engine thread (in the
+    engine process, its sink sends the update to the HTTP process's own ticket)."""
 
     def __init__(self, input_ids: list[int], gen: Any, spec: Any, sink: Callable[[Update], None] | None) -> None:
         self.input_ids = input_ids
@@ -315,9 +317,10 @@ class Scheduler:
 
     def __init__(self, engine: Any, *, max_running: int = 8, max_queued: int = 64, stats: Stats | None = None,
                  batch: bool = False, thread: EngineThread | None = None,
-                 on_turn: Callable[[], None] | None = None) -> None:
-        """`on_turn` runs on the engine thread after every turn (the engine process sends the
-        turn's updates from there, in one message)."""
+                 on_publish: Callable[[], None] | None = None) -> None:
+        """`on_publish` runs on the engine thread wherever updates are ready to leave together:
+        after a turn's admissions, after its prefills, after each unbatched step, and at the end
+        of the turn (the engine process sends what the sinks gathered, in one message)."""
         if max_running < 1 or max_queued < 0:
             raise ValueError("max_running must be >= 1 and max_queued >= 0")
         self.engine = engine
@@ -334,14 +337,16 @@ class Scheduler:
         self._looping: Future | None = None
         #: Turns started so far (each admits, then advances every running session by one round).
         self.turns = 0
-        self._on_turn = on_turn
+        self._on_publish = on_publish
 
     # -- any thread ---------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self) -> Future:
+        """Start the rounds; the future ends when the loop does (with its exception, if it raised)."""
         if self._engine_thread is None:
             self._engine_thread = EngineThread("engine-scheduler")
         self._looping = self._engine_thread.submit(self._loop)
         self._looping.add_done_callback(self._loop_ended)
+        return self._looping
 
     @staticmethod
     def _loop_ended(looping: Future) -> None:
@@ -422,6 +427,7 @@ class Scheduler:
                     admit.append(self._waiting.popleft())
             for ticket in admit:
                 self._admit(ticket)
+            self._published()
             with self._cond:
                 turn = list(self._running)
             if self.batch and len(turn) > 1:
@@ -429,8 +435,12 @@ class Scheduler:
             else:
                 for active in turn:
                     self._advance(active)
-            if self._on_turn is not None:
-                self._on_turn()
+                    self._published()
+            self._published()
+
+    def _published(self) -> None:
+        if self._on_publish is not None:
+            self._on_publish()
 
     def _admit(self, ticket: Ticket) -> None:
         if ticket.cancelled:
@@ -495,6 +505,8 @@ class Scheduler:
         else:
             for active in fresh:
                 self._advance(active)
+        if fresh:
+            self._published()  # first tokens leave before the others' round, as promised above
         if len(live) < 2:
             for active in live:
                 self._advance(active)

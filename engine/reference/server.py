@@ -440,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
-    """Loads the engine (on the engine thread: see main)."""
+    """Loads the engine (on the engine thread: see prepare and scheduler.EngineThread)."""
     if args.threads is not None:
         import torch
 
@@ -533,11 +533,7 @@ def _setup_logging(args: argparse.Namespace) -> None:
 def engine_loop_main(conn: Any, args: argparse.Namespace, parent_pid: int) -> None:
     """The engine process (--engine-loop process): load, warm up, then run the rounds for the
     HTTP process on the other end of `conn` (engine_loop.host)."""
-    engine_loop.die_with_parent(parent_pid)
-    # Ctrl-C and SIGTERM reach the whole process group; the HTTP process drains its requests
-    # and then says "stop", so the engine must outlive the signal until then.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    engine_loop.die_with_parent(parent_pid)  # engine_loop._child already ignores SIGINT and SIGTERM
     _setup_logging(args)
     engine_thread = EngineThread()
     try:
@@ -571,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         if args.engine_loop == "process":
             # The rounds run in a process of their own (engine_loop says why); this one
-            # serves HTTP and never runs torch.
+            # serves HTTP and runs no model.
             process, conn, engine, config = engine_loop.start(f"{BUILTIN_MODULE}:engine_loop_main", args)
             scheduler = engine_loop.RemoteScheduler(process, conn, max_running=config.max_running,
                                                        max_queued=config.max_queued, on_failure=engine_failed)
@@ -586,6 +582,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C while the engine loads: no traceback (the engine dies with us)
+        print("error: interrupted while loading the engine", file=sys.stderr)
+        return 130
 
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host

@@ -310,3 +310,38 @@ def test_rounds_run_on_the_thread_that_loaded_the_engine():
     assert engine.step_threads == {worker.ident}
     # The loop has returned: the thread takes further calls (nothing else is left on it).
     assert worker.call(threading.get_ident) == worker.ident
+
+
+def test_a_new_sessions_first_token_is_published_before_the_running_round():
+    """on_publish (the engine process's send) fires between a turn's prefills and its batched
+    round, so a first token leaves without waiting for the running sessions' round."""
+    engine = BatchingEngine()
+    events: list = []
+    queues = {tag: queue.Queue() for tag in (1, 2, 3)}
+
+    def sink(tag):
+        def put(update):
+            events.append((tag, update.turn))
+            queues[tag].put(update)
+        return put
+
+    sched = Scheduler(engine, max_running=4, max_queued=4, batch=True, on_publish=lambda: events.append("publish"))
+    for tag in (1, 2):
+        sched.submit([tag], Gen(40), Spec(), sink(tag))
+
+    def join_while_running(session):  # on the engine thread: 1 and 2 are mid-generation
+        if session.tag == 1 and len(session.output_ids) == 4:
+            sched.submit([3], Gen(4), Spec(), sink(3))
+
+    engine.after_step = join_while_running
+    sched.start()
+    try:
+        drain(queues[3], timeout=30)
+        for tag in (1, 2):
+            drain(queues[tag], timeout=30)
+    finally:
+        sched.stop(timeout=5)
+    first = next(i for i, e in enumerate(events) if e != "publish" and e[0] == 3)
+    turn = events[first][1]
+    others = [i for i, e in enumerate(events) if e != "publish" and e[0] in (1, 2) and e[1] == turn]
+    assert others and "publish" in events[first + 1:others[0]]
