@@ -37,8 +37,10 @@ def test_engine_process_serves_the_single_process_tokens_and_dies_with_the_serve
         assert info["engine_loop"] == "thread" and info["chunked_prefill_size"] == -1
         assert psutil.Process(threaded.proc.pid).children() == []
         want = greedy_outputs(threaded.url)
+        drained = sigterm_mid_stream(threaded)
     finally:
         assert threaded.stop() == 0, threaded.log_tail()
+    assert drained["meta_info"]["finish_reason"] == {"type": "length", "length": 100}
     # Prompts of 9-15 tokens in chunks of 3: the chunked prefill's tokens are checked here too.
     srv = start(tiny_pair, tmp_path / "process.log", "--chunked-prefill-size", "3")
     try:
@@ -56,6 +58,29 @@ def test_engine_process_serves_the_single_process_tokens_and_dies_with_the_serve
         assert gone(engines[0]), "the engine process outlived a killed server"
     finally:
         srv.stop()
+
+
+def sigterm_mid_stream(srv: ServerProcess) -> dict:
+    """SIGTERM while a stream decodes; the stream's last chunk (the server lets it finish)."""
+    import threading
+
+    chunks: list = []
+
+    def stream():
+        client = EngineClient(srv.url, timeout=120)
+        chunks.extend(client.generate_stream(PROMPTS[0], sampling_params={
+            "max_new_tokens": 100, "temperature": 0.0, "ignore_eos": True}))
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    for _ in range(3000):  # counted polls until the request is decoding
+        if httpx.get(srv.url + "/server_info").json()["internal_states"][0]["num_running_reqs"] > 0:
+            break
+        time.sleep(0.01)
+    srv.proc.send_signal(signal.SIGTERM)
+    reader.join(120)
+    assert srv.proc.wait(60) == 0
+    return chunks[-1]
 
 
 def gone(proc: psutil.Process, polls: int = 600) -> bool:
