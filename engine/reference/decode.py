@@ -99,6 +99,7 @@ class Session:
         if not self.done:
             self.done = True
             self.finish_reason = "abort"
+        self._prefill_features = []
         self._free_caches()
 
     @property
@@ -123,6 +124,7 @@ class Session:
         ids = torch.tensor(self.prompt_ids[start:end], dtype=torch.long, device=device)
         positions = torch.arange(start, end, device=device)
         out = target.forward(ids, positions, self._cache, features=self.mode != "ar", last_only=True)
+        self._prefilled_rows = end  # the cache holds these rows now, whatever happens next
         committed: list[int] = []
         if end < n:
             if out.features is not None:
@@ -134,7 +136,6 @@ class Session:
                 features = torch.cat([*self._prefill_features, features], dim=0)
                 self._prefill_features = []
             committed = self._prefilled(out.logits, features)
-        self._prefilled_rows = end
         self.timings["prefill"] += self.engine.clock() - t0
         return committed
 

@@ -297,8 +297,9 @@ class RemoteScheduler:
             self._queries[qid] = future
         if not self._send(("snapshot", qid)):
             with self._lock:
-                self._queries.pop(qid, None)
-            _settle(future, error=ShuttingDown(self._failure or "the engine process is gone"))
+                mine = self._queries.pop(qid, None)
+            if mine is not None:  # else the reader's _ended has failed it already
+                _settle(mine, error=ShuttingDown(self._failure or "the engine process is gone"))
         return future
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -355,7 +356,9 @@ class RemoteScheduler:
                 ticket.sink(update)
             except Exception:  # boundary: one consumer that went away must not stop the reader
                 log.exception("delivering an update failed")
-                ticket.cancel()
+                # Cancelling sends on the socket, which may block; the reader must keep draining
+                # the engine's side, so the send goes from a thread of its own (a rare path).
+                threading.Thread(target=ticket.cancel, name="engine-cancel", daemon=True).start()
 
     def _answer(self, qid: int, snapshot: Snapshot) -> None:
         with self._lock:

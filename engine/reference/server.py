@@ -463,7 +463,8 @@ def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
     engine = Engine.load(model, draft, device=args.device, dtype=dtype, backend=args.backend,
                          context_window=args.context_window,
                          pool_slots=args.max_running_requests if batch else 0, pool_bytes=pool_bytes)
-    engine.prefill_chunk = max(0, args.chunked_prefill_size)
+    # A target with recurrent layers prefills whole (Session.chunked_prefill), and says so.
+    engine.prefill_chunk = 0 if engine.hybrid_reason else max(0, args.chunked_prefill_size)
     if args.block_size is not None and args.block_size != engine.block_size:
         # A shorter block drafts fewer positions per round (SGLang's --speculative-dflash-block-size);
         # the drafter has no causal mask inside a block, so any length up to the trained one works.

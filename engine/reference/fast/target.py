@@ -43,6 +43,9 @@ from ddtree.engine.reference.fast.model import (
     matmul_attention_works,
 )
 from ddtree.engine.reference.target import ForwardOut, HeadShapes
+
+#: Query rows past which an eager forward after earlier rows attends with SDPA (see _eager).
+LONG_BLOCK = 128
 from ddtree.engine.reference.tree import Tree
 
 DEFAULT_MAX_QUERY = 64
@@ -291,7 +294,11 @@ class FastTarget(HeadShapes):
                 block = torch.ones((n, n), dtype=torch.bool, device=self.device).tril()
             seen = torch.ones((n, end), dtype=torch.bool, device=self.device)
             seen[:, start:] = block
-            plan = AttentionPlan(slice(start, end), end, self._fold(seen), kernel=self.attention)
+            # A long block after earlier rows (a prefill chunk) takes SDPA, whose fused kernels
+            # never hold the float32 scores [kv_heads, groups*n, S] the matmul kernel builds:
+            # gigabytes a layer for a 2048-token chunk deep into a long context.
+            kernel = "sdpa" if n > LONG_BLOCK else self.attention
+            plan = AttentionPlan(slice(start, end), end, self._fold(seen, kernel), kernel=kernel)
         layers = self.feature_layers if features else ()
         hidden, feats = self.model(ids, positions, cache.k, cache.v, plan, layers)
         if last_only:
@@ -333,8 +340,8 @@ class FastTarget(HeadShapes):
             into.features.copy_(feats)
         return into.logits, into.features
 
-    def _fold(self, seen: torch.Tensor) -> torch.Tensor:
-        mask_dtype = torch.float32 if self.attention == "matmul" else self.dtype
+    def _fold(self, seen: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
+        mask_dtype = torch.float32 if (kernel or self.attention) == "matmul" else self.dtype
         return fold_mask(seen, self._groups, mask_dtype)
 
     def _bucket(self, n: int) -> int:

@@ -113,3 +113,25 @@ def test_a_running_stream_gets_a_token_every_turn_of_a_long_prefill(pair):
         assert set(range(ticket.submitted_turn + 1, head.turn + 1)) <= turns
     finally:
         sched.stop(timeout=30)
+
+
+def test_long_chunks_after_earlier_rows_decode_the_whole_prefills_tokens(pair):
+    """Chunks of more than LONG_BLOCK rows after earlier rows attend with SDPA on the fast
+    backend (the matmul kernel would hold every float32 score); same tokens as a whole prefill."""
+    from ddtree.engine.reference.fast.target import LONG_BLOCK
+
+    whole, chunked = engines(pair, "fast")
+    chunked.prefill_chunk = LONG_BLOCK + 22
+    prompt = [random.Random(3).randrange(64) for _ in range(3 * chunked.prefill_chunk - 5)]
+    gen = GenParams(max_new_tokens=8, ignore_eos=True)
+    for spec in (SpecParams("ar"), SpecParams("ddtree", 16)):
+        assert chunked.generate(prompt, gen, spec).output_ids == whole.generate(prompt, gen, spec).output_ids
+
+
+def test_closing_a_session_mid_prefill_lets_its_chunks_go(pair):
+    _, chunked = engines(pair, "fast")
+    sess = chunked.start(list(range(1, 11)), GenParams(max_new_tokens=4), SpecParams("ddtree", 4))
+    sess.step()
+    assert sess._prefill_features  # the first chunk's features, kept for the first draft
+    sess.close()
+    assert sess._prefill_features == [] and sess.done and sess.finish_reason == "abort"
