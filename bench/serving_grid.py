@@ -448,7 +448,6 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
             finally:
                 proc.stop(60)
             save()
-        grid["server"] = grid["servers"][loops[0]]
         server_cells = [cell for loop in loops for cell in grid["servers"][loop]]
     engine = None
     if (args.grid and not args.skip_inprocess) or args.verify_grid:
@@ -466,7 +465,6 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
         by_loop = grid.get("servers") or {loops[0]: None}
         grid["summary_by_loop"] = {loop: summarize(cells, grid.get("inprocess"), specs, concurrencies)
                                    for loop, cells in by_loop.items()}
-        grid["summary"] = grid["summary_by_loop"][loops[0]]
         save()
         for loop, summary in grid["summary_by_loop"].items():
             print(f"\n--engine-loop {loop}:")

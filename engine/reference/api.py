@@ -150,8 +150,7 @@ class Api:
         self.started_at = time.time()
         tokenizer = engine.tokenizer
         # The model's embedding rows, which may exceed the tokenizer's size (padded vocabularies).
-        model_vocab = getattr(engine, "vocab_size", None) or getattr(getattr(engine, "target", None), "vocab_size", None)
-        self.vocab_size = model_vocab or (len(tokenizer) if tokenizer is not None else None)
+        self.vocab_size = engine.vocab_size or (len(tokenizer) if tokenizer is not None else None)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self._couriers: dict[int, Courier] = {}
 

@@ -70,12 +70,14 @@ def prefill_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         return [s.step() for s in sessions]
     lengths = [len(s.prompt_ids) for s in sessions]
     out: list[list[int]] = [[] for _ in sessions]
-    whole = [j for j, s in enumerate(sessions) if not s.chunked_prefill]
+    whole = []
     for j, s in enumerate(sessions):
         if s.chunked_prefill:
             out[j] = s.step()
+        else:
+            whole.append(j)
     groups = []
-    for group in _groups([lengths[j] for j in whole], engine.target.device.type == "cuda") if whole else []:
+    for group in _groups([lengths[j] for j in whole], engine.target.device.type == "cuda"):
         group = [whole[k] for k in group]
         # Bound the padded batch: long prompts together would multiply activation memory.
         width = max(lengths[j] for j in group)
@@ -170,6 +172,8 @@ def _round(engine: Engine, sessions: list[Session]) -> list[list[int]]:
 
 def _groups(sizes: list[int], one_batch: bool) -> list[list[int]]:
     """Indices grouped for verify forwards: one group, or on a CPU groups of similar tree sizes."""
+    if not sizes:
+        return []
     if one_batch:
         return [list(range(len(sizes)))]
     order = sorted(range(len(sizes)), key=lambda j: -sizes[j])

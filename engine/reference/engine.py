@@ -135,6 +135,11 @@ class Engine:
             self.impl = TransformersPath(self)
 
     @property
+    def vocab_size(self) -> int:
+        """The target's embedding rows (may exceed the tokenizer's size: padded vocabularies)."""
+        return self.target.vocab_size
+
+    @property
     def graphs(self) -> bool:
         """Whether rounds replay captured CUDA graphs (fast backend on CUDA, after warmup)."""
         return self.impl.graphs

@@ -44,6 +44,7 @@ from ddtree.engine.reference.scheduler import (EngineThread, QueueFull, Schedule
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class EngineFacts:
     """What the HTTP side needs of a loaded engine, under the engine's own attribute names (the
@@ -65,7 +66,7 @@ class EngineFacts:
     def of(cls, engine: Any) -> "EngineFacts":
         return cls(tokenizer=engine.tokenizer, context_window=engine.context_window, max_budget=engine.max_budget,
                    draft_name=engine.draft_name, block_size=engine.block_size,
-                   vocab_size=getattr(getattr(engine, "target", None), "vocab_size", None), device=str(engine.device),
+                   vocab_size=engine.vocab_size, device=str(engine.device),
                    backend=engine.backend, backend_reason=engine.backend_reason, graphs=bool(engine.graphs),
                    prefill_chunk=engine.prefill_chunk)
 
@@ -85,7 +86,7 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 class _Outbox:
-    """The engine side of the pipe: updates gathered during a turn, sent as one message."""
+    """The engine side of the socket: the updates gathered since the last flush, sent as one message."""
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
@@ -108,7 +109,7 @@ class _Outbox:
             try:
                 self.conn.send(message)
             except (BrokenPipeError, EOFError, OSError):
-                pass  # the HTTP side is gone; the pipe's read end tells the loop to stop
+                pass  # the HTTP side is gone; the socket's read end tells the loop to stop
 
 
 def host(conn: Any, engine: Any, config: Any, thread: EngineThread) -> None:

@@ -15,9 +15,9 @@ engine process that dies fails the requests it held, and the server exits 1 with
 
 Endpoints: /health, /server_info (= /get_server_info), /generate, /v1/completions,
 /v1/chat/completions, /v1/models, /metrics. Requests run on one engine thread in the engine
-process (with --engine-loop thread, in this one), interleaved round by round (scheduler.py); with --batch (the default) each round drafts and verifies all running
-requests in one forward each (batch.py). Bad requests get 400 with SGLang's JSON error shape; a
-full queue gets 503.
+process (with --engine-loop thread, in this one), interleaved round by round (scheduler.py); with
+--batch (the default) each round drafts and verifies all running requests in one forward each
+(batch.py). Bad requests get 400 with SGLang's JSON error shape; a full queue gets 503.
 """
 
 from __future__ import annotations
