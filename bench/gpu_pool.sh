@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Issue 15 on a GPU box: the KV pool's CUDA tests, then bench_server.py --grid (through the HTTP
 # server with the sweep client, and the same loop in process) and --verify-grid. Writes under $OUT.
-# The lent H200 machines lack starlette and uvicorn: put their wheels in .whl/ first, here:
-#   pip download --no-deps --only-binary=:all: -d .whl starlette==<venv's> uvicorn==<venv's>
+# The lent H200 machines lack starlette, uvicorn, uvloop and httptools: put their wheels (Python
+# 3.12 there) in .whl/ first, here:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#       -d .whl starlette==<venv's> uvicorn==<venv's> uvloop==<venv's> httptools==<venv's>
 #   PART=tests bash bench/gpu_pool.sh        # the CUDA tests (cuda-pool-tests.txt)
 #   PART=grid SHAPE=1.7b bash bench/gpu_pool.sh  # the grid (grid-$SHAPE.{json,txt}); random weights
 #   PART=grid SHAPE=pair bash bench/gpu_pool.sh  # the trained demo pair (its real acceptance)
