@@ -39,7 +39,8 @@ def server_argv(args: argparse.Namespace) -> list[str]:
                         context_window=getattr(args, "context_window", None),
                         kv_pool_gb=getattr(args, "kv_pool_gb", None),
                         engine_loop=getattr(args, "engine_loop", None),
-                        chunked_prefill_size=getattr(args, "chunked_prefill_size", None))
+                        chunked_prefill_size=getattr(args, "chunked_prefill_size", None),
+                        stream_interval=getattr(args, "stream_interval", None))
 
 
 def refusal(args: argparse.Namespace) -> str | None:

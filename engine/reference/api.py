@@ -56,6 +56,8 @@ class ServerConfig:
     batch: bool = False
     #: DDTree budgets whose graphs warm-up captures besides `budget`'s (fast backend on CUDA).
     capture_budgets: tuple[int, ...] = ()
+    #: Tokens a running request gathers before they leave (Scheduler's stream_interval).
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -64,6 +66,8 @@ class ServerConfig:
             raise BadRequest("budget must be >= 0")
         if self.max_running < 1 or self.max_queued < 0:
             raise BadRequest("max running requests must be >= 1 and max queued requests >= 0")
+        if self.stream_interval < 1:
+            raise BadRequest(f"stream interval must be >= 1, got {self.stream_interval}")
 
 
 @dataclass(frozen=True)
@@ -141,8 +145,7 @@ class Api:
         then that engine's EngineFacts."""
         self.engine = engine
         self.config = config
-        self.scheduler = scheduler or Scheduler(engine, max_running=config.max_running,
-                                                max_queued=config.max_queued, batch=config.batch, thread=thread)
+        self.scheduler = scheduler or Scheduler.for_server(engine, config, thread=thread)
         self.stats = self.scheduler.stats
         #: Where the rounds run (/server_info says): "thread" of this process, or their own "process".
         self.engine_loop = "thread" if scheduler is None else "process"

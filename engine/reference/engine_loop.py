@@ -116,8 +116,7 @@ def host(conn: Any, engine: Any, config: Any, thread: EngineThread) -> None:
     """Run `engine`'s rounds for the requests that arrive on `conn`, until "stop" or until the
     HTTP process goes away. Call after the engine is loaded and warmed up, on `thread`."""
     outbox = _Outbox(conn)
-    scheduler = Scheduler(engine, max_running=config.max_running, max_queued=config.max_queued,
-                          batch=config.batch, thread=thread, on_publish=outbox.flush)
+    scheduler = Scheduler.for_server(engine, config, thread=thread, on_publish=outbox.flush)
     tickets: dict[int, Ticket] = {}
 
     def relay(tid: int, ticket: Ticket, update: Update) -> None:

@@ -317,12 +317,16 @@ class Scheduler:
 
     def __init__(self, engine: Any, *, max_running: int = 8, max_queued: int = 64, stats: Stats | None = None,
                  batch: bool = False, thread: EngineThread | None = None,
-                 on_publish: Callable[[], None] | None = None) -> None:
+                 on_publish: Callable[[], None] | None = None, stream_interval: int = 1) -> None:
         """`on_publish` runs on the engine thread wherever updates are ready to leave together:
         after a turn's admissions, after its prefills, after each unbatched step, and at the end
-        of the turn (the engine process sends what the sinks gathered, in one message)."""
+        of the turn (the engine process sends what the sinks gathered, in one message).
+        `stream_interval`: a running request's tokens leave once at least this many are unsent
+        (its first token and its end at once), as SGLang's --stream-interval."""
         if max_running < 1 or max_queued < 0:
             raise ValueError("max_running must be >= 1 and max_queued >= 0")
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an int >= 1, got {stream_interval!r}")
         self.engine = engine
         self.batch = bool(batch) and hasattr(engine, "step_many")
         self.max_running = max_running
@@ -338,6 +342,14 @@ class Scheduler:
         #: Turns started so far (each admits, then advances every running session by one round).
         self.turns = 0
         self._on_publish = on_publish
+        self.stream_interval = stream_interval
+
+    @classmethod
+    def for_server(cls, engine: Any, config: Any, *, thread: EngineThread | None,
+                   on_publish: Callable[[], None] | None = None) -> "Scheduler":
+        """The scheduler a server's configuration (api.ServerConfig) asks for, wherever it runs."""
+        return cls(engine, max_running=config.max_running, max_queued=config.max_queued, batch=config.batch,
+                   thread=thread, on_publish=on_publish, stream_interval=config.stream_interval)
 
     # -- any thread ---------------------------------------------------------------------------
     def start(self) -> Future:
@@ -526,6 +538,10 @@ class Scheduler:
         """Send the tokens and rounds committed since the last update; retire a finished session."""
         session = active.session
         ids = session.output_ids
+        # Held back until enough tokens gather: every update costs the HTTP side a chunk (decode,
+        # JSON, a socket write), which at high token rates is what caps the server.
+        if not session.done and active.emitted and len(ids) - active.emitted < self.stream_interval:
+            return
         accepts = session.accept_lengths
         new_ids = tuple(ids[active.emitted:])
         new_accepts = tuple(accepts[active.rounds_seen:])

@@ -166,6 +166,7 @@ def build_app(api: Api) -> Starlette:
             "max_running_requests": config.max_running, "max_queued_requests": config.max_queued,
             "batch": config.batch, "engine_loop": api.engine_loop,
             "chunked_prefill_size": engine.prefill_chunk or -1,
+            "stream_interval": config.stream_interval,
             "kv_pool": snap.pool,
             "chat_template": "model" if api.has_chat_template else "fallback",
             "uptime_s": time.time() - api.started_at,
@@ -494,6 +495,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
         raise BadRequest(f"--chunked-prefill-size must be -1 (prefill whole) or a positive number of tokens, "
                          f"got {args.chunked_prefill_size}")
+    if args.stream_interval < 1:
+        raise BadRequest(f"--stream-interval must be at least 1, got {args.stream_interval}")
 
 
 def prepare(args: argparse.Namespace, engine_thread: EngineThread) -> tuple[Engine, ServerConfig]:
@@ -520,6 +523,7 @@ def prepare(args: argparse.Namespace, engine_thread: EngineThread) -> tuple[Engi
                           max_running=max_running, max_queued=args.max_queued_requests,
                           graceful_timeout_s=args.graceful_timeout,
                           batch=DEFAULT_BATCH if args.batch is None else args.batch,
+                          stream_interval=args.stream_interval,
                           capture_budgets=tuple(b for b in args.capture_budgets
                                                 if engine.max_budget is None or b <= engine.max_budget))
     engine_thread.call(warm_up, engine, config)

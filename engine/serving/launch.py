@@ -200,7 +200,7 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
                  max_queued_requests: int | None = None, threads: int | None = None,
                  batch: bool | None = None, context_window: int | None = None,
                  kv_pool_gb: float | None = None, engine_loop: str | None = None,
-                 chunked_prefill_size: int | None = None) -> list[str]:
+                 chunked_prefill_size: int | None = None, stream_interval: int | None = None) -> list[str]:
     """The builtin server's command line. Options left None are not passed (the server's default
     applies); model None is the server's demo pair."""
     argv = [python or sys.executable, "-m", BUILTIN_MODULE]
@@ -217,7 +217,8 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
     for flag, value in (("--dtype", dtype), ("--max-running-requests", max_running_requests),
                         ("--max-queued-requests", max_queued_requests), ("--threads", threads),
                         ("--context-window", context_window), ("--kv-pool-gb", kv_pool_gb),
-                        ("--engine-loop", engine_loop), ("--chunked-prefill-size", chunked_prefill_size)):
+                        ("--engine-loop", engine_loop), ("--chunked-prefill-size", chunked_prefill_size),
+                        ("--stream-interval", stream_interval)):
         if value is not None:
             argv += [flag, str(value)]
     if batch is not None:
@@ -251,6 +252,11 @@ def prefill_chunk(text: str) -> int:
 def non_negative(text: str) -> int:
     """An argparse type: an integer >= 0."""
     return _bounded(text, 0)
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    return _bounded(text, 1)
 
 
 def device_name(text: str) -> str:
@@ -329,6 +335,11 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                         help=f"prompt tokens one prefill step takes at most: a longer prompt prefills a chunk a round, "
                              f"so running streams keep their inter-token latency; -1 prefills whole "
                              f"(default: {DEFAULT_PREFILL_CHUNK}, as SGLang's flag of that name)")
+    parser.add_argument("--stream-interval", type=positive if passthrough else int, default=default(1),
+                        help="tokens a running request gathers before they are sent: every update costs the HTTP "
+                             "process a chunk, so at high token rates a larger value serves more tokens/s, in "
+                             "coarser steps; the first token and the end are sent at once (default: 1, every "
+                             "round; as SGLang's flag of that name)")
     parser.add_argument("--engine-loop", choices=("process", "thread"), default=default("process"),
                         help="where the rounds run: process (default), a process of their own beside the HTTP one, "
                              "as SGLang's scheduler; thread, on a thread of the HTTP process, sharing its GIL")

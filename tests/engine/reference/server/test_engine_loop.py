@@ -9,6 +9,7 @@ import time
 
 import httpx
 import psutil
+import pytest
 
 from ....support.client import EngineClient
 from ....support.server import SERVER, ServerProcess
@@ -41,18 +42,25 @@ def test_engine_process_serves_the_single_process_tokens_and_dies_with_the_serve
     finally:
         assert threaded.stop() == 0, threaded.log_tail()
     assert drained["meta_info"]["finish_reason"] == {"type": "length", "length": 100}
-    # Prompts of 9-15 tokens in chunks of 3: the chunked prefill's tokens are checked here too.
-    srv = start(tiny_pair, tmp_path / "process.log", "--chunked-prefill-size", "3")
+    # Prompts of 9-15 tokens in chunks of 3: the chunked prefill's tokens are checked here too,
+    # and so are tokens sent 4 or more at a time.
+    srv = start(tiny_pair, tmp_path / "process.log", "--chunked-prefill-size", "3", "--stream-interval", "4")
     try:
         info = httpx.get(srv.url + "/server_info").json()
         assert info["engine_loop"] == "process" and info["backend"] == "transformers"
-        assert info["chunked_prefill_size"] == 3
+        assert info["chunked_prefill_size"] == 3 and info["stream_interval"] == 4
         engines = psutil.Process(srv.proc.pid).children()
         assert [p.cmdline()[1:3] for p in engines] == [["-m", "ddtree.engine.reference.engine_loop"]]
         assert greedy_outputs(srv.url) == want
         # The counters live in the engine process and reach /metrics through the pipe.
         metrics = httpx.get(srv.url + "/metrics").text
         assert f'sglang:num_requests_total{{model_name="{info["served_model_name"]}"}} {float(len(want))}' in metrics
+        chunks = list(EngineClient(srv.url).generate_stream(PROMPTS[1], sampling_params={
+            "max_new_tokens": 30, "temperature": 0.0, "ignore_eos": True}, speculative={"algorithm": "ar"}))
+        sizes = [len(c["output_ids"]) for c in chunks]
+        steps = [b - a for a, b in zip([0] + sizes, sizes)]
+        # AR commits a token a round: the first leaves at once, then 4 at a time, the rest at the end.
+        assert steps == [1] + [4] * 7 + [1], steps
         srv.proc.kill()  # the server dies without a word to its engine
         srv.proc.wait()
         assert gone(engines[0]), "the engine process outlived a killed server"
@@ -118,12 +126,13 @@ def test_an_engine_that_dies_fails_its_requests_and_the_server_in_one_line(tiny_
         srv.stop()
 
 
-def test_a_bad_prefill_chunk_is_refused_in_one_line_before_loading():
+@pytest.mark.parametrize("flag", ["--chunked-prefill-size", "--stream-interval"])
+def test_a_bad_prefill_chunk_or_stream_interval_is_refused_in_one_line_before_loading(flag):
     import subprocess
 
-    out = subprocess.run([*SERVER, "--chunked-prefill-size", "0"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([*SERVER, flag, "0"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.count("\n") == 1 and "--chunked-prefill-size" in out.stderr
+    assert out.stderr.count("\n") == 1 and flag in out.stderr
 
 
 def test_a_model_that_fails_to_load_is_one_line_from_the_server(tmp_path):

@@ -345,3 +345,31 @@ def test_a_new_sessions_first_token_is_published_before_the_running_round():
     turn = events[first][1]
     others = [i for i, e in enumerate(events) if e != "publish" and e[0] in (1, 2) and e[1] == turn]
     assert others and "publish" in events[first + 1:others[0]]
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_stream_interval_gathers_tokens_but_sends_the_first_and_the_end_at_once(batch):
+    """FakeSession commits 2 tokens a round, so with an interval of 5 the updates hold 2 (the
+    first round, at once), then 6 (three rounds gathered, since 4 < 5), ..., and the rest at the
+    end; every token arrives once, in order, and the rounds' taus with them."""
+    engine = BatchingEngine() if batch else FakeEngine()
+    sched = Scheduler(engine, max_running=2, max_queued=2, batch=batch, stream_interval=5)
+    _, q1 = collect(sched, 1, 17)
+    _, q2 = collect(sched, 2, 3)
+    sched.start()
+    try:
+        long, short = drain(q1), drain(q2)
+    finally:
+        sched.stop(timeout=5)
+    assert [len(u.new_ids) for u in long] == [2, 6, 6, 3]
+    assert [i for u in long for i in u.new_ids] == [1000 + i for i in range(17)]
+    assert [a for u in long for a in u.new_accepts] == [2] * 8 + [1]
+    assert long[-1].done and long[-1].finish_reason == "length" and not any(u.done for u in long[:-1])
+    assert [len(u.new_ids) for u in short] == [2, 1] and short[-1].done
+    assert sched.stats.generation_tokens_total == 20
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_stream_interval_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="stream_interval"):
+        Scheduler(FakeEngine(), stream_interval=bad)
