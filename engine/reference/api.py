@@ -156,6 +156,7 @@ class Api:
         self.vocab_size = engine.vocab_size or (len(tokenizer) if tokenizer is not None else None)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self._couriers: dict[int, Courier] = {}
+        self._stream_decoders: dict[bool, Any] = {}
 
     # -- request building ----------------------------------------------------------------------
     def _encode(self, text: str, **kwargs) -> list[int]:
@@ -180,6 +181,15 @@ class Api:
         if self.engine.tokenizer is None:
             return ""
         return self.engine.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, skip_special_tokens: bool = True):
+        """What a stream decodes its tail with (module-level stream_decoder); "" without a tokenizer."""
+        decoder = self._stream_decoders.get(skip_special_tokens)
+        if decoder is None:
+            tokenizer = self.engine.tokenizer
+            decoder = (lambda ids: "") if tokenizer is None else stream_decoder(tokenizer, skip_special_tokens)
+            self._stream_decoders[skip_special_tokens] = decoder
+        return decoder
 
     def _spec(self, body: dict) -> SpecParams:
         ext = body.get("speculative")
@@ -409,6 +419,18 @@ class Api:
         return meta
 
 
+def stream_decoder(tokenizer: Any, skip_special_tokens: bool = True):
+    """`ids -> text` for a stream's IncrementalText, equal to tokenizer.decode(ids, skip_special_tokens).
+
+    A fast tokenizer without clean-up decodes in its Rust backend alone, which is all its decode
+    does then, without the Python wrapper around it: about 1 us a call instead of 6, and a stream
+    decodes twice an update. Any other tokenizer goes through its own decode."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalText:
     """The text of a growing token list, decoding only its tail at each step.
 
@@ -496,7 +518,7 @@ class Reply:
         self.first_token_turn: int | None = None
         self.finished_turn: int | None = None
         self._last_token_at: float | None = None
-        self._detok = IncrementalText(lambda ids: api._decode(ids, req.skip_special_tokens))
+        self._detok = IncrementalText(api.stream_decoder(req.skip_special_tokens))
         self.ticket = api.scheduler.submit(req.input_ids, req.gen, req.spec, self._sink)
 
     def _sink(self, update: Update) -> None:

@@ -58,3 +58,26 @@ def test_streamed_text_is_a_prefix_and_ends_exact(which):
             assert got.startswith(seen)  # never retracted
             seen = got
         assert seen == decode(ids)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_the_stream_decoder_decodes_as_the_tokenizer_does(skip, clean_up):
+    """Random id runs over the whole vocabulary, special tokens and half characters included:
+    the backend-only decoder (clean_up off) and the fallback (clean_up on) both equal decode."""
+    from ddtree.engine.reference.api import stream_decoder
+
+    tok = demo_tokenizer()
+    tok.clean_up_tokenization_spaces = clean_up
+    decode = stream_decoder(tok, skip)
+    assert ("backend" in decode.__code__.co_freevars) is not clean_up  # which way it decodes
+    rng = random.Random(1)
+    vocab = len(tok)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    for _ in range(300):
+        if rng.random() < 0.5:
+            run = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+        else:
+            start = rng.randrange(len(ids))
+            run = ids[start:start + rng.randint(1, 12)] + [rng.choice(tok.all_special_ids)]
+        assert decode(run) == tok.decode(run, skip_special_tokens=skip), run
