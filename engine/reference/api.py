@@ -390,11 +390,9 @@ class Api:
             "cached_tokens": 0,
         }
         if run.verify_ct > 0 and req.spec.algorithm != "ar":  # plain decoding reports no spec fields
-            correct = sum(max(t - 1, 0) for t in run.accepts)
+            correct = run.accepted_drafts
             proposed = run.verify_ct * proposed_per_round(req.spec.algorithm, req.spec.budget, self.engine.block_size)
-            hist = [0] * (max(run.accepts) if run.accepts else 1)
-            for tau in run.accepts:
-                hist[max(tau - 1, 0)] += 1
+            hist = list(run.accept_hist) or [0]
             meta.update({
                 "spec_verify_ct": run.verify_ct,
                 "spec_accept_length": len(ids) / run.verify_ct,
@@ -406,7 +404,7 @@ class Api:
                 "spec_correct_drafts_histogram": hist,
                 # Ours: mean tau over rounds (bonus included), which differs slightly from
                 # completion_tokens / verify_ct (the prefill token and trimming count in the latter).
-                "spec_tau_mean": sum(run.accepts) / len(run.accepts) if run.accepts else None,
+                "spec_tau_mean": run.accept_sum / len(run.accepts) if run.accepts else None,
             })
         meta["spec_algorithm"] = req.spec.algorithm
         meta["spec_budget"] = req.spec.budget
@@ -508,6 +506,10 @@ class Reply:
         self.t0 = time.perf_counter()
         self.ids: list[int] = []
         self.accepts: list[int] = []
+        # Running sums of the accepts, so a chunk's meta_info costs the same at round 1000 as at 1.
+        self.accept_sum = 0
+        self.accepted_drafts = 0
+        self.accept_hist: list[int] = []  # index k: rounds that accepted k drafts (tau - 1)
         self.verify_ct = 0
         self.text = ""            # text so far, stable (never retracted) while streaming
         self.done = False
@@ -567,6 +569,13 @@ class Reply:
         previous = len(self.ids)
         self.ids.extend(update.new_ids)
         self.accepts.extend(update.new_accepts)
+        for tau in update.new_accepts:
+            drafts = max(tau - 1, 0)
+            self.accept_sum += tau
+            self.accepted_drafts += drafts
+            if drafts >= len(self.accept_hist):
+                self.accept_hist.extend([0] * (drafts + 1 - len(self.accept_hist)))
+            self.accept_hist[drafts] += 1
         self.verify_ct = max(self.verify_ct, update.verify_ct)
         if not (self.req.stream or self.req.stops or update.done):
             return  # nobody reads the text before the end: skip decoding per round
