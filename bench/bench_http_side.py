@@ -15,7 +15,8 @@ Method:
 2. Starts one server per variant, one after the other: "default" (the common flags only), each
    --variant LABEL=ARGS (the common flags followed by ARGS, so ARGS may override them), and with
    --baseline REV the default server run from a git worktree of REV (the code before a change,
-   imported ahead of the editable install through PYTHONPATH). Common flags: --port 0 --threads 1
+   imported ahead of the editable install through PYTHONPATH), and with --without M1,M2 the default
+   server with those modules made unimportable. Common flags: --port 0 --threads 1
    --batch --max-running-requests C --max-queued-requests 4C --algorithm A, with OMP_NUM_THREADS=1.
 3. Warms each server with one point of 2 prompts, unmeasured.
 4. --repeats times, for each variant in order (A B A B ...; only one server works at a time): one
@@ -26,7 +27,8 @@ Method:
 
     .venv/bin/python bench/bench_http_side.py [--model DIR --draft DIR] [--concurrency 32]
         [--algorithm ar] [--budget 8] [--max-new-tokens 64] [--num-prompts N] [--repeats 3]
-        [--prompt-chars 300] [--variant LABEL=ARGS ...] [--baseline REV] [--out FILE.json]
+        [--prompt-chars 300] [--variant LABEL=ARGS ...] [--without MODULES] [--baseline REV]
+        [--out FILE.json]
         [--keep-logs DIR]
 
 For example, the default server against the single-process one and against the previous commit:
@@ -134,6 +136,16 @@ def baseline_tree(rev: str, stack: ExitStack) -> Variant:
     if not origin.startswith(str(pkg)):
         raise RuntimeError(f"the baseline server would import from {origin or '?'}, not from {pkg}")
     return Variant(f"baseline@{short}", env={"PYTHONPATH": pythonpath}, rev=git("rev-parse", short))
+
+
+def without_modules(names: list[str], stack: ExitStack) -> Variant:
+    """The default server with `names` unimportable: a folder of stubs that raise ImportError, ahead
+    on PYTHONPATH (uvicorn then falls back from uvloop to asyncio and from httptools to h11)."""
+    stubs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-http-without-")))
+    for name in names:
+        (stubs / f"{name}.py").write_text(f"raise ImportError('{name} is left out by bench_http_side --without')\n")
+    pythonpath = os.pathsep.join(p for p in (str(stubs), os.environ.get("PYTHONPATH", "")) if p)
+    return Variant("without-" + "-".join(names), env={"PYTHONPATH": pythonpath})
 
 
 def cpu_s(procs) -> float:
@@ -278,6 +290,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline", metavar="REV",
                    help="also the default server run from a git worktree of REV, the code before a change "
                         "(the worktree is removed at the end; default: none)")
+    p.add_argument("--without", metavar="MODULES", type=lambda t: [m for m in t.split(",") if m],
+                   help="also the default server with these modules (comma-separated) made unimportable, "
+                        "e.g. uvloop,httptools: what the server costs without them (default: none)")
     p.add_argument("--out", metavar="FILE.json", help="write every point and the medians here (default: none)")
     p.add_argument("--keep-logs", metavar="DIR",
                    help="write the servers' logs here and keep them (default: a temp dir, removed)")
@@ -323,6 +338,8 @@ def run(args: argparse.Namespace, stack: ExitStack, report: dict) -> list[dict]:
     report["common_flags"] = common
 
     variants = [Variant(DEFAULT_LABEL), *args.variant]
+    if args.without:
+        variants.append(without_modules(args.without, stack))
     if args.baseline:
         variants.append(baseline_tree(args.baseline, stack))
     report["variants"] = [{"label": v.label, "extra": list(v.extra), "rev": v.rev} for v in variants]

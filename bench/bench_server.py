@@ -393,6 +393,8 @@ def main() -> int:
                    help="weights dtype (auto: bfloat16 on a GPU, float32 on a CPU and for the demo pair)")
     p.add_argument("--context-window", type=int, default=None, help="the servers' --context-window (default theirs)")
     p.add_argument("--kv-pool-gb", type=float, default=None, help="--grid: the server's --kv-pool-gb (default theirs)")
+    p.add_argument("--stream-interval", type=int, default=None,
+                   help="--grid: the server's --stream-interval, tokens per streamed chunk (default theirs, 1)")
     p.add_argument("--grid", action="store_true",
                    help="issue 15's table: one batching server and the same loop in process, per concurrency "
                         "and algorithm (replaces the batch / no-batch serving comparison)")
@@ -441,9 +443,10 @@ def main() -> int:
         from serving_grid import Clock, run_grid
 
         def grid_flags(max_running: int) -> list[str]:
+            interval = ["--stream-interval", str(args.stream_interval)] if args.stream_interval else []
             return server_flags(model, draft, max_running, args.threads, batch=True, device=args.device,
                                 backend=args.backend, dtype=args.dtype, context_window=args.context_window,
-                                kv_pool_gb=args.kv_pool_gb, capture_budgets=tuple(args.budget_list))
+                                kv_pool_gb=args.kv_pool_gb, capture_budgets=tuple(args.budget_list)) + interval
 
         def grid_server(flags: list[str], log_name: str):
             return start_server(model, draft, 0, workdir / log_name, None, flags=flags)
