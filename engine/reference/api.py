@@ -424,9 +424,20 @@ def stream_decoder(tokenizer: Any, skip_special_tokens: bool = True):
     does then, without the Python wrapper around it: about 1 us a call instead of 6, and a stream
     decodes twice an update. Any other tokenizer goes through its own decode."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False:
+    if (backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False
+            and _plain_fast_decode(type(tokenizer))):
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _plain_fast_decode(cls: type) -> bool:
+    """Whether `cls` decodes as transformers' fast tokenizer does (some classes, Whisper's among
+    them, override decode with more than the backend's)."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return False
+    return all(getattr(cls, name, None) is getattr(PreTrainedTokenizerFast, name, None) for name in ("decode", "_decode"))
 
 
 class IncrementalText:
@@ -443,6 +454,11 @@ class IncrementalText:
         self.text = ""
         self._prefix = 0  # window start
         self._read = 0    # tokens whose text is in self.text
+
+    @property
+    def read(self) -> int:
+        """How many tokens' text is in self.text (a trailing half character's tokens are not)."""
+        return self._read
 
     def extend(self, ids: list[int]) -> str:
         if len(ids) > self._read:
@@ -521,7 +537,7 @@ class Reply:
         self.finished_turn: int | None = None
         self._last_token_at: float | None = None
         self._detok = IncrementalText(api.stream_decoder(req.skip_special_tokens))
-        self.ticket = api.scheduler.submit(req.input_ids, req.gen, req.spec, self._sink)
+        self.ticket = api.scheduler.submit(req.input_ids, req.gen, req.spec, self._sink, hold=not req.stops)
 
     def _sink(self, update: Update) -> None:
         # Called on the scheduler's delivering thread; the courier hands it to the event loop.
@@ -566,7 +582,9 @@ class Reply:
             elif self._last_token_at is not None:
                 stats.observe_itl(now - self._last_token_at, len(update.new_ids))
             self._last_token_at = now
-        previous = len(self.ids)
+        # Tokens whose text earlier updates searched for stop strings: a stop completes after them
+        # (not after the last update's tokens, which may end in half a character not yet searched).
+        searched = self._detok.read
         self.ids.extend(update.new_ids)
         self.accepts.extend(update.new_accepts)
         for tau in update.new_accepts:
@@ -585,7 +603,7 @@ class Reply:
         # whole decode, so it is exact.
         full = self._detok.extend(self.ids) if not update.done else \
             self.api._decode(self.ids, self.req.skip_special_tokens)
-        if self.req.stops and self._apply_stop(full, previous):
+        if self.req.stops and self._apply_stop(full, searched):
             self.ticket.cancel("stop")
         elif update.done:
             self.done = True
@@ -606,7 +624,7 @@ class Reply:
             self.e2e_latency = now - self.t0
             self.finished_turn = update.turn
 
-    def _apply_stop(self, full: str, previous: int) -> bool:
+    def _apply_stop(self, full: str, searched: int) -> bool:
         longest = max(len(s) for s in self.req.stops)
         start = max(0, len(self.text) - longest)
         hits = [(full.find(s, start), s) for s in self.req.stops]
@@ -615,7 +633,7 @@ class Reply:
             return False
         pos, stop = min(hits)
         # Keep only the tokens up to the one that completed the stop string, as SGLang does.
-        for k in range(previous + 1, len(self.ids) + 1):
+        for k in range(searched + 1, len(self.ids) + 1):
             if stop in self.api._decode(self.ids[:k], self.req.skip_special_tokens)[start:]:
                 del self.ids[k:]
                 break

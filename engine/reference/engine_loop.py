@@ -9,7 +9,7 @@ on its `EngineThread`; the HTTP process holds a `RemoteScheduler` with the same 
 messages:
 
     HTTP -> engine: (target "module:function", args, parent_pid)                  (once, at start)
-                    | ("submit", tid, input_ids, gen, spec) | ("cancel", tid, reason)
+                    | ("submit", tid, input_ids, gen, spec, hold) | ("cancel", tid, reason)
                     | ("snapshot", qid) | ("stop", timeout_s)
     engine -> HTTP: ("ready", facts, config) | ("failed", exit_code, message)     (once, at start)
                     | ("updates", [(tid, submitted_turn, Update), ...])           (one per turn)
@@ -139,8 +139,8 @@ def host(conn: Any, engine: Any, config: Any, thread: EngineThread) -> None:
             message = ("stop", 5.0)  # the HTTP process is gone: nobody reads what is left
         kind = message[0]
         if kind == "submit":
-            _, tid, input_ids, gen, spec = message
-            ticket = Ticket(input_ids, gen, spec, None)
+            _, tid, input_ids, gen, spec, hold = message
+            ticket = Ticket(input_ids, gen, spec, None, hold)
             ticket.sink = partial(relay, tid, ticket)
             tickets[tid] = ticket
             try:
@@ -265,7 +265,8 @@ class RemoteScheduler:
     def failure(self) -> str | None:
         return self._failure
 
-    def submit(self, input_ids: list[int], gen: Any, spec: Any, sink: Callable[[Update], None]) -> Ticket:
+    def submit(self, input_ids: list[int], gen: Any, spec: Any, sink: Callable[[Update], None], *,
+               hold: bool = True) -> Ticket:
         with self._lock:
             if self._stopping or self._failure is not None:
                 raise ShuttingDown(self._failure or "the server is shutting down")
@@ -278,9 +279,9 @@ class RemoteScheduler:
                     hint="retry later, or start the server with a larger --max-queued-requests",
                 )
             tid = next(self._ids)
-            ticket = _RemoteTicket(self, tid, input_ids, gen, spec, sink)
+            ticket = _RemoteTicket(self, tid, input_ids, gen, spec, sink, hold)
             self._tickets[tid] = ticket
-        if not self._send(("submit", tid, input_ids, gen, spec)):
+        if not self._send(("submit", tid, input_ids, gen, spec, hold)):
             with self._lock:
                 self._tickets.pop(tid, None)
             raise ShuttingDown(self._failure or "the engine process is gone")

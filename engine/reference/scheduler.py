@@ -71,11 +71,15 @@ class Ticket:
     """One submitted request. `sink` is called with each `Update` on the engine thread (in the
     engine process, its sink sends the update to the HTTP process's own ticket)."""
 
-    def __init__(self, input_ids: list[int], gen: Any, spec: Any, sink: Callable[[Update], None] | None) -> None:
+    def __init__(self, input_ids: list[int], gen: Any, spec: Any, sink: Callable[[Update], None] | None,
+                 hold: bool = True) -> None:
         self.input_ids = input_ids
         self.gen = gen
         self.spec = spec
         self.sink = sink
+        #: Whether its tokens may wait for the stream interval. Not for a request with stop
+        #: strings: the HTTP side matches them, so it must see every token as soon as it exists.
+        self.hold = hold
         self.submitted_at = time.perf_counter()
         #: Scheduler.turns when it was queued; set by Scheduler.submit.
         self.submitted_turn = 0
@@ -145,6 +149,10 @@ class _Active:
     session: Any
     emitted: int = 0
     rounds_seen: int = 0
+    #: Tokens and rounds the counters have seen, which runs ahead of `emitted` and `rounds_seen`
+    #: while the stream interval holds them: a request that ends early still counts every token.
+    counted: int = 0
+    rounds_counted: int = 0
 
 
 # Latency histogram bounds (seconds): from sub-10 ms rounds on a GPU to minutes on a laptop CPU.
@@ -365,8 +373,9 @@ class Scheduler:
         if looping.exception() is not None:
             log.error("the scheduler loop failed", exc_info=looping.exception())
 
-    def submit(self, input_ids: list[int], gen: Any, spec: Any, sink: Callable[[Update], None]) -> Ticket:
-        return self.enqueue(Ticket(input_ids, gen, spec, sink))
+    def submit(self, input_ids: list[int], gen: Any, spec: Any, sink: Callable[[Update], None], *,
+               hold: bool = True) -> Ticket:
+        return self.enqueue(Ticket(input_ids, gen, spec, sink, hold))
 
     def enqueue(self, ticket: Ticket) -> Ticket:
         """Queue a ticket built by the caller (one whose sink needs the ticket itself)."""
@@ -538,23 +547,26 @@ class Scheduler:
         """Send the tokens and rounds committed since the last update; retire a finished session."""
         session = active.session
         ids = session.output_ids
-        # Held back until enough tokens gather: every update costs the HTTP side a chunk (decode,
-        # JSON, a socket write), which at high token rates is what caps the server.
-        if not session.done and active.emitted and len(ids) - active.emitted < self.stream_interval:
-            return
         accepts = session.accept_lengths
-        new_ids = tuple(ids[active.emitted:])
-        new_accepts = tuple(accepts[active.rounds_seen:])
-        active.emitted = len(ids)
-        active.rounds_seen = len(accepts)
         now = time.perf_counter()
         spec = active.ticket.spec
         # Plain decoding has no verify rounds, as in SGLang without a speculative algorithm:
         # counting its steps would pull the acceptance gauges and counters towards 1.
-        if new_accepts and spec.algorithm != "ar":
-            self.stats.add_rounds(new_accepts, proposed_per_round(spec.algorithm, spec.budget, self.engine.block_size))
-        if new_ids:
-            self.stats.add_tokens(len(new_ids), now)
+        if len(accepts) > active.rounds_counted and spec.algorithm != "ar":
+            self.stats.add_rounds(accepts[active.rounds_counted:],
+                                  proposed_per_round(spec.algorithm, spec.budget, self.engine.block_size))
+        if len(ids) > active.counted:
+            self.stats.add_tokens(len(ids) - active.counted, now)
+        active.counted, active.rounds_counted = len(ids), len(accepts)
+        # Held back until enough tokens gather: every update costs the HTTP side a chunk (decode,
+        # JSON, a socket write), which at high token rates is what caps the server.
+        if (active.ticket.hold and not session.done and active.emitted
+                and len(ids) - active.emitted < self.stream_interval):
+            return
+        new_ids = tuple(ids[active.emitted:])
+        new_accepts = tuple(accepts[active.rounds_seen:])
+        active.emitted = len(ids)
+        active.rounds_seen = len(accepts)
         update = Update(new_ids, new_accepts, session.verify_ct, at=now, turn=self.turns)
         if session.done:
             update = Update(new_ids, new_accepts, session.verify_ct, done=True,

@@ -55,7 +55,7 @@ def test_updates_reach_their_ticket_and_a_late_answer_to_a_dropped_poll_is_ignor
     assert engine.recv()[0] == "snapshot"
     poll.cancel()  # the /metrics poll timed out, or its client left
     ticket, got = submit(sched)
-    assert engine.recv() == ("submit", ticket.tid, [1, 2], "gen", "spec")
+    assert engine.recv() == ("submit", ticket.tid, [1, 2], "gen", "spec", True)
     engine.send(("snapshot", 0, snapshot()))  # the late answer to the cancelled poll
     engine.send(("updates", [(999, 0, Update(new_ids=(7,))),  # a ticket nobody holds
                              (ticket.tid, 3, Update(new_ids=(5,))), (ticket.tid, 3, Update(new_ids=(6,), done=True))]))

@@ -373,3 +373,41 @@ def test_stream_interval_gathers_tokens_but_sends_the_first_and_the_end_at_once(
 def test_stream_interval_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="stream_interval"):
         Scheduler(FakeEngine(), stream_interval=bad)
+
+
+def test_a_ticket_that_may_not_hold_gets_every_round_at_once():
+    """A request with stop strings (hold=False) sees each round's tokens as they are committed,
+    whatever the interval: its consumer matches the stop, so held tokens would be decoded past it."""
+    engine = FakeEngine()
+    sched = Scheduler(engine, max_running=2, stream_interval=5)
+    q = queue.Queue()
+    sched.submit([1], Gen(7), Spec(), q.put, hold=False)
+    sched.start()
+    try:
+        updates = drain(q)
+    finally:
+        sched.stop(timeout=5)
+    assert [len(u.new_ids) for u in updates] == [2, 2, 2, 1]
+
+
+def test_tokens_held_for_the_interval_are_counted_when_the_request_is_cancelled():
+    """The counters see every committed token and round at once, so a request dropped while its
+    tokens wait for the interval still counts them (as with an interval of 1)."""
+    engine = FakeEngine()
+    sched = Scheduler(engine, max_running=2, stream_interval=100)
+    tickets = []
+
+    def cancel_after_three_rounds(session):
+        if len(session.output_ids) == 6:
+            tickets[0].cancel()
+
+    engine.after_step = cancel_after_three_rounds
+    q = queue.Queue()
+    tickets.append(sched.submit([5], Gen(50), Spec(), q.put))
+    sched.start()
+    try:
+        updates = drain(q)
+    finally:
+        sched.stop(timeout=5)
+    assert [len(u.new_ids) for u in updates] == [2, 0] and updates[-1].finish_reason == "abort"
+    assert sched.stats.generation_tokens_total == 6 and sched.stats.verify_calls_total == 3
