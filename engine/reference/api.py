@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from ddtree.engine.errors import EngineError
@@ -480,8 +480,8 @@ def _merged(first: Update, queue: asyncio.Queue) -> Update:
     while not queue.empty() and parts[-1].error is None and not parts[-1].done:
         parts.append(queue.get_nowait())
     last = parts[-1]
-    return replace(last, new_ids=tuple(t for u in parts for t in u.new_ids),
-                   new_accepts=tuple(a for u in parts for a in u.new_accepts))
+    return last._replace(new_ids=tuple(t for u in parts for t in u.new_ids),
+                         new_accepts=tuple(a for u in parts for a in u.new_accepts))
 
 
 class Courier:

@@ -12,7 +12,7 @@ messages:
                     | ("submit", tid, input_ids, gen, spec, hold) | ("cancel", tid, reason)
                     | ("snapshot", qid) | ("stop", timeout_s)
     engine -> HTTP: ("ready", facts, config) | ("failed", exit_code, message)     (once, at start)
-                    | ("updates", [(tid, submitted_turn, Update), ...])           (one per turn)
+                    | ("updates", [(tid, submitted_turn, Update fields), ...])    (one per turn)
                     | ("snapshot", qid, Snapshot) | ("stopped",)
 
 A turn's updates go in one message, sent on the engine thread when the turn ends, so a batched
@@ -92,11 +92,13 @@ class _Outbox:
         self.conn = conn
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._items: list[tuple[int, int, Update]] = []
+        self._items: list[tuple[int, int, tuple]] = []
 
     def put(self, tid: int, ticket: Ticket, update: Update) -> None:
+        # As a plain tuple: pickle handles those in C, a named tuple through copyreg in Python
+        # (64 updates: about 10 us against 140, on the engine's thread, every turn).
         with self._lock:
-            self._items.append((tid, ticket.submitted_turn, update))
+            self._items.append((tid, ticket.submitted_turn, tuple(update)))
 
     def flush(self) -> None:
         with self._lock:
@@ -343,11 +345,12 @@ class RemoteScheduler:
                 break
         self._ended()
 
-    def _deliver(self, items: list[tuple[int, int, Update]]) -> None:
-        for tid, turn, update in items:
+    def _deliver(self, items: list[tuple[int, int, tuple]]) -> None:
+        for tid, turn, fields in items:
             ticket = self._tickets.get(tid)
             if ticket is None:
                 continue
+            update = Update._make(fields)
             ticket.submitted_turn = turn
             if update.done or update.error is not None:
                 ticket.finished = True

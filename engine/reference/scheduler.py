@@ -34,8 +34,8 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
 
 from ddtree.engine.errors import EngineError
 
@@ -50,10 +50,11 @@ class ShuttingDown(EngineError):
     """The server is stopping and takes no new requests."""
 
 
-@dataclass(frozen=True)
-class Update:
+class Update(NamedTuple):
     """What one request gained since its previous update (made on the engine thread; with the
-    engine in its own process, pickled to the HTTP one)."""
+    engine in its own process, pickled to the HTTP one). A named tuple, not a dataclass: a turn
+    makes one per running request, and a tuple is built, pickled and unpickled about ten times
+    faster (a dataclass's pickling alone cost about 2 us an update on each side)."""
 
     new_ids: tuple[int, ...] = ()
     #: tau of each verify round finished since the previous update (bonus token included).
@@ -62,7 +63,9 @@ class Update:
     done: bool = False
     finish_reason: str | None = None  # "length" | "stop" | "abort"
     error: EngineError | None = None
-    at: float = field(default_factory=time.perf_counter)
+    #: When it was made (time.perf_counter); None for the error and abort updates, which take
+    #: the time they are sent.
+    at: float | None = None
     #: The scheduler turn that produced this update (Scheduler.turns).
     turn: int = 0
 
@@ -588,13 +591,13 @@ class Scheduler:
         if ticket.finished:
             return
         ticket.finished = True
-        e2e = update.at - ticket.submitted_at if not aborted else None
+        e2e = (update.at or time.perf_counter()) - ticket.submitted_at if not aborted else None
         self.stats.add_request(len(ticket.input_ids), aborted=aborted, e2e_s=e2e)
         self._send(ticket, update)
 
     def _send(self, ticket: Ticket, update: Update) -> None:
         if update.turn != self.turns:  # the error and abort updates are built without one
-            update = replace(update, turn=self.turns)
+            update = update._replace(turn=self.turns)
         try:
             ticket.sink(update)
         except Exception:  # boundary: a consumer that went away must not stop the engine thread

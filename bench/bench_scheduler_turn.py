@@ -1,0 +1,186 @@
+"""What the scheduler itself costs the engine process per turn, with an engine that does nothing.
+
+On a GPU a small model's batched round takes a few milliseconds, and the engine process's Python
+work between rounds adds to it: classifying the running requests, building one Update per request,
+the counters, and (with --engine-loop process) pickling the turn's updates and writing them to the
+HTTP process. This runs the real `Scheduler` (and the real `_Outbox` over a socket pair, drained by
+a forked reader) over --sessions requests whose rounds commit one token and cost nothing else, and
+reports the CPU time of this process per turn: the scheduler's own cost, with no model and no HTTP.
+
+    .venv/bin/python bench/bench_scheduler_turn.py [--sessions 64] [--turns 300] [--repeats 5]
+        [--baseline REV] [--out FILE.json]
+
+Each measurement runs in a fresh subprocess; with --baseline REV the same measurement also runs
+against a git worktree of REV (bench_http_side's baseline_tree), interleaved A B A B, and the table
+gives each side's median and the ratio to this tree's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+@dataclass(frozen=True)
+class _Gen:
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class _Spec:
+    algorithm: str = "ar"
+    budget: int = 0
+
+
+class _Session:
+    """Commits one token a round, as AR does; nothing else."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.output_ids, self.accept_lengths, self.verify_ct = n, [], [], 0
+        self.done, self.finish_reason = False, None
+
+    def step(self) -> list[int]:
+        self.output_ids.append(7)
+        self.accept_lengths.append(1)
+        self.verify_ct += 1
+        if len(self.output_ids) >= self.n:
+            self.done, self.finish_reason = True, "length"
+        return [7]
+
+    def close(self) -> None:
+        pass
+
+
+class _Engine:
+    block_size = 4
+
+    def start(self, ids, gen, spec) -> _Session:
+        return _Session(gen.max_new_tokens)
+
+    def step_many(self, sessions) -> list[list[int]]:
+        return [s.step() for s in sessions]
+
+
+def measure(sessions: int, turns: int, outbox: bool) -> dict:
+    """One run in this process: CPU and wall seconds per turn."""
+    from multiprocessing.connection import Connection
+
+    from ddtree.engine.reference.scheduler import Scheduler
+
+    sender = reader = None
+    if outbox:
+        from ddtree.engine.reference.engine_loop import _Outbox
+
+        a, b = socket.socketpair()
+        reader = os.fork()
+        if reader == 0:  # the HTTP side's stand-in: reads and drops every message
+            a.close()
+            conn = Connection(b.detach())
+            try:
+                while True:
+                    conn.recv()
+            except (EOFError, OSError):
+                os._exit(0)
+        b.close()
+        sender = _Outbox(Connection(a.detach()))
+    sched = Scheduler(_Engine(), max_running=sessions, max_queued=0, batch=True,
+                      on_publish=sender.flush if sender else None)
+    finished = threading.Semaphore(0)
+    tickets: dict[int, object] = {}
+
+    def sink(tid: int, update) -> None:
+        if sender is not None:
+            sender.put(tid, tickets[tid], update)
+        if update.done:
+            finished.release()
+
+    for tid in range(sessions):
+        tickets[tid] = sched.submit([1, 2, 3], _Gen(turns), _Spec(), lambda u, tid=tid: sink(tid, u))
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    sched.start()
+    for _ in range(sessions):
+        finished.acquire()
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    sched.stop()
+    if reader:
+        sender.conn.close()
+        os.waitpid(reader, 0)
+    return {"cpu_us_per_turn": cpu / turns * 1e6, "wall_us_per_turn": wall / turns * 1e6}
+
+
+def child_run(args: argparse.Namespace, env: dict | None, outbox: bool) -> dict:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--sessions", str(args.sessions),
+            "--turns", str(args.turns)] + (["--outbox"] if outbox else [])
+    done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
+    if done.returncode:
+        raise RuntimeError(f"a measurement failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sessions", type=int, default=64, help="running requests, one batched round a turn (default: 64)")
+    p.add_argument("--turns", type=int, default=300, help="turns per measurement (default: 300)")
+    p.add_argument("--repeats", type=int, default=5, help="measurements per side and mode (default: 5)")
+    p.add_argument("--baseline", metavar="REV", help="also measure the scheduler of a git worktree of REV")
+    p.add_argument("--out", metavar="FILE.json", help="write every measurement and the medians here")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--outbox", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if min(args.sessions, args.turns, args.repeats) < 1:
+        p.error("--sessions, --turns and --repeats must be >= 1")
+    if args.child:
+        print(json.dumps(measure(args.sessions, args.turns, args.outbox)))
+        return 0
+    print(f"command: {shlex.join([sys.executable, *sys.argv])}")
+    print(f"machine: {os.cpu_count()} cpus, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    with ExitStack() as stack:
+        sides = [("this tree", None)]
+        if args.baseline:
+            from bench_http_side import baseline_tree  # noqa: E402  (this folder is sys.path[0])
+
+            base = baseline_tree(args.baseline, stack)
+            sides.append((base.label, base.env))
+        points = []
+        for r in range(args.repeats):
+            for outbox in (False, True):
+                for label, env in sides:
+                    point = dict(child_run(args, env, outbox), side=label, outbox=outbox, repeat=r)
+                    points.append(point)
+                    print(f"  {r} {label:>20} {'outbox' if outbox else 'scheduler only':>15}: "
+                          f"{point['cpu_us_per_turn']:7.0f} us CPU per turn", flush=True)
+    rows = []
+    for outbox in (False, True):
+        first = None
+        for label, _ in sides:
+            mine = [q["cpu_us_per_turn"] for q in points if q["side"] == label and q["outbox"] == outbox]
+            med = statistics.median(mine)
+            first = first or med
+            rows.append({"side": label, "outbox": outbox, "cpu_us_per_turn": med, "min": min(mine),
+                         "max": max(mine), "ratio": med / first})
+    print(f"\n{args.sessions} requests, {args.turns} turns, medians of {args.repeats}; CPU us per turn")
+    print(f"{'side':>22} {'what':>15} {'median':>8} {'min-max':>13} {'/ this tree':>12}")
+    for row in rows:
+        print(f"{row['side']:>22} {'+ outbox' if row['outbox'] else 'scheduler only':>15} {row['cpu_us_per_turn']:8.0f} "
+              f"{row['min']:6.0f}-{row['max']:<6.0f} {row['ratio']:12.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "points": points, "summary": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
