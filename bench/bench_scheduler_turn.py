@@ -28,22 +28,10 @@ import sys
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-
-@dataclass(frozen=True)
-class _Gen:
-    max_new_tokens: int
-
-
-@dataclass(frozen=True)
-class _Spec:
-    algorithm: str = "ar"
-    budget: int = 0
 
 
 class _Session:
@@ -79,6 +67,7 @@ def measure(sessions: int, turns: int, outbox: bool) -> dict:
     """One run in this process: CPU and wall seconds per turn."""
     from multiprocessing.connection import Connection
 
+    from ddtree.engine.reference.params import GenParams, SpecParams
     from ddtree.engine.reference.scheduler import Scheduler
 
     sender = reader = None
@@ -108,8 +97,9 @@ def measure(sessions: int, turns: int, outbox: bool) -> dict:
         if update.done:
             finished.release()
 
+    gen, spec = GenParams(max_new_tokens=turns), SpecParams("ar")
     for tid in range(sessions):
-        tickets[tid] = sched.submit([1, 2, 3], _Gen(turns), _Spec(), lambda u, tid=tid: sink(tid, u))
+        tickets[tid] = sched.submit([1, 2, 3], gen, spec, lambda u, tid=tid: sink(tid, u))
     cpu0, wall0 = time.process_time(), time.perf_counter()
     sched.start()
     for _ in range(sessions):
