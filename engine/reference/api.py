@@ -156,7 +156,9 @@ class Api:
         self.vocab_size = engine.vocab_size or (len(tokenizer) if tokenizer is not None else None)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self._couriers: dict[int, Courier] = {}
-        self._stream_decoders: dict[bool, Any] = {}
+        # What a stream decodes its tail with, by skip_special_tokens ("" without a tokenizer).
+        self.stream_decoders = {skip: (lambda ids: "") if tokenizer is None else stream_decoder(tokenizer, skip)
+                                for skip in (True, False)}
 
     # -- request building ----------------------------------------------------------------------
     def _encode(self, text: str, **kwargs) -> list[int]:
@@ -181,15 +183,6 @@ class Api:
         if self.engine.tokenizer is None:
             return ""
         return self.engine.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def stream_decoder(self, skip_special_tokens: bool = True):
-        """What a stream decodes its tail with (module-level stream_decoder); "" without a tokenizer."""
-        decoder = self._stream_decoders.get(skip_special_tokens)
-        if decoder is None:
-            tokenizer = self.engine.tokenizer
-            decoder = (lambda ids: "") if tokenizer is None else stream_decoder(tokenizer, skip_special_tokens)
-            self._stream_decoders[skip_special_tokens] = decoder
-        return decoder
 
     def _spec(self, body: dict) -> SpecParams:
         ext = body.get("speculative")
@@ -390,9 +383,10 @@ class Api:
             "cached_tokens": 0,
         }
         if run.verify_ct > 0 and req.spec.algorithm != "ar":  # plain decoding reports no spec fields
-            correct = run.accepted_drafts
-            proposed = run.verify_ct * proposed_per_round(req.spec.algorithm, req.spec.budget, self.engine.block_size)
             hist = list(run.accept_hist) or [0]
+            rounds = sum(hist)
+            correct = sum(drafts * count for drafts, count in enumerate(hist))
+            proposed = run.verify_ct * proposed_per_round(req.spec.algorithm, req.spec.budget, self.engine.block_size)
             meta.update({
                 "spec_verify_ct": run.verify_ct,
                 "spec_accept_length": len(ids) / run.verify_ct,
@@ -404,7 +398,7 @@ class Api:
                 "spec_correct_drafts_histogram": hist,
                 # Ours: mean tau over rounds (bonus included), which differs slightly from
                 # completion_tokens / verify_ct (the prefill token and trimming count in the latter).
-                "spec_tau_mean": run.accept_sum / len(run.accepts) if run.accepts else None,
+                "spec_tau_mean": (correct + rounds) / rounds if rounds else None,
             })
         meta["spec_algorithm"] = req.spec.algorithm
         meta["spec_budget"] = req.spec.budget
@@ -521,11 +515,9 @@ class Reply:
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
         self.t0 = time.perf_counter()
         self.ids: list[int] = []
-        self.accepts: list[int] = []
-        # Running sums of the accepts, so a chunk's meta_info costs the same at round 1000 as at 1.
-        self.accept_sum = 0
-        self.accepted_drafts = 0
-        self.accept_hist: list[int] = []  # index k: rounds that accepted k drafts (tau - 1)
+        # Index k: rounds that accepted k drafts (tau - 1). Kept as updates arrive, so a chunk's
+        # meta_info costs the same at round 1000 as at round 1.
+        self.accept_hist: list[int] = []
         self.verify_ct = 0
         self.text = ""            # text so far, stable (never retracted) while streaming
         self.done = False
@@ -536,7 +528,7 @@ class Reply:
         self.first_token_turn: int | None = None
         self.finished_turn: int | None = None
         self._last_token_at: float | None = None
-        self._detok = IncrementalText(api.stream_decoder(req.skip_special_tokens))
+        self._detok = IncrementalText(api.stream_decoders[req.skip_special_tokens])
         self.ticket = api.scheduler.submit(req.input_ids, req.gen, req.spec, self._sink, hold=not req.stops)
 
     def _sink(self, update: Update) -> None:
@@ -586,11 +578,8 @@ class Reply:
         # (not after the last update's tokens, which may end in half a character not yet searched).
         searched = self._detok.read
         self.ids.extend(update.new_ids)
-        self.accepts.extend(update.new_accepts)
         for tau in update.new_accepts:
             drafts = max(tau - 1, 0)
-            self.accept_sum += tau
-            self.accepted_drafts += drafts
             if drafts >= len(self.accept_hist):
                 self.accept_hist.extend([0] * (drafts + 1 - len(self.accept_hist)))
             self.accept_hist[drafts] += 1

@@ -570,13 +570,12 @@ class Scheduler:
         new_accepts = tuple(accepts[active.rounds_seen:])
         active.emitted = len(ids)
         active.rounds_seen = len(accepts)
-        update = Update(new_ids, new_accepts, session.verify_ct, at=now, turn=self.turns)
         if session.done:
             update = Update(new_ids, new_accepts, session.verify_ct, done=True,
                             finish_reason=session.finish_reason, at=now, turn=self.turns)
             self._retire(active, update, aborted=False)
         elif new_ids or new_accepts:
-            self._send(active.ticket, update)
+            self._send(active.ticket, Update(new_ids, new_accepts, session.verify_ct, at=now, turn=self.turns))
 
     def _retire(self, active: _Active, update: Update, *, aborted: bool) -> None:
         with self._cond:

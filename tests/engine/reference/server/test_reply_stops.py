@@ -40,9 +40,7 @@ class _Api:
 
     def __init__(self, tok) -> None:
         self.tok, self.stats, self.scheduler = tok, Stats(), _Scheduler()
-
-    def stream_decoder(self, skip):
-        return stream_decoder(self.tok, skip)
+        self.stream_decoders = {skip: stream_decoder(tok, skip) for skip in (True, False)}
 
     def _decode(self, ids, skip=True):
         return self.tok.decode(ids, skip_special_tokens=skip)
