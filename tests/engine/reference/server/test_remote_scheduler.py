@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import threading
 from concurrent.futures import CancelledError
 from multiprocessing.connection import Connection
 
@@ -28,10 +29,27 @@ class Exited:
         pass
 
 
+class Failures(list):
+    """What on_failure was told. The reader fails the held tickets before it calls on_failure,
+    so a test that has seen a ticket's error waits here for the call rather than race it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.called = threading.Event()
+
+    def append(self, why: str) -> None:
+        super().append(why)
+        self.called.set()
+
+    def wait(self) -> list[str]:
+        assert self.called.wait(timeout=30), "on_failure was never called"
+        return list(self)
+
+
 @pytest.fixture
 def pair():
     ours, theirs = socket.socketpair()
-    failures: list[str] = []
+    failures = Failures()
     sched = RemoteScheduler(Exited(), Connection(ours.detach()), max_running=1, max_queued=1,
                             on_failure=failures.append)
     sched.start()
@@ -94,7 +112,7 @@ def test_an_engine_that_dies_fails_what_it_held_and_says_why_once(pair):
     assert final.done and isinstance(final.error, EngineError) and "boom" in str(final.error)
     with pytest.raises(ShuttingDown):
         poll.result(timeout=30)
-    assert failures == ["the engine loop failed: RuntimeError: boom"]
+    assert failures.wait() == ["the engine loop failed: RuntimeError: boom"]
     assert sched.failure == failures[0]
     with pytest.raises(ShuttingDown, match="boom"):
         submit(sched)
@@ -107,4 +125,4 @@ def test_an_engine_that_exits_without_a_word_is_reported_with_its_exit_code(pair
     _, got = submit(sched)
     engine.close()
     assert "exit code -9" in str(got.get(timeout=30).error)
-    assert failures == ["the engine process exited (exit code -9)"]
+    assert failures.wait() == ["the engine process exited (exit code -9)"]
