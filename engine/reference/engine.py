@@ -182,7 +182,7 @@ class Engine:
              max_budget: int = DEFAULT_MAX_BUDGET, block_size: int | None = None,
              algorithm: str | None = None, budget: int | None = None, backend: str = "auto",
              context_window: int | None = None, graphs: bool = True, compile: bool = True,
-             pool_slots: int = 0, pool_bytes: int | None = None) -> Engine:
+             slots: int | None = None, pool_slots: int = 0, pool_bytes: int | None = None) -> Engine:
         """Load a target and (optionally) a DFlash drafter from dirs or hub ids.
 
         algorithm/budget: what the caller will decode with by default (a server's --algorithm). A
@@ -191,6 +191,7 @@ class Engine:
         otherwise; `engine.backend_reason` says why. "fast" on a CPU runs its non-graph code.
         pool_slots/pool_bytes: the fast backend's KV pool, pool_slots sessions or as many as
         pool_bytes hold if fewer (Engine's pool_slots); the transformers backend ignores both.
+        slots: concurrent sessions the fast backend captures graphs for (Engine's slots).
         """
         device = str(device)
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -222,7 +223,7 @@ class Engine:
                      eos_token_ids=eos_token_ids(target_dir, target.config, tokenizer),
                      mask_token_id=mask_id, max_budget=max_budget, block_size=block_size,
                      backend=chosen, context_window=context_window, graphs=graphs, compile=compile,
-                     pool_slots=pool_slots, pool_bytes=pool_bytes)
+                     slots=slots, pool_slots=pool_slots, pool_bytes=pool_bytes)
         engine.backend_reason = why
         log.info("backend %s: %s", chosen, why)
         return engine

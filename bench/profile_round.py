@@ -1,0 +1,133 @@
+"""Where a fast-backend round's time goes, kernel by kernel: torch.profiler over unsynchronised
+rounds (as the server runs them), after warm-up.
+
+    python bench/profile_round.py --device cuda --pair demo --out prof-demo.json
+    python bench/profile_round.py --device cuda --pair 8b --budgets 64 --out prof-8b.json
+
+For each algorithm it reports the wall time per round, the GPU busy time per round (the union of
+kernel intervals, so idle gaps between graph replays show as wall minus busy), the kernels per
+round, and the kernels that take the most GPU time. "demo" is the trained demo pair in float32;
+a bench_engine shape name is a random pair of that shape in bf16 (the target's own 5-layer drafter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+from bench_engine import _sync  # noqa: E402
+from bench_fast import _hf_random, _random_drafter  # noqa: E402
+
+
+def load(args):
+    import torch
+
+    from ddtree.engine.reference.engine import Engine
+
+    budgets = tuple(args.budgets)
+    if args.pair == "demo":
+        from ddtree.engine.demo import demo_paths
+
+        target_dir, draft_dir = demo_paths()
+        engine = Engine.load(target_dir, draft_dir, device=args.device, dtype=torch.float32, backend="fast",
+                             max_budget=max(budgets), slots=1, context_window=args.window)
+        lines = (REPO / "assets" / "prompts" / "code.jsonl").read_text().splitlines()
+        prompt = engine.tokenizer.encode(json.loads(lines[0])["prompt"], add_special_tokens=False)
+    else:
+        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        model = _hf_random(args.pair, args.device, dtype)
+        drafter = _random_drafter(model).to(args.device, dtype)
+        engine = Engine(model, drafter, backend="fast", context_window=args.window, max_budget=max(budgets),
+                        slots=1, compile=not args.no_compile)
+        prompt = torch.randint(0, model.config.vocab_size, (512,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine.warmup(progress=lambda msg: print(f"[{args.pair}] {msg}", flush=True), budgets=budgets)
+    return engine, prompt
+
+
+def busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals, in the profiler's microseconds / 1000."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total / 1000
+
+
+def profile(engine, prompt, spec, rounds: int, device: str, top: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from ddtree.engine.reference.engine import GenParams
+
+    sess = engine.start(prompt, GenParams(max_new_tokens=100_000, ignore_eos=True), spec)
+    for _ in range(6):
+        sess.step()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        sess.step()
+    _sync(device)
+    wall_plain = (time.perf_counter() - t0) * 1000 / rounds
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(rounds):
+            sess.step()
+        _sync(device)
+    sess.close()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    out = {"wall_ms_per_round": round(wall_plain, 4),
+           "gpu_busy_ms_per_round": round(busy_ms(spans) / rounds, 4) if spans else None,
+           "kernels_per_round": round(len(kernels) / rounds, 1),
+           "top_kernels": [{"name": name[:90], "per_round": round(len(v) / rounds, 1),
+                            "us_per_round": round(sum(v) / rounds, 2)} for name, v in ranked]}
+    return out
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from ddtree.engine.reference.engine import SpecParams
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--pair", default="demo", help="demo, or a bench_engine shape (8b, 1.7b, tiny)")
+    p.add_argument("--budgets", default="16,64", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    with torch.inference_mode():
+        engine, prompt = load(args)
+        specs = [("ar", SpecParams("ar")), ("dflash", SpecParams("dflash"))]
+        specs += [(f"ddtree-{b}", SpecParams("ddtree", b)) for b in args.budgets]
+        result = {"pair": args.pair, "device": args.device, "rows": {}}
+        for name, spec in specs:
+            result["rows"][name] = row = profile(engine, prompt, spec, args.rounds, args.device, args.top)
+            print(f"[{args.pair}] {name}: wall {row['wall_ms_per_round']} ms/round, GPU busy "
+                  f"{row['gpu_busy_ms_per_round']} ms, {row['kernels_per_round']} kernels/round", flush=True)
+            for k in row["top_kernels"][:8]:
+                print(f"    {k['us_per_round']:9.2f} us  x{k['per_round']:<6} {k['name']}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO / "bench"))
+    sys.exit(main())
