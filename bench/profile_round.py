@@ -34,7 +34,8 @@ def load(args):
 
         target_dir, draft_dir = demo_paths()
         engine = Engine.load(target_dir, draft_dir, device=args.device, dtype=torch.float32, backend="fast",
-                             max_budget=max(budgets), slots=1, context_window=args.window)
+                             max_budget=max(budgets), slots=1, context_window=args.window,
+                             graphs=not args.eager, compile=not args.no_compile)
         lines = (REPO / "assets" / "prompts" / "code.jsonl").read_text().splitlines()
         prompt = engine.tokenizer.encode(json.loads(lines[0])["prompt"], add_special_tokens=False)
     else:
@@ -42,7 +43,7 @@ def load(args):
         model = _hf_random(args.pair, args.device, dtype)
         drafter = _random_drafter(model).to(args.device, dtype)
         engine = Engine(model, drafter, backend="fast", context_window=args.window, max_budget=max(budgets),
-                        slots=1, compile=not args.no_compile)
+                        slots=1, compile=not args.no_compile, graphs=not args.eager)
         prompt = torch.randint(0, model.config.vocab_size, (512,), generator=torch.Generator().manual_seed(1)).tolist()
     engine.warmup(progress=lambda msg: print(f"[{args.pair}] {msg}", flush=True), budgets=budgets)
     return engine, prompt
@@ -61,7 +62,7 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1000
 
 
-def profile(engine, prompt, spec, rounds: int, device: str, top: int) -> dict:
+def profile(engine, prompt, spec, rounds: int, device: str, top: int, shapes: bool = False) -> dict:
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -78,7 +79,7 @@ def profile(engine, prompt, spec, rounds: int, device: str, top: int) -> dict:
     _sync(device)
     wall_plain = (time.perf_counter() - t0) * 1000 / rounds
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    with torch_profile(activities=activities) as prof:
+    with torch_profile(activities=activities, record_shapes=shapes) as prof:
         for _ in range(rounds):
             sess.step()
         _sync(device)
@@ -94,6 +95,11 @@ def profile(engine, prompt, spec, rounds: int, device: str, top: int) -> dict:
            "kernels_per_round": round(len(kernels) / rounds, 1),
            "top_kernels": [{"name": name[:90], "per_round": round(len(v) / rounds, 1),
                             "us_per_round": round(sum(v) / rounds, 2)} for name, v in ranked]}
+    if shapes:  # which op, at which shapes, launched the kernels (only outside CUDA graphs)
+        ops = [a for a in prof.key_averages(group_by_input_shape=True) if a.device_time_total > 0]
+        ops.sort(key=lambda a: -a.self_device_time_total)
+        out["top_ops"] = [{"op": a.key, "shapes": str(a.input_shapes)[:160], "per_round": round(a.count / rounds, 1),
+                           "us_per_round": round(a.self_device_time_total / rounds, 2)} for a in ops[:top]]
     return out
 
 
@@ -110,6 +116,8 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--eager", action="store_true",
+                   help="no CUDA graphs: slower, but the profile names each kernel's op and input shapes")
     p.add_argument("--out")
     args = p.parse_args(argv)
     with torch.inference_mode():
@@ -118,11 +126,14 @@ def main(argv=None) -> int:
         specs += [(f"ddtree-{b}", SpecParams("ddtree", b)) for b in args.budgets]
         result = {"pair": args.pair, "device": args.device, "rows": {}}
         for name, spec in specs:
-            result["rows"][name] = row = profile(engine, prompt, spec, args.rounds, args.device, args.top)
+            result["rows"][name] = row = profile(engine, prompt, spec, args.rounds, args.device, args.top,
+                                                 shapes=args.eager)
             print(f"[{args.pair}] {name}: wall {row['wall_ms_per_round']} ms/round, GPU busy "
                   f"{row['gpu_busy_ms_per_round']} ms, {row['kernels_per_round']} kernels/round", flush=True)
             for k in row["top_kernels"][:8]:
                 print(f"    {k['us_per_round']:9.2f} us  x{k['per_round']:<6} {k['name']}", flush=True)
+            for k in row.get("top_ops", [])[:12]:
+                print(f"    {k['us_per_round']:9.2f} us  x{k['per_round']:<6} {k['op']} {k['shapes']}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -23,7 +23,13 @@ start zeroed and only ever receive computed rows), so a masked zero weight times
 
 Attention folds the query heads of each kv head into the query axis ([1, kv_heads, G*B, d]):
 every query row sees the same keys (no causal mask), so grouped-query attention needs neither
-repeat_interleave nor enable_gqa, and every SDPA backend accepts it.
+repeat_interleave nor enable_gqa, and every SDPA backend accepts it. On CUDA it is two GEMMs
+around a float32 softmax (the target's "matmul" kernel, model.py): the fused SDPA kernels gave
+the few block queries a handful of thread blocks for the whole buffer (128 us a layer for the
+demo drafter in float32 on an H200, against about 10 for the GEMMs).
+
+The linears go through fast/rows.RowLinears, which measures at capture time whether a few-row
+float32 product runs faster with its operands swapped.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from torch import nn
 from ddtree.engine.reference.drafter import DFlashDrafter, rope_inv_freq
 from ddtree.engine.reference.errors import BadParams
 from ddtree.engine.reference.fast.graphs import record_graph
+from ddtree.engine.reference.fast.model import matmul_attention_works, scores_f32
+from ddtree.engine.reference.fast.rows import RowLinears
 
 _WARMUP_RUNS = 3  # side-stream runs before a capture, as torch's CUDA graph notes advise
 
@@ -137,10 +145,11 @@ class FastDrafter:
 
     embed: token ids [n] -> [n, H] (the target's input embedding); lm_head: [n, H] -> [n, V].
     capacity: the most context rows one cache holds (the longest sequence it will draft for).
+    attention: "sdpa", "matmul" or "auto" (matmul where FastTarget's auto takes it: CUDA).
     """
 
     def __init__(self, drafter: DFlashDrafter, embed: nn.Module, lm_head: nn.Module, *,
-                 capacity: int, mask_token_id: int) -> None:
+                 capacity: int, mask_token_id: int, attention: str = "auto") -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise BadParams(f"drafter cache capacity must be a positive integer, got {capacity!r}")
         if not isinstance(mask_token_id, int) or mask_token_id < 0:
@@ -166,6 +175,12 @@ class FastDrafter:
         self.vocab_size = int(lm_head.weight.shape[0])
         # Kept in float32 whatever the model dtype, as DFlashDrafter keeps its own.
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
+        if attention not in ("auto", "sdpa", "matmul"):
+            raise BadParams(f"attention must be auto, sdpa or matmul, got {attention!r}")
+        if attention == "auto":
+            attention = "matmul" if matmul_attention_works(self.device) else "sdpa"
+        self.attention = attention
+        self.linear = RowLinears(self.device, self.dtype)
         self._pool = None  # one CUDA graph memory pool for every capture of this drafter
         self._compiled_block = None  # set by compile()
 
@@ -216,6 +231,7 @@ class FastDrafter:
         if append_buckets is None:
             append_buckets = cache.static.buckets if cache.static else default_buckets(self.block_size)
         self._make_static(cache, append_buckets)
+        self.tune(cache.static.buckets)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         static = cache.static
@@ -226,6 +242,18 @@ class FastDrafter:
         appends = {b: self._record(lambda b=b: self._append_static(cache, b))[0] for b in static.buckets}
         drafts = {b: self._record(lambda b=b: self._draft_static(cache, b))[0] for b in static.buckets}
         cache.graphs = _Graphs(block=block, block_out=block_out, appends=appends, drafts=drafts)
+
+    def tune(self, append_buckets: Sequence[int]) -> None:
+        """Measure the few-row linears at the row counts a round uses (RowLinears.tune): the
+        block's at B rows, the head's at B-1, the context step's at each append bucket."""
+        layers = self.drafter.layers
+        block = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                 layer.self_attn.v_proj, layer.self_attn.o_proj,
+                                                 layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+        self.linear.tune(block, [self.block_size])
+        self.linear.tune([self.lm_head], [self.block_size - 1])
+        context = [self.drafter.fc] + [m for layer in layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        self.linear.tune(context, append_buckets)
 
     def _record(self, fn):
         return record_graph(fn, self._pool, self.device, _WARMUP_RUNS)
@@ -277,12 +305,12 @@ class FastDrafter:
         """One layer's keys (k_norm, RoPE) and values [n, kv_heads, d] of projected features [n, H]."""
         attn = layer.self_attn
         n = ctx.shape[0]
-        k = attn.k_norm(attn.k_proj(ctx).view(n, self.num_kv_heads, self.head_dim))
-        v = attn.v_proj(ctx).view(n, self.num_kv_heads, self.head_dim)
+        k = attn.k_norm(self.linear(attn.k_proj, ctx).view(n, self.num_kv_heads, self.head_dim))
+        v = self.linear(attn.v_proj, ctx).view(n, self.num_kv_heads, self.head_dim)
         return _apply_rope(k, cos, sin), v
 
     def _project(self, feats: torch.Tensor, positions: torch.Tensor):
-        ctx = self.drafter.hidden_norm(self.drafter.fc(feats.to(self.dtype)))
+        ctx = self.drafter.hidden_norm(self.linear(self.drafter.fc, feats.to(self.dtype)))
         cos, sin = self._rope(positions, ctx.dtype)
         return ctx, cos, sin
 
@@ -320,7 +348,7 @@ class FastDrafter:
         static = cache.static
         if static is None:
             hidden = self._block_eager(self._block_ids(bonus), start, cache)
-            return self.lm_head(hidden[1:]).float()
+            return self.linear(self.lm_head, hidden[1:]).float()
         self._set_bonus(static, bonus)
         static.start.fill_(start)
         if cache.graphs is not None:
@@ -354,7 +382,7 @@ class FastDrafter:
         self.append(pending, cache)
         if cache.static is None:  # eager: the head only reads the rows asked for
             hidden = self._block_eager(self._block_ids(bonus), start, cache)
-            return self.lm_head(hidden[1:1 + depth]).float()
+            return self.linear(self.lm_head, hidden[1:1 + depth]).float()
         return self.block(bonus, start, cache)[:depth]
 
     def _set_bonus(self, target: torch.Tensor | _StaticIO, bonus: int | torch.Tensor) -> None:
@@ -411,7 +439,7 @@ class FastDrafter:
         index = cache.length_t + rows
         visible = (static.cols < cache.length_t + b)[None, None, None, :]
         hidden = self._block_layers(static.ids, start + rows, cache, index, None, visible)
-        return self.lm_head(hidden[1:]).float()
+        return self.linear(self.lm_head, hidden[1:]).float()
 
     def _block_layers(self, ids: torch.Tensor, positions: torch.Tensor, cache: DraftContextCache,
                       rows: slice | torch.Tensor, kv_len: int | None,
@@ -425,9 +453,9 @@ class FastDrafter:
         for i, layer in enumerate(self.drafter.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_norm(attn.q_proj(h).view(b, self.num_heads, self.head_dim))
-            k = attn.k_norm(attn.k_proj(h).view(b, self.num_kv_heads, self.head_dim))
-            v = attn.v_proj(h).view(b, self.num_kv_heads, self.head_dim)
+            q = attn.q_norm(self.linear(attn.q_proj, h).view(b, self.num_heads, self.head_dim))
+            k = attn.k_norm(self.linear(attn.k_proj, h).view(b, self.num_kv_heads, self.head_dim))
+            v = self.linear(attn.v_proj, h).view(b, self.num_kv_heads, self.head_dim)
             q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
             keys, values = cache.keys[i], cache.values[i]
             if isinstance(rows, slice):
@@ -437,9 +465,13 @@ class FastDrafter:
             else:
                 keys.index_copy_(1, rows, k.transpose(0, 1))
                 values.index_copy_(1, rows, v.transpose(0, 1))
-            x = x + attn.o_proj(self._attend(q, keys, values, mask))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self.linear(attn.o_proj, self._attend(q, keys, values, mask))
+            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return self.drafter.norm(x)
+
+    def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """drafter.MLP's forward, its three linears through self.linear."""
+        return self.linear(mlp.down_proj, mlp.act(self.linear(mlp.gate_proj, x)) * self.linear(mlp.up_proj, x))
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -449,8 +481,14 @@ class FastDrafter:
         of one kv head become G*B query rows of that kv head."""
         b, kvh, g, d = q.shape[0], self.num_kv_heads, self.groups, self.head_dim
         folded = q.view(b, kvh, g, d).permute(1, 2, 0, 3).reshape(1, kvh, g * b, d)
-        out = F.scaled_dot_product_attention(folded, keys[None], values[None], attn_mask=mask,
-                                             scale=self.scaling)
+        if self.attention == "matmul":
+            scores = scores_f32(folded[0], keys).mul_(self.scaling)            # [kv_heads, G*B, S]
+            if mask is not None:
+                scores.masked_fill_(~mask[0], float("-inf"))
+            out = torch.bmm(torch.softmax(scores, dim=-1).to(values.dtype), values)
+        else:
+            out = F.scaled_dot_product_attention(folded, keys[None], values[None], attn_mask=mask,
+                                                 scale=self.scaling)
         return out.view(kvh, g, b, d).permute(2, 0, 1, 3).reshape(b, self.num_heads * d)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -268,7 +268,7 @@ def matmul_attention_works(device: torch.device) -> bool:
         return False
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def scores_f32(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """q [b, m, d] @ k [b, S, d]^T -> float32 [b, m, S], accumulated and stored in float32."""
     if q.dtype == torch.float32:
         return torch.bmm(q, k.transpose(1, 2))
@@ -375,7 +375,7 @@ class Attention(nn.Module):
         # Fold: query row g*n+i is query i of head kv*g+g' -> [kv_heads, groups*n, d].
         qf = q.view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
         if plan.kernel == "matmul":
-            scores = _scores(qf, keys).mul_(d ** -0.5)                   # [kv_heads, groups*n, S]
+            scores = scores_f32(qf, keys).mul_(d ** -0.5)                   # [kv_heads, groups*n, S]
             if plan.mask is not None:
                 scores += plan.mask[0]
             out = torch.bmm(torch.softmax(scores, dim=-1).to(values.dtype), values)
@@ -404,7 +404,7 @@ class Attention(nn.Module):
         # Fold per row as the single path does: query g*n+i of row r is query i of head kv*g+g'.
         qf = q.view(b, n, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * n, d)
         if plan.kernel == "matmul":
-            scores = _scores(qf.reshape(b * kvh, g * n, d), keys.reshape(b * kvh, plan.read, d))
+            scores = scores_f32(qf.reshape(b * kvh, g * n, d), keys.reshape(b * kvh, plan.read, d))
             scores = scores.view(b, kvh, g * n, plan.read).mul_(d ** -0.5).add_(plan.mask)
             probs = torch.softmax(scores, dim=-1).to(values.dtype)
             out = torch.bmm(probs.view(b * kvh, g * n, plan.read), values.reshape(b * kvh, plan.read, d))

@@ -69,10 +69,20 @@ def _rounds(feats: torch.Tensor, vocab: int):
         yield int(torch.randint(vocab, (1,), generator=gen)), start, pending
 
 
-def _run_pair(target, drafter, feats, *, static: bool, tensor_bonus: bool = False, buckets=(1, 2, 4, 8)):
+def swap_every_linear(fast: FastDrafter, rows=range(1, 65)) -> None:
+    """Make RowLinears take the swapped product for every shape the drafter can meet (on a CPU
+    it never chooses that by itself)."""
+    linears = [m for m in fast.drafter.modules() if isinstance(m, torch.nn.Linear)] + [fast.lm_head]
+    fast.linear.swap = {(m, *lin.weight.shape[::-1]) for lin in linears for m in rows}
+
+
+def _run_pair(target, drafter, feats, *, static: bool, tensor_bonus: bool = False, buckets=(1, 2, 4, 8),
+              attention: str = "auto", swapped: bool = False):
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     mask = drafter.mask_token_id if drafter.mask_token_id is not None else target.config.vocab_size - 1
-    fast = FastDrafter(drafter, embed, head, capacity=64, mask_token_id=mask)
+    fast = FastDrafter(drafter, embed, head, capacity=64, mask_token_id=mask, attention=attention)
+    if swapped:
+        swap_every_linear(fast)
     cache = fast.new_cache(append_buckets=buckets if static else None)
     ref = Reference(drafter, embed, head, mask)
     depth = drafter.block_size - 1
@@ -95,6 +105,28 @@ def test_tiny_drafter_equals_reference(tiny, static):
         assert g.shape == w.shape == (drafter.block_size - 1, target.config.vocab_size)
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, w, **TOL)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("attention, swapped", [("matmul", False), ("sdpa", True), ("matmul", True)])
+def test_matmul_attention_and_swapped_linears_equal_reference(tiny, static, attention, swapped):
+    """The CUDA choices (two GEMMs around a float32 softmax; few-row products with the operands
+    swapped), forced on the CPU: the same drafts as the reference."""
+    target, drafter, feats = tiny
+    got, want = _run_pair(target, drafter, feats, static=static, attention=attention, swapped=swapped)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+def test_a_cpu_drafter_takes_sdpa_and_plain_linears_and_rejects_a_bad_attention(tiny):
+    target, drafter, _ = tiny
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    fast = FastDrafter(drafter, embed, head, capacity=16, mask_token_id=5)
+    assert fast.attention == "sdpa" and not fast.linear.active
+    fast.tune((1, 2, 4, 8))  # nothing to measure off CUDA
+    assert fast.linear.swap == set() and fast.linear.measured == {}
+    with pytest.raises(BadParams, match="attention"):
+        FastDrafter(drafter, embed, head, capacity=16, mask_token_id=5, attention="flash")
 
 
 def test_demo_pair_equals_reference(demo):
