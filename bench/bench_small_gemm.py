@@ -22,33 +22,19 @@ SHAPES = [(m, k, n) for m in (1, 8, 15, 16, 17, 32) for k, n in
 
 
 def graph_us(fn, device: str, launches: int = 20, repeats: int = 15) -> float:
+    """us per call: CUDA graph replays on a GPU (the engine's own timer, fast/rows.py), a host
+    loop elsewhere (a smoke run)."""
     import torch
 
-    if not device.startswith("cuda"):
-        import time
-        t0 = time.perf_counter()
-        for _ in range(launches * repeats):
-            fn()
-        return (time.perf_counter() - t0) / (launches * repeats) * 1e6
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / launches)
-    return statistics.median(times)
+    if device.startswith("cuda"):
+        from ddtree.engine.reference.fast.rows import replay_us
+
+        return replay_us(fn, torch.device(device), launches, repeats)
+    import time
+    t0 = time.perf_counter()
+    for _ in range(launches * repeats):
+        fn()
+    return (time.perf_counter() - t0) / (launches * repeats) * 1e6
 
 
 def main(argv=None) -> int:

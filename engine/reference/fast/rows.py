@@ -26,7 +26,8 @@ def _swapped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     return out if bias is None else out + bias
 
 
-def _replay_us(fn, device: torch.device, launches: int = 10, repeats: int = 5) -> float:
+def replay_us(fn, device: torch.device, launches: int = 10, repeats: int = 5) -> float:
+    """us per call of fn, timed as replays of a CUDA graph of `launches` calls, median of `repeats`."""
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -90,8 +91,8 @@ class RowLinears:
         for m, k, n in sorted(shapes - set(self.measured)):
             x = torch.randn(m, k, device=self.device, dtype=self.dtype)
             w = torch.randn(n, k, device=self.device, dtype=self.dtype) / k ** 0.5
-            plain = _replay_us(lambda: F.linear(x, w), self.device)
-            swapped = _replay_us(lambda: _swapped(x, w, None), self.device)
+            plain = replay_us(lambda: F.linear(x, w), self.device)
+            swapped = replay_us(lambda: _swapped(x, w, None), self.device)
             self.measured[(m, k, n)] = (round(plain, 2), round(swapped, 2))
             if swapped <= _MARGIN * plain:
                 self.swap.add((m, k, n))
