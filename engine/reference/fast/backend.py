@@ -139,9 +139,6 @@ class FastPath:
                     say(f"captured the DDTree build for budget {budget}")
         if self._slots:
             return
-        tuned = self.target.model.tune_linears()  # before any trace or capture reads its choices
-        if tuned.swap:
-            say(f"{len(tuned.swap)} few-row float32 product shapes measured faster with operands swapped")
         if self.want_compile:
             say("compiling the decoder layer (torch.compile, once for every layer) and the drafter block")
             self.target.compile()

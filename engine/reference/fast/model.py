@@ -29,8 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.engine.reference.fast.rows import RowLinears, product
-
 from ddtree.engine.reference.errors import ModelLoadError
 from ddtree.engine.reference.rope import scale_inv_freq
 
@@ -334,7 +332,6 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse()
-        self.rows: RowLinears | None = None  # set by DenseDecoder.tune_linears()
 
     def fuse(self) -> None:
         """One [q; k; v] weight for one GEMM instead of three; the three projections become views
@@ -348,7 +345,7 @@ class Attention(nn.Module):
         n = x.shape[0]
         d, kvh, g = self.head_dim, self.num_kv_heads, self.groups
         if self.qkv is not None:
-            q, k, v = product(self.rows, x, *self.qkv).split([self.num_heads * d, kvh * d, kvh * d], dim=-1)
+            q, k, v = F.linear(x, *self.qkv).split([self.num_heads * d, kvh * d, kvh * d], dim=-1)
             q, k, v = q.view(n, self.num_heads, d), k.view(n, kvh, d), v.view(n, kvh, d)
         else:
             q = self.q_proj(x).view(n, self.num_heads, d)
@@ -372,7 +369,7 @@ class Attention(nn.Module):
             v_cache.index_copy_(1, plan.rows, v)
         if plan.fresh:
             out = self._causal(q.transpose(0, 1), k, v)        # [heads, n, d]
-            return self._out(out.transpose(0, 1).reshape(n, self.num_heads * d))
+            return self.o_proj(out.transpose(0, 1).reshape(n, self.num_heads * d))
         keys = k_cache if plan.read is None else k_cache[:, :plan.read]
         values = v_cache if plan.read is None else v_cache[:, :plan.read]
         # Fold: query row g*n+i is query i of head kv*g+g' -> [kv_heads, groups*n, d].
@@ -385,10 +382,7 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(qf[None], keys[None], values[None], attn_mask=plan.mask)[0]
         out = out.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads * d)
-        return self._out(out)
-
-    def _out(self, x: torch.Tensor) -> torch.Tensor:
-        return product(self.rows, x, self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(out)
 
     def _batched(self, q, k, v, k_cache, v_cache, plan: BatchPlan) -> torch.Tensor:
         """q [b*q, heads, d], k/v [b*q, kv_heads, d]; caches [slots, kv_heads, rows, d]."""
@@ -405,7 +399,7 @@ class Attention(nn.Module):
                 kh, vh = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
             kwargs = {"enable_gqa": True} if g > 1 and _SDPA_GQA else {}
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, **kwargs)
-            return self._out(out.transpose(1, 2).reshape(b * n, self.num_heads * d))
+            return self.o_proj(out.transpose(1, 2).reshape(b * n, self.num_heads * d))
         keys, values = k_cache[:b, :, :plan.read], v_cache[:b, :, :plan.read]   # views: no copy
         # Fold per row as the single path does: query g*n+i of row r is query i of head kv*g+g'.
         qf = q.view(b, n, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * n, d)
@@ -418,7 +412,7 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=plan.mask)
         out = out.view(b, kvh, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, self.num_heads * d)
-        return self._out(out)
+        return self.o_proj(out)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # No mask, so the flash kernel (which handles GQA natively) is eligible on CUDA.
@@ -439,7 +433,6 @@ class MLP(nn.Module):
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse()
-        self.rows: RowLinears | None = None  # set by DenseDecoder.tune_linears()
 
     def fuse(self) -> None:
         """One [gate; up] weight for one GEMM instead of two (the two become views of it)."""
@@ -447,8 +440,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = product(self.rows, x, *self.gate_up).chunk(2, dim=-1)
-            return product(self.rows, self.act(gate) * up, self.down_proj.weight, self.down_proj.bias)
+            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -525,21 +518,6 @@ class DenseDecoder(nn.Module):
             if layer.self_attn.qkv is None:
                 layer.self_attn.fuse()
                 layer.mlp.fuse()
-
-    def tune_linears(self, rows=range(2, 17)) -> RowLinears:
-        """Measure each layer's fused projections at these row counts (fast/rows.py: some few-row
-        float32 products run far faster with their operands swapped) and have every layer use
-        the result. Call it before torch.compile traces a layer or a graph captures one; it
-        measures nothing off CUDA or outside float32. Needs fuse() first."""
-        layer = self.model.layers[0]
-        weight = layer.mlp.down_proj.weight
-        tuned = RowLinears(weight.device, weight.dtype)
-        if layer.self_attn.qkv is not None and layer.mlp.gate_up is not None:
-            tuned.tune_weights([layer.self_attn.qkv[0], layer.self_attn.o_proj.weight,
-                                layer.mlp.gate_up[0], weight], rows)
-        for each in self.model.layers:
-            each.self_attn.rows = each.mlp.rows = tuned
-        return tuned
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:

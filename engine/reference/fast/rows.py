@@ -49,19 +49,6 @@ def replay_us(fn, device: torch.device, launches: int = 10, repeats: int = 5) ->
     return statistics.median(times)
 
 
-def product(rows: RowLinears | None, x: torch.Tensor, weight: torch.Tensor,
-            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), swapped where `rows` measured that faster for this shape.
-
-    A row count torch.compile traces as symbolic (not an int) takes F.linear: the choice is per
-    concrete shape, and asking would specialise the trace to one row count."""
-    if rows is not None and rows.swap and x.dim() == 2:
-        m = x.shape[0]
-        if isinstance(m, int) and m <= 16 and (m, weight.shape[1], weight.shape[0]) in rows.swap:
-            return _swapped(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
 class RowLinears:
     """linear(module, x): F.linear, or the swapped product for the (m, k, n) shapes `tune` found
     faster that way. `swap` holds those shapes; it is filled before any graph capture or
@@ -75,19 +62,16 @@ class RowLinears:
         self.measured: dict[tuple[int, int, int], tuple[float, float]] = {}
 
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return product(self, x, module.weight, module.bias)
+        if self.swap and x.dim() == 2 and (x.shape[0], *module.weight.shape[::-1]) in self.swap:
+            return _swapped(x, module.weight, module.bias)
+        return module(x)
 
     def tune(self, linears: Iterable[nn.Linear], rows: Iterable[int]) -> None:
         """Measure F.linear against the swapped product for every (rows, linear) shape not yet
         measured. A no-op off CUDA or outside float32, and inside a capture."""
-        self.tune_weights([lin.weight for lin in linears], rows)
-
-    def tune_weights(self, weights: Iterable[torch.Tensor], rows: Iterable[int]) -> None:
-        """tune for weights [out, in] (fused ones too, which are no module's)."""
         if not self.active or torch.cuda.is_current_stream_capturing():
             return
-        rows = list(rows)
-        shapes = {(m, int(w.shape[1]), int(w.shape[0])) for w in weights for m in rows if 2 <= m <= 16}
+        shapes = {(m, int(w.weight.shape[1]), int(w.weight.shape[0])) for w in linears for m in rows if 2 <= m <= 16}
         for m, k, n in sorted(shapes - set(self.measured)):
             x = torch.randn(m, k, device=self.device, dtype=self.dtype)
             w = torch.randn(n, k, device=self.device, dtype=self.dtype) / k ** 0.5
