@@ -73,7 +73,8 @@ class FastPath:
         self.drafts = None
         if drafter is not None:
             self.drafts = FastDrafter(drafter, target.embed, target.lm_head,
-                                      capacity=target.context_window, mask_token_id=engine.mask_token_id)
+                                      capacity=target.context_window, mask_token_id=engine.mask_token_id,
+                                      attention=target.attention)
         self.slots = int(slots)
         self.want_graphs = bool(graphs) and target.device.type == "cuda"
         self.want_compile = bool(compile) and self.want_graphs

@@ -29,7 +29,9 @@ the few block queries a handful of thread blocks for the whole buffer (128 us a 
 demo drafter in float32 on an H200, against about 10 for the GEMMs).
 
 The linears go through fast/rows.RowLinears, which measures at capture time whether a few-row
-float32 product runs faster with its operands swapped.
+float32 product runs faster with its operands swapped. The batched drafter of pooled rounds
+(fast/batch.py) keeps SDPA and plain linears: its b sessions' rows give the kernels enough blocks,
+though that was not measured.
 """
 
 from __future__ import annotations

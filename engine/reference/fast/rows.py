@@ -7,16 +7,23 @@ the same product with its operands swapped, (W @ x^T)^T, took 7, and [17, 256] x
 the choice is measured, once per shape, as CUDA graph replays (how the engine runs them), and a
 swap is kept only where it wins by a clear margin. bf16/fp16 and the CPU always take F.linear:
 nothing was seen to need it there.
+
+Only the drafter uses it (fast/draft.py). Its compiled block always has B rows, so a choice never
+adds a torch.compile trace. The target's layers do not: their compiled layer serves every query
+bucket, and a choice per row count would cost one compile per swapped count.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 _MARGIN = 0.8  # a swap must take at most this share of F.linear's time
 
@@ -27,25 +34,27 @@ def _swapped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 
 def replay_us(fn, device: torch.device, launches: int = 10, repeats: int = 5) -> float:
-    """us per call of fn, timed as replays of a CUDA graph of `launches` calls, median of `repeats`."""
-    stream = torch.cuda.Stream(device=device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / launches)
+    """us per call of fn, timed as replays of a CUDA graph of `launches` calls, median of `repeats`,
+    on `device` whichever device is current."""
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(launches):
+                fn()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(device))
+            graph.replay()
+            end.record(torch.cuda.current_stream(device))
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000 / launches)
     return statistics.median(times)
 
 
@@ -62,21 +71,29 @@ class RowLinears:
         self.measured: dict[tuple[int, int, int], tuple[float, float]] = {}
 
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.swap and x.dim() == 2 and (x.shape[0], *module.weight.shape[::-1]) in self.swap:
+        if self.swap and x.dim() == 2 and x.shape[0] <= 16 and (x.shape[0], *module.weight.shape[::-1]) in self.swap:
             return _swapped(x, module.weight, module.bias)
         return module(x)
 
     def tune(self, linears: Iterable[nn.Linear], rows: Iterable[int]) -> None:
         """Measure F.linear against the swapped product for every (rows, linear) shape not yet
-        measured. A no-op off CUDA or outside float32, and inside a capture."""
+        measured, each on the linear's own weight and bias (no copy of a large head) and random
+        rows. A no-op off CUDA or outside float32, and inside a capture."""
         if not self.active or torch.cuda.is_current_stream_capturing():
             return
-        shapes = {(m, int(w.weight.shape[1]), int(w.weight.shape[0])) for w in linears for m in rows if 2 <= m <= 16}
-        for m, k, n in sorted(shapes - set(self.measured)):
+        todo: dict[tuple[int, int, int], nn.Linear] = {}
+        for lin in linears:
+            n, k = (int(d) for d in lin.weight.shape)
+            for m in rows:
+                if 2 <= m <= 16 and (m, k, n) not in self.measured:
+                    todo.setdefault((m, k, n), lin)
+        for (m, k, n), lin in sorted(todo.items(), key=lambda item: item[0]):
             x = torch.randn(m, k, device=self.device, dtype=self.dtype)
-            w = torch.randn(n, k, device=self.device, dtype=self.dtype) / k ** 0.5
-            plain = replay_us(lambda: F.linear(x, w), self.device)
-            swapped = replay_us(lambda: _swapped(x, w, None), self.device)
+            plain = replay_us(lambda: F.linear(x, lin.weight, lin.bias), self.device)
+            swapped = replay_us(lambda: _swapped(x, lin.weight, lin.bias), self.device)
             self.measured[(m, k, n)] = (round(plain, 2), round(swapped, 2))
             if swapped <= _MARGIN * plain:
                 self.swap.add((m, k, n))
+        if todo:
+            log.info("few-row float32 products (rows, in, out: F.linear us, swapped us): %s; swapped: %s",
+                     {key: self.measured[key] for key in sorted(todo)}, sorted(self.swap))

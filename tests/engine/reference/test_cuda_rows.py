@@ -22,10 +22,17 @@ def test_tune_measures_few_row_float32_shapes_and_every_choice_computes_the_line
     rows.tune(linears, [1, 2, 8, 16, 17])
     assert set(rows.measured) == {(m, lin.in_features, lin.out_features) for lin in linears for m in (2, 8, 16)}
     assert rows.swap <= set(rows.measured)
-    for lin in linears:
-        for m in (1, 2, 8, 16, 17):
-            x = torch.randn(m, lin.in_features, device=device)
-            torch.testing.assert_close(rows(lin, x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+    for swap in (set(rows.swap), set(rows.measured)):  # what tune chose, then every shape swapped
+        rows.swap = swap
+        for lin in linears:
+            for m in (1, 2, 8, 16, 17):
+                x = torch.randn(m, lin.in_features, device=device)
+                torch.testing.assert_close(rows(lin, x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+    during = RowLinears(device, torch.float32)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        during.tune(linears, [4])  # inside a capture it must not time (or sync) anything
+    assert during.measured == {}
     bf16 = RowLinears(device, torch.bfloat16)
     bf16.tune(linears, [16])
     assert not bf16.active and bf16.measured == {}

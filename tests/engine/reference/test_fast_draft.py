@@ -69,9 +69,9 @@ def _rounds(feats: torch.Tensor, vocab: int):
         yield int(torch.randint(vocab, (1,), generator=gen)), start, pending
 
 
-def swap_every_linear(fast: FastDrafter, rows=range(1, 65)) -> None:
-    """Make RowLinears take the swapped product for every shape the drafter can meet (on a CPU
-    it never chooses that by itself)."""
+def swap_every_linear(fast: FastDrafter, rows=range(1, 17)) -> None:
+    """Make RowLinears take the swapped product for every shape of up to 16 rows (the most it
+    swaps) that the drafter can meet; on a CPU it never chooses that by itself."""
     linears = [m for m in fast.drafter.modules() if isinstance(m, torch.nn.Linear)] + [fast.lm_head]
     fast.linear.swap = {(m, *lin.weight.shape[::-1]) for lin in linears for m in rows}
 
@@ -109,13 +109,27 @@ def test_tiny_drafter_equals_reference(tiny, static):
 
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("attention, swapped", [("matmul", False), ("sdpa", True), ("matmul", True)])
-def test_matmul_attention_and_swapped_linears_equal_reference(tiny, static, attention, swapped):
+def test_matmul_attention_and_swapped_linears_equal_reference(tiny, static, attention, swapped, monkeypatch):
     """The CUDA choices (two GEMMs around a float32 softmax; few-row products with the operands
-    swapped), forced on the CPU: the same drafts as the reference."""
+    swapped), forced on the CPU: the same drafts as the reference, and the swaps really taken,
+    for weights that are not square too (a mixed-up in/out would miss or fail those)."""
+    from ddtree.engine.reference.fast import rows
+
+    taken = []
+    original = rows._swapped
+
+    def counting(x, weight, bias):
+        taken.append(tuple(weight.shape))
+        return original(x, weight, bias)
+    monkeypatch.setattr(rows, "_swapped", counting)
     target, drafter, feats = tiny
     got, want = _run_pair(target, drafter, feats, static=static, attention=attention, swapped=swapped)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **TOL)
+    if swapped:
+        assert any(n != k for n, k in taken) and any(n == k for n, k in taken)
+    else:
+        assert taken == []
 
 
 def test_a_cpu_drafter_takes_sdpa_and_plain_linears_and_rejects_a_bad_attention(tiny):
