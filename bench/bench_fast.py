@@ -297,10 +297,7 @@ def bench_demo(args) -> dict:
                 for name, v in rate.items()}
         best = max((n for n in rows if n.startswith("ddtree")), key=lambda n: rows[n]["tok_s"])
         split = round_ms(engine, prompts[0], args.demo_budgets, args.repeats * 4) if backend == "fast" else {}
-        ar_step = _per_token_ms(lambda n: engine.generate(prompts[0], GenParams(max_new_tokens=n, ignore_eos=True),
-                                                          SpecParams("ar")), args.device, args.demo_new_tokens,
-                                args.repeats)
-        out[backend] = {"rows": rows, "best_ddtree": best, "ar_step_ms": round(ar_step, 3), "round_ms": split,
+        out[backend] = {"rows": rows, "best_ddtree": best, "round_ms": split,
                         "ddtree_x_ar": rows[best]["x_ar"],
                         "ddtree_x_dflash": round(rows[best]["tok_s"] / rows["dflash"]["tok_s"], 3),
                         "graphs": engine.graphs,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -238,8 +238,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, linear: Callable[[nn.Linear, torch.Tensor], torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """linear(module, x) computes each projection (None: the module's own forward; the fast
+        drafter passes its RowLinears)."""
+        if linear is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return linear(self.down_proj, self.act(linear(self.gate_proj, x)) * linear(self.up_proj, x))
 
 
 class DraftCache:

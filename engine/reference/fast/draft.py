@@ -46,7 +46,7 @@ from torch import nn
 from ddtree.engine.reference.drafter import DFlashDrafter, rope_inv_freq
 from ddtree.engine.reference.errors import BadParams
 from ddtree.engine.reference.fast.graphs import record_graph
-from ddtree.engine.reference.fast.model import matmul_attention_works, scores_f32
+from ddtree.engine.reference.fast.model import matmul_attention, matmul_attention_works
 from ddtree.engine.reference.fast.rows import RowLinears
 
 _WARMUP_RUNS = 3  # side-stream runs before a capture, as torch's CUDA graph notes advise
@@ -468,12 +468,8 @@ class FastDrafter:
                 keys.index_copy_(1, rows, k.transpose(0, 1))
                 values.index_copy_(1, rows, v.transpose(0, 1))
             x = x + self.linear(attn.o_proj, self._attend(q, keys, values, mask))
-            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
+            x = x + layer.mlp(layer.post_attention_layernorm(x), self.linear)
         return self.drafter.norm(x)
-
-    def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """drafter.MLP's forward, its three linears through self.linear."""
-        return self.linear(mlp.down_proj, mlp.act(self.linear(mlp.gate_proj, x)) * self.linear(mlp.up_proj, x))
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -484,10 +480,7 @@ class FastDrafter:
         b, kvh, g, d = q.shape[0], self.num_kv_heads, self.groups, self.head_dim
         folded = q.view(b, kvh, g, d).permute(1, 2, 0, 3).reshape(1, kvh, g * b, d)
         if self.attention == "matmul":
-            scores = scores_f32(folded[0], keys).mul_(self.scaling)            # [kv_heads, G*B, S]
-            if mask is not None:
-                scores.masked_fill_(~mask[0], float("-inf"))
-            out = torch.bmm(torch.softmax(scores, dim=-1).to(values.dtype), values)
+            out = matmul_attention(folded[0], keys, values, self.scaling, None if mask is None else mask[0])
         else:
             out = F.scaled_dot_product_attention(folded, keys[None], values[None], attn_mask=mask,
                                                  scale=self.scaling)

@@ -264,17 +264,30 @@ def matmul_attention_works(device: torch.device) -> bool:
     try:
         a = torch.zeros((1, 1, 8), dtype=torch.bfloat16, device=device)
         return torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
-    except (TypeError, RuntimeError, NotImplementedError):
+    except (TypeError, RuntimeError, NotImplementedError):  # a torch without out_dtype for bmm
         return False
 
 
-def scores_f32(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """q [b, m, d] @ k [b, S, d]^T -> float32 [b, m, S], accumulated and stored in float32."""
     if q.dtype == torch.float32:
         return torch.bmm(q, k.transpose(1, 2))
     if q.is_cuda:
         return torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
     return torch.bmm(q.float(), k.float().transpose(1, 2))  # CPU: no half->float GEMM output
+
+
+def matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The "matmul" kernel: q [b, m, d] over keys/values [b, S, d] -> [b, m, d]. mask broadcasts
+    over the scores [b, m, S]: additive float32, or bool with True where visible."""
+    scores = _scores(q, keys).mul_(scale)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, float("-inf"))
+        else:
+            scores += mask
+    return torch.bmm(torch.softmax(scores, dim=-1).to(values.dtype), values)
 
 
 def fold_mask(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -375,10 +388,7 @@ class Attention(nn.Module):
         # Fold: query row g*n+i is query i of head kv*g+g' -> [kv_heads, groups*n, d].
         qf = q.view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
         if plan.kernel == "matmul":
-            scores = scores_f32(qf, keys).mul_(d ** -0.5)                   # [kv_heads, groups*n, S]
-            if plan.mask is not None:
-                scores += plan.mask[0]
-            out = torch.bmm(torch.softmax(scores, dim=-1).to(values.dtype), values)
+            out = matmul_attention(qf, keys, values, d ** -0.5, None if plan.mask is None else plan.mask[0])
         else:
             out = F.scaled_dot_product_attention(qf[None], keys[None], values[None], attn_mask=plan.mask)[0]
         out = out.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads * d)
@@ -404,7 +414,7 @@ class Attention(nn.Module):
         # Fold per row as the single path does: query g*n+i of row r is query i of head kv*g+g'.
         qf = q.view(b, n, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * n, d)
         if plan.kernel == "matmul":
-            scores = scores_f32(qf.reshape(b * kvh, g * n, d), keys.reshape(b * kvh, plan.read, d))
+            scores = _scores(qf.reshape(b * kvh, g * n, d), keys.reshape(b * kvh, plan.read, d))
             scores = scores.view(b, kvh, g * n, plan.read).mul_(d ** -0.5).add_(plan.mask)
             probs = torch.softmax(scores, dim=-1).to(values.dtype)
             out = torch.bmm(probs.view(b * kvh, g * n, plan.read), values.reshape(b * kvh, plan.read, d))
