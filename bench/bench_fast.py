@@ -167,7 +167,8 @@ def bench_shape(shape: str, args) -> dict:
     for compiled in ((False, True) if args.compile else (False,)):
         torch._dynamo.reset()  # compiled code of another shape must not count against this one
         fast = Engine(model, drafter, backend="fast", context_window=window,
-                      max_budget=max(args.budgets + args.nodes), slots=1, compile=compiled)
+                      max_budget=max(args.budgets + args.nodes), slots=1, compile=compiled,
+                      attention=args.attention)
         t0 = time.perf_counter()
         fast.warmup(progress=lambda msg: print(f"[{shape}] {msg}", flush=True), budgets=tuple(args.budgets))
         key = "ours_fast_ms" if compiled or not args.compile else "ours_fast_graphs_only_ms"
@@ -181,6 +182,7 @@ def bench_shape(shape: str, args) -> dict:
             torch.cuda.empty_cache() if device.startswith("cuda") else None
     row["graphs"] = fast.graphs
     row["compiled"] = fast.target.compiled
+    row["attention"] = fast.target.attention
     row.update(_graph_counts(fast))
     row["verify_ms"] = verify_ms(fast, prompt, device, args.nodes, args.repeats * 4)
     print(f"[{shape}] verify ms by nodes {row['verify_ms']}", flush=True)
@@ -203,7 +205,8 @@ def bench_shape(shape: str, args) -> dict:
     if args.serving_window:
         _cuda_empty(device)
         big = Engine(model, drafter, backend="fast", context_window=args.serving_window,
-                     max_budget=max(args.budgets + args.nodes), slots=1, compile=args.compile)
+                     max_budget=max(args.budgets + args.nodes), slots=1, compile=args.compile,
+                     attention=args.attention)
         t0 = time.perf_counter()
         big.warmup(progress=lambda msg: print(f"[{shape} window {args.serving_window}] {msg}", flush=True))
         row["serving_window"] = args.serving_window
@@ -266,7 +269,8 @@ def bench_demo(args) -> dict:
         torch._dynamo.reset()
         # One session at a time here: one slot's graphs, in a window the prompts fit.
         engine = Engine.load(target_dir, draft_dir, device=args.device, dtype=torch.float32, backend=backend,
-                             max_budget=max(args.demo_budgets), slots=1, context_window=args.demo_window)
+                             max_budget=max(args.demo_budgets), slots=1, context_window=args.demo_window,
+                             attention=args.attention)
         engine.warmup(progress=lambda msg: print(f"[demo {backend}] {msg}", flush=True),
                       budgets=tuple(args.demo_budgets))
         lines = (REPO / "assets" / "prompts" / "code.jsonl").read_text().splitlines()
@@ -297,7 +301,7 @@ def bench_demo(args) -> dict:
                 for name, v in rate.items()}
         best = max((n for n in rows if n.startswith("ddtree")), key=lambda n: rows[n]["tok_s"])
         split = round_ms(engine, prompts[0], args.demo_budgets, args.repeats * 4) if backend == "fast" else {}
-        out[backend] = {"rows": rows, "best_ddtree": best, "round_ms": split,
+        out[backend] = {"rows": rows, "best_ddtree": best, "round_ms": split, "attention": engine.attention,
                         "ddtree_x_ar": rows[best]["x_ar"],
                         "ddtree_x_dflash": round(rows[best]["tok_s"] / rows["dflash"]["tok_s"], 3),
                         "graphs": engine.graphs,
@@ -327,6 +331,7 @@ def main(argv=None) -> int:
                    help="measure the fast path with CUDA graphs only (by default also with torch.compile'd layers)")
     p.add_argument("--serving-window", type=int, default=8192,
                    help="also measure fast AR in a window this long (the server's default cap); 0 skips it")
+    p.add_argument("--attention", default="auto", help="the fast backend's attention kernel: auto, triton, matmul, sdpa")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     import torch

@@ -35,7 +35,7 @@ def load(args):
         target_dir, draft_dir = demo_paths()
         engine = Engine.load(target_dir, draft_dir, device=args.device, dtype=torch.float32, backend="fast",
                              max_budget=max(budgets), slots=1, context_window=args.window,
-                             graphs=not args.eager, compile=not args.no_compile)
+                             graphs=not args.eager, compile=not args.no_compile, attention=args.attention)
         lines = (REPO / "assets" / "prompts" / "code.jsonl").read_text().splitlines()
         prompt = engine.tokenizer.encode(json.loads(lines[0])["prompt"], add_special_tokens=False)
     else:
@@ -43,7 +43,7 @@ def load(args):
         model = _hf_random(args.pair, args.device, dtype)
         drafter = _random_drafter(model).to(args.device, dtype)
         engine = Engine(model, drafter, backend="fast", context_window=args.window, max_budget=max(budgets),
-                        slots=1, compile=not args.no_compile, graphs=not args.eager)
+                        slots=1, compile=not args.no_compile, graphs=not args.eager, attention=args.attention)
         prompt = torch.randint(0, model.config.vocab_size, (512,), generator=torch.Generator().manual_seed(1)).tolist()
     engine.warmup(progress=lambda msg: print(f"[{args.pair}] {msg}", flush=True), budgets=budgets)
     return engine, prompt
@@ -118,17 +118,18 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--eager", action="store_true",
                    help="no CUDA graphs: slower, but the profile names each kernel's op and input shapes")
+    p.add_argument("--attention", default="auto", help="the fast backend's kernel: auto, triton, matmul, sdpa")
     p.add_argument("--out")
     args = p.parse_args(argv)
     with torch.inference_mode():
         engine, prompt = load(args)
         specs = [("ar", SpecParams("ar")), ("dflash", SpecParams("dflash"))]
         specs += [(f"ddtree-{b}", SpecParams("ddtree", b)) for b in args.budgets]
-        result = {"pair": args.pair, "device": args.device, "rows": {}}
+        result = {"pair": args.pair, "device": args.device, "attention": engine.target.attention, "rows": {}}
         for name, spec in specs:
             result["rows"][name] = row = profile(engine, prompt, spec, args.rounds, args.device, args.top,
                                                  shapes=args.eager)
-            print(f"[{args.pair}] {name}: wall {row['wall_ms_per_round']} ms/round, GPU busy "
+            print(f"[{args.pair} {engine.target.attention}] {name}: wall {row['wall_ms_per_round']} ms/round, GPU busy "
                   f"{row['gpu_busy_ms_per_round']} ms, {row['kernels_per_round']} kernels/round", flush=True)
             for k in row["top_kernels"][:8]:
                 print(f"    {k['us_per_round']:9.2f} us  x{k['per_round']:<6} {k['name']}", flush=True)

@@ -3,11 +3,28 @@ and a real builtin server on it (one a module). The builders live in tests/suppo
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 
 from .support.server import CLI, ServerProcess
+
+
+def _cuda() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Without a GPU, Triton's interpreter runs the tree-attention kernels on CPU tensors
+# (fast/tree_attention.py), so the tests check that code here too. Triton reads the switch when it
+# is first imported, so it is set before any test runs.
+if not _cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

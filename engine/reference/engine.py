@@ -54,7 +54,7 @@ class Engine:
                  max_budget: int = DEFAULT_MAX_BUDGET, context_window: int | None = None,
                  block_size: int | None = None, backend: str = "transformers", graphs: bool = True,
                  slots: int | None = None, compile: bool = True, pool_slots: int = 0,
-                 pool_bytes: int | None = None) -> None:
+                 pool_bytes: int | None = None, attention: str = "auto") -> None:
         """Wrap already-built modules (Engine.load builds them from checkpoints).
 
         backend: "transformers" (the reference, any architecture) or "fast" (our own forward for
@@ -65,6 +65,8 @@ class Engine:
         (the fast backend then shares its weights) or, for "fast", a fast.model.DenseDecoder.
         context_window: tokens a session may hold (default the model's max_position_embeddings;
         the fast backend preallocates it per slot, so it caps that default at FAST_CONTEXT).
+        attention: the fast backend's attention kernel, "auto", "triton", "matmul" or "sdpa"
+        (fast.model.choose_attention); the transformers backend ignores it.
 
         block_size: verify at most this many tokens a round (2..drafter.block_size; the attribute
         may also be reassigned later within that range). The drafter still drafts its own trained
@@ -89,7 +91,8 @@ class Engine:
             cw = context_window or min(int(cw), FAST_CONTEXT)
             query = min(int(max_budget), MAX_GRAPH_QUERY - 1) + 1 if drafter is not None else 1
             self.target = FastTarget(self.model, feature_layers, context_window=int(cw),
-                                     max_query=max(query, drafter.block_size if drafter is not None else 1))
+                                     max_query=max(query, drafter.block_size if drafter is not None else 1),
+                                     attention=attention)
         else:
             if not hasattr(model, "get_input_embeddings"):
                 raise BadParams(f"the transformers backend needs a transformers model, got {type(model).__name__}",
@@ -140,6 +143,12 @@ class Engine:
         return self.target.vocab_size
 
     @property
+    def attention(self) -> str:
+        """The attention kernel of the fast backend's static rounds (fast.model.choose_attention),
+        or "transformers" on the transformers backend (its attn_implementation)."""
+        return getattr(self.target, "attention", "transformers")
+
+    @property
     def graphs(self) -> bool:
         """Whether rounds replay captured CUDA graphs (fast backend on CUDA, after warmup)."""
         return self.impl.graphs
@@ -182,7 +191,8 @@ class Engine:
              max_budget: int = DEFAULT_MAX_BUDGET, block_size: int | None = None,
              algorithm: str | None = None, budget: int | None = None, backend: str = "auto",
              context_window: int | None = None, graphs: bool = True, compile: bool = True,
-             slots: int | None = None, pool_slots: int = 0, pool_bytes: int | None = None) -> Engine:
+             slots: int | None = None, pool_slots: int = 0, pool_bytes: int | None = None,
+             attention: str = "auto") -> Engine:
         """Load a target and (optionally) a DFlash drafter from dirs or hub ids.
 
         algorithm/budget: what the caller will decode with by default (a server's --algorithm). A
@@ -192,6 +202,7 @@ class Engine:
         pool_slots/pool_bytes: the fast backend's KV pool, pool_slots sessions or as many as
         pool_bytes hold if fewer (Engine's pool_slots); the transformers backend ignores both.
         slots: concurrent sessions the fast backend captures graphs for (Engine's slots).
+        attention: the fast backend's attention kernel (Engine's attention).
         """
         device = str(device)
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -223,7 +234,7 @@ class Engine:
                      eos_token_ids=eos_token_ids(target_dir, target.config, tokenizer),
                      mask_token_id=mask_id, max_budget=max_budget, block_size=block_size,
                      backend=chosen, context_window=context_window, graphs=graphs, compile=compile,
-                     slots=slots, pool_slots=pool_slots, pool_bytes=pool_bytes)
+                     slots=slots, pool_slots=pool_slots, pool_bytes=pool_bytes, attention=attention)
         engine.backend_reason = why
         log.info("backend %s: %s", chosen, why)
         return engine

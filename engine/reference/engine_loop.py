@@ -59,6 +59,7 @@ class EngineFacts:
     device: str
     backend: str
     backend_reason: str
+    attention: str
     graphs: bool
     prefill_chunk: int
 
@@ -67,7 +68,8 @@ class EngineFacts:
         return cls(tokenizer=engine.tokenizer, context_window=engine.context_window, max_budget=engine.max_budget,
                    draft_name=engine.draft_name, block_size=engine.block_size,
                    vocab_size=engine.vocab_size, device=str(engine.device),
-                   backend=engine.backend, backend_reason=engine.backend_reason, graphs=bool(engine.graphs),
+                   backend=engine.backend, backend_reason=engine.backend_reason, attention=engine.attention,
+                   graphs=bool(engine.graphs),
                    prefill_chunk=engine.prefill_chunk)
 
 

@@ -41,6 +41,7 @@ from ddtree.engine.reference.fast.batch_tree import (
     roots_only,
     walk_batch,
 )
+from ddtree.engine.reference.fast import tree_attention as fused
 from ddtree.engine.reference.fast.cache import kv_bucket
 from ddtree.engine.reference.fast.draft import _apply_rope
 from ddtree.engine.reference.fast.graphs import record_graph
@@ -232,7 +233,9 @@ def draft_block(engine: Engine, ids: torch.Tensor, span: int) -> torch.Tensor:
     lengths = pool.dlengths[:b]
     positions = lengths[:, None] + torch.arange(block, device=device)        # [b, B]
     slot_rows = torch.arange(b, device=device)[:, None].expand(b, block)
-    visible = (torch.arange(span, device=device)[None] < (lengths + block)[:, None])[:, None, None, :]
+    visible = None
+    if drafts.attention != "triton":
+        visible = (torch.arange(span, device=device)[None] < (lengths + block)[:, None])[:, None, None, :]
     x = drafts.embed(ids.reshape(-1))
     cos, sin = drafts._rope(positions.reshape(-1), x.dtype)
     heads, kvh, g, d = drafts.num_heads, drafts.num_kv_heads, drafts.groups, drafts.head_dim
@@ -247,10 +250,14 @@ def draft_block(engine: Engine, ids: torch.Tensor, span: int) -> torch.Tensor:
         keys, values = pool.dk[i], pool.dv[i]
         keys[slot_rows, :, positions] = k.view(b, block, kvh, d)
         values[slot_rows, :, positions] = v.view(b, block, kvh, d)
-        folded = q.view(b, block, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * block, d)
-        out = F.scaled_dot_product_attention(folded, keys[:b, :, :span], values[:b, :, :span],
-                                             attn_mask=visible, scale=drafts.scaling)
-        out = out.view(b, kvh, g, block, d).permute(0, 3, 1, 2, 4).reshape(n, heads * d)
+        if drafts.attention == "triton":  # each row's block follows its own context length
+            out = fused.tree_attention(q, keys[:b], values[:b], lengths, None, drafts.scaling, span)
+            out = out.view(n, heads * d)
+        else:
+            folded = q.view(b, block, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * block, d)
+            out = F.scaled_dot_product_attention(folded, keys[:b, :, :span], values[:b, :, :span],
+                                                 attn_mask=visible, scale=drafts.scaling)
+            out = out.view(b, kvh, g, block, d).permute(0, 3, 1, 2, 4).reshape(n, heads * d)
         x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return drafts.drafter.norm(x).view(b, block, -1)
@@ -358,6 +365,10 @@ def batch_plan(target, lengths: torch.Tensor, tree: torch.Tensor, span: int) -> 
     b, q = tree.shape[0], tree.shape[1]
     device = lengths.device
     steps = torch.arange(q, device=device)
+    slots = torch.arange(b, device=device)[:, None].expand(b, q)
+    if target.attention == "triton":  # the kernel reads the lengths and trees itself: no mask
+        return BatchPlan(b=b, q=q, slots=slots, rows=lengths[:, None] + steps, read=span, mask=None,
+                         kernel="triton", lengths=lengths, tree=tree)
     rel = torch.arange(span, device=device)[None] - lengths[:, None]         # [b, S]
     among = (rel >= 0) & (rel < q)
     cols = tree.gather(2, rel.clamp(0, q - 1)[:, None, :].expand(b, q, span))  # [b, q, S]
@@ -367,8 +378,7 @@ def batch_plan(target, lengths: torch.Tensor, tree: torch.Tensor, span: int) -> 
     groups = target.cfg.num_attention_heads // target.cfg.num_key_value_heads
     if groups > 1:
         additive = additive.repeat(1, groups, 1)
-    return BatchPlan(b=b, q=q, slots=torch.arange(b, device=device)[:, None].expand(b, q),
-                     rows=lengths[:, None] + steps, read=span, mask=additive[:, None],
+    return BatchPlan(b=b, q=q, slots=slots, rows=lengths[:, None] + steps, read=span, mask=additive[:, None],
                      kernel=target.attention)
 
 

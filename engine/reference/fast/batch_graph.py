@@ -105,7 +105,7 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
     q = _width(engine, mode, budget, depth)
     span = max(s._start for s in sessions) + q
     if target.bucket_kv:
-        span = kv_bucket(target.new_cache_rows(), span)
+        span = kv_bucket(target.new_cache_rows(), span, target.kv_spans(target.new_cache_rows()))
     else:
         span = target.new_cache_rows()
     device = pool.lengths.device
@@ -175,8 +175,6 @@ def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
     DDTree at these budgets, every power-of-two batch up to the pool, at the two smallest KV
     spans a round of that kind can have (longer contexts capture on their first round).
     Returns how many it captured."""
-    from ddtree.engine.reference.fast.cache import kv_buckets
-
     pool = engine.impl.pool
     stage = engine.impl.round_stage()
     kinds = [("ar", 0)]
@@ -189,12 +187,12 @@ def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
     sizes.append(pool.slots)
     depth = engine.block_size - 1
     rows = engine.target.new_cache_rows()
-    buckets = kv_buckets(rows)
+    buckets = engine.target.kv_spans(rows)
     made = 0
     for mode, budget in kinds:
         q = _width(engine, mode, budget, depth)
         # graphed_round's span: the bucket of (longest context + q), the context at least 1.
-        first = kv_bucket(rows, 1 + q)
+        first = kv_bucket(rows, 1 + q, buckets)
         later = [size for size in buckets if size > first][:1]
         for span in [first, *later]:
             for b in sizes:

@@ -46,7 +46,8 @@ from torch import nn
 from ddtree.engine.reference.drafter import DFlashDrafter, rope_inv_freq
 from ddtree.engine.reference.errors import BadParams
 from ddtree.engine.reference.fast.graphs import record_graph
-from ddtree.engine.reference.fast.model import matmul_attention, matmul_attention_works
+from ddtree.engine.reference.fast import tree_attention as fused
+from ddtree.engine.reference.fast.model import choose_attention, eager_kernel, matmul_attention
 from ddtree.engine.reference.fast.rows import RowLinears
 
 _WARMUP_RUNS = 3  # side-stream runs before a capture, as torch's CUDA graph notes advise
@@ -147,7 +148,7 @@ class FastDrafter:
 
     embed: token ids [n] -> [n, H] (the target's input embedding); lm_head: [n, H] -> [n, V].
     capacity: the most context rows one cache holds (the longest sequence it will draft for).
-    attention: "sdpa", "matmul" or "auto" (matmul where FastTarget's auto takes it: CUDA).
+    attention: "sdpa", "matmul", "triton" or "auto" (model.choose_attention, as FastTarget's).
     """
 
     def __init__(self, drafter: DFlashDrafter, embed: nn.Module, lm_head: nn.Module, *,
@@ -177,11 +178,8 @@ class FastDrafter:
         self.vocab_size = int(lm_head.weight.shape[0])
         # Kept in float32 whatever the model dtype, as DFlashDrafter keeps its own.
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
-        if attention not in ("auto", "sdpa", "matmul"):
-            raise BadParams(f"attention must be auto, sdpa or matmul, got {attention!r}")
-        if attention == "auto":
-            attention = "matmul" if matmul_attention_works(self.device) else "sdpa"
-        self.attention = attention
+        self.attention = choose_attention(attention, self.device, self.head_dim)
+        self.eager_attention = eager_kernel(self.attention, self.device)
         self.linear = RowLinears(self.device, self.dtype)
         self._pool = None  # one CUDA graph memory pool for every capture of this drafter
         self._compiled_block = None  # set by compile()
@@ -439,16 +437,20 @@ class FastDrafter:
         static, b = cache.static, self.block_size
         rows = static.rows[:b]
         index = cache.length_t + rows
-        visible = (static.cols < cache.length_t + b)[None, None, None, :]
-        hidden = self._block_layers(static.ids, start + rows, cache, index, None, visible)
+        if self.attention == "triton":  # the kernel reads the length itself
+            hidden = self._block_layers(static.ids, start + rows, cache, index, None, None, cache.length_t)
+        else:
+            visible = (static.cols < cache.length_t + b)[None, None, None, :]
+            hidden = self._block_layers(static.ids, start + rows, cache, index, None, visible)
         return self.linear(self.lm_head, hidden[1:]).float()
 
     def _block_layers(self, ids: torch.Tensor, positions: torch.Tensor, cache: DraftContextCache,
                       rows: slice | torch.Tensor, kv_len: int | None,
-                      mask: torch.Tensor | None) -> torch.Tensor:
+                      mask: torch.Tensor | None, length: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden [B, H] after the final norm. The block's keys/values go to buffer `rows` (a
         slice, or an index tensor on the static path) before each layer attends over the first
-        kv_len rows (None: the whole buffer under `mask`)."""
+        kv_len rows (None: the whole buffer under `mask`, or with `length`, the context length
+        on the device, the triton kernel's rows [:length + B])."""
         b = ids.shape[0]
         x = self.embed(ids)
         cos, sin = self._rope(positions, x.dtype)
@@ -467,19 +469,24 @@ class FastDrafter:
             else:
                 keys.index_copy_(1, rows, k.transpose(0, 1))
                 values.index_copy_(1, rows, v.transpose(0, 1))
-            x = x + self.linear(attn.o_proj, self._attend(q, keys, values, mask))
+            x = x + self.linear(attn.o_proj, self._attend(q, keys, values, mask, length))
             x = x + layer.mlp(layer.post_attention_layernorm(x), self.linear)
         return self.drafter.norm(x)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """q [B, heads, d]; keys/values [kv_heads, n, d] -> [B, heads * d].
+                mask: torch.Tensor | None, length: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, heads, d]; keys/values [kv_heads, n, d] -> [B, heads * d]. With `length`
+        (static path, triton kernel): the block's rows follow `length` context rows.
 
         Query head h reads kv head h // G (as repeat_interleave maps them), so the G query heads
         of one kv head become G*B query rows of that kv head."""
         b, kvh, g, d = q.shape[0], self.num_kv_heads, self.groups, self.head_dim
+        if length is not None:
+            out = fused.tree_attention(q, keys[None], values[None], length.view(1), None, self.scaling,
+                                       keys.shape[1])
+            return out.view(b, self.num_heads * d)
         folded = q.view(b, kvh, g, d).permute(1, 2, 0, 3).reshape(1, kvh, g * b, d)
-        if self.attention == "matmul":
+        if self.eager_attention == "matmul":
             out = matmul_attention(folded[0], keys, values, self.scaling, None if mask is None else mask[0])
         else:
             out = F.scaled_dot_product_attention(folded, keys[None], values[None], attn_mask=mask,

@@ -10,11 +10,13 @@ Attention never repeats K/V heads: the queries of one KV group are folded into t
 `enable_gqa=True` would do the same without the fold, but together with a mask it drops to the
 math backend on CUDA, which materialises every score; folded, the fused kernels stay eligible.
 
-Two attention kernels (AttentionPlan.kernel): "sdpa", and "matmul": scores from one batched GEMM
+Three attention kernels (AttentionPlan.kernel): "sdpa"; "matmul": scores from one batched GEMM
 with float32 output, softmax in float32, probabilities back in the model dtype for the second
 GEMM (the roundings flash attention makes). For a few queries over a long cache the GEMMs read K
 and V at full bandwidth, where the fused SDPA kernels give a handful of thread blocks the whole
-cache each (on an H200, cuDNN's took 89 us a layer for one query over 4k rows).
+cache each (on an H200, cuDNN's took 89 us a layer for one query over 4k rows); and "triton"
+(fast/tree_attention.py): one fused split-key kernel that reads the context length and the tree
+on the device, for the static paths only (eager forwards then take matmul or sdpa).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.engine.reference.errors import ModelLoadError
+from ddtree.engine.reference.errors import BadParams, ModelLoadError
+from ddtree.engine.reference.fast import tree_attention as fused
 from ddtree.engine.reference.rope import scale_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "mistral")
@@ -229,13 +232,18 @@ class AttentionPlan:
     mask: additive [1, 1, groups*n, S] in the model dtype (already folded per KV group), or None
           when every query sees every row it reads (a single-token step).
     fresh: an empty cache and a causal block: attend among the new rows only, causal, no mask.
-    kernel: "sdpa" or "matmul" (see the module docstring); the mask is float32 for "matmul".
+    kernel: "sdpa", "matmul" or "triton" (see the module docstring); the mask is float32 for
+    "matmul"; "triton" takes no mask but `lengths` and `tree` (and `read` bounds the rows).
+    lengths: [1] long, the context rows before the new ones (the cache's device length).
+    tree: [1, n, n] bool visibility among the new rows, or None when they all see each other.
     """
     rows: slice | torch.Tensor
     read: int | None
     mask: torch.Tensor | None
     fresh: bool = False
     kernel: str = "sdpa"
+    lengths: torch.Tensor | None = None
+    tree: torch.Tensor | None = None
 
 
 @dataclass
@@ -246,7 +254,8 @@ class BatchPlan:
     slots/rows: [b, q] long, where each new K/V goes (slot r, row length_r + j).
     read: attend over rows [:read] of every slot; 0: the slots are empty and each row attends
     causally among its own new rows (a prompt's prefill; mask None).
-    mask: additive [b, 1, groups*q, read] (folded per KV group), in float32 for "matmul".
+    mask: additive [b, 1, groups*q, read] (folded per KV group), in float32 for "matmul"; None
+    for "triton", which reads `lengths` [b] and `tree` [b, q, q] instead (as AttentionPlan's).
     """
     b: int
     q: int
@@ -255,6 +264,8 @@ class BatchPlan:
     read: int
     mask: torch.Tensor | None
     kernel: str = "sdpa"
+    lengths: torch.Tensor | None = None
+    tree: torch.Tensor | None = None
 
 
 def matmul_attention_works(device: torch.device) -> bool:
@@ -266,6 +277,35 @@ def matmul_attention_works(device: torch.device) -> bool:
         return torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
     except (TypeError, RuntimeError, NotImplementedError):  # a torch without out_dtype for bmm
         return False
+
+
+ATTENTION_SETTINGS = ("auto", "sdpa", "matmul", "triton")
+
+
+def choose_attention(setting: str, device: torch.device, head_dim: int) -> str:
+    """The kernel an attention setting names here: "auto" takes triton on CUDA where triton is
+    installed and the head size suits it, else matmul where matmul_attention_works, else sdpa.
+    BadParams for an unknown setting, or triton where it cannot run."""
+    if setting not in ATTENTION_SETTINGS:
+        raise BadParams(f"attention must be {', '.join(ATTENTION_SETTINGS)}, got {setting!r}")
+    triton_runs = fused.available() and fused.supported(head_dim) and (
+        device.type == "cuda" or fused.interpreting())
+    if setting == "triton" and not triton_runs:
+        raise BadParams(f"the triton attention kernel cannot run here (head_dim {head_dim}, {device.type})",
+                        "it needs triton, CUDA and a power-of-two head size of 16..256")
+    if setting == "auto":
+        if device.type == "cuda" and triton_runs:
+            return "triton"
+        return "matmul" if matmul_attention_works(device) else "sdpa"
+    return setting
+
+
+def eager_kernel(kernel: str, device: torch.device) -> str:
+    """The kernel an eager forward takes under a static path's kernel: triton's reads device
+    lengths that eager forwards do not keep, so they take matmul where it works, else sdpa."""
+    if kernel != "triton":
+        return kernel
+    return "matmul" if matmul_attention_works(device) else "sdpa"
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -383,6 +423,10 @@ class Attention(nn.Module):
         if plan.fresh:
             out = self._causal(q.transpose(0, 1), k, v)        # [heads, n, d]
             return self.o_proj(out.transpose(0, 1).reshape(n, self.num_heads * d))
+        if plan.kernel == "triton":
+            out = fused.tree_attention(q, k_cache[None], v_cache[None], plan.lengths, plan.tree, d ** -0.5,
+                                 plan.read if plan.read is not None else k_cache.shape[1])
+            return self.o_proj(out.view(n, self.num_heads * d))
         keys = k_cache if plan.read is None else k_cache[:, :plan.read]
         values = v_cache if plan.read is None else v_cache[:, :plan.read]
         # Fold: query row g*n+i is query i of head kv*g+g' -> [kv_heads, groups*n, d].
@@ -410,6 +454,9 @@ class Attention(nn.Module):
             kwargs = {"enable_gqa": True} if g > 1 and _SDPA_GQA else {}
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, **kwargs)
             return self.o_proj(out.transpose(1, 2).reshape(b * n, self.num_heads * d))
+        if plan.kernel == "triton":
+            out = fused.tree_attention(q, k_cache[:b], v_cache[:b], plan.lengths, plan.tree, d ** -0.5, plan.read)
+            return self.o_proj(out.view(b * n, self.num_heads * d))
         keys, values = k_cache[:b, :, :plan.read], v_cache[:b, :, :plan.read]   # views: no copy
         # Fold per row as the single path does: query g*n+i of row r is query i of head kv*g+g'.
         qf = q.view(b, n, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * n, d)

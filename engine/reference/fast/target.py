@@ -38,9 +38,10 @@ from ddtree.engine.reference.fast.graphs import record_graph
 from ddtree.engine.reference.fast.model import (
     AttentionPlan,
     DenseDecoder,
+    choose_attention,
+    eager_kernel,
     fold_mask,
     load_decoder,
-    matmul_attention_works,
 )
 from ddtree.engine.reference.target import ForwardOut, HeadShapes
 
@@ -100,9 +101,11 @@ class FastTarget(HeadShapes):
         max_query: the most tokens a forward after the prefill adds (budget + 1); the buckets
         go up to the first bucket >= it and every cache gets that many rows of slack.
         static: run forwards that fit a bucket on the static padded path even without graphs.
-        attention: "sdpa", "matmul" (model.py says when each wins) or "auto": matmul on CUDA
-        where torch has float32-output GEMMs for half inputs, else sdpa. A causal prefill on an
-        empty cache always takes SDPA (flash attention).
+        attention: "sdpa", "matmul", "triton" (model.py says when each wins) or "auto"
+        (model.choose_attention: triton on CUDA where triton is installed, else matmul on CUDA
+        where torch has float32-output GEMMs for half inputs, else sdpa). Triton's kernel serves
+        the static path; eager forwards take model.eager_kernel. A causal prefill on an empty
+        cache always takes SDPA (flash attention).
         """
         cfg = model.cfg
         model.fuse()
@@ -138,11 +141,8 @@ class FastTarget(HeadShapes):
         self._tril = torch.ones(qmax, qmax, dtype=torch.bool, device=self.device).tril()
         self._arange = torch.arange(qmax, device=self.device)
         self._groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        if attention not in ("auto", "sdpa", "matmul"):
-            raise BadParams(f"attention must be auto, sdpa or matmul, got {attention!r}")
-        if attention == "auto":
-            attention = "matmul" if matmul_attention_works(self.device) else "sdpa"
-        self.attention = attention
+        self.attention = choose_attention(attention, self.device, cfg.head_dim)
+        self.eager_attention = eager_kernel(self.attention, self.device)
         self._graph_pool = None  # one CUDA graph memory pool for every cache's graphs
         self._last: _Verify | None = None
         # (sink, count) after a walk that staged the accepted features in a drafter's rows.
@@ -287,7 +287,7 @@ class FastTarget(HeadShapes):
         if visible is None and start == 0:
             plan = AttentionPlan(slice(0, n), n, None, fresh=True)
         elif n == 1:
-            plan = AttentionPlan(slice(start, end), end, None, kernel=self.attention)
+            plan = AttentionPlan(slice(start, end), end, None, kernel=self.eager_attention)
         else:
             block = visible
             if block is None:
@@ -297,7 +297,7 @@ class FastTarget(HeadShapes):
             # A long block after earlier rows (a prefill chunk) takes SDPA, whose fused kernels
             # never hold the float32 scores [kv_heads, groups*n, S] the matmul kernel builds:
             # gigabytes a layer for a 2048-token chunk deep into a long context.
-            kernel = "sdpa" if n > LONG_BLOCK else self.attention
+            kernel = "sdpa" if n > LONG_BLOCK else self.eager_attention
             plan = AttentionPlan(slice(start, end), end, self._fold(seen, kernel), kernel=kernel)
         layers = self.feature_layers if features else ()
         hidden, feats = self.model(ids, positions, cache.k, cache.v, plan, layers)
@@ -322,11 +322,14 @@ class FastTarget(HeadShapes):
         span = cache.rows if kv is None else int(kv)
         length = cache.length_t
         rows = length + self._arange[:q]
-        rel = torch.arange(span, device=cache.device) - length              # [S]: column - length
-        among_new = (rel >= 0) & (rel < q)
-        tree_cols = tree.index_select(1, rel.clamp(0, q - 1))               # [q, S]
-        seen = (rel < 0)[None, :] | (among_new[None, :] & tree_cols)
-        plan = AttentionPlan(rows, span, self._fold(seen), kernel=self.attention)
+        if self.attention == "triton":  # sized for the whole cache: one compiled layer for every span
+            plan = AttentionPlan(rows, cache.rows, None, kernel="triton", lengths=length.view(1), tree=tree[None])
+        else:
+            rel = torch.arange(span, device=cache.device) - length          # [S]: column - length
+            among_new = (rel >= 0) & (rel < q)
+            tree_cols = tree.index_select(1, rel.clamp(0, q - 1))           # [q, S]
+            seen = (rel < 0)[None, :] | (among_new[None, :] & tree_cols)
+            plan = AttentionPlan(rows, span, self._fold(seen), kernel=self.attention)
         hidden, feats = self.model(ids, positions, cache.k, cache.v, plan, self.feature_layers,
                                    compiled=self.compiled)
         if into is None:
@@ -464,10 +467,15 @@ class FastTarget(HeadShapes):
         self.model.compile_layers()
         self.compiled = True
 
+    def kv_spans(self, rows: int) -> tuple[int, ...]:
+        """The KV spans worth a graph each in a cache of `rows` rows: the KV buckets, or with the
+        triton kernel, which reads only the rows the context has whatever the span, all rows."""
+        return (rows,) if self.attention == "triton" else kv_buckets(rows)
+
     def capture(self, cache: StaticKVCache, buckets: tuple[int, ...] | None = None,
                 spans: tuple[int, ...] | None = None, walks: bool = True) -> None:
         """Capture this cache's graphs (they bake in its buffers' addresses): a forward for each
-        query bucket q and each KV bucket kv >= q (spans: default kv_buckets(cache.rows)), and
+        query bucket q and each KV bucket kv >= q (spans: default self.kv_spans(cache.rows)), and
         with walks a walk+commit per query bucket (walk_commit).
 
         Afterwards forward replays the smallest captured q >= n at the smallest kv that holds
@@ -485,7 +493,7 @@ class FastTarget(HeadShapes):
             raise BadParams(f"buckets {sizes} must lie in 1..{self.buckets[-1]} (max_query's bucket)")
         if cache.length + sizes[-1] > cache.rows:
             raise DecodeError(f"no room to capture: {cache.length} rows + bucket {sizes[-1]} > {cache.rows}")
-        lengths = sorted({int(kv) for kv in (spans if spans is not None else kv_buckets(cache.rows))}
+        lengths = sorted({int(kv) for kv in (spans if spans is not None else self.kv_spans(cache.rows))}
                          | {cache.rows})
         if lengths[0] < 1 or lengths[-1] > cache.rows:
             raise BadParams(f"KV spans {lengths} must lie in 1..{cache.rows} (the cache's rows)")

@@ -109,7 +109,8 @@ def test_graphs_sessions_beyond_the_slots_equal_serial(tiny):
 
 def test_graphs_across_kv_buckets_and_walk_graphs_equal_transformers(tiny, monkeypatch):
     """A context that grows from 240 past 256 and 512 rows: the replays move to larger KV spans
-    (one graph per query and KV bucket) and every verify commits through its walk graph."""
+    (one graph per query and KV bucket; one per query bucket with the triton kernel, which reads
+    the context's rows itself) and every verify commits through its walk graph."""
     ref, fast = tiny
     target = fast.target
     used: set = set()
@@ -137,8 +138,11 @@ def test_graphs_across_kv_buckets_and_walk_graphs_equal_transformers(tiny, monke
     assert _compare(ref, fast, [prompt], gen, [AR, SpecParams("dflash"), SpecParams("ddtree", 64)]) > 0
     cache = fast.impl._slots[0][0]
     spans = {kv for _, kv in used}
-    assert set(kv_buckets(cache.rows)) <= spans and len(spans) >= 3, spans
     assert walks and all(walks)  # every static verify walked and committed in its graph
+    if target.attention == "triton":  # it reads the context's rows whatever the span: one span
+        assert spans == {cache.rows} and len(cache.graphs) == len(cache.stages)
+        return
+    assert set(kv_buckets(cache.rows)) <= spans and len(spans) >= 3, spans
     assert len(cache.graphs) == sum(1 for q in cache.stages for kv in kv_buckets(cache.rows) if kv >= q)
 
 

@@ -61,7 +61,7 @@ def test_auto_backend_takes_transformers_on_a_cpu_and_says_why(server, client):
     info = client.server_info()
     assert info["backend"] == server.announcement["backend"] == "transformers"
     assert info["backend_reason"].startswith("auto:") and "CUDA" in info["backend_reason"]
-    assert info["cuda_graphs"] is False
+    assert info["cuda_graphs"] is False and info["attention_kernel"] == "transformers"
 
 
 def test_fast_and_transformers_backends_serve_the_same_greedy_tokens(server, client, tiny_pair, tmp_path):
@@ -74,6 +74,7 @@ def test_fast_and_transformers_backends_serve_the_same_greedy_tokens(server, cli
         with EngineClient(fast.url, timeout=120) as other:
             info = other.server_info()
             assert info["backend"] == "fast" and info["backend_reason"] and info["cuda_graphs"] is False
+            assert info["attention_kernel"] == "sdpa"  # the CPU's; triton's kernel is for CUDA
             for prompt in PROMPTS[:3]:
                 for spec in ({"algorithm": "ar"}, {"algorithm": "dflash"}, {"algorithm": "ddtree", "budget": 8}):
                     want = client.generate(prompt, sampling_params=greedy(20, ignore_eos=True), speculative=spec)

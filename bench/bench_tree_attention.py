@@ -1,0 +1,117 @@
+"""The fused tree-attention kernel against the "matmul" kernel it replaces, one layer's attention
+at a time, as CUDA graph replays, side by side in one run.
+
+    python bench/bench_tree_attention.py --out tree-attention.json      # on a GPU
+
+For each shape (the Qwen3-8B and 1.7B attention in bf16, the demo target in float32), each node
+count n (1 is an AR step; 17, 65, 257 tree verifies) and each context: microseconds per call,
+median of repeats, for
+- "matmul": the static path's attention before the kernel: the fold of the queries, the float32
+  scores GEMM over the context's KV span, the mask add, the softmax, the second GEMM, the unfold
+  (the mask itself is built once per forward and shared by the layers, so it is not counted);
+- "triton": fast/tree_attention.py over the same cache, reading the length on the device.
+Both over a cache whose rows past the context are never read by either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+# name: (kv heads, query heads per kv head, head dim, dtype)
+SHAPES = {"8b": (8, 4, 128, "bfloat16"), "1.7b": (8, 2, 128, "bfloat16"), "demo": (2, 2, 64, "float32")}
+
+
+def _graph_us(fn, calls: int = 20, repeats: int = 7) -> float:
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times)
+
+
+def case(shape: str, n: int, context: int, rows: int) -> dict:
+    import torch
+
+    from ddtree.engine.reference.fast import tree_attention as fused
+    from ddtree.engine.reference.fast.cache import kv_bucket
+    from ddtree.engine.reference.fast.model import fold_mask, matmul_attention
+
+    kvh, g, d, dtype = SHAPES[shape]
+    dtype = getattr(torch, dtype)
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(n + context)
+    q = torch.randn(n, kvh * g, d, device=dev, dtype=dtype, generator=gen)
+    keys = torch.randn(1, kvh, rows, d, device=dev, dtype=dtype, generator=gen)
+    values = torch.randn(1, kvh, rows, d, device=dev, dtype=dtype, generator=gen)
+    lengths = torch.tensor([context], device=dev)
+    tree = (torch.rand(1, n, n, device=dev, generator=gen) < 0.3) | torch.eye(n, dtype=torch.bool, device=dev)
+    span = kv_bucket(rows, context + n)
+    cols = torch.arange(span, device=dev) - context
+    seen = (cols < 0)[None, :] | (((cols >= 0) & (cols < n))[None, :] & tree[0].index_select(1, cols.clamp(0, n - 1)))
+    mask = fold_mask(seen, g, torch.float32)[0]
+    scale = d ** -0.5
+    out = {}
+
+    def matmul():
+        qf = q.view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
+        o = matmul_attention(qf, keys[0, :, :span], values[0, :, :span], scale, mask)
+        return o.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, kvh * g * d)
+
+    def triton():
+        return fused.tree_attention(q, keys, values, lengths, tree, scale, rows).view(n, kvh * g * d)
+
+    want = matmul().float()
+    got = triton().float()
+    out["rel_diff"] = round(((got - want).norm() / want.norm()).item(), 7)
+    out["matmul_us"] = round(_graph_us(matmul), 2)
+    out["triton_us"] = round(_graph_us(triton), 2)
+    out["speedup"] = round(out["matmul_us"] / out["triton_us"], 2)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="8b,1.7b,demo", type=lambda s: [x for x in s.split(",") if x])
+    p.add_argument("--nodes", default="1,17,65,257", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--contexts", default="1024,4096", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--rows", type=int, default=8256, help="the cache's rows (a serving window of 8192 and its slack)")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    import torch
+
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": args.rows, "cases": []}
+    print(f"{'shape':6s} {'n':>4s} {'context':>7s} {'matmul us':>10s} {'triton us':>10s} {'x':>6s} {'rel diff':>9s}")
+    for shape in args.shapes:
+        for context in args.contexts:
+            for n in args.nodes:
+                row = {"shape": shape, "n": n, "context": context, **case(shape, n, context, args.rows)}
+                result["cases"].append(row)
+                print(f"{shape:6s} {n:4d} {context:7d} {row['matmul_us']:10.2f} {row['triton_us']:10.2f} "
+                      f"{row['speedup']:6.2f} {row['rel_diff']:9.2e}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Tree attention in one fused kernel (Triton): few new queries over a static KV cache.
+
+What it computes, for each batch row b (one cache, or one pool slot) with n new rows already
+written at cache rows [length_b, length_b + n): new row i sees every context row [0, length_b)
+and new row j where tree[b, i, j] (every new row when tree is None: the drafter's block). Rows
+past length_b + n are never read. The lengths are device values the kernel reads itself, so one
+CUDA graph serves any context length and reads only the rows that exist.
+
+Why a kernel of our own: the "matmul" kernel (model.py) writes float32 scores [kv_heads, G*n,
+span], then runs a softmax and a second GEMM, three or four launches a layer; on an H200 those
+took about 1 ms of an 8.8 ms DDTree-64 round on the Qwen3-8B shape, and the fused SDPA kernels
+give a few queries a handful of thread blocks for the whole cache. This is flash decoding:
+programs of (batch row x kv head, query block, key split) stream their share of the key blocks
+with an online softmax, and a second small kernel merges the splits. The G query heads of a kv
+head are folded into its query rows, so K/V are read once per kv head.
+
+Numerics are flash attention's: float32 scores and sums, the probabilities rounded to the value
+dtype for the second product (the matmul kernel rounds them too, after normalising). In float32
+the products are exact float32 ("ieee"), never tf32.
+
+CUDA tensors run the compiled kernels. Under TRITON_INTERPRET=1 (set before triton is first
+imported) CPU tensors run the same kernels in Triton's interpreter: slow, for the tests on a
+machine without a GPU. `available()` says whether triton is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Optional
+
+import torch
+
+from ddtree.engine.reference.errors import BadParams
+
+BLOCK_N = 64       # key rows a step of the split kernel reads
+MERGE_ROWS = 16    # query rows a program of the merge kernel combines
+_MAX_SPLITS = 64
+
+
+@functools.cache
+def available() -> bool:
+    """Whether triton is installed (it comes with CUDA builds of torch)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def supported(head_dim: int) -> bool:
+    """Whether the kernels take this head size (a power of two, as tl.arange needs, 16..256)."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
+def _kernels(device: torch.device):
+    from ddtree.engine.reference.fast import triton_kernels as k
+
+    if device.type != "cuda" and not interpreting():
+        raise BadParams("tree attention runs on CUDA, or on a CPU in Triton's interpreter",
+                        "set TRITON_INTERPRET=1 before triton is first imported")
+    return k.attend_split, k.merge_splits
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels (TRITON_INTERPRET=1 when triton was imported)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from ddtree.engine.reference.fast import triton_kernels as k
+
+    return isinstance(k.attend_split, InterpretedFunction)
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def plan_splits(pairs: int, row_blocks: int, max_rows: int, device: torch.device) -> int:
+    """How many key splits at most: about two programs per multiprocessor, at least two key
+    blocks a split at max_rows, at most _MAX_SPLITS. A shorter context spreads its blocks over
+    fewer splits (the kernels divide by the length they read), so one launch, and one CUDA graph,
+    serves every length. On a CPU (the interpreter) a few, so tests cover the merge."""
+    blocks = -(-max_rows // BLOCK_N)
+    if device.type != "cuda":
+        return max(1, min(3, blocks))
+    wanted = -(-2 * _multiprocessors(device.index or 0) // (pairs * row_blocks))
+    return max(1, min(wanted, -(-blocks // 2), _MAX_SPLITS))
+
+
+def _block_m(rows: int) -> int:
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                   tree: Optional[torch.Tensor], scale: float, max_rows: int) -> torch.Tensor:
+    """q [B*n, heads, d] (batch-row major); keys/values [B, kv_heads, rows, d] with the new rows
+    written; lengths [B] long (context rows per batch row, on the device); tree None or bool
+    [B, n, n] (visibility among the new rows); max_rows: the most rows any batch row may attend
+    (length + n), which sizes the key splits -> [B*n, heads, d] in q's dtype."""
+    return torch.ops.ddtree.tree_attention(q, keys, values, lengths, tree, scale, max_rows)
+
+
+@torch.library.custom_op("ddtree::tree_attention", mutates_args=())
+def _tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                    tree: Optional[torch.Tensor], scale: float, max_rows: int) -> torch.Tensor:
+    batch, kv_heads, _, d = keys.shape
+    heads = q.shape[1]
+    n = q.shape[0] // batch
+    groups = heads // kv_heads
+    rows_per_kv = groups * n
+    out = torch.empty((batch * n, heads, d), dtype=q.dtype, device=q.device)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    block_m = _block_m(rows_per_kv)
+    row_blocks = -(-rows_per_kv // block_m)
+    pairs = batch * kv_heads
+    splits = plan_splits(pairs, row_blocks, max_rows, q.device)
+    attend, merge = _kernels(q.device)
+    if tree is not None:
+        tree = tree.view(torch.uint8)
+        st_b, st_i = tree.stride(0), tree.stride(1)
+    else:
+        st_b = st_i = 0
+    part = torch.empty((splits, pairs, rows_per_kv, d), dtype=torch.float32, device=q.device) \
+        if splits > 1 else out
+    ml = torch.empty((2, splits, pairs, rows_per_kv), dtype=torch.float32, device=q.device) \
+        if splits > 1 else out
+    final = splits == 1
+    attend[(pairs, row_blocks, splits)](
+        q, keys, values, lengths, tree if tree is not None else lengths, out, part, ml,
+        n, rows_per_kv, kv_heads, groups, splits, float(scale), 0 if final else ml.stride(0),
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), st_b, st_i, out.stride(0), out.stride(1),
+        0 if final else part.stride(0), 0 if final else part.stride(1), 0 if final else part.stride(2),
+        0 if final else ml.stride(1), 0 if final else ml.stride(2),
+        D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HAS_TREE=tree is not None,
+        IEEE=q.dtype == torch.float32 or q.device.type != "cuda", FINAL=final, num_warps=4)
+    if not final:
+        merge[(pairs, -(-rows_per_kv // MERGE_ROWS))](
+            part, ml, out, lengths, n, rows_per_kv, kv_heads, groups, splits, ml.stride(0),
+            out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
+            ml.stride(1), ml.stride(2), D=d, BLOCK_R=MERGE_ROWS, BLOCK_N=BLOCK_N, num_warps=4)
+    return out
+
+
+@_tree_attention.register_fake
+def _(q, keys, values, lengths, tree, scale, max_rows):
+    batch, _, _, d = keys.shape
+    return q.new_empty((q.shape[0], q.shape[1], d))
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+              tree: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """The same function in plain torch, in float64 (what the tests compare the kernel with)."""
+    batch, kv_heads, rows, d = keys.shape
+    heads = q.shape[1]
+    n = q.shape[0] // batch
+    groups = heads // kv_heads
+    out = torch.empty((batch * n, heads, d), dtype=torch.float64)
+    cols = torch.arange(rows)
+    for b in range(batch):
+        length = int(lengths[b])
+        new = tree[b].bool().cpu() if tree is not None else torch.ones(n, n, dtype=torch.bool)
+        seen = (cols[None, :] < length).expand(n, rows).clone()
+        seen[:, length:length + n] |= new
+        for head in range(heads):
+            kv = head // groups
+            s = q[b * n:(b + 1) * n, head].double().cpu() @ keys[b, kv].double().cpu().T * scale
+            s = s.masked_fill(~seen, float("-inf"))
+            out[b * n:(b + 1) * n, head] = torch.softmax(s, dim=-1) @ values[b, kv].double().cpu()
+    return out

@@ -1,0 +1,124 @@
+"""The Triton kernels of tree attention (fast/tree_attention.py launches them and says what they
+compute). Under TRITON_INTERPRET=1, set before triton is first imported, Triton's interpreter runs
+them on CPU tensors: the tests check this very code on a machine without a GPU.
+
+This module imports triton; nothing imports it unless triton is installed.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_split(Q, K, V, LENGTHS, TREE, OUT, PART, ML,
+                 n, rows_per_kv, kv_heads, groups, splits, scale, ml_half,
+                 sq_n, sq_h, sk_b, sk_h, sk_r, sv_b, sv_h, sv_r, st_b, st_i, so_n, so_h,
+                 sp_s, sp_p, sp_r, sm_s, sm_p,
+                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HAS_TREE: tl.constexpr, IEEE: tl.constexpr, FINAL: tl.constexpr):
+    """One (batch row, kv head) x query block x key split. Query row r of a kv head is query
+    i = r % n of head kv*groups + r // n (the fold of model.py); the split streams its share of
+    key blocks [0, cdiv(length + n, BLOCK_N)) with an online softmax. FINAL (one split): writes the
+    normalised output; else the unnormalised sum, its running max and its sum of weights.
+    IEEE: both products in exact float32 (float32 inputs; and half inputs under the interpreter,
+    whose dot of half types is wrong, after the same rounding of the probabilities)."""
+    pair = tl.program_id(0)
+    block = tl.program_id(1)
+    split = tl.program_id(2)
+    b = pair // kv_heads
+    h = pair % kv_heads
+    length = tl.load(LENGTHS + b).to(tl.int32)
+    total = length + n
+    blocks = tl.cdiv(total, BLOCK_N)
+    per = tl.cdiv(blocks, splits)
+    lo = split * per
+    hi = tl.minimum(lo + per, blocks)
+
+    r = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = r < rows_per_kv
+    i = r % n
+    head = h * groups + r // n
+    dd = tl.arange(0, D)
+    q = tl.load(Q + (b * n + i)[:, None] * sq_n + head[:, None] * sq_h + dd[None, :],
+                mask=r_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    k_base = K + b * sk_b + h * sk_h
+    v_base = V + b * sv_b + h * sv_h
+    for kb in range(lo, hi):
+        c = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ok = c < total
+        k = tl.load(k_base + c[:, None] * sk_r + dd[None, :], mask=c_ok[:, None], other=0.0)
+        v = tl.load(v_base + c[:, None] * sv_r + dd[None, :], mask=c_ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        if HAS_TREE:
+            j = c - length
+            new = (j >= 0) & c_ok
+            t = tl.load(TREE + b * st_b + i[:, None] * st_i + j[None, :],
+                        mask=r_ok[:, None] & new[None, :], other=0)
+            seen = (c < length)[None, :] | (t != 0)
+        else:
+            seen = c_ok[None, :] & (r >= 0)[:, None]
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen nothing yet keeps max -inf; exp(-inf - 0) is 0, never NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(v.dtype)
+        if IEEE:
+            acc = tl.dot(p.to(tl.float32), v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p, v, acc * alpha[:, None])
+        m_i = m_new
+    if FINAL:
+        out = acc / l_i[:, None]
+        tl.store(OUT + (b * n + i)[:, None] * so_n + head[:, None] * so_h + dd[None, :],
+                 out.to(OUT.dtype.element_ty), mask=r_ok[:, None])
+    else:
+        tl.store(PART + split * sp_s + pair * sp_p + r[:, None] * sp_r + dd[None, :], acc,
+                 mask=r_ok[:, None])
+        tl.store(ML + split * sm_s + pair * sm_p + r, m_i, mask=r_ok)
+        tl.store(ML + ml_half + split * sm_s + pair * sm_p + r, l_i, mask=r_ok)
+
+
+@triton.jit
+def merge_splits(PART, ML, OUT, LENGTHS, n, rows_per_kv, kv_heads, groups, splits, ml_half,
+                 so_n, so_h, sp_s, sp_p, sp_r, sm_s, sm_p,
+                 D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """BLOCK_R query rows of one (batch row, kv head): the splits' partial sums weighted by
+    exp(their max - the overall max), over the weighted sum of weights. Only the splits that had
+    key blocks at this row's length are read (attend_split's division). Every row sees at least
+    itself, so some split has a finite max."""
+    pair = tl.program_id(0)
+    block = tl.program_id(1)
+    b = pair // kv_heads
+    h = pair % kv_heads
+    blocks = tl.cdiv(tl.load(LENGTHS + b).to(tl.int32) + n, BLOCK_N)
+    active = tl.cdiv(blocks, tl.cdiv(blocks, splits))
+    r = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < rows_per_kv
+    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in range(0, active):
+        top = tl.maximum(top, tl.load(ML + s * sm_s + pair * sm_p + r, mask=r_ok, other=float("-inf")))
+    top = tl.where(top == float("-inf"), 0.0, top)  # rows past the end: no -inf - -inf
+    dd = tl.arange(0, D)
+    acc = tl.zeros([BLOCK_R, D], tl.float32)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    for s in range(0, active):
+        w = tl.exp(tl.load(ML + s * sm_s + pair * sm_p + r, mask=r_ok, other=float("-inf")) - top)
+        total += w * tl.load(ML + ml_half + s * sm_s + pair * sm_p + r, mask=r_ok, other=0.0)
+        part = tl.load(PART + s * sp_s + pair * sp_p + r[:, None] * sp_r + dd[None, :],
+                       mask=r_ok[:, None], other=0.0)
+        acc += part * w[:, None]
+    out = acc / tl.where(r_ok, total, 1.0)[:, None]
+    i = r % n
+    head = h * groups + r // n
+    tl.store(OUT + (b * n + i)[:, None] * so_n + head[:, None] * so_h + dd[None, :],
+             out.to(OUT.dtype.element_ty), mask=r_ok[:, None])

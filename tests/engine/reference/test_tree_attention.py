@@ -1,0 +1,227 @@
+"""The fused tree-attention kernel (fast/tree_attention.py) against plain float64 attention.
+
+Without a GPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET
+before triton is imported), so these check the kernel code itself on a CPU: the masks, the key
+splits and their merge, batch rows of different lengths, and that rows past a row's context and
+its new rows are never read. The CUDA tests run the compiled kernels, also inside a CUDA graph
+and a compiled function, and the engine's greedy identity with the kernel on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
+from ddtree.engine.reference.errors import BadParams
+from ddtree.engine.reference.fast import tree_attention as fused
+from ddtree.engine.reference.fast.model import choose_attention
+
+from .conftest import make_drafter, make_target
+
+
+def _runs_here() -> bool:
+    if not fused.available():
+        return False
+    import triton
+
+    # Older interpreters turn a loaded scalar into a 1-element array that numpy 2 refuses as an int.
+    version = tuple(int(p) for p in triton.__version__.split(".")[:3] if p.isdigit())
+    return torch.cuda.is_available() or (fused.interpreting() and version >= (3, 7, 1))
+
+
+pytestmark = pytest.mark.skipif(not _runs_here(), reason="needs triton: CUDA, or its interpreter 3.7.1+")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(batch, kv_heads, groups, n, rows, d, dtype, tree_kind, seed, lengths=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch * n, kv_heads * groups, d, generator=g).to(dtype)
+    keys = torch.randn(batch, kv_heads, rows, d, generator=g).to(dtype)
+    values = torch.randn(batch, kv_heads, rows, d, generator=g).to(dtype)
+    if lengths is None:
+        lengths = torch.randint(0, rows - n + 1, (batch,), generator=g)
+    lengths = torch.as_tensor(lengths)
+    tree = None
+    if tree_kind == "causal":
+        tree = torch.ones(n, n, dtype=torch.bool).tril().expand(batch, n, n)
+    elif tree_kind == "random":  # any visibility that includes the diagonal
+        tree = (torch.rand(batch, n, n, generator=g) < 0.4) | torch.eye(n, dtype=torch.bool)
+    return q, keys, values, lengths, tree
+
+
+def _on(device, *tensors):
+    return [t.to(device) if t is not None else None for t in tensors]
+
+
+def _check(q, keys, values, lengths, tree, *, max_rows=None, tol=None):
+    scale = q.shape[-1] ** -0.5
+    want = fused.reference(q, keys, values, lengths, tree, scale)
+    args = _on(DEVICE, q, keys, values, lengths, tree)
+    got = fused.tree_attention(*args, scale, max_rows or keys.shape[2]).cpu()
+    assert got.shape == want.shape and got.dtype == q.dtype
+    err = ((got.double() - want).norm() / want.norm()).item()
+    limit = tol if tol is not None else (1e-5 if q.dtype == torch.float32 else 2e-2)
+    assert err < limit, err
+
+
+@pytest.mark.parametrize("batch, kv_heads, groups, n, rows, d, tree_kind", [
+    (1, 2, 2, 1, 300, 64, None),        # an AR step: one query, four key splits
+    (1, 2, 2, 17, 300, 64, "random"),   # a tree verify
+    (1, 1, 1, 17, 64, 16, "causal"),    # one key block, one split: the kernel normalises itself
+    (3, 2, 2, 9, 200, 32, "random"),    # batched rows, each its own length and tree
+    (2, 1, 4, 16, 150, 16, None),       # the drafter's block: every new row sees the others
+    (1, 2, 8, 33, 520, 32, "random"),   # more folded rows than one query block
+])
+def test_kernel_equals_float64_attention(batch, kv_heads, groups, n, rows, d, tree_kind):
+    _check(*_case(batch, kv_heads, groups, n, rows, d, torch.float32, tree_kind, seed=rows + n))
+
+
+def test_bf16_within_bf16_rounding():
+    _check(*_case(2, 2, 2, 9, 200, 32, torch.bfloat16, "random", seed=3))
+
+
+def test_lengths_at_the_edges():
+    """An empty context (the new rows see only each other) and a context that fills the buffer."""
+    _check(*_case(2, 2, 1, 5, 133, 16, torch.float32, "random", seed=4, lengths=[0, 128]))
+
+
+def test_rows_past_the_context_and_the_new_rows_are_never_read():
+    q, keys, values, lengths, tree = _case(2, 2, 2, 5, 260, 32, torch.float32, "random", seed=6, lengths=[10, 190])
+    clean = fused.reference(q, keys, values, lengths, tree, 32 ** -0.5)
+    for b, length in enumerate(lengths.tolist()):
+        keys[b, :, length + 5:] = float("nan")
+        values[b, :, length + 5:] = float("nan")
+    got = fused.tree_attention(*_on(DEVICE, q, keys, values, lengths, tree), 32 ** -0.5, 260).cpu()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), clean, rtol=1e-5, atol=1e-6)
+
+
+def test_the_lengths_are_read_on_the_device_at_every_call():
+    q, keys, values, lengths, tree = _on(DEVICE, *_case(1, 1, 2, 3, 200, 16, torch.float32, "causal", seed=7,
+                                                          lengths=[20]))
+    first = fused.tree_attention(q, keys, values, lengths, tree, 0.25, 200).cpu()
+    lengths.fill_(150)  # in place, as a cache's length_t moves under a captured graph
+    second = fused.tree_attention(q, keys, values, lengths, tree, 0.25, 200).cpu()
+    torch.testing.assert_close(second.double(), fused.reference(q, keys, values, lengths, tree, 0.25))
+    assert not torch.allclose(first, second)
+
+
+def test_choose_attention_names_what_runs():
+    assert choose_attention("triton", torch.device(DEVICE), 64) == "triton"
+    assert choose_attention("auto", torch.device("cpu"), 64) == "sdpa"  # the interpreter is for tests only
+    with pytest.raises(BadParams, match="triton"):
+        choose_attention("triton", torch.device(DEVICE), 48)  # not a power of two
+    with pytest.raises(BadParams, match="attention must be"):
+        choose_attention("flash", torch.device("cpu"), 64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [SpecParams("ar"), SpecParams("dflash"), SpecParams("ddtree", 7),
+                                  SpecParams("ddtree", 40)])
+def test_static_path_with_the_kernel_decodes_what_the_eager_path_decodes(spec):
+    """Greedy output, token for token, and accept lengths, round for round: the static path (what
+    the graphs capture) with tree attention in the target and the drafter, against the eager path."""
+    model = make_target(27).to(DEVICE)
+    drafter = make_drafter(model, block_size=8, seed=8).to(DEVICE)
+    eager = Engine(model, drafter, backend="fast", max_budget=64, attention="matmul", graphs=False)
+    fast = Engine(model, drafter, backend="fast", max_budget=64, attention="triton", graphs=False)
+    fast.target.static = True
+    assert fast.target.attention == "triton" and fast.impl.drafts.attention == "triton"
+    gen = GenParams(max_new_tokens=10, ignore_eos=True)
+    for prompt in ([5], list(range(3, 30))):
+        want = eager.generate(prompt, gen, spec)
+        got = fast.generate(prompt, gen, spec)
+        assert got.output_ids == want.output_ids
+        assert got.accept_lengths == want.accept_lengths
+
+
+# ---- CUDA: the compiled kernels ------------------------------------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch, kv_heads, groups, n, rows, d", [
+    (1, 8, 4, 1, 1280, 128), (1, 8, 4, 65, 1280, 128), (1, 8, 2, 257, 2304, 128),
+    (16, 8, 2, 17, 1024, 128), (1, 2, 2, 16, 1041, 64)])
+def test_cuda_kernel_at_real_shapes(dtype, batch, kv_heads, groups, n, rows, d):
+    """The 8B shape's AR step and verifies of 65 and 257 nodes, a batch of 16 trees, the demo
+    drafter's block."""
+    _check(*_case(batch, kv_heads, groups, n, rows, d, dtype, "random", seed=n))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_graph_and_compile_replay_at_new_lengths():
+    q, keys, values, lengths, tree = _on("cuda", *_case(1, 4, 2, 9, 700, 64, torch.bfloat16, "random", seed=9,
+                                                         lengths=[100]))
+
+    def run(q):
+        return fused.tree_attention(q, keys, values, lengths, tree, 0.125, 700) * 2
+
+    compiled = torch.compile(run, fullgraph=True)
+    out = torch.empty_like(q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            out.copy_(compiled(q))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(compiled(q))
+    for length in (100, 5, 690):
+        lengths.fill_(length)
+        graph.replay()
+        want = fused.reference(q, keys, values, lengths, tree, 0.125) * 2
+        err = ((out.cpu().double() - want).norm() / want.norm()).item()
+        assert err < 2e-2, (length, err)
+
+
+@pytest.mark.slow
+def test_drafter_static_block_with_the_kernel_equals_the_reference():
+    """The drafter's block on its static path (the one its graphs capture) reads its context
+    length on the device through the kernel: the same drafts as the transformers-style reference."""
+    from .test_fast_draft import TOL, _run_pair, _tiny
+
+    target, drafter, feats = _tiny()
+    got, want = _run_pair(target, drafter, feats, static=True, attention="triton")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("static", [False, True], ids=["batched", "batched-static"])
+def test_pooled_rounds_with_the_kernel_equal_serial(static, monkeypatch):
+    """Batched rounds over the KV pool, each row masked by its own length and tree inside the
+    kernel (the target's verify and the drafter's block), with sessions joining and leaving."""
+    import random
+
+    from .test_fast_pool import _drive
+
+    batches = []
+    real = fused.tree_attention
+
+    def counted(q, keys, *args):
+        batches.append(keys.shape[0])
+        return real(q, keys, *args)
+    monkeypatch.setattr(fused, "tree_attention", counted)
+
+    model = make_target(0)
+    drafter = make_drafter(model, block_size=8, seed=1)
+    serial = Engine(model, drafter, backend="fast", max_budget=16, attention="matmul")
+    pooled = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=4, attention="triton")
+    pooled.impl.batch_static = static
+    rng = random.Random(4)
+    specs = [SpecParams("ar"), SpecParams("dflash"), SpecParams("ddtree", 5), SpecParams("ddtree", 16)]
+    spec_of = (lambda i: specs[i % 4]) if not static else (lambda i: specs[3])
+    jobs = [([rng.randrange(64) for _ in range(rng.randrange(1, 14))], spec_of(i), rng.randrange(1, 12))
+            for i in range(8)]
+    want = [serial.generate(p, GenParams(max_new_tokens=n), s).output_ids for p, s, n in jobs]
+    got, _ = _drive(pooled, jobs, running=4)
+    assert [got[j] for j in range(len(jobs))] == want
+    assert len(pooled.impl._free) == pooled.impl.pool.slots
+    assert max(batches) > 1  # the kernel really served batched rows
