@@ -2,6 +2,7 @@
 at a time, as CUDA graph replays, side by side in one run.
 
     python bench/bench_tree_attention.py --out tree-attention.json      # on a GPU
+    python bench/bench_tree_attention.py --sweep --out sweep.json        # and every tiling too
 
 For each shape (the Qwen3-8B and 1.7B attention in bf16, the demo target in float32), each node
 count n (1 is an AR step; 17, 65, 257 tree verifies) and each context: microseconds per call,
@@ -10,7 +11,8 @@ median of repeats, for
   scores GEMM over the context's KV span, the mask add, the softmax, the second GEMM, the unfold
   (the mask itself is built once per forward and shared by the layers, so it is not counted);
 - "triton": fast/tree_attention.py over the same cache, reading the length on the device.
-Both over a cache whose rows past the context are never read by either.
+Both over a cache whose rows past the context are never read by either. With --sweep, also
+every tiling of a grid (tree_attention.Config) per case: the best, and what the default gives.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ SHAPES = {"8b": (8, 4, 128, "bfloat16"), "1.7b": (8, 2, 128, "bfloat16"), "demo"
 def _graph_us(fn, calls: int = 20, repeats: int = 7) -> float:
     import torch
 
+    if not torch.cuda.is_available():  # a smoke run on a CPU (the interpreter): wall time
+        import time
+
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -49,7 +58,23 @@ def _graph_us(fn, calls: int = 20, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
-def case(shape: str, n: int, context: int, rows: int) -> dict:
+def sweep_configs(rows_per_kv: int, dtype) -> list:
+    """The tilings the sweep tries: query blocks up to the rows, key blocks, warps, stages,
+    the fewest key blocks a split takes."""
+    import torch
+
+    from ddtree.engine.reference.fast.tree_attention import Config
+
+    top = max(16, 1 << (rows_per_kv - 1).bit_length())
+    if dtype == torch.float32:
+        grid = [(m, n, 4, st) for m in (16, 32) for n in (16, 32, 64) for st in (2, 3)]
+    else:
+        grid = [(m, n, 4, st) for m in (16, 32) for n in (32, 64, 128) for st in (2, 3)]
+        grid += [(m, n, w, st) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+    return [Config(m, n, w, st, mb) for m, n, w, st in grid if m <= top for mb in (2, 8)]
+
+
+def case(shape: str, n: int, context: int, rows: int, sweep: bool = False) -> dict:
     import torch
 
     from ddtree.engine.reference.fast import tree_attention as fused
@@ -58,7 +83,7 @@ def case(shape: str, n: int, context: int, rows: int) -> dict:
 
     kvh, g, d, dtype = SHAPES[shape]
     dtype = getattr(torch, dtype)
-    dev = "cuda"
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=dev).manual_seed(n + context)
     q = torch.randn(n, kvh * g, d, device=dev, dtype=dtype, generator=gen)
     keys = torch.randn(1, kvh, rows, d, device=dev, dtype=dtype, generator=gen)
@@ -86,6 +111,21 @@ def case(shape: str, n: int, context: int, rows: int) -> dict:
     out["matmul_us"] = round(_graph_us(matmul), 2)
     out["triton_us"] = round(_graph_us(triton), 2)
     out["speedup"] = round(out["matmul_us"] / out["triton_us"], 2)
+    if sweep:
+        tried = []
+        for config in sweep_configs(g * n, dtype):
+            def tiled(config=config):
+                return fused.launch(q, keys, values, lengths, tree, scale, rows, config)
+            try:
+                us = _graph_us(tiled, calls=10, repeats=5)
+            except Exception as exc:  # a tiling this GPU cannot run (shared memory): skipped
+                tried.append({"config": config.__dict__, "error": str(exc)[:80]})
+                continue
+            tried.append({"config": config.__dict__, "us": round(us, 2)})
+        ok = [t for t in tried if "us" in t]
+        best = min(ok, key=lambda t: t["us"])
+        out["best_us"], out["best_config"] = best["us"], best["config"]
+        out["sweep"] = tried
     return out
 
 
@@ -95,21 +135,28 @@ def main(argv=None) -> int:
     p.add_argument("--nodes", default="1,17,65,257", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--contexts", default="1024,4096", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--rows", type=int, default=8256, help="the cache's rows (a serving window of 8192 and its slack)")
+    p.add_argument("--sweep", action="store_true", help="also time every tiling of a grid per case")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     import torch
 
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": args.rows, "cases": []}
+    result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "rows": args.rows, "cases": []}
     print(f"{'shape':6s} {'n':>4s} {'context':>7s} {'matmul us':>10s} {'triton us':>10s} {'x':>6s} {'rel diff':>9s}")
     for shape in args.shapes:
         for context in args.contexts:
             for n in args.nodes:
-                row = {"shape": shape, "n": n, "context": context, **case(shape, n, context, args.rows)}
+                row = {"shape": shape, "n": n, "context": context,
+                       **case(shape, n, context, args.rows, args.sweep)}
                 result["cases"].append(row)
+                best = ""
+                if args.sweep:
+                    c = row["best_config"]
+                    best = (f"  best {row['best_us']:.2f} (m{c['block_m']} n{c['block_n']} w{c['warps']} "
+                            f"s{c['stages']} b{c['min_blocks']})")
                 print(f"{shape:6s} {n:4d} {context:7d} {row['matmul_us']:10.2f} {row['triton_us']:10.2f} "
-                      f"{row['speedup']:6.2f} {row['rel_diff']:9.2e}", flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+                      f"{row['speedup']:6.2f} {row['rel_diff']:9.2e}{best}", flush=True)
+                if args.out:
+                    args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ddtree.engine.reference.errors import BadParams
 
-BLOCK_N = 64       # key rows a step of the split kernel reads
 MERGE_ROWS = 16    # query rows a program of the merge kernel combines
 _MAX_SPLITS = 64
 
@@ -72,20 +72,34 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def plan_splits(pairs: int, row_blocks: int, max_rows: int, device: torch.device) -> int:
-    """How many key splits at most: about two programs per multiprocessor, at least two key
-    blocks a split at max_rows, at most _MAX_SPLITS. A shorter context spreads its blocks over
+@dataclass(frozen=True)
+class Config:
+    """How a launch tiles the work: query rows and key rows a step (block_m, block_n), warps and
+    pipeline stages a program, and the fewest key blocks a split takes (min_blocks)."""
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    min_blocks: int
+
+
+def default_config(rows_per_kv: int, dtype: torch.dtype) -> Config:
+    """The tiling for this many query rows per kv head (groups * n) and dtype."""
+    block_m = 16 if rows_per_kv <= 16 else 32 if rows_per_kv <= 32 else 64
+    return Config(block_m=block_m, block_n=64, warps=4, stages=3, min_blocks=2)
+
+
+def plan_splits(pairs: int, row_blocks: int, max_rows: int, device: torch.device, block_n: int = 64,
+                min_blocks: int = 2) -> int:
+    """How many key splits at most: about two programs per multiprocessor, at least min_blocks
+    key blocks a split at max_rows, at most _MAX_SPLITS. A shorter context spreads its blocks over
     fewer splits (the kernels divide by the length they read), so one launch, and one CUDA graph,
     serves every length. On a CPU (the interpreter) a few, so tests cover the merge."""
-    blocks = -(-max_rows // BLOCK_N)
+    blocks = -(-max_rows // block_n)
     if device.type != "cuda":
         return max(1, min(3, blocks))
     wanted = -(-2 * _multiprocessors(device.index or 0) // (pairs * row_blocks))
-    return max(1, min(wanted, -(-blocks // 2), _MAX_SPLITS))
-
-
-def _block_m(rows: int) -> int:
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+    return max(1, min(wanted, -(-blocks // min_blocks), _MAX_SPLITS))
 
 
 def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
@@ -93,36 +107,43 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, le
     """q [B*n, heads, d] (batch-row major); keys/values [B, kv_heads, rows, d] with the new rows
     written; lengths [B] long (context rows per batch row, on the device); tree None or bool
     [B, n, n] (visibility among the new rows); max_rows: the most rows any batch row may attend
-    (length + n), which sizes the key splits -> [B*n, heads, d] in q's dtype."""
+    (length + n), which sizes the key splits -> [B*n, heads, d] in q's dtype. A custom op, so
+    torch.compile'd code calls it as it is."""
     return torch.ops.ddtree.tree_attention(q, keys, values, lengths, tree, scale, max_rows)
 
 
 @torch.library.custom_op("ddtree::tree_attention", mutates_args=())
 def _tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                     tree: Optional[torch.Tensor], scale: float, max_rows: int) -> torch.Tensor:
+    return launch(q, keys, values, lengths, tree, scale, max_rows)
+
+
+def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+           tree: Optional[torch.Tensor], scale: float, max_rows: int, config: Config | None = None) -> torch.Tensor:
+    """tree_attention's kernels launched directly, with this tiling (default_config when None):
+    what the op runs, and what bench_tree_attention.py tunes."""
     batch, kv_heads, _, d = keys.shape
     heads = q.shape[1]
     n = q.shape[0] // batch
     groups = heads // kv_heads
     rows_per_kv = groups * n
+    config = config or default_config(rows_per_kv, q.dtype)
+    block_n = config.block_n
     out = torch.empty((batch * n, heads, d), dtype=q.dtype, device=q.device)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    block_m = _block_m(rows_per_kv)
-    row_blocks = -(-rows_per_kv // block_m)
+    row_blocks = -(-rows_per_kv // config.block_m)
     pairs = batch * kv_heads
-    splits = plan_splits(pairs, row_blocks, max_rows, q.device)
+    splits = plan_splits(pairs, row_blocks, max_rows, q.device, block_n, config.min_blocks)
     attend, merge = _kernels(q.device)
     if tree is not None:
         tree = tree.view(torch.uint8)
         st_b, st_i = tree.stride(0), tree.stride(1)
     else:
         st_b = st_i = 0
-    part = torch.empty((splits, pairs, rows_per_kv, d), dtype=torch.float32, device=q.device) \
-        if splits > 1 else out
-    ml = torch.empty((2, splits, pairs, rows_per_kv), dtype=torch.float32, device=q.device) \
-        if splits > 1 else out
     final = splits == 1
+    part = out if final else torch.empty((splits, pairs, rows_per_kv, d), dtype=torch.float32, device=q.device)
+    ml = out if final else torch.empty((2, splits, pairs, rows_per_kv), dtype=torch.float32, device=q.device)
     attend[(pairs, row_blocks, splits)](
         q, keys, values, lengths, tree if tree is not None else lengths, out, part, ml,
         n, rows_per_kv, kv_heads, groups, splits, float(scale), 0 if final else ml.stride(0),
@@ -130,13 +151,14 @@ def _tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, l
         values.stride(0), values.stride(1), values.stride(2), st_b, st_i, out.stride(0), out.stride(1),
         0 if final else part.stride(0), 0 if final else part.stride(1), 0 if final else part.stride(2),
         0 if final else ml.stride(1), 0 if final else ml.stride(2),
-        D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HAS_TREE=tree is not None,
-        IEEE=q.dtype == torch.float32 or q.device.type != "cuda", FINAL=final, num_warps=4)
+        D=d, BLOCK_M=config.block_m, BLOCK_N=block_n, HAS_TREE=tree is not None,
+        IEEE=q.dtype == torch.float32 or q.device.type != "cuda", FINAL=final,
+        num_warps=config.warps, num_stages=config.stages)
     if not final:
         merge[(pairs, -(-rows_per_kv // MERGE_ROWS))](
             part, ml, out, lengths, n, rows_per_kv, kv_heads, groups, splits, ml.stride(0),
             out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
-            ml.stride(1), ml.stride(2), D=d, BLOCK_R=MERGE_ROWS, BLOCK_N=BLOCK_N, num_warps=4)
+            ml.stride(1), ml.stride(2), D=d, BLOCK_R=MERGE_ROWS, BLOCK_N=block_n, num_warps=4)
     return out
 
 

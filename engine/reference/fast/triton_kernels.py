@@ -10,6 +10,49 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend_block(q, k_base, v_base, kb, length, total, i, r_ok, tree_base, st_i, sk_r, sv_r, dd,
+                  m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  HAS_TREE: tl.constexpr, IEEE: tl.constexpr):
+    """One key block into the running (max, sum, output) of an online softmax in base 2. Blocks
+    wholly inside the context need no mask (MASKED False); the last ones hold the context's end,
+    the new rows (under the tree) and rows past them."""
+    c = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    if MASKED:
+        c_ok = c < total
+        k = tl.load(k_base + c[:, None] * sk_r + dd[None, :], mask=c_ok[:, None], other=0.0)
+        v = tl.load(v_base + c[:, None] * sv_r + dd[None, :], mask=c_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_base + c[:, None] * sk_r + dd[None, :])
+        v = tl.load(v_base + c[:, None] * sv_r + dd[None, :])
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale
+    if MASKED:
+        if HAS_TREE:
+            j = c - length
+            new = (j >= 0) & c_ok
+            t = tl.load(tree_base + i[:, None] * st_i + j[None, :], mask=r_ok[:, None] & new[None, :], other=0)
+            seen = (c < length)[None, :] | (t != 0)
+        else:
+            seen = c_ok[None, :] & (i >= 0)[:, None]
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen nothing yet keeps max -inf; exp2(-inf - 0) is 0, never NaN.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(v.dtype)
+    if IEEE:
+        acc = tl.dot(p.to(tl.float32), v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p, v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
 def attend_split(Q, K, V, LENGTHS, TREE, OUT, PART, ML,
                  n, rows_per_kv, kv_heads, groups, splits, scale, ml_half,
                  sq_n, sq_h, sk_b, sk_h, sk_r, sv_b, sv_h, sv_r, st_b, st_i, so_n, so_h,
@@ -19,7 +62,7 @@ def attend_split(Q, K, V, LENGTHS, TREE, OUT, PART, ML,
     """One (batch row, kv head) x query block x key split. Query row r of a kv head is query
     i = r % n of head kv*groups + r // n (the fold of model.py); the split streams its share of
     key blocks [0, cdiv(length + n, BLOCK_N)) with an online softmax. FINAL (one split): writes the
-    normalised output; else the unnormalised sum, its running max and its sum of weights.
+    normalised output; else the unnormalised sum, its running max (base 2) and its sum of weights.
     IEEE: both products in exact float32 (float32 inputs; and half inputs under the interpreter,
     whose dot of half types is wrong, after the same rounding of the probabilities)."""
     pair = tl.program_id(0)
@@ -33,6 +76,7 @@ def attend_split(Q, K, V, LENGTHS, TREE, OUT, PART, ML,
     per = tl.cdiv(blocks, splits)
     lo = split * per
     hi = tl.minimum(lo + per, blocks)
+    clean = tl.minimum(tl.maximum(length // BLOCK_N, lo), hi)  # [lo, clean) need no mask
 
     r = block * BLOCK_M + tl.arange(0, BLOCK_M)
     r_ok = r < rows_per_kv
@@ -46,37 +90,14 @@ def attend_split(Q, K, V, LENGTHS, TREE, OUT, PART, ML,
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     k_base = K + b * sk_b + h * sk_h
     v_base = V + b * sv_b + h * sv_h
-    for kb in range(lo, hi):
-        c = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-        c_ok = c < total
-        k = tl.load(k_base + c[:, None] * sk_r + dd[None, :], mask=c_ok[:, None], other=0.0)
-        v = tl.load(v_base + c[:, None] * sv_r + dd[None, :], mask=c_ok[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
-        if HAS_TREE:
-            j = c - length
-            new = (j >= 0) & c_ok
-            t = tl.load(TREE + b * st_b + i[:, None] * st_i + j[None, :],
-                        mask=r_ok[:, None] & new[None, :], other=0)
-            seen = (c < length)[None, :] | (t != 0)
-        else:
-            seen = c_ok[None, :] & (r >= 0)[:, None]
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen nothing yet keeps max -inf; exp(-inf - 0) is 0, never NaN.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(v.dtype)
-        if IEEE:
-            acc = tl.dot(p.to(tl.float32), v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p, v, acc * alpha[:, None])
-        m_i = m_new
+    tree_base = TREE + b * st_b
+    qk_scale = scale * 1.4426950408889634  # log2(e): the softmax runs in base 2
+    for kb in range(lo, clean):
+        m_i, l_i, acc = _attend_block(q, k_base, v_base, kb, length, total, i, r_ok, tree_base, st_i, sk_r,
+                                      sv_r, dd, m_i, l_i, acc, qk_scale, BLOCK_N, False, HAS_TREE, IEEE)
+    for kb in range(clean, hi):
+        m_i, l_i, acc = _attend_block(q, k_base, v_base, kb, length, total, i, r_ok, tree_base, st_i, sk_r,
+                                      sv_r, dd, m_i, l_i, acc, qk_scale, BLOCK_N, True, HAS_TREE, IEEE)
     if FINAL:
         out = acc / l_i[:, None]
         tl.store(OUT + (b * n + i)[:, None] * so_n + head[:, None] * so_h + dd[None, :],
@@ -93,7 +114,7 @@ def merge_splits(PART, ML, OUT, LENGTHS, n, rows_per_kv, kv_heads, groups, split
                  so_n, so_h, sp_s, sp_p, sp_r, sm_s, sm_p,
                  D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """BLOCK_R query rows of one (batch row, kv head): the splits' partial sums weighted by
-    exp(their max - the overall max), over the weighted sum of weights. Only the splits that had
+    2^(their max - the overall max), over the weighted sum of weights. Only the splits that had
     key blocks at this row's length are read (attend_split's division). Every row sees at least
     itself, so some split has a finite max."""
     pair = tl.program_id(0)
@@ -112,7 +133,7 @@ def merge_splits(PART, ML, OUT, LENGTHS, n, rows_per_kv, kv_heads, groups, split
     acc = tl.zeros([BLOCK_R, D], tl.float32)
     total = tl.zeros([BLOCK_R], tl.float32)
     for s in range(0, active):
-        w = tl.exp(tl.load(ML + s * sm_s + pair * sm_p + r, mask=r_ok, other=float("-inf")) - top)
+        w = tl.exp2(tl.load(ML + s * sm_s + pair * sm_p + r, mask=r_ok, other=float("-inf")) - top)
         total += w * tl.load(ML + ml_half + s * sm_s + pair * sm_p + r, mask=r_ok, other=0.0)
         part = tl.load(PART + s * sp_s + pair * sp_p + r[:, None] * sp_r + dd[None, :],
                        mask=r_ok[:, None], other=0.0)

@@ -187,7 +187,7 @@ def test_drafter_static_block_with_the_kernel_equals_the_reference():
     length on the device through the kernel: the same drafts as the transformers-style reference."""
     from .test_fast_draft import TOL, _run_pair, _tiny
 
-    target, drafter, feats = _tiny()
+    target, drafter, feats = (x.to(DEVICE) for x in _tiny())
     got, want = _run_pair(target, drafter, feats, static=True, attention="triton")
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **TOL)
