@@ -288,13 +288,11 @@ def choose_attention(setting: str, device: torch.device, head_dim: int) -> str:
     BadParams for an unknown setting, or triton where it cannot run."""
     if setting not in ATTENTION_SETTINGS:
         raise BadParams(f"attention must be {', '.join(ATTENTION_SETTINGS)}, got {setting!r}")
-    triton_runs = fused.available() and fused.supported(head_dim) and (
-        device.type == "cuda" or fused.interpreting())
-    if setting == "triton" and not triton_runs:
+    if setting == "triton" and not fused.runs(device, head_dim):
         raise BadParams(f"the triton attention kernel cannot run here (head_dim {head_dim}, {device.type})",
                         "it needs triton, CUDA and a power-of-two head size of 16..256")
     if setting == "auto":
-        if device.type == "cuda" and triton_runs:
+        if device.type == "cuda" and fused.runs(device, head_dim):
             return "triton"
         return "matmul" if matmul_attention_works(device) else "sdpa"
     return setting

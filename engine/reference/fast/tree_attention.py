@@ -58,6 +58,14 @@ def _kernels(device: torch.device):
     return k.attend_split, k.merge_splits
 
 
+def runs(device: torch.device, head_dim: int) -> bool:
+    """Whether the kernels run for this device and head size: CUDA with triton installed, or a
+    CPU under Triton's interpreter (tests)."""
+    if not (available() and supported(head_dim)):
+        return False
+    return device.type == "cuda" or interpreting()
+
+
 def interpreting() -> bool:
     """Whether Triton's interpreter runs the kernels (TRITON_INTERPRET=1 when triton was imported)."""
     from triton.runtime.interpreter import InterpretedFunction
