@@ -20,7 +20,7 @@ setup() {
     fi
     # Without CUDA, Triton's interpreter runs the tree-attention kernels in the tests (3.7.1 and
     # later work with numpy 2). A CUDA torch brings the triton it was built with: left alone.
-    if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.version.cuda is not None)' 2>/dev/null \
+    if "$VENV/bin/python" -c 'import sys, torch; sys.exit(torch.version.cuda is not None)' 2>/dev/null \
         && ! "$VENV/bin/python" -c 'import triton' 2>/dev/null; then
         "$VENV/bin/python" -m pip install -q 'triton>=3.7.1'
     fi

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,34 +27,20 @@ SHAPES = {"8b": (8, 4, 128, "bfloat16"), "1.7b": (8, 2, 128, "bfloat16"), "demo"
 
 
 def _graph_us(fn, calls: int = 20, repeats: int = 7) -> float:
+    """us per call: CUDA graph replays (the engine's own timer, rows.replay_us); on a CPU, where
+    Triton's interpreter runs the kernel for a smoke run, one call's wall time."""
     import torch
 
-    if not torch.cuda.is_available():  # a smoke run on a CPU (the interpreter): wall time
+    if not torch.cuda.is_available():
         import time
 
         fn()
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
+    from ddtree.engine.reference.fast.rows import replay_us
+
+    return replay_us(fn, torch.device("cuda"), launches=calls, repeats=repeats)
 
 
 def sweep_configs(rows_per_kv: int, dtype) -> list:

@@ -422,8 +422,8 @@ class Attention(nn.Module):
             out = self._causal(q.transpose(0, 1), k, v)        # [heads, n, d]
             return self.o_proj(out.transpose(0, 1).reshape(n, self.num_heads * d))
         if plan.kernel == "triton":
-            out = fused.tree_attention(q, k_cache[None], v_cache[None], plan.lengths, plan.tree, d ** -0.5,
-                                 plan.read if plan.read is not None else k_cache.shape[1])
+            rows = plan.read if plan.read is not None else k_cache.shape[1]
+            out = fused.tree_attention(q, k_cache[None], v_cache[None], plan.lengths, plan.tree, d ** -0.5, rows)
             return self.o_proj(out.view(n, self.num_heads * d))
         keys = k_cache if plan.read is None else k_cache[:, :plan.read]
         values = v_cache if plan.read is None else v_cache[:, :plan.read]

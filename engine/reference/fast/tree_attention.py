@@ -6,10 +6,12 @@ and new row j where tree[b, i, j] (every new row when tree is None: the drafter'
 past length_b + n are never read. The lengths are device values the kernel reads itself, so one
 CUDA graph serves any context length and reads only the rows that exist.
 
-Why a kernel of our own: the "matmul" kernel (model.py) writes float32 scores [kv_heads, G*n,
-span], then runs a softmax and a second GEMM, three or four launches a layer; on an H200 those
-took about 1 ms of an 8.8 ms DDTree-64 round on the Qwen3-8B shape, and the fused SDPA kernels
-give a few queries a handful of thread blocks for the whole cache. This is flash decoding:
+Why a kernel of our own: the "matmul" kernel (model.py) needs a mask built per forward, writes
+float32 scores [kv_heads, G*n, span], then runs a softmax and a second GEMM; on an H200 those
+took about 0.75 ms of an 8.8 ms DDTree-64 round on the Qwen3-8B shape, and the fused SDPA kernels
+give a few queries a handful of thread blocks for the whole cache. Measured on an H200
+(bench/RESULTS.md, fifth pass): 1.5-5.8x faster per layer than the matmul kernel; in the engine,
+a DDTree-64 round's attention went to about 0.5 ms, and the 8B AR step did not move. This is flash decoding:
 programs of (batch row x kv head, query block, key split) stream their share of the key blocks
 with an online softmax, and a second small kernel merges the splits. The G query heads of a kv
 head are folded into its query rows, so K/V are read once per kv head.
