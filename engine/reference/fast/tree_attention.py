@@ -181,25 +181,3 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
 def _(q, keys, values, lengths, tree, scale, max_rows):
     batch, _, _, d = keys.shape
     return q.new_empty((q.shape[0], q.shape[1], d))
-
-
-def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-              tree: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    """The same function in plain torch, in float64 (what the tests compare the kernel with)."""
-    batch, kv_heads, rows, d = keys.shape
-    heads = q.shape[1]
-    n = q.shape[0] // batch
-    groups = heads // kv_heads
-    out = torch.empty((batch * n, heads, d), dtype=torch.float64)
-    cols = torch.arange(rows)
-    for b in range(batch):
-        length = int(lengths[b])
-        new = tree[b].bool().cpu() if tree is not None else torch.ones(n, n, dtype=torch.bool)
-        seen = (cols[None, :] < length).expand(n, rows).clone()
-        seen[:, length:length + n] |= new
-        for head in range(heads):
-            kv = head // groups
-            s = q[b * n:(b + 1) * n, head].double().cpu() @ keys[b, kv].double().cpu().T * scale
-            s = s.masked_fill(~seen, float("-inf"))
-            out[b * n:(b + 1) * n, head] = torch.softmax(s, dim=-1) @ values[b, kv].double().cpu()
-    return out

@@ -35,6 +35,27 @@ pytestmark = pytest.mark.skipif(not _runs_here(), reason="needs triton: CUDA, or
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def reference(q, keys, values, lengths, tree, scale) -> torch.Tensor:
+    """What tree_attention computes, in plain torch and float64."""
+    batch, kv_heads, rows, d = keys.shape
+    heads = q.shape[1]
+    n = q.shape[0] // batch
+    groups = heads // kv_heads
+    out = torch.empty((batch * n, heads, d), dtype=torch.float64)
+    cols = torch.arange(rows)
+    for b in range(batch):
+        length = int(lengths[b])
+        new = tree[b].bool().cpu() if tree is not None else torch.ones(n, n, dtype=torch.bool)
+        seen = (cols[None, :] < length).expand(n, rows).clone()
+        seen[:, length:length + n] |= new
+        for head in range(heads):
+            kv = head // groups
+            s = q[b * n:(b + 1) * n, head].double().cpu() @ keys[b, kv].double().cpu().T * scale
+            s = s.masked_fill(~seen, float("-inf"))
+            out[b * n:(b + 1) * n, head] = torch.softmax(s, dim=-1) @ values[b, kv].double().cpu()
+    return out
+
+
 def _case(batch, kv_heads, groups, n, rows, d, dtype, tree_kind, seed, lengths=None):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch * n, kv_heads * groups, d, generator=g).to(dtype)
@@ -57,7 +78,7 @@ def _on(device, *tensors):
 
 def _check(q, keys, values, lengths, tree, *, max_rows=None, tol=None):
     scale = q.shape[-1] ** -0.5
-    want = fused.reference(q, keys, values, lengths, tree, scale)
+    want = reference(q, keys, values, lengths, tree, scale)
     args = _on(DEVICE, q, keys, values, lengths, tree)
     got = fused.tree_attention(*args, scale, max_rows or keys.shape[2]).cpu()
     assert got.shape == want.shape and got.dtype == q.dtype
@@ -89,7 +110,7 @@ def test_lengths_at_the_edges():
 
 def test_rows_past_the_context_and_the_new_rows_are_never_read():
     q, keys, values, lengths, tree = _case(2, 2, 2, 5, 260, 32, torch.float32, "random", seed=6, lengths=[10, 190])
-    clean = fused.reference(q, keys, values, lengths, tree, 32 ** -0.5)
+    clean = reference(q, keys, values, lengths, tree, 32 ** -0.5)
     for b, length in enumerate(lengths.tolist()):
         keys[b, :, length + 5:] = float("nan")
         values[b, :, length + 5:] = float("nan")
@@ -104,7 +125,7 @@ def test_the_lengths_are_read_on_the_device_at_every_call():
     first = fused.tree_attention(q, keys, values, lengths, tree, 0.25, 200).cpu()
     lengths.fill_(150)  # in place, as a cache's length_t moves under a captured graph
     second = fused.tree_attention(q, keys, values, lengths, tree, 0.25, 200).cpu()
-    torch.testing.assert_close(second, fused.reference(q, keys, values, lengths, tree, 0.25).float())
+    torch.testing.assert_close(second, reference(q, keys, values, lengths, tree, 0.25).float())
     assert not torch.allclose(first, second)
 
 
@@ -176,7 +197,7 @@ def test_cuda_graph_and_compile_replay_at_new_lengths():
     for length in (100, 5, 690):
         lengths.fill_(length)
         graph.replay()
-        want = fused.reference(q, keys, values, lengths, tree, 0.125) * 2
+        want = reference(q, keys, values, lengths, tree, 0.125) * 2
         err = ((out.cpu().double() - want).norm() / want.norm()).item()
         assert err < 2e-2, (length, err)
 
