@@ -182,7 +182,7 @@ def bench_shape(shape: str, args) -> dict:
             torch.cuda.empty_cache() if device.startswith("cuda") else None
     row["graphs"] = fast.graphs
     row["compiled"] = fast.target.compiled
-    row["attention"] = fast.target.attention
+    row["attention"] = fast.attention
     row.update(_graph_counts(fast))
     row["verify_ms"] = verify_ms(fast, prompt, device, args.nodes, args.repeats * 4)
     print(f"[{shape}] verify ms by nodes {row['verify_ms']}", flush=True)

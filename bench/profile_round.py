@@ -125,11 +125,11 @@ def main(argv=None) -> int:
         engine, prompt = load(args)
         specs = [("ar", SpecParams("ar")), ("dflash", SpecParams("dflash"))]
         specs += [(f"ddtree-{b}", SpecParams("ddtree", b)) for b in args.budgets]
-        result = {"pair": args.pair, "device": args.device, "attention": engine.target.attention, "rows": {}}
+        result = {"pair": args.pair, "device": args.device, "attention": engine.attention, "rows": {}}
         for name, spec in specs:
             result["rows"][name] = row = profile(engine, prompt, spec, args.rounds, args.device, args.top,
                                                  shapes=args.eager)
-            print(f"[{args.pair} {engine.target.attention}] {name}: wall {row['wall_ms_per_round']} ms/round, GPU busy "
+            print(f"[{args.pair} {engine.attention}] {name}: wall {row['wall_ms_per_round']} ms/round, GPU busy "
                   f"{row['gpu_busy_ms_per_round']} ms, {row['kernels_per_round']} kernels/round", flush=True)
             for k in row["top_kernels"][:8]:
                 print(f"    {k['us_per_round']:9.2f} us  x{k['per_round']:<6} {k['name']}", flush=True)

@@ -104,10 +104,8 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
     depth = engine.block_size - 1
     q = _width(engine, mode, budget, depth)
     span = max(s._start for s in sessions) + q
-    if target.bucket_kv:
-        span = kv_bucket(target.new_cache_rows(), span, target.kv_spans(target.new_cache_rows()))
-    else:
-        span = target.new_cache_rows()
+    cache_rows = target.new_cache_rows()
+    span = kv_bucket(cache_rows, span, target.kv_spans(cache_rows)) if target.bucket_kv else cache_rows
     device = pool.lengths.device
     t0 = engine.clock()
     # What the stage must hold: the active rows, their depth caps and, where a session's

@@ -104,8 +104,8 @@ def default_config(rows_per_kv: int, dtype: torch.dtype) -> Config:
     return Config(block_m=block_m, block_n=128, warps=4, stages=2, min_blocks=8)
 
 
-def plan_splits(pairs: int, row_blocks: int, max_rows: int, device: torch.device, block_n: int = 64,
-                min_blocks: int = 2) -> int:
+def plan_splits(pairs: int, row_blocks: int, max_rows: int, device: torch.device, block_n: int,
+                min_blocks: int) -> int:
     """How many key splits at most: about two programs per multiprocessor, at least min_blocks
     key blocks a split at max_rows, at most _MAX_SPLITS. A shorter context spreads its blocks over
     fewer splits (the kernels divide by the length they read), so one launch, and one CUDA graph,
@@ -179,5 +179,4 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
 
 @_tree_attention.register_fake
 def _(q, keys, values, lengths, tree, scale, max_rows):
-    batch, _, _, d = keys.shape
-    return q.new_empty((q.shape[0], q.shape[1], d))
+    return q.new_empty((q.shape[0], q.shape[1], keys.shape[3]))
