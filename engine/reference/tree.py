@@ -179,6 +179,9 @@ def build_tree_device_scored(root: int | torch.Tensor, logprobs: torch.Tensor,
     verifies correctly under its ancestor mask) except where the shapes alone force a chain
     (budget <= 1, or a vocab of 1). Node count is 1 + min(M, number of prefixes of length 1..L):
     a budget beyond the prefix space takes all of them. Scores add in logprobs' dtype.
+
+    Float32 log-probs on CUDA go to one kernel (fast/tree_build.py) that builds this same tree,
+    with a tie inside a depth's beam going to the earlier candidate.
     """
     if logprobs.dim() != 2:
         raise BadParams(f"logprobs must be [depth, vocab], got shape {tuple(logprobs.shape)}")
@@ -195,6 +198,17 @@ def build_tree_device_scored(root: int | torch.Tensor, logprobs: torch.Tensor,
     if budget == 0 or depth_count == 0 or vocab == 0:
         tree = Tree(root_t, zero_l, zero_l, True, 0, torch.ones((1, 1), dtype=torch.bool, device=device))
         return tree, zero_f
+
+    if logprobs.is_cuda:
+        from ddtree.engine.reference.fast import tree_build
+
+        if tree_build.runs(logprobs[None], budget):
+            # One kernel builds the same tree (fast/tree_build.py): the steps below launch ~5 a depth.
+            tokens, depths, parents, visible, scores = tree_build.build(root_t, logprobs[None], budget)
+            n = tokens.shape[1]
+            tree = Tree(tokens[0], depths[0], parents[0], n <= 2 or vocab == 1,
+                        min(depth_count, n - 1), visible[0])
+            return tree, scores[0]
 
     k = min(budget, vocab)
     top_vals, top_ids = torch.topk(logprobs, k, dim=-1)       # [L, k], ranks best first

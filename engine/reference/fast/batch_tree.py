@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ddtree.engine.reference.errors import BadParams
+from ddtree.engine.reference.fast import tree_build
 from ddtree.engine.reference.tree import Tree, _layout
 
 
@@ -78,6 +79,9 @@ def build_trees_device(roots: torch.Tensor, logprobs: torch.Tensor, budget: int)
     if budget == 0 or depth_count == 0 or vocab == 0:
         return roots_only(roots[:, 0])
 
+    if tree_build.runs(logprobs, budget):  # the same tree in one kernel, on CUDA
+        tokens, depths, parents, visible, _ = tree_build.build(roots[:, 0], logprobs, budget)
+        return TreeBatch(tokens, depths, parents, visible, (tokens.shape[1],) * b)
     k = min(budget, vocab)
     top_vals, top_ids = torch.topk(logprobs, k, dim=-1)       # [b, L, k], ranks best first
     top_vals = top_vals.clamp(max=0.0)                         # a child never outscores its parent

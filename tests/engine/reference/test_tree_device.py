@@ -22,29 +22,7 @@ from ddtree.engine.reference.tree import (
     walk_device,
 )
 
-from .tree_support import all_prefix_scores, ancestor_sets, python_walk, random_logprobs, tree_paths
-
-
-def _tied_logprobs(depth: int, vocab: int, seed: int) -> torch.Tensor:
-    """Log-probs from {0, -1, -2, -inf}: small integers add exactly, so ties are real and many."""
-    g = torch.Generator().manual_seed(seed)
-    lp = -torch.randint(0, 3, (depth, vocab), generator=g).double()
-    lp[torch.rand(depth, vocab, generator=g) < 0.15] = float("-inf")
-    return lp
-
-
-def _check_structure(tree, logprobs):
-    """Parents first, depths consistent, distinct paths closed under prefixes, ancestors right."""
-    parents, depths = tree.parents.tolist(), tree.depths.tolist()
-    assert parents[0] == 0 and depths[0] == 0
-    for i in range(1, tree.size):
-        assert parents[i] < i
-        assert depths[i] == depths[parents[i]] + 1
-    assert max(depths) <= tree.max_depth <= logprobs.shape[0]
-    paths = tree_paths(tree)
-    assert len(set(paths)) == len(paths)
-    assert all(p[:-1] in set(paths) for p in paths if len(p) > 1)
-    assert [set(torch.nonzero(row).flatten().tolist()) for row in tree.ancestors()] == ancestor_sets(tree)
+from .tree_support import all_prefix_scores, check_structure, python_walk, random_logprobs, tied_logprobs
 
 
 def _prefix_count(depth: int, vocab: int) -> int:
@@ -61,7 +39,7 @@ def test_nodes_are_the_most_probable_prefixes(seed, depth, vocab):
         n = min(budget, len(everything))
         assert tree.size == 1 + n
         assert tree.tokens[0] == 11
-        _check_structure(tree, logprobs)
+        check_structure(tree, logprobs)
         assert scores.tolist() == pytest.approx(tree_scores(tree, logprobs).tolist(), abs=1e-5)
         assert sorted(scores[1:].tolist(), reverse=True) == pytest.approx(everything[:n], abs=1e-5)
 
@@ -80,13 +58,13 @@ def test_same_score_multiset_as_build_tree(seed):
 @pytest.mark.parametrize("seed", range(12))
 def test_ties_and_exact_zeros_still_give_closed_optimal_trees(seed):
     depth, vocab = (3, 4) if seed % 2 else (4, 3)
-    logprobs = _tied_logprobs(depth, vocab, seed)
+    logprobs = tied_logprobs(depth, vocab, seed)
     everything = all_prefix_scores(logprobs)
     for budget in range(1, len(everything) + 3):
         tree, scores = build_tree_device_scored(0, logprobs, budget)
         n = min(budget, len(everything))
         assert tree.size == 1 + n
-        _check_structure(tree, logprobs)
+        check_structure(tree, logprobs)
         assert sorted(scores[1:].tolist(), reverse=True) == everything[:n]
 
 
@@ -95,7 +73,7 @@ def test_all_zero_log_probs_take_the_shallow_prefixes_first():
     logprobs = torch.zeros(4, 3)
     for budget in range(1, 40):
         tree = build_tree_device(0, logprobs, budget)
-        _check_structure(tree, logprobs)
+        check_structure(tree, logprobs)
         depths = tree.depths.tolist()
         assert depths == sorted(depths)
 
@@ -232,7 +210,7 @@ def test_cuda_build_and_walk_never_sync():
     host = build_tree(7, logprobs.cpu(), 256)
     want = sorted(tree_scores(host, logprobs.cpu()).tolist())
     assert sorted(tree_scores(tree, logprobs).cpu().tolist()) == pytest.approx(want, abs=1e-4)
-    _check_structure(tree, logprobs)
+    check_structure(tree, logprobs)
     cpu_tree = tree_mod.Tree(tree.tokens.cpu(), tree.depths.cpu(), tree.parents.cpu(), False, 15)
     assert order[:int(count)].tolist() == accepted_path(cpu_tree, posterior.cpu()).tolist()
     path, path_list, new = fetch_walk(tree, posterior, order, count)
@@ -244,10 +222,10 @@ def test_cuda_build_and_walk_never_sync():
 @pytest.mark.cuda
 @pytest.mark.parametrize("seed", range(4))
 def test_cuda_ties_stay_closed(seed):
-    logprobs = _tied_logprobs(4, 3, seed).float().cuda()
+    logprobs = tied_logprobs(4, 3, seed).float().cuda()
     everything = all_prefix_scores(logprobs.cpu())
     for budget in (5, 17, 60, 200):
         tree, scores = build_tree_device_scored(0, logprobs, budget)
         n = min(budget, len(everything))
-        _check_structure(tree, logprobs)
+        check_structure(tree, logprobs)
         assert sorted(scores[1:].tolist(), reverse=True) == everything[:n]

@@ -60,3 +60,25 @@ def python_walk(tree, posterior: list[int]) -> list[int]:
         node = children[node][posterior[node]]
         path.append(node)
     return path
+
+
+def tied_logprobs(depth: int, vocab: int, seed: int) -> torch.Tensor:
+    """Log-probs from {0, -1, -2, -inf}: small integers add exactly, so ties are real and many."""
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.randint(0, 3, (depth, vocab), generator=g).double()
+    lp[torch.rand(depth, vocab, generator=g) < 0.15] = float("-inf")
+    return lp
+
+
+def check_structure(tree, logprobs):
+    """Parents first, depths consistent, distinct paths closed under prefixes, ancestors right."""
+    parents, depths = tree.parents.tolist(), tree.depths.tolist()
+    assert parents[0] == 0 and depths[0] == 0
+    for i in range(1, tree.size):
+        assert parents[i] < i
+        assert depths[i] == depths[parents[i]] + 1
+    assert max(depths) <= tree.max_depth <= logprobs.shape[0]
+    paths = tree_paths(tree)
+    assert len(set(paths)) == len(paths)
+    assert all(p[:-1] in set(paths) for p in paths if len(p) > 1)
+    assert [set(torch.nonzero(row).flatten().tolist()) for row in tree.ancestors()] == ancestor_sets(tree)

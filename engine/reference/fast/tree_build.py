@@ -1,0 +1,104 @@
+"""Draft trees built in one kernel (Triton): the whole of batch_tree.build_trees_device after the
+vocabulary's top-k, for every batch row at once.
+
+What it computes is exactly build_trees_device's tree (batch_tree.py, and tree.py's
+build_tree_device_scored for why the steps are exact): beam by depth over the candidate pairs of
+tree._layout, then the n best over all depths with ties to the earlier layout index, the kept
+nodes in layout order, and the ancestor matrix. One program builds one row's tree: it sorts each
+depth's candidates (about M ln M of them) as int64 keys of (score, index), so its beams are
+sorted best first, and its ties go to the earlier candidate where torch.topk leaves them open.
+
+Why a kernel: on an H200 the torch build took 15 topk calls (gatherTopK and radixSort, 20-37 us
+each) plus the gathers of the layout, about 0.6 ms of a 12.9 ms DDTree-256 round on the Qwen3-8B
+shape and 0.37 ms of a 1.4 ms round on the demo pair (bench/RESULTS.md, fifth pass).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ddtree.engine.reference.errors import BadParams
+from ddtree.engine.reference.fast import tree_attention
+from ddtree.engine.reference.tree import _layout
+
+_MAX_SORT = 16384   # the widest sort a program takes (keys in registers); wider trees use torch
+
+
+@dataclass(frozen=True)
+class _Steps:
+    steps: torch.Tensor   # [L, 3] int32: candidate pairs, beam width, first layout index per depth
+    candidates: int       # the most candidate pairs of any depth
+    total: int            # layout size: the root and every depth's beam
+
+
+@functools.cache  # graphs read these by address: never evicted (the keys are few, as _layout's)
+def _steps(budget: int, k: int, depth_count: int, device: torch.device) -> _Steps:
+    layout = _layout(budget, k, depth_count, device)
+    widths = layout.widths
+    rows, start = [], 1
+    for d, width in enumerate(widths):
+        used = layout.pairs_within[widths[d - 1] - 1] if d else 0
+        rows.append((used, width, start))
+        start += width
+    # Device fills, no host copy: a graph's warm-up may be the first to ask.
+    steps = torch.empty((depth_count, 3), dtype=torch.int32, device=device)
+    for d, row in enumerate(rows):
+        for j, value in enumerate(row):
+            steps[d, j].fill_(value)
+    return _Steps(steps, max(r[0] for r in rows), start)
+
+
+def _pow2(x: int) -> int:
+    """The power of two at or above x, at least 16 (tl.arange's sizes)."""
+    return max(16, 1 << max(0, (x - 1).bit_length()))
+
+
+def runs(logprobs: torch.Tensor, budget: int) -> bool:
+    """Whether the kernel builds this tree in production: float32 log-probs on CUDA with triton
+    installed (its scores add in float32, as the torch steps do for float32), and a budget whose
+    sorts fit a program. (Tests also run it on a CPU in Triton's interpreter.)"""
+    return (logprobs.is_cuda and tree_attention.available() and logprobs.dim() == 3
+            and logprobs.dtype == torch.float32 and 0 < budget and _pow2(1 + budget * logprobs.shape[1]) <= _MAX_SORT)
+
+
+def build(roots: torch.Tensor, logprobs: torch.Tensor, budget: int):
+    """roots [b] long, logprobs [b, L, V] (L, V, budget >= 1) -> (tokens, depths, parents [b, n]
+    long, visible [b, n, n] bool, scores [b, n] float32), n = 1 + min(budget, prefixes)."""
+    b, depth_count, vocab = logprobs.shape
+    device = logprobs.device
+    if device.type != "cuda" and not tree_attention.interpreting():
+        raise BadParams("the tree kernel runs on CUDA, or on a CPU in Triton's interpreter",
+                        "set TRITON_INTERPRET=1 before triton is first imported")
+    k = min(budget, vocab)
+    top_vals, top_ids = torch.topk(logprobs, k, dim=-1)          # [b, L, k], best first
+    layout = _layout(budget, k, depth_count, device)
+    plan = _steps(budget, k, depth_count, device)
+    n = 1 + min(budget, plan.total - 1)
+    sort_width = _pow2(max(plan.total, plan.candidates))
+    if sort_width > _MAX_SORT:
+        raise BadParams(f"a tree of budget {budget} over {depth_count} depths is too wide for the kernel")
+    score_scratch = torch.empty((b, plan.total), dtype=torch.float32, device=device)
+    parent_scratch = torch.empty((b, plan.total), dtype=torch.int32, device=device)
+    token_scratch = torch.empty((b, plan.total), dtype=torch.long, device=device)
+    slot_scratch = torch.empty((b, plan.total), dtype=torch.int32, device=device)
+    tokens = torch.empty((b, n), dtype=torch.long, device=device)
+    depths = torch.empty((b, n), dtype=torch.long, device=device)
+    parents = torch.empty((b, n), dtype=torch.long, device=device)
+    scores = torch.empty((b, n), dtype=torch.float32, device=device)
+    visible = torch.zeros((b, n, n), dtype=torch.bool, device=device)
+    roots = roots.to(device=device, dtype=torch.long).contiguous()
+    from ddtree.engine.reference.fast.triton_tree import build_tree
+
+    build_tree[(b,)](
+        top_vals, top_ids, roots, plan.steps, layout.rows, layout.cols, layout.depths,
+        score_scratch, parent_scratch, token_scratch, slot_scratch,
+        tokens, depths, parents, scores, visible.view(torch.uint8),
+        depth_count, k, plan.total, n, min(depth_count, n - 1),
+        top_vals.stride(0), top_vals.stride(1), top_ids.stride(0), top_ids.stride(1),
+        score_scratch.stride(0), tokens.stride(0), visible.stride(0), visible.stride(1),
+        PK=_pow2(k), PC=_pow2(plan.candidates), PT=_pow2(plan.total), PN=_pow2(n),
+        num_warps=4 if sort_width < 2048 else 8 if sort_width < 8192 else 16)
+    return tokens, depths, parents, visible, scores
