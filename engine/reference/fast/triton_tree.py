@@ -8,9 +8,6 @@ This module imports triton; nothing imports it unless triton is installed.
 import triton
 import triton.language as tl
 
-_LOW = 0x7FFFFFFF
-
-
 @triton.jit
 def _key(score, idx):
     """An int64 that orders (score descending, idx ascending) when sorted descending: the score's
@@ -18,16 +15,16 @@ def _key(score, idx):
     indices differ, so a sort of keys is deterministic. +0.0 makes -0.0 equal to 0.0, as a float
     comparison has it."""
     bits = (score + 0.0).to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ _LOW)
-    return (ordered.to(tl.int64) << 32) + (_LOW - idx).to(tl.int64)
+    ordered = tl.where(bits >= 0, bits, bits ^ 2147483647)
+    return (ordered.to(tl.int64) << 32) + (2147483647 - idx).to(tl.int64)
 
 
 @triton.jit
 def _unkey(key):
     high = key >> 32
     ordered = high.to(tl.int32)
-    bits = tl.where(ordered >= 0, ordered, ordered ^ _LOW)
-    return bits.to(tl.float32, bitcast=True), (_LOW - (key - (high << 32))).to(tl.int32)
+    bits = tl.where(ordered >= 0, ordered, ordered ^ 2147483647)
+    return bits.to(tl.float32, bitcast=True), (2147483647 - (key - (high << 32))).to(tl.int32)
 
 
 @triton.jit
@@ -120,4 +117,4 @@ def build_tree(TV, TI, ROOTS, STEPS, ROWS, COLS, DEPTHS, SC, PAR, TOK, SLOT,
     node = i
     for _ in range(0, walk_steps + 1):
         tl.store(vis + node, tl.full([PN], 1, tl.int8), mask=i_ok)
-        node = tl.load(OUT_PAR + b * s_o_b + node, mask=i_ok, other=0)
+        node = tl.load(OUT_PAR + b * s_o_b + node, mask=i_ok, other=0).to(tl.int32)

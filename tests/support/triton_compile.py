@@ -1,0 +1,62 @@
+"""Compile the project's Triton kernels for a Hopper GPU (sm_90) on a machine without one.
+
+Run as a script, without TRITON_INTERPRET (the interpreter replaces the kernels with Python and
+never runs Triton's front end, which is where a loop-carried type change or a non-constexpr global
+fails): `python tests/support/triton_compile.py`. Prints one line per kernel, "ok NAME" or the
+error, and exits 1 if any failed. test_triton_compile.py runs it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+
+def _signature(fn, pointers: dict[str, str], floats: set[str], constexprs: dict[str, object]):
+    sig = {}
+    for name in inspect.signature(fn.fn).parameters:
+        sig[name] = pointers.get(name) or ("constexpr" if name in constexprs else "fp32" if name in floats else "i32")
+    params = list(sig)
+    return sig, {(params.index(k),): v for k, v in constexprs.items()}
+
+
+def main() -> int:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ddtree.engine.reference.fast import triton_kernels, triton_tree
+
+    f32, bf16 = "*fp32", "*bf16"
+    cases = []
+    tree_ptrs = {"TV": f32, "TI": "*i64", "ROOTS": "*i64", "STEPS": "*i32", "ROWS": "*i64", "COLS": "*i64",
+                 "DEPTHS": "*i64", "SC": f32, "PAR": "*i32", "TOK": "*i64", "SLOT": "*i32", "OUT_TOK": "*i64",
+                 "OUT_DEP": "*i64", "OUT_PAR": "*i64", "OUT_SC": f32, "VIS": "*u8"}
+    for pc, pt, warps in ((64, 512, 4), (2048, 4096, 8)):  # small, and budget 256's
+        cases.append((f"build_tree PC={pc} PT={pt}", triton_tree.build_tree, tree_ptrs, set(),
+                      {"PK": 256, "PC": pc, "PT": pt, "PN": 512}, warps))
+    for dtype in (bf16, f32):
+        ptrs = {"Q": dtype, "K": dtype, "V": dtype, "LENGTHS": "*i64", "TREE": "*u8", "OUT": dtype,
+                "PART": f32, "ML": f32}
+        for final in (True, False):
+            cases.append((f"attend_split {dtype} final={final}", triton_kernels.attend_split, ptrs, {"scale"},
+                          {"D": 128, "BLOCK_M": 16, "BLOCK_N": 64, "HAS_TREE": True, "IEEE": dtype == f32,
+                           "FINAL": final}, 4))
+        cases.append((f"merge_splits {dtype}", triton_kernels.merge_splits,
+                      {"PART": f32, "ML": f32, "OUT": dtype, "LENGTHS": "*i64"}, set(),
+                      {"D": 128, "BLOCK_R": 16, "BLOCK_N": 64}, 4))
+    failed = 0
+    for name, fn, ptrs, floats, consts, warps in cases:
+        sig, constexprs = _signature(fn, ptrs, floats, consts)
+        try:
+            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+            print(f"ok {name}", flush=True)
+        except Exception as e:  # report every kernel, then fail
+            failed += 1
+            print(f"FAILED {name}: {type(e).__name__}: {str(e)[-600:]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
