@@ -29,7 +29,7 @@ _MAX_SORT = 16384   # the widest sort a program takes (keys in registers); wider
 
 @dataclass(frozen=True)
 class _Steps:
-    steps: torch.Tensor   # [L, 3] int32: candidate pairs, beam width, first layout index per depth
+    steps: torch.Tensor   # [L, 2] int32: the most nodes a depth's beam keeps, its first layout index
     candidates: int       # the most candidate pairs of any depth
     total: int            # layout size: the root and every depth's beam
 
@@ -38,17 +38,16 @@ class _Steps:
 def _steps(budget: int, k: int, depth_count: int, device: torch.device) -> _Steps:
     layout = _layout(budget, k, depth_count, device)
     widths = layout.widths
-    rows, start = [], 1
+    steps = torch.empty((depth_count, 2), dtype=torch.int32, device=device)
+    start, candidates = 1, 0
     for d, width in enumerate(widths):
-        used = layout.pairs_within[widths[d - 1] - 1] if d else 0
-        rows.append((used, width, start))
+        # Device fills, no host copy: a graph's warm-up may be the first to ask.
+        steps[d, 0].fill_(width)
+        steps[d, 1].fill_(start)
         start += width
-    # Device fills, no host copy: a graph's warm-up may be the first to ask.
-    steps = torch.empty((depth_count, 3), dtype=torch.int32, device=device)
-    for d, row in enumerate(rows):
-        for j, value in enumerate(row):
-            steps[d, j].fill_(value)
-    return _Steps(steps, max(r[0] for r in rows), start)
+        if d:
+            candidates = max(candidates, layout.pairs_within[widths[d - 1] - 1])
+    return _Steps(steps, candidates, start)
 
 
 def _pow2(x: int) -> int:
@@ -80,10 +79,12 @@ def build(roots: torch.Tensor, logprobs: torch.Tensor, budget: int):
     sort_width = _pow2(max(plan.total, plan.candidates))
     if sort_width > _MAX_SORT:
         raise BadParams(f"a tree of budget {budget} over {depth_count} depths is too wide for the kernel")
+    pc, pt, pn = _pow2(plan.candidates), _pow2(plan.total), _pow2(n)
     score_scratch = torch.empty((b, plan.total), dtype=torch.float32, device=device)
     parent_scratch = torch.empty((b, plan.total), dtype=torch.int32, device=device)
     token_scratch = torch.empty((b, plan.total), dtype=torch.long, device=device)
     slot_scratch = torch.empty((b, plan.total), dtype=torch.int32, device=device)
+    key_scratch = torch.empty((b, max(pc, pt)), dtype=torch.long, device=device)
     tokens = torch.empty((b, n), dtype=torch.long, device=device)
     depths = torch.empty((b, n), dtype=torch.long, device=device)
     parents = torch.empty((b, n), dtype=torch.long, device=device)
@@ -94,11 +95,11 @@ def build(roots: torch.Tensor, logprobs: torch.Tensor, budget: int):
 
     build_tree[(b,)](
         top_vals, top_ids, roots, plan.steps, layout.rows, layout.cols, layout.depths,
-        score_scratch, parent_scratch, token_scratch, slot_scratch,
+        score_scratch, parent_scratch, token_scratch, slot_scratch, key_scratch,
         tokens, depths, parents, scores, visible.view(torch.uint8),
-        depth_count, k, plan.total, n, min(depth_count, n - 1),
+        depth_count, k, budget, plan.total, n, min(depth_count, n - 1),
         top_vals.stride(0), top_vals.stride(1), top_ids.stride(0), top_ids.stride(1),
-        score_scratch.stride(0), tokens.stride(0), visible.stride(0), visible.stride(1),
-        PK=_pow2(k), PC=_pow2(plan.candidates), PT=_pow2(plan.total), PN=_pow2(n),
+        score_scratch.stride(0), key_scratch.stride(0), tokens.stride(0), visible.stride(0), visible.stride(1),
+        PK=_pow2(k), PM=_pow2(budget), PC=pc, PS=min(pc, _pow2(budget)), PT=pt, PF=min(pt, 2 * pn), PN=pn,
         num_warps=4 if sort_width < 2048 else 8 if sort_width < 8192 else 16)
     return tokens, depths, parents, visible, scores

@@ -52,6 +52,23 @@ def test_same_tree_as_the_torch_steps_node_for_node(b, depth, vocab, budget):
         assert scores[r].cpu().tolist() == pytest.approx(tree_scores(tree, logprobs[r].cpu()).tolist(), abs=1e-5)
 
 
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])
+def test_pruned_and_unpruned_depths_give_the_same_tree(scale):
+    # Flat drafts (small scale) leave no candidate above depth 1's worst below depth 1, so the
+    # kernel prunes every deeper depth: a star. Peaked ones keep deep beams, wider than the
+    # narrow sorts. The tree is the torch steps' either way.
+    g = torch.Generator().manual_seed(int(scale * 100))
+    logprobs = torch.log_softmax(torch.randn(2, 5, 48, generator=g) * scale, dim=-1).to(DEVICE)
+    roots = torch.tensor([1, 2], device=DEVICE)
+    for budget in (8, 24):
+        built = tree_build.build(roots, logprobs, budget)
+        want = _torch_build(roots, logprobs, budget)
+        assert built[0].cpu().equal(want.tokens) and built[2].cpu().equal(want.parents)
+        assert built[3].cpu().equal(want.visible)
+        if scale < 0.1:
+            assert built[1].cpu().max() == 1
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_ties_give_closed_trees_of_the_best_scores(seed):
     # {0, -1, -2, -inf}: sums are exact, ties are many; a tie goes to the earlier candidate.
