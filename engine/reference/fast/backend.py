@@ -162,6 +162,7 @@ class FastPath:
                     self.drafts._compiled_block = None
                     self.drafts.capture(draft_cache)
                 cache.sink = draft_cache.static.feats
+                cache.max_path = draft_cache.static.ids.shape[0]
             try:
                 self.target.capture(cache)
             except Exception as exc:  # a compiler failure must not take the server down
@@ -238,6 +239,7 @@ class FastPath:
             # Walks of this slot stage the accepted features in the drafter's rows (commit.py);
             # a walk graph captured without a sink keeps writing none (it says so on its io).
             cache.sink = static.feats
+            cache.max_path = static.ids.shape[0]  # a tree of the drafter's block: at most B nodes deep
             self._sources[static.out.data_ptr()] = (static.out, static.ids, cache)
         self._slots.append(pair)
         self._free.append(pair)

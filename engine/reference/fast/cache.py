@@ -83,6 +83,9 @@ class StaticKVCache:
         # A drafter's staging rows [r, W] where walks put the accepted features (backend.py
         # pairs a slot's two caches), or None.
         self.sink: torch.Tensor | None = None
+        # The most nodes a walk can accept (a drafter's block: the bonus and its drafts), so a
+        # walk moves only that many K/V rows; None: up to the whole query.
+        self.max_path: int | None = None
 
     @classmethod
     def over(cls, k: torch.Tensor, v: torch.Tensor, length_t: torch.Tensor, *, capacity: int,
@@ -102,6 +105,7 @@ class StaticKVCache:
         cache.stages, cache.graphs, cache.spans, cache.walks = {}, {}, {}, {}
         cache.moved = None
         cache.sink = None
+        cache.max_path = None
         cache.set_length(0)
         return cache
 
@@ -115,6 +119,7 @@ class StaticKVCache:
         other.stages, other.graphs, other.walks = self.stages, self.graphs, self.walks
         other.spans = self.spans
         other.sink = self.sink
+        other.max_path = self.max_path
         other.moved = None
         other.set_length(0)
         return other

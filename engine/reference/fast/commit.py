@@ -8,8 +8,8 @@ the cache's device length to start+count (compact's crop).
 
 Every shape follows from q; n and the context length are read on the device (`count` and the
 cache's length_t), so one CUDA graph per query bucket serves every round. The row move gathers
-all q rows in walk order: the accepted ones land where compact would put them, and the rest
-land past the new length, where no query reads them. Padded nodes carry no real token: they are
+the first rows of the walk order (all q, or the cache's max_path): the accepted ones land where
+compact would put them, and the rest land past the new length, where no query reads them. Padded nodes carry no real token: they are
 never matched, so never accepted.
 """
 
@@ -86,10 +86,13 @@ def walk_commit_static(tokens: torch.Tensor, visible: torch.Tensor, io: WalkIO, 
     io.packed[:1].copy_(count.reshape(1))
     io.packed[1:1 + q].copy_(order)
     io.packed[1 + q:].copy_(new)
-    # The rows: start+order[i] -> start+i for all q (index_select reads them all first).
+    # The rows: start+order[i] -> start+i (index_select reads them all first), for the first
+    # max_path of the walk order: the accepted ones are among them, and nothing past the new
+    # length is read. At budget 256 that moves 16 rows a layer, not 257.
     start = cache.length_t - io.count
-    src = start + order
-    dst = start + idx
+    rows = q if cache.max_path is None else min(q, cache.max_path)
+    src = start + order[:rows]
+    dst = start + idx[:rows]
     cache.k.index_copy_(2, dst, cache.k.index_select(2, src))
     cache.v.index_copy_(2, dst, cache.v.index_select(2, src))
     # The context now ends after the accepted rows (compact then sets only the host length).

@@ -120,19 +120,23 @@ def test_bucketed_attention_and_walk_commit_equal_the_full_window_and_eager(monk
     assert {q for q, _ in spans} == {1, 17}  # 16 tree nodes pad to bucket 17
 
 
-def test_walk_commit_moves_only_what_compact_would():
+@pytest.mark.parametrize("max_path", [None, 5])
+def test_walk_commit_moves_only_what_compact_would(max_path):
     """Rows below the verify and the accepted rows end where compact puts them; the cache's
-    length and the skipped compact agree."""
+    length and the skipped compact agree. With max_path (a drafter's block: 4 drafts deep here)
+    the walk moves that many rows, and the verify's rows past them stay where they were."""
     decoder = decoder_from_hf(make_target(62, max_pos=512))
     target = FastTarget(decoder, (), static=True, context_window=512, max_query=32)
     g = torch.Generator().manual_seed(4)
     with torch.inference_mode():
         cache = target.new_cache()
+        cache.max_path = max_path
         target.forward(torch.randint(0, 60, (20,), generator=g), torch.arange(20), cache)
         before = cache.k[:, :, :20].clone()
         tree = build_tree_device(5, torch.log_softmax(torch.randn(4, 64, generator=g) * 2, -1), 20)
         res = target.forward(tree.tokens, tree.depths + 20, cache, target.tree_mask(tree))
         verified = cache.k[:, :, 20:20 + tree.size].clone()
+        verified_v = cache.v[:, :, 20:20 + tree.size].clone()
         posterior = res.logits.argmax(-1)
         node = int(tree.depths.argmax())
         while node:
@@ -149,6 +153,11 @@ def test_walk_commit_moves_only_what_compact_would():
         assert cache.seq_length() == 20 + len(path_list) and cache.moved is None
         torch.testing.assert_close(cache.k[:, :, :20], before, atol=0, rtol=0)
         torch.testing.assert_close(cache.k[:, :, 20:20 + len(path_list)], verified[:, :, path_list], atol=0, rtol=0)
+        torch.testing.assert_close(cache.v[:, :, 20:20 + len(path_list)], verified_v[:, :, path_list], atol=0, rtol=0)
+        if max_path is not None:
+            assert len(path_list) <= max_path < tree.size
+            torch.testing.assert_close(cache.k[:, :, 20 + max_path:20 + tree.size], verified[:, :, max_path:],
+                                       atol=0, rtol=0)
 
 
 def test_a_shared_cache_uses_the_same_buffers_and_starts_empty():

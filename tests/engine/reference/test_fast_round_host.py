@@ -47,6 +47,7 @@ def test_the_slot_path_decodes_what_the_reference_decodes(spec):
     for prompt in PROMPTS:
         sess = fast.start(prompt, gen, spec)
         assert fast.impl.slot_of(sess._cache) is not None
+        assert sess._cache.max_path == 8  # so the walks below move at most the block's 8 rows
         while not sess.done:
             sess.step()
         want = ref.generate(prompt, gen, spec)
