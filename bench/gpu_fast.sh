@@ -23,7 +23,7 @@ if [ "$PART" != tests ]; then
         2>&1 | grep -v "Loading weights" | tee "$OUT/bench-fast.txt"
 fi
 if [ "$PART" != bench ]; then
-    tests=${CUDA_TESTS:-tests/engine/reference/test_tree_attention.py tests/engine/reference/test_cuda.py tests/engine/reference/test_cuda_fast.py tests/engine/reference/test_cuda_fast_host.py tests/engine/reference/test_fast_target.py tests/engine/reference/test_fast_draft.py tests/engine/reference/test_tree_device.py}
+    tests=${CUDA_TESTS:-tests/engine/reference/test_tree_kernel.py tests/engine/reference/test_tree_attention.py tests/engine/reference/test_cuda.py tests/engine/reference/test_cuda_fast.py tests/engine/reference/test_cuda_fast_host.py tests/engine/reference/test_fast_target.py tests/engine/reference/test_fast_draft.py tests/engine/reference/test_tree_device.py}
     timeout ${TEST_TIMEOUT:-190} python3 -m pytest -q -p no:cacheprovider -m cuda $tests > "$OUT/cuda-tests.txt" 2>&1
     tail -3 "$OUT/cuda-tests.txt"
 fi

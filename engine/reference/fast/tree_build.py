@@ -8,9 +8,14 @@ nodes in layout order, and the ancestor matrix. One program builds one row's tre
 depth's candidates (about M ln M of them) as int64 keys of (score, index), so its beams are
 sorted best first, and its ties go to the earlier candidate where torch.topk leaves them open.
 
-Why a kernel: on an H200 the torch build took 15 topk calls (gatherTopK and radixSort, 20-37 us
-each) plus the gathers of the layout, about 0.6 ms of a 12.9 ms DDTree-256 round on the Qwen3-8B
-shape and 0.37 ms of a 1.4 ms round on the demo pair (bench/RESULTS.md, fifth pass).
+Why a kernel: on an H200 the torch steps took 15 topk calls (gatherTopK and radixSort, 20-37 us
+each) plus the layout's gathers: about 0.6 ms of a 12.9 ms DDTree-256 round on the Qwen3-8B shape,
+and 0.37 ms of a 1.4 ms DDTree-32 round on the demo pair. With the kernel the tree stage took
+0.225 ms at budget 256 on the 8B shape (random weights: a flat draft, which pruning cuts to
+depth 1) and 0.088 ms at 32 on the demo pair (trained) (bench/RESULTS.md,
+sixth pass). Sorting every candidate in one program is slow at budget 256 (0.64 ms on the 8B
+shape), so the kernel first drops candidates that cannot make the tree (triton_tree.build_tree
+says why that changes nothing) and sorts the rest narrow.
 """
 
 from __future__ import annotations
