@@ -287,9 +287,12 @@ def static_round(engine: Engine, stage: RoundStage, mode: str, budget: int, b: i
     order, count = walk_batch(trees, posterior)
     packed = pack_walks(trees.tokens, posterior, order, count)
     # Commit: every row's accepted K/V rows to start.., its length, its next bonus and features.
-    slot_rows = torch.arange(b, device=device)[:, None].expand(b, q)
-    src = start[:, None] + order
-    dst = start[:, None] + torch.arange(q, device=device)[None]
+    # A path holds the root and at most one node a depth, so only that many rows of the walk
+    # order move (17 of 65 a row at budget 64 with a 16-token block).
+    moved = q if mode == "ar" else min(q, logits.shape[1] + 1)
+    slot_rows = torch.arange(b, device=device)[:, None].expand(b, moved)
+    src = start[:, None] + order[:, :moved]
+    dst = start[:, None] + torch.arange(moved, device=device)[None]
     for cache in (pool.k, pool.v):
         cache[:, slot_rows, :, dst] = cache[:, slot_rows, :, src]
     lengths.add_(torch.where(active, count, 0))

@@ -298,3 +298,51 @@ def test_tree_layouts_are_never_evicted():
     from ddtree.engine.reference import tree
 
     assert tree._layout.cache_info().maxsize is None
+
+
+def test_a_static_round_moves_every_row_of_a_full_depth_path(pair, monkeypatch):
+    """The most a round can accept: the root and one node at every depth of the block. The
+    trees are built from sharpened draft log-probs (so each holds the full-depth chain), and the
+    walk is forced down each row's deepest path; every accepted K/V row must land right after
+    the row's context, though the commit moves only as many rows as such a path holds."""
+    from ddtree.engine.reference.fast import batch_graph
+
+    model, drafter = pair
+    engine = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=2)
+    engine.impl.batch_static = True
+    pool = engine.impl.pool
+    seen = {}
+    build, walk = batch_graph.build_trees_device, batch_graph.walk_batch
+
+    def sharp_build(roots, logprobs, budget):  # each depth's best token at 0, the rest far below
+        return build(roots, (logprobs - logprobs.amax(-1, keepdim=True)) * 50, budget)
+
+    def deepest_walk(trees, posterior):
+        forced = posterior.clone()
+        for r in range(trees.batch):
+            node = int(trees.depths[r].argmax())
+            while node:
+                parent = int(trees.parents[r, node])
+                forced[r, parent] = trees.tokens[r, node]
+                node = parent
+        order, count = walk(trees, forced)
+        if "order" not in seen:
+            seen.update(k=pool.k.clone(), v=pool.v.clone(), start=pool.lengths.clone(), order=order.clone(),
+                        count=count.clone(), width=trees.width)
+        return order, count
+
+    monkeypatch.setattr(batch_graph, "build_trees_device", sharp_build)
+    monkeypatch.setattr(batch_graph, "walk_batch", deepest_walk)
+    gen = GenParams(max_new_tokens=40, ignore_eos=True)
+    sessions = [engine.start(p, gen, SpecParams("ddtree", 64)) for p in ([1, 2, 3], [4, 5, 6, 7, 8])]
+    while "order" not in seen:
+        engine.step_many(sessions)
+    block = engine.block_size
+    assert seen["width"] > block  # the commit's bound (the block) cuts something
+    for r in range(2):
+        start, count = int(seen["start"][r]), int(seen["count"][r])
+        assert count == block  # the root and one accepted node at each of the block's depths
+        src = [start + int(i) for i in seen["order"][r, :count]]
+        dst = list(range(start, start + count))
+        for cache, before in ((pool.k, seen["k"]), (pool.v, seen["v"])):
+            torch.testing.assert_close(cache[:, r, :, dst], before[:, r, :, src], atol=0, rtol=0)
