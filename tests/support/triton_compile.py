@@ -32,10 +32,10 @@ def main() -> int:
     tree_ptrs = {"TV": f32, "TI": "*i64", "ROOTS": "*i64", "STEPS": "*i32", "ROWS": "*i64", "COLS": "*i64",
                  "DEPTHS": "*i64", "SC": f32, "PAR": "*i32", "TOK": "*i64", "SLOT": "*i32", "KEYS": "*i64", "OUT_TOK": "*i64",
                  "OUT_DEP": "*i64", "OUT_PAR": "*i64", "OUT_SC": f32, "VIS": "*u8"}
-    for pc, pt, warps in ((64, 512, 4), (2048, 4096, 8)):  # small, and budget 256's
+    for pc, pt, warps in ((64, 512, 4), (2048, 4096, 8), (4096, 8192, 16)):  # small, budgets 256 and 512
         cases.append((f"build_tree PC={pc} PT={pt}", triton_tree.build_tree, tree_ptrs, set(),
-                      {"PK": 256, "PM": 256, "PC": pc, "PS": min(pc, 256), "PT": pt, "PF": min(pt, 1024),
-                       "PN": 512}, warps))
+                      {"PK": pt // 16, "PM": pt // 16, "PC": pc, "PS": min(pc, pt // 16), "PT": pt,
+                       "PF": pt // 4, "PN": pt // 8}, warps))
     for dtype in (bf16, f32):
         ptrs = {"Q": dtype, "K": dtype, "V": dtype, "LENGTHS": "*i64", "TREE": "*u8", "OUT": dtype,
                 "PART": f32, "ML": f32}

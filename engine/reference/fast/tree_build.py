@@ -29,7 +29,7 @@ from ddtree.engine.reference.errors import BadParams
 from ddtree.engine.reference.fast import tree_attention
 from ddtree.engine.reference.tree import _layout
 
-_MAX_SORT = 16384   # the widest sort a program takes (keys in registers); wider trees use torch
+_MAX_SORT = 8192   # the widest sort a program takes (keys in registers): budget 512 over 15 depths; wider trees use torch
 
 
 @dataclass(frozen=True)
