@@ -82,6 +82,14 @@ def build_trees_device(roots: torch.Tensor, logprobs: torch.Tensor, budget: int)
     if tree_build.runs(logprobs, budget):  # the same tree in one kernel, on CUDA
         tokens, depths, parents, visible, _ = tree_build.build(roots[:, 0], logprobs, budget)
         return TreeBatch(tokens, depths, parents, visible, (tokens.shape[1],) * b)
+    return build_trees_steps(roots, logprobs, budget)
+
+
+def build_trees_steps(roots: torch.Tensor, logprobs: torch.Tensor, budget: int) -> TreeBatch:
+    """build_trees_device's torch steps, on any device (roots [b, 1] long on logprobs' device,
+    budget >= 1, logprobs [b, L, V] with L, V >= 1): what the CPU runs, and what the tree kernel
+    is measured and tested against on CUDA."""
+    b, depth_count, vocab = logprobs.shape
     k = min(budget, vocab)
     top_vals, top_ids = torch.topk(logprobs, k, dim=-1)       # [b, L, k], ranks best first
     top_vals = top_vals.clamp(max=0.0)                         # a child never outscores its parent

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddtree.engine.reference.fast import tree_build
-from ddtree.engine.reference.fast.batch_tree import TreeBatch, build_trees_device
+from ddtree.engine.reference.fast.batch_tree import TreeBatch, build_trees_device, build_trees_steps
 from ddtree.engine.reference.tree import Tree, tree_scores
 
 from .test_tree_attention import _runs_here
@@ -24,10 +24,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _torch_build(roots, logprobs, budget) -> TreeBatch:
-    """The torch steps on the CPU, whatever the device (on CUDA the builder would take the kernel)."""
-    batch = build_trees_device(roots.cpu(), logprobs.cpu(), budget)
-    assert not tree_build.runs(logprobs.cpu(), budget)
-    return batch
+    """The torch steps on the same device (on CUDA build_trees_device would take the kernel)."""
+    batch = build_trees_steps(roots[:, None], logprobs, budget)
+    return TreeBatch(*(x.cpu() for x in (batch.tokens, batch.depths, batch.parents, batch.visible)), batch.sizes)
 
 
 def _rows(built, r: int, depth: int) -> Tree:
@@ -94,13 +93,21 @@ def test_all_zero_log_probs_keep_the_tree_closed():
         assert tree.depths.tolist() == sorted(tree.depths.tolist())
 
 
-def test_production_dispatch_is_cuda_float32_only():
+def test_production_dispatch_is_cuda_float32_only(monkeypatch):
     logprobs = torch.zeros(1, 3, 5)
     assert not tree_build.runs(logprobs, 4)           # a CPU tensor keeps the torch steps
+    calls = []
+    real = tree_build.build
+    monkeypatch.setattr(tree_build, "build", lambda *a: calls.append(a) or real(*a))
+    build_trees_device(torch.zeros(1, dtype=torch.long), logprobs, 4)
+    assert not calls
     if torch.cuda.is_available():
         assert tree_build.runs(logprobs.cuda(), 4)
         assert not tree_build.runs(logprobs.cuda().double(), 4)
         assert not tree_build.runs(logprobs.cuda(), 0)
+        assert not tree_build.runs(logprobs.cuda(), 3000)  # wider than a program's sorts
+        build_trees_device(torch.zeros(1, dtype=torch.long, device="cuda"), logprobs.cuda(), 4)
+        assert len(calls) == 1
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
