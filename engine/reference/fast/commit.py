@@ -9,8 +9,8 @@ the cache's device length to start+count (compact's crop).
 Every shape follows from q; n and the context length are read on the device (`count` and the
 cache's length_t), so one CUDA graph per query bucket serves every round. The row move gathers
 the first rows of the walk order (all q, or the cache's max_path): the accepted ones land where
-compact would put them, and the rest land past the new length, where no query reads them. Padded nodes carry no real token: they are
-never matched, so never accepted.
+compact would put them, and the rest land past the new length, where no query reads them.
+Padded nodes carry no real token: they are never matched, so never accepted.
 """
 
 from __future__ import annotations
