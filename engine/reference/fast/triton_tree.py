@@ -48,15 +48,22 @@ def _keep_best(key, width, start, above, sc, par, tok, ti_d, ROWS, COLS, W: tl.c
 
 
 @triton.jit
+def _compacted(key, ok, count, KEYS, NARROW: tl.constexpr):
+    """The keys where ok (count of them, at most NARROW) moved to the front of a NARROW-wide
+    tensor through the scratch KEYS; the rest of it below every real key."""
+    tl.store(KEYS + tl.cumsum(ok.to(tl.int32), 0) - 1, key, mask=ok)
+    tl.debug_barrier()
+    s = tl.arange(0, NARROW)
+    return tl.where(s < count, tl.load(KEYS + s, mask=s < count, other=0), _nothing(s))
+
+
+@triton.jit
 def _nth_key(key, ok, count, nth, KEYS, WIDE: tl.constexpr, NARROW: tl.constexpr):
-    """The nth best (0-based) of the keys where ok; count of them. At most NARROW of them are
-    compacted into KEYS and sorted there; more take the WIDE sort."""
+    """The nth best (0-based) of the keys where ok; count of them. At most NARROW of them sort
+    compacted; more take the WIDE sort."""
     if count <= NARROW:
-        tl.store(KEYS + tl.cumsum(ok.to(tl.int32), 0) - 1, key, mask=ok)
-        tl.debug_barrier()
         s = tl.arange(0, NARROW)
-        small = tl.where(s < count, tl.load(KEYS + s, mask=s < count, other=0), _nothing(s))
-        cut = tl.sum(tl.where(s == nth, tl.sort(small, descending=True), 0), 0)
+        cut = tl.sum(tl.where(s == nth, tl.sort(_compacted(key, ok, count, KEYS, NARROW), descending=True), 0), 0)
     else:
         w = tl.arange(0, WIDE)
         cut = tl.sum(tl.where(w == nth, tl.sort(key, descending=True), 0), 0)
@@ -132,11 +139,8 @@ def build_tree(TV, TI, ROOTS, STEPS, ROWS, COLS, DEPTHS, SC, PAR, TOK, SLOT, KEY
             width = tl.minimum(most, count)
             key = tl.where(ok, _key(score, c), _nothing(c))
             if count <= PS:
-                tl.store(keys + tl.cumsum(ok.to(tl.int32), 0) - 1, key, mask=ok)
-                tl.debug_barrier()
-                s = tl.arange(0, PS)
-                small = tl.where(s < count, tl.load(keys + s, mask=s < count, other=0), _nothing(s))
-                _keep_best(small, width, start, above, sc, par, tok, ti + d * s_ti_d, ROWS, COLS, PS)
+                _keep_best(_compacted(key, ok, count, keys, PS), width, start, above, sc, par, tok,
+                           ti + d * s_ti_d, ROWS, COLS, PS)
             else:
                 _keep_best(key, width, start, above, sc, par, tok, ti + d * s_ti_d, ROWS, COLS, PC)
         tl.store(par + start + m, m * 0 - 1, mask=(m >= width) & (m < most))
