@@ -278,9 +278,7 @@ class _Layout:
 @functools.cache
 def _layout(budget: int, k: int, depth_count: int, device: torch.device) -> _Layout:
     rows, cols, pairs_within = _candidate_pairs(budget, k, device)
-    widths = [k]
-    for _ in range(1, depth_count):
-        widths.append(min(budget, widths[-1] * k))
+    widths = beam_widths(budget, k, depth_count)
     long = {"dtype": torch.long, "device": device}
     depths = [torch.zeros(1, **long)] + [torch.full((w,), d + 1, **long) for d, w in enumerate(widths)]
     firsts = [1]
@@ -313,6 +311,15 @@ def _candidate_pairs(budget: int, k: int,
     rows = torch.searchsorted(ends, flat, right=True)
     cols = flat - (ends - lens).index_select(0, rows)
     return rows, cols, pairs_within
+
+
+@functools.lru_cache(maxsize=256)
+def beam_widths(budget: int, k: int, depth_count: int) -> tuple[int, ...]:
+    """Each depth's beam width in a device build: k at depth 1, then min(budget, width * k)."""
+    widths = [k]
+    for _ in range(1, depth_count):
+        widths.append(min(budget, widths[-1] * k))
+    return tuple(widths)
 
 
 @functools.lru_cache(maxsize=64)

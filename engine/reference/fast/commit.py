@@ -88,7 +88,7 @@ def walk_commit_static(tokens: torch.Tensor, visible: torch.Tensor, io: WalkIO, 
     io.packed[1 + q:].copy_(new)
     # The rows: start+order[i] -> start+i (index_select reads them all first), for the first
     # max_path of the walk order: the accepted ones are among them, and nothing past the new
-    # length is read. At budget 256 that moves 16 rows a layer, not 257.
+    # length is read. At budget 256 with a 16-token block: 16 rows a layer, not 257.
     start = cache.length_t - io.count
     rows = q if cache.max_path is None else min(q, cache.max_path)
     src = start + order[:rows]

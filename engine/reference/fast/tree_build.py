@@ -21,38 +21,22 @@ says why that changes nothing) and sorts the rest narrow.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-
 import torch
 
 from ddtree.engine.reference.errors import BadParams
 from ddtree.engine.reference.fast import tree_attention
-from ddtree.engine.reference.tree import _layout
+from ddtree.engine.reference.tree import _layout, _pairs_within, beam_widths
 
 _MAX_SORT = 8192   # the widest sort a program takes (keys in registers): budget 512 over 15 depths; wider trees use torch
 
 
-@dataclass(frozen=True)
-class _Steps:
-    steps: torch.Tensor   # [L, 2] int32: the most nodes a depth's beam keeps, its first layout index
-    candidates: int       # the most candidate pairs of any depth
-    total: int            # layout size: the root and every depth's beam
-
-
-@functools.cache  # graphs read these by address: never evicted (the keys are few, as _layout's)
-def _steps(budget: int, k: int, depth_count: int, device: torch.device) -> _Steps:
-    layout = _layout(budget, k, depth_count, device)
-    widths = layout.widths
-    steps = torch.empty((depth_count, 2), dtype=torch.int32, device=device)
-    start, candidates = 1, 0
-    for d, width in enumerate(widths):
-        # Device fills, no host copy: a graph's warm-up may be the first to ask.
-        steps[d, 0].fill_(width)
-        steps[d, 1].fill_(start)
-        start += width
-        if d:
-            candidates = max(candidates, layout.pairs_within[widths[d - 1] - 1])
-    return _Steps(steps, candidates, start)
+@functools.cache
+def _sizes(budget: int, k: int, depth_count: int) -> tuple[int, int]:
+    """Host ints of a build's layout: the most candidate pairs any depth scores, and the layout
+    size (the root and every depth's beam)."""
+    widths = beam_widths(budget, k, depth_count)
+    pairs = _pairs_within(budget, k)
+    return max((pairs[w - 1] for w in widths[:-1]), default=0), 1 + sum(widths)
 
 
 def _pow2(x: int) -> int:
@@ -60,12 +44,31 @@ def _pow2(x: int) -> int:
     return max(16, 1 << max(0, (x - 1).bit_length()))
 
 
+def _fits(budget: int, k: int, depth_count: int) -> bool:
+    return _pow2(max(_sizes(budget, k, depth_count))) <= _MAX_SORT
+
+
+@functools.cache  # graphs read these by address: never evicted (the keys are few, as _layout's)
+def _steps(budget: int, k: int, depth_count: int, device: torch.device) -> torch.Tensor:
+    """[L, 2] int32 on the device: each depth's most beam nodes and its beam's first layout index."""
+    widths = beam_widths(budget, k, depth_count)
+    steps = torch.empty((depth_count, 2), dtype=torch.int32, device=device)
+    start = 1
+    for d, width in enumerate(widths):
+        # Device fills, no host copy: a graph's warm-up may be the first to ask.
+        steps[d, 0].fill_(width)
+        steps[d, 1].fill_(start)
+        start += width
+    return steps
+
+
 def runs(logprobs: torch.Tensor, budget: int) -> bool:
-    """Whether the kernel builds this tree in production: float32 log-probs on CUDA with triton
-    installed (its scores add in float32, as the torch steps do for float32), and a budget whose
-    sorts fit a program. (Tests also run it on a CPU in Triton's interpreter.)"""
+    """Whether the kernel builds this tree in production: float32 log-probs [b, L, V] on CUDA with
+    triton installed (its scores add in float32, as the torch steps do for float32), and a budget
+    whose sorts fit a program. (Tests also run it on a CPU in Triton's interpreter.)"""
     return (logprobs.is_cuda and tree_attention.available() and logprobs.dim() == 3
-            and logprobs.dtype == torch.float32 and 0 < budget and _pow2(1 + budget * logprobs.shape[1]) <= _MAX_SORT)
+            and logprobs.dtype == torch.float32 and 0 < budget
+            and _fits(budget, min(budget, logprobs.shape[2]), logprobs.shape[1]))
 
 
 def build(roots: torch.Tensor, logprobs: torch.Tensor, budget: int):
@@ -78,17 +81,16 @@ def build(roots: torch.Tensor, logprobs: torch.Tensor, budget: int):
                         "set TRITON_INTERPRET=1 before triton is first imported")
     k = min(budget, vocab)
     top_vals, top_ids = torch.topk(logprobs, k, dim=-1)          # [b, L, k], best first
-    layout = _layout(budget, k, depth_count, device)
-    plan = _steps(budget, k, depth_count, device)
-    n = 1 + min(budget, plan.total - 1)
-    sort_width = _pow2(max(plan.total, plan.candidates))
-    if sort_width > _MAX_SORT:
+    if not _fits(budget, k, depth_count):
         raise BadParams(f"a tree of budget {budget} over {depth_count} depths is too wide for the kernel")
-    pc, pt, pn = _pow2(plan.candidates), _pow2(plan.total), _pow2(n)
-    score_scratch = torch.empty((b, plan.total), dtype=torch.float32, device=device)
-    parent_scratch = torch.empty((b, plan.total), dtype=torch.int32, device=device)
-    token_scratch = torch.empty((b, plan.total), dtype=torch.long, device=device)
-    slot_scratch = torch.empty((b, plan.total), dtype=torch.int32, device=device)
+    layout = _layout(budget, k, depth_count, device)
+    candidates, total = _sizes(budget, k, depth_count)
+    n = 1 + min(budget, total - 1)
+    pc, pt, pn = _pow2(candidates), _pow2(total), _pow2(n)
+    score_scratch = torch.empty((b, total), dtype=torch.float32, device=device)
+    parent_scratch = torch.empty((b, total), dtype=torch.int32, device=device)
+    token_scratch = torch.empty((b, total), dtype=torch.long, device=device)
+    slot_scratch = torch.empty((b, total), dtype=torch.int32, device=device)
     key_scratch = torch.empty((b, max(pc, pt)), dtype=torch.long, device=device)
     tokens = torch.empty((b, n), dtype=torch.long, device=device)
     depths = torch.empty((b, n), dtype=torch.long, device=device)
@@ -99,12 +101,12 @@ def build(roots: torch.Tensor, logprobs: torch.Tensor, budget: int):
     from ddtree.engine.reference.fast.triton_tree import build_tree
 
     build_tree[(b,)](
-        top_vals, top_ids, roots, plan.steps, layout.rows, layout.cols, layout.depths,
+        top_vals, top_ids, roots, _steps(budget, k, depth_count, device), layout.rows, layout.cols, layout.depths,
         score_scratch, parent_scratch, token_scratch, slot_scratch, key_scratch,
         tokens, depths, parents, scores, visible.view(torch.uint8),
-        depth_count, k, budget, plan.total, n, min(depth_count, n - 1),
+        depth_count, k, budget, total, n, min(depth_count, n - 1),
         top_vals.stride(0), top_vals.stride(1), top_ids.stride(0), top_ids.stride(1),
         score_scratch.stride(0), key_scratch.stride(0), tokens.stride(0), visible.stride(0), visible.stride(1),
         PK=_pow2(k), PM=_pow2(budget), PC=pc, PS=min(pc, _pow2(budget)), PT=pt, PF=min(pt, 2 * pn), PN=pn,
-        num_warps=4 if sort_width < 2048 else 8 if sort_width < 8192 else 16)
+        num_warps=4 if max(pc, pt) < 2048 else 8 if max(pc, pt) < 8192 else 16)
     return tokens, depths, parents, visible, scores

@@ -96,6 +96,9 @@ def test_all_zero_log_probs_keep_the_tree_closed():
 def test_production_dispatch_is_cuda_float32_only(monkeypatch):
     logprobs = torch.zeros(1, 3, 5)
     assert not tree_build.runs(logprobs, 4)           # a CPU tensor keeps the torch steps
+    # Sorts wider than a program takes: many depths, or few depths with many candidate pairs.
+    assert tree_build._fits(512, 512, 15) and not tree_build._fits(600, 600, 15)
+    assert not tree_build._fits(4000, 4000, 2)
     calls = []
     real = tree_build.build
     monkeypatch.setattr(tree_build, "build", lambda *a: calls.append(a) or real(*a))
@@ -105,7 +108,7 @@ def test_production_dispatch_is_cuda_float32_only(monkeypatch):
         assert tree_build.runs(logprobs.cuda(), 4)
         assert not tree_build.runs(logprobs.cuda().double(), 4)
         assert not tree_build.runs(logprobs.cuda(), 0)
-        assert not tree_build.runs(logprobs.cuda(), 3000)  # wider than a program's sorts
+        assert not tree_build.runs(torch.zeros(1, 2, 5000, device="cuda"), 4000)  # too wide
         build_trees_device(torch.zeros(1, dtype=torch.long, device="cuda"), logprobs.cuda(), 4)
         assert len(calls) == 1
 
