@@ -164,22 +164,33 @@ def bench_shape(shape: str, args) -> dict:
     print(f"[{shape}] ours, transformers path {row['ours_transformers_ms']:.3f}", flush=True)
     del slow
     window = args.context + args.new_tokens + max(args.budgets + args.nodes) + 1
-    for compiled in ((False, True) if args.compile else (False,)):
+    # (key, compiled, GEMV kernel for one-row products): the last is the engine measured below.
+    variants = [("ours_fast_ms", args.compile, True)]
+    if args.compile:
+        variants.insert(0, ("ours_fast_graphs_only_ms", False, True))
+        if args.gemv_off_too:
+            variants.insert(1, ("ours_fast_cublas_only_ms", True, False))
+    for key, compiled, gemv in variants:
         torch._dynamo.reset()  # compiled code of another shape must not count against this one
         fast = Engine(model, drafter, backend="fast", context_window=window,
                       max_budget=max(args.budgets + args.nodes), slots=1, compile=compiled,
                       attention=args.attention)
+        fast.target.model.gemv.enabled = gemv
         t0 = time.perf_counter()
         fast.warmup(progress=lambda msg: print(f"[{shape}] {msg}", flush=True), budgets=tuple(args.budgets))
-        key = "ours_fast_ms" if compiled or not args.compile else "ours_fast_graphs_only_ms"
         row[key.replace("_ms", "_warmup_s")] = round(time.perf_counter() - t0, 2)
         row[key] = engine_ar_ms(fast, prompt, device, args.new_tokens, args.repeats)
         row["compile_error"] = fast.impl.compile_error
         print(f"[{shape}] ours, fast path {row[key]:.3f} (graphs: {fast.graphs}, compiled layers: "
-              f"{fast.target.compiled})", flush=True)
-        if not compiled and args.compile:
+              f"{fast.target.compiled}, GEMV kernel: {gemv})", flush=True)
+        if key != "ours_fast_ms":
             del fast
             torch.cuda.empty_cache() if device.startswith("cuda") else None
+    gemv = fast.target.model.gemv
+    row["gemv_us"] = {f"{n}x{k}": times for (n, k), times in sorted(gemv.measured.items())}
+    row["gemv_picked"] = {f"{n}x{k}": str(config) for (n, k), config in sorted(gemv.picked.items())}
+    print(f"[{shape}] one-row products, us each (F.linear against the GEMV tilings): {json.dumps(row['gemv_us'])}",
+          flush=True)
     row["graphs"] = fast.graphs
     row["compiled"] = fast.target.compiled
     row["attention"] = fast.attention
@@ -331,6 +342,8 @@ def main(argv=None) -> int:
                    help="measure the fast path with CUDA graphs only (by default also with torch.compile'd layers)")
     p.add_argument("--serving-window", type=int, default=8192,
                    help="also measure fast AR in a window this long (the server's default cap); 0 skips it")
+    p.add_argument("--gemv-off-too", action="store_true",
+                   help="also measure the compiled fast path with every one-row product on cuBLAS (no GEMV kernel)")
     p.add_argument("--attention", default="auto", help="the fast backend's attention kernel: auto, triton, matmul, sdpa")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
@@ -358,11 +371,11 @@ def main(argv=None) -> int:
         result["demo"] = bench_demo(args)
         save()
     print()
-    print("ms/token     floor   hf-static  hf-eager  ours-tf  fast-graphs  fast-graphs+compile")
+    print("ms/token     floor   hf-static  hf-eager  ours-tf  fast-graphs  +compile,cuBLAS-only  +compile")
     for shape, r in result["shapes"].items():
         print(f"{shape:8s} {r['floor_ms']:8.3f} {r['hf_static_ms']:10.3f} {r['hf_eager_ms']:9.3f} "
               f"{r['ours_transformers_ms']:8.3f} {r.get('ours_fast_graphs_only_ms', float('nan')):12.3f} "
-              f"{r['ours_fast_ms']:12.3f}   targets {r['targets']}")
+              f"{r.get('ours_fast_cublas_only_ms', float('nan')):21.3f} {r['ours_fast_ms']:9.3f}   targets {r['targets']}")
         if "ours_fast_serving_window_ms" in r:
             print(f"{'':8s} fast in a {r['serving_window']}-token window: {r['ours_fast_serving_window_ms']:.3f} ms/token "
                   f"(KV spans {r['serving_window_graphs'].get('kv_spans')})")

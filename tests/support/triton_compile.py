@@ -25,7 +25,7 @@ def main() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ddtree.engine.reference.fast import triton_kernels, triton_tree
+    from ddtree.engine.reference.fast import triton_gemv, triton_kernels, triton_tree
 
     f32, bf16 = "*fp32", "*bf16"
     cases = []
@@ -46,6 +46,11 @@ def main() -> int:
         cases.append((f"merge_splits {dtype}", triton_kernels.merge_splits,
                       {"PART": f32, "ML": f32, "OUT": dtype, "LENGTHS": "*i64"}, set(),
                       {"D": 128, "BLOCK_R": 16, "BLOCK_N": 64}, 4))
+    for dtype in (bf16, f32):
+        for even in (True, False):
+            cases.append((f"gemv {dtype} even={even}", triton_gemv.gemv,
+                          {"X": dtype, "W": dtype, "BIAS": dtype, "Y": dtype}, set(),
+                          {"HAS_BIAS": True, "BLOCK_N": 8, "BLOCK_K": 512, "EVEN": even}, 4))
     failed = 0
     for name, fn, ptrs, floats, consts, warps in cases:
         sig, constexprs = _signature(fn, ptrs, floats, consts)

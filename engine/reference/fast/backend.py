@@ -140,6 +140,10 @@ class FastPath:
                     say(f"captured the DDTree build for budget {budget}")
         if self._slots:
             return
+        say("timing the target's one-row products: cuBLAS against the GEMV kernel's tilings")
+        self.target.model.tune_gemv()
+        picked = self.target.model.gemv.picked
+        say(f"one-row products on the GEMV kernel: {', '.join(f'{n}x{k}' for n, k in sorted(picked)) or 'none'}")
         if self.want_compile:
             say("compiling the decoder layer (torch.compile, once for every layer) and the drafter block")
             self.target.compile()

@@ -33,6 +33,7 @@ from torch import nn
 
 from ddtree.engine.reference.errors import BadParams, ModelLoadError
 from ddtree.engine.reference.fast import tree_attention as fused
+from ddtree.engine.reference.fast.gemv import Gemv
 from ddtree.engine.reference.rope import scale_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "mistral")
@@ -367,6 +368,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    linear = staticmethod(F.linear)  # DenseDecoder sets its Gemv (one-row products) here
+
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -396,7 +399,7 @@ class Attention(nn.Module):
         n = x.shape[0]
         d, kvh, g = self.head_dim, self.num_kv_heads, self.groups
         if self.qkv is not None:
-            q, k, v = F.linear(x, *self.qkv).split([self.num_heads * d, kvh * d, kvh * d], dim=-1)
+            q, k, v = self.linear(x, *self.qkv).split([self.num_heads * d, kvh * d, kvh * d], dim=-1)
             q, k, v = q.view(n, self.num_heads, d), k.view(n, kvh, d), v.view(n, kvh, d)
         else:
             q = self.q_proj(x).view(n, self.num_heads, d)
@@ -424,7 +427,7 @@ class Attention(nn.Module):
         if plan.kernel == "triton":
             rows = plan.read if plan.read is not None else k_cache.shape[1]
             out = fused.tree_attention(q, k_cache[None], v_cache[None], plan.lengths, plan.tree, d ** -0.5, rows)
-            return self.o_proj(out.view(n, self.num_heads * d))
+            return self._out(out.view(n, self.num_heads * d))
         keys = k_cache if plan.read is None else k_cache[:, :plan.read]
         values = v_cache if plan.read is None else v_cache[:, :plan.read]
         # Fold: query row g*n+i is query i of head kv*g+g' -> [kv_heads, groups*n, d].
@@ -434,7 +437,10 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(qf[None], keys[None], values[None], attn_mask=plan.mask)[0]
         out = out.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads * d)
-        return self.o_proj(out)
+        return self._out(out)
+
+    def _out(self, out: torch.Tensor) -> torch.Tensor:
+        return self.linear(out, self.o_proj.weight, self.o_proj.bias)
 
     def _batched(self, q, k, v, k_cache, v_cache, plan: BatchPlan) -> torch.Tensor:
         """q [b*q, heads, d], k/v [b*q, kv_heads, d]; caches [slots, kv_heads, rows, d]."""
@@ -454,7 +460,7 @@ class Attention(nn.Module):
             return self.o_proj(out.transpose(1, 2).reshape(b * n, self.num_heads * d))
         if plan.kernel == "triton":
             out = fused.tree_attention(q, k_cache[:b], v_cache[:b], plan.lengths, plan.tree, d ** -0.5, plan.read)
-            return self.o_proj(out.view(b * n, self.num_heads * d))
+            return self._out(out.view(b * n, self.num_heads * d))
         keys, values = k_cache[:b, :, :plan.read], v_cache[:b, :, :plan.read]   # views: no copy
         # Fold per row as the single path does: query g*n+i of row r is query i of head kv*g+g'.
         qf = q.view(b, n, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * n, d)
@@ -467,7 +473,7 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=plan.mask)
         out = out.view(b, kvh, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, self.num_heads * d)
-        return self.o_proj(out)
+        return self._out(out)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # No mask, so the flash kernel (which handles GQA natively) is eligible on CUDA.
@@ -480,6 +486,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    linear = staticmethod(F.linear)  # DenseDecoder sets its Gemv (one-row products) here
+
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -495,8 +503,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
-            return self.down_proj(self.act(gate) * up)
+            gate, up = self.linear(x, *self.gate_up).chunk(2, dim=-1)
+            return self.linear(self.act(gate) * up, self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -558,6 +566,19 @@ class DenseDecoder(nn.Module):
         # A plain attribute, not a buffer: module.to(bfloat16) must not round the frequencies.
         self._inv_freq = rope_inv_freq(cfg)
         self.compiled_layer = None
+        self.gemv = Gemv()
+        for layer in self.model.layers:
+            layer.self_attn.linear = layer.mlp.linear = self.gemv
+
+    def tune_gemv(self) -> None:
+        """Measure the one-row products of the fused model (Gemv.tune), before graphs or compiles."""
+        layers = [(layer.self_attn, layer.mlp) for layer in self.model.layers]
+        groups = [[a.qkv for a, _ in layers if a.qkv is not None],
+                  [(a.o_proj.weight, a.o_proj.bias) for a, _ in layers],
+                  [m.gate_up for _, m in layers if m.gate_up is not None],
+                  [(m.down_proj.weight, m.down_proj.bias) for _, m in layers],
+                  [(self.lm_head.weight, self.lm_head.bias)]]
+        self.gemv.tune([g for g in groups if g])
 
     def compile_layers(self) -> None:
         """torch.compile one decoder layer's forward, shared by every layer (regional compilation:

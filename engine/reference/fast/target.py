@@ -332,13 +332,13 @@ class FastTarget(HeadShapes):
             plan = AttentionPlan(rows, span, self._fold(seen), kernel=self.attention)
         hidden, feats = self.model(ids, positions, cache.k, cache.v, plan, self.feature_layers,
                                    compiled=self.compiled)
+        weight, bias, gemv = self.lm_head.weight, self.lm_head.bias, self.model.gemv
         if into is None:
-            return self.lm_head(hidden).float(), feats
-        weight = self.lm_head.weight
-        if weight.dtype == torch.float32 and self.lm_head.bias is None:
+            return gemv(hidden, weight, bias).float(), feats
+        if weight.dtype == torch.float32 and bias is None and not gemv.takes(hidden, weight):
             torch.mm(hidden, weight.t(), out=into.logits)  # straight into the shared buffer
         else:
-            into.logits.copy_(self.lm_head(hidden))        # the cast to float32 is this copy
+            into.logits.copy_(gemv(hidden, weight, bias))  # the cast to float32 is this copy
         if into.features is not None and feats is not None:
             into.features.copy_(feats)
         return into.logits, into.features
@@ -493,6 +493,7 @@ class FastTarget(HeadShapes):
             raise BadParams(f"buckets {sizes} must lie in 1..{self.buckets[-1]} (max_query's bucket)")
         if cache.length + sizes[-1] > cache.rows:
             raise DecodeError(f"no room to capture: {cache.length} rows + bucket {sizes[-1]} > {cache.rows}")
+        self.model.tune_gemv()  # before any trace or capture reads its choices; once per shape
         lengths = sorted({int(kv) for kv in (spans if spans is not None else self.kv_spans(cache.rows))}
                          | {cache.rows})
         if lengths[0] < 1 or lengths[-1] > cache.rows:

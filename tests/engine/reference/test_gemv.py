@@ -1,0 +1,90 @@
+"""The one-row product kernel (fast/gemv.py) against F.linear, and the engine with every one-row
+product on it. Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py); on the
+H200 the tune and a graphed decode run it compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
+from ddtree.engine.reference.fast import gemv as gemv_module
+from ddtree.engine.reference.fast.gemv import CONFIGS, Config, Gemv, launch
+
+from .conftest import make_drafter, make_target
+from .test_tree_attention import _runs_here
+
+pytestmark = pytest.mark.skipif(not _runs_here(), reason="needs triton: CUDA, or its interpreter 3.7.1+")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(n, k, dtype, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("n,k,config,bias", [
+    (64, 512, CONFIGS[0], False), (48, 1024, CONFIGS[-1], True),     # even: no masks
+    (37, 100, Config(8, 32, 4, 2), True), (5, 33, Config(4, 64, 4, 2), False)])  # ragged N and K
+def test_kernel_equals_the_product(n, k, config, bias):
+    x, w, b = _case(n, k, torch.float32, bias, n + k)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    got = launch(x.to(DEVICE), w.to(DEVICE), None if b is None else b.to(DEVICE), config).cpu()
+    assert got.shape == (1, n) and got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_within_bf16_rounding():
+    x, w, b = (t.to(torch.bfloat16) for t in _case(96, 512, torch.bfloat16, True, 3))
+    want = F.linear(x.double(), w.double(), b.double())
+    got = launch(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE), Config(16, 256, 4, 2)).cpu()
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.double(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_only_one_row_of_a_picked_shape_takes_the_kernel():
+    x, w, _ = _case(32, 64, torch.float32, False, 5)
+    gemv = Gemv()
+    assert gemv.takes(x, w) is None  # nothing picked: F.linear everywhere
+    gemv.picked[(32, 64)] = Config(8, 32, 4, 2)
+    assert gemv.takes(x, w) == Config(8, 32, 4, 2)
+    assert gemv.takes(torch.cat([x, x]), w) is None
+    assert gemv.takes(x[:, :16], w[:8, :16]) is None
+    x2, w2 = x.to(DEVICE), w.to(DEVICE)
+    assert torch.allclose(gemv(x2, w2), F.linear(x2, w2), atol=1e-5)
+
+
+def test_tune_measures_nothing_off_cuda():
+    gemv = Gemv()
+    gemv.tune([[(torch.randn(8, 16), None)]])
+    assert gemv.measured == {} and gemv.picked == {}
+
+
+@pytest.mark.slow
+def test_static_path_with_one_row_products_on_the_kernel_decodes_the_same(monkeypatch):
+    """Greedy AR output, token for token: the static path with every one-row product of the target
+    (q/k/v, o, gate/up, down, the head) on the kernel, against the eager path without it."""
+    model = make_target(31).to(DEVICE)
+    drafter = make_drafter(model, block_size=6, seed=4).to(DEVICE)
+    eager = Engine(model, drafter, backend="fast", max_budget=16, graphs=False)
+    fast = Engine(model, drafter, backend="fast", max_budget=16, attention="triton", graphs=False)
+    fast.target.static = True
+    decoder = fast.target.model
+    layer = decoder.model.layers[0]
+    shapes = {tuple(w.shape) for w in (layer.self_attn.qkv[0], layer.self_attn.o_proj.weight,
+                                       layer.mlp.gate_up[0], layer.mlp.down_proj.weight, decoder.lm_head.weight)}
+    for shape in shapes:
+        decoder.gemv.picked[shape] = Config(4, 32, 4, 2)
+    calls = []
+    real = gemv_module.launch
+    monkeypatch.setattr(gemv_module, "launch", lambda *a: calls.append(tuple(a[1].shape)) or real(*a))
+    gen = GenParams(max_new_tokens=8, ignore_eos=True)
+    for prompt in ([7], list(range(3, 25))):
+        want = eager.generate(prompt, gen, SpecParams("ar")).output_ids
+        assert fast.generate(prompt, gen, SpecParams("ar")).output_ids == want
+    assert set(calls) == shapes
