@@ -25,7 +25,7 @@ def main() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ddtree.engine.reference.fast import triton_gemv, triton_kernels, triton_tree
+    from ddtree.engine.reference.fast import triton_gemv, triton_kernels, triton_rope, triton_tree
 
     f32, bf16 = "*fp32", "*bf16"
     cases = []
@@ -51,6 +51,11 @@ def main() -> int:
             cases.append((f"gemv {dtype} even={even}", triton_gemv.gemv,
                           {"X": dtype, "W": dtype, "BIAS": dtype, "Y": dtype}, set(),
                           {"HAS_BIAS": True, "BLOCK_N": 8, "BLOCK_K": 512, "EVEN": even}, 4))
+        for norm, slots in ((True, False), (False, True)):
+            cases.append((f"rope_write {dtype} norm={norm} slots={slots}", triton_rope.rope_write,
+                          {"QKV": dtype, "QW": dtype, "KW": dtype, "COS": dtype, "SIN": dtype, "KC": dtype,
+                           "VC": dtype, "SLOTS": "*i64", "ROWS": "*i64", "QOUT": dtype}, {"eps"},
+                          {"D": 128, "HAS_NORM": norm, "HAS_SLOTS": slots}, 1))
     failed = 0
     for name, fn, ptrs, floats, consts, warps in cases:
         sig, constexprs = _signature(fn, ptrs, floats, consts)

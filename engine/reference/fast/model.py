@@ -16,7 +16,11 @@ GEMM (the roundings flash attention makes). For a few queries over a long cache 
 and V at full bandwidth, where the fused SDPA kernels give a handful of thread blocks the whole
 cache each (on an H200, cuDNN's took 89 us a layer for one query over 4k rows); and "triton"
 (fast/tree_attention.py): one fused split-key kernel that reads the context length and the tree
-on the device, for the static paths only (eager forwards then take matmul or sdpa).
+on the device, for the static paths only (eager forwards then take matmul or sdpa). With it, the
+new rows' q/k norms, RoPE and cache writes are one kernel too (fast/rope_write.py).
+
+One-row products (a decode step's) go through fast/gemv.py: a GEMV kernel for the weight shapes
+where it measured faster than cuBLAS at warm-up, F.linear everywhere else.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import nn
 from ddtree.engine.reference.errors import BadParams, ModelLoadError
 from ddtree.engine.reference.fast import tree_attention as fused
 from ddtree.engine.reference.fast.gemv import Gemv
+from ddtree.engine.reference.fast.rope_write import rope_write
 from ddtree.engine.reference.rope import scale_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "mistral")
@@ -369,6 +374,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     linear = staticmethod(F.linear)  # DenseDecoder sets its Gemv (one-row products) here
+    fused_writes = True  # static triton paths: norm, RoPE and cache writes in one kernel (rope_write)
 
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
@@ -398,6 +404,9 @@ class Attention(nn.Module):
         """x [n, H]; cos/sin [n, 1, d]; k_cache/v_cache [kv_heads, rows, d] (written in place)."""
         n = x.shape[0]
         d, kvh, g = self.head_dim, self.num_kv_heads, self.groups
+        if self.fused_writes and self.qkv is not None and plan.kernel == "triton" and (
+                plan.read != 0 if isinstance(plan, BatchPlan) else not (plan.fresh or isinstance(plan.rows, slice))):
+            return self._fused(self.linear(x, *self.qkv), cos, sin, k_cache, v_cache, plan)
         if self.qkv is not None:
             q, k, v = self.linear(x, *self.qkv).split([self.num_heads * d, kvh * d, kvh * d], dim=-1)
             q, k, v = q.view(n, self.num_heads, d), k.view(n, kvh, d), v.view(n, kvh, d)
@@ -438,6 +447,23 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(qf[None], keys[None], values[None], attn_mask=plan.mask)[0]
         out = out.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads * d)
         return self._out(out)
+
+    def _fused(self, qkv, cos, sin, k_cache, v_cache, plan) -> torch.Tensor:
+        """The triton static paths, single and batched: rope_write's one kernel, then the tree
+        attention kernel over the rows it wrote."""
+        d, heads, kvh = self.head_dim, self.num_heads, self.num_kv_heads
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
+        if isinstance(plan, BatchPlan):
+            slots, rows = plan.slots.reshape(-1).contiguous(), plan.rows.reshape(-1).contiguous()
+        else:
+            slots, rows = None, plan.rows
+        q = rope_write(qkv, norms[0], norms[1], cos, sin, norms[2], k_cache, v_cache, slots, rows, heads, kvh)
+        if isinstance(plan, BatchPlan):
+            out = fused.tree_attention(q, k_cache[:plan.b], v_cache[:plan.b], plan.lengths, plan.tree, d ** -0.5, plan.read)
+        else:
+            read = plan.read if plan.read is not None else k_cache.shape[1]
+            out = fused.tree_attention(q, k_cache[None], v_cache[None], plan.lengths, plan.tree, d ** -0.5, read)
+        return self._out(out.view(qkv.shape[0], heads * d))
 
     def _out(self, out: torch.Tensor) -> torch.Tensor:
         return self.linear(out, self.o_proj.weight, self.o_proj.bias)
@@ -569,6 +595,14 @@ class DenseDecoder(nn.Module):
         self.gemv = Gemv()
         for layer in self.model.layers:
             layer.self_attn.linear = layer.mlp.linear = self.gemv
+
+    def use_kernels(self, on: bool) -> None:
+        """Whether the static path may take the GEMV kernel (where its tune wins) and rope_write;
+        off, it runs what torch.compile makes of the plain ops (benchmarks compare the two).
+        Set before warm-up: compiled layers and graphs keep what they were traced with."""
+        self.gemv.enabled = on
+        for layer in self.model.layers:
+            layer.self_attn.fused_writes = on
 
     def tune_gemv(self) -> None:
         """Measure the one-row products of the fused model (Gemv.tune), before graphs or compiles."""

@@ -88,3 +88,29 @@ def test_static_path_with_one_row_products_on_the_kernel_decodes_the_same(monkey
         want = eager.generate(prompt, gen, SpecParams("ar")).output_ids
         assert fast.generate(prompt, gen, SpecParams("ar")).output_ids == want
     assert set(calls) == shapes
+
+
+# ---- CUDA: the compiled kernel and the tune ------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tune_over_real_shapes_and_every_tiling():
+    """The Qwen3-8B layer's one-row shapes in bf16: the tune measures each over all its weights,
+    and every tiling it may pick computes the product (graph-captured, as the engine runs it)."""
+    from ddtree.engine.reference.fast.rows import replay_us
+
+    shapes = [(6144, 4096), (4096, 4096), (4096, 12288)]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    groups = [[(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5, None)
+               for _ in range(3)] for n, k in shapes]
+    gemv = Gemv()
+    gemv.tune(groups)
+    assert set(gemv.measured) == set(shapes)
+    for key, times in gemv.measured.items():
+        assert len(times) == 1 + len(CONFIGS) and all(us > 0 for us in times.values())
+        assert key not in gemv.picked or times[str(gemv.picked[key])] <= times["F.linear"]
+    for (w, _), (n, k) in zip((group[0] for group in groups), shapes):
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        want = F.linear(x.double(), w.double())
+        for config in CONFIGS:
+            assert torch.allclose(launch(x, w, None, config).double(), want, atol=2e-2, rtol=2e-2), config
+        assert replay_us(lambda: launch(x, w, None, CONFIGS[0]), torch.device("cuda"), 2, 2) > 0
