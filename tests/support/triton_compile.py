@@ -51,6 +51,8 @@ def main() -> int:
             cases.append((f"gemv {dtype} even={even}", triton_gemv.gemv,
                           {"X": dtype, "W": dtype, "BIAS": dtype, "Y": dtype}, set(),
                           {"HAS_BIAS": True, "BLOCK_N": 8, "BLOCK_K": 512, "EVEN": even}, 4))
+        cases.append((f"gemv {dtype} 16x1024", triton_gemv.gemv, {"X": dtype, "W": dtype, "BIAS": dtype, "Y": dtype},
+                      set(), {"HAS_BIAS": False, "BLOCK_N": 16, "BLOCK_K": 1024, "EVEN": True}, 8))
         for norm, slots in ((True, False), (False, True)):
             cases.append((f"rope_write {dtype} norm={norm} slots={slots}", triton_rope.rope_write,
                           {"QKV": dtype, "QW": dtype, "KW": dtype, "COS": dtype, "SIN": dtype, "KC": dtype,

@@ -40,9 +40,12 @@ class Config:
     stages: int
 
 
-# Tiles of 4 to 16 output rows by 256 or 512 inputs: 16-byte loads along K for every thread of
-# four warps, and from 256 programs (a 4096-row output) up, two or more for every multiprocessor.
-CONFIGS = tuple(Config(n, k, 4, 2) for n in (4, 8, 16) for k in (256, 512))
+# Tiles of 4 to 16 output rows by 256 to 1024 inputs, 16-byte loads along K for every thread. A
+# program's loads in flight are its tile (plain loads are not pipelined across steps), and on an
+# H200 the widest tile tried first (512) won on every 8B shape (bench/RESULTS.md, seventh pass),
+# so 1024 is tried too; 16 x 1024 takes 8 warps to keep its float32 partial sums in registers.
+CONFIGS = (Config(4, 512, 4, 2), Config(4, 1024, 4, 2), Config(8, 512, 4, 2), Config(8, 1024, 4, 2),
+           Config(16, 256, 4, 2), Config(16, 512, 4, 2), Config(16, 1024, 8, 2))
 
 
 def runs(x: torch.Tensor) -> bool:
