@@ -27,7 +27,11 @@ from ddtree.engine.reference.errors import BadParams
 from ddtree.engine.reference.fast import tree_attention
 from ddtree.engine.reference.tree import _layout, _pairs_within, beam_widths
 
-_MAX_SORT = 8192   # the widest sort a program takes (keys in registers): budget 512 over 15 depths; wider trees use torch
+# The widest sort a program takes (keys in registers): budget 256 over 15 depths. Wider trees use
+# the torch steps: on an H200 with a trained-like (peaked) draft, whose deep beams survive
+# pruning, the kernel took 1628 us at budget 512 against 905 for the torch steps, and 657
+# against 764 at 256 (bench/RESULTS.md, seventh pass). It compiles up to 8192 (the CPU test).
+_MAX_SORT = 4096
 
 
 @functools.cache

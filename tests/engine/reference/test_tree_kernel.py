@@ -97,7 +97,7 @@ def test_production_dispatch_is_cuda_float32_only(monkeypatch):
     logprobs = torch.zeros(1, 3, 5)
     assert not tree_build.runs(logprobs, 4)           # a CPU tensor keeps the torch steps
     # Sorts wider than a program takes: many depths, or few depths with many candidate pairs.
-    assert tree_build._fits(512, 512, 15) and not tree_build._fits(600, 600, 15)
+    assert tree_build._fits(256, 256, 15) and not tree_build._fits(300, 300, 15)
     assert not tree_build._fits(4000, 4000, 2)
     calls = []
     real = tree_build.build
