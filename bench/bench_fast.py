@@ -164,7 +164,7 @@ def bench_shape(shape: str, args) -> dict:
     print(f"[{shape}] ours, transformers path {row['ours_transformers_ms']:.3f}", flush=True)
     del slow
     window = args.context + args.new_tokens + max(args.budgets + args.nodes) + 1
-    # (key, compiled, GEMV kernel for one-row products): the last is the engine measured below.
+    # (key, compiled, the GEMV and rope_write kernels): the last is the engine measured below.
     variants = [("ours_fast_ms", args.compile, True)]
     if args.compile:
         variants.insert(0, ("ours_fast_graphs_only_ms", False, True))

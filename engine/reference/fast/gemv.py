@@ -13,8 +13,9 @@ Gemv.tune measures, once per weight shape at warm-up, F.linear against a few til
 kernel, as CUDA graph replays over every layer's weight of that shape (so the weights stream from
 memory as in a step; one weight replayed alone would sit in the 50 MB L2), and keeps the kernel
 only where it wins by a margin. Rows other than one, CPUs and shapes it lost on take F.linear.
-On the H200 it took o, down, q/k/v and the head of the 8B shape (gate/up stayed on cuBLAS), and
-with rope_write the step went from 5.58 to 4.97 ms (bench/RESULTS.md, seventh pass).
+On the H200 it took o, down and q/k/v of the 8B shape (the head in one lease of two; gate/up
+stayed on cuBLAS), and with rope_write the step went from 5.58 to 4.97 ms (bench/RESULTS.md,
+seventh pass).
 """
 
 from __future__ import annotations
@@ -48,11 +49,6 @@ class Config:
 # so 1024 is tried too; 16 x 1024 takes 8 warps to keep its float32 partial sums in registers.
 CONFIGS = (Config(4, 512, 4, 2), Config(4, 1024, 4, 2), Config(8, 512, 4, 2), Config(8, 1024, 4, 2),
            Config(16, 256, 4, 2), Config(16, 512, 4, 2), Config(16, 1024, 8, 2))
-
-
-def runs(x: torch.Tensor) -> bool:
-    """Whether the kernel can run on x's device: CUDA with triton, or Triton's interpreter."""
-    return tree_attention.available() and (x.device.type == "cuda" or tree_attention.interpreting())
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], config: Config) -> torch.Tensor:
@@ -90,11 +86,12 @@ class Gemv:
     def __init__(self) -> None:
         self.picked: dict[tuple[int, int], Config] = {}
         self.measured: dict[tuple[int, int], dict[str, float]] = {}
-        self.enabled = True  # False: tune measures nothing and F.linear runs everything (benchmarks)
+        self.enabled = True  # False: F.linear runs every product and tune measures nothing (benchmarks)
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor) -> Config | None:
-        """The tiling this product runs with, or None for F.linear."""
-        if self.picked and x.dim() == 2 and x.shape[0] == 1:
+        """The tiling this product runs with, or None for F.linear. Only tune fills `picked`, and
+        only on CUDA (tests fill it by hand under Triton's interpreter)."""
+        if self.enabled and self.picked and x.dim() == 2 and x.shape[0] == 1:
             return self.picked.get((int(weight.shape[0]), int(weight.shape[1])))
         return None
 

@@ -432,7 +432,7 @@ class Attention(nn.Module):
             v_cache.index_copy_(1, plan.rows, v)
         if plan.fresh:
             out = self._causal(q.transpose(0, 1), k, v)        # [heads, n, d]
-            return self.o_proj(out.transpose(0, 1).reshape(n, self.num_heads * d))
+            return self._out(out.transpose(0, 1).reshape(n, self.num_heads * d))
         if plan.kernel == "triton":
             rows = plan.read if plan.read is not None else k_cache.shape[1]
             out = fused.tree_attention(q, k_cache[None], v_cache[None], plan.lengths, plan.tree, d ** -0.5, rows)
@@ -483,7 +483,7 @@ class Attention(nn.Module):
                 kh, vh = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
             kwargs = {"enable_gqa": True} if g > 1 and _SDPA_GQA else {}
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, **kwargs)
-            return self.o_proj(out.transpose(1, 2).reshape(b * n, self.num_heads * d))
+            return self._out(out.transpose(1, 2).reshape(b * n, self.num_heads * d))
         if plan.kernel == "triton":
             out = fused.tree_attention(q, k_cache[:b], v_cache[:b], plan.lengths, plan.tree, d ** -0.5, plan.read)
             return self._out(out.view(b * n, self.num_heads * d))

@@ -17,15 +17,16 @@ def gemv(X, W, BIAS, Y, N, K, sw, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    row = n.to(tl.int64) * sw  # 64-bit: a large head (vocabulary x hidden) passes 2**31 elements
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN:
             x = tl.load(X + k)
-            w = tl.load(W + n[:, None] * sw + k[None, :])
+            w = tl.load(W + row[:, None] + k[None, :])
         else:
             x = tl.load(X + k, mask=k < K, other=0.0)
-            w = tl.load(W + n[:, None] * sw + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+            w = tl.load(W + row[:, None] + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, 1)
     if HAS_BIAS:

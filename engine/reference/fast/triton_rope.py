@@ -18,7 +18,9 @@ def rope_write(QKV, QW, KW, COS, SIN, KC, VC, SLOTS, ROWS, QOUT, heads, kv_heads
     after the weight, as model.RMSNorm on CUDA), then RoPE: x cos + rotate_half(x) sin, with SIN's
     first half already negated (model.DenseDecoder.forward), computed in float32 and rounded
     once. Queries go to QOUT [n, heads, D]; keys and values to their cache row ROWS[t] of slot
-    SLOTS[t] (slot 0 without HAS_SLOTS)."""
+    SLOTS[t] (slot 0 without HAS_SLOTS). Nothing is bounds-checked: the callers size a forward to
+    fit its cache (a static forward's rows end within the cache's slack, a pool round's within
+    its slots), as index_copy_ would otherwise have asserted."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     dd = tl.arange(0, D)

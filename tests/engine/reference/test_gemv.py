@@ -1,6 +1,7 @@
 """The one-row product kernel (fast/gemv.py) against F.linear, and the engine with every one-row
 product on it. Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py); on the
-H200 the tune and a graphed decode run it compiled."""
+H200 the CUDA test below runs the tune and every tiling compiled, and test_cuda_fast.py's graphed
+decodes run it wherever the tune kept it."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_bf16_within_bf16_rounding():
     assert torch.allclose(got.double(), want, atol=2e-2, rtol=1e-2)
 
 
-def test_only_one_row_of_a_picked_shape_takes_the_kernel():
+def test_only_one_row_of_a_picked_shape_takes_the_kernel(monkeypatch):
     x, w, _ = _case(32, 64, torch.float32, False, 5)
     gemv = Gemv()
     assert gemv.takes(x, w) is None  # nothing picked: F.linear everywhere
@@ -55,8 +56,16 @@ def test_only_one_row_of_a_picked_shape_takes_the_kernel():
     assert gemv.takes(x, w) == Config(8, 32, 4, 2)
     assert gemv.takes(torch.cat([x, x]), w) is None
     assert gemv.takes(x[:, :16], w[:8, :16]) is None
+    calls = []
+    real = gemv_module.launch
+    monkeypatch.setattr(gemv_module, "launch", lambda *a: calls.append(a[3]) or real(*a))
     x2, w2 = x.to(DEVICE), w.to(DEVICE)
     assert torch.allclose(gemv(x2, w2), F.linear(x2, w2), atol=1e-5)
+    assert calls == [Config(8, 32, 4, 2)]
+    gemv(torch.cat([x2, x2]), w2)
+    gemv.enabled = False  # what use_kernels(False) sets: F.linear even for a picked shape
+    gemv(x2, w2)
+    assert len(calls) == 1
 
 
 def test_tune_measures_nothing_off_cuda():
@@ -94,8 +103,8 @@ def test_static_path_with_one_row_products_on_the_kernel_decodes_the_same(monkey
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tune_over_real_shapes_and_every_tiling():
-    """The Qwen3-8B layer's one-row shapes in bf16: the tune measures each over all its weights,
-    and every tiling it may pick computes the product (graph-captured, as the engine runs it)."""
+    """The Qwen3-8B layer's one-row shapes in bf16: the tune measures each over all its weights
+    (as CUDA graph replays), and every tiling it may pick computes the product."""
     from ddtree.engine.reference.fast.rows import replay_us
 
     shapes = [(6144, 4096), (4096, 4096), (4096, 12288)]

@@ -1,6 +1,7 @@
 """rope_write (fast/rope_write.py): one kernel for the new rows' q/k norms, RoPE and K/V cache
-writes, against model.Attention's plain ops; and inside a torch.compile'd function, where its
-cache writes must land in the caller's tensors. Without a GPU the kernel runs in Triton's
+writes, against a float64-free restatement of those ops and against model.Attention with the
+kernel off (single cache and pool); and inside a torch.compile'd function, where its cache writes
+must land in the caller's tensors. Without a GPU the kernel runs in Triton's
 interpreter (tests/conftest.py)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.engine.reference.fast.model import DecoderConfig, DenseDecoder, RMSNorm
+from ddtree.engine.reference.fast.model import AttentionPlan, BatchPlan, DecoderConfig, DenseDecoder, RMSNorm
 from ddtree.engine.reference.fast.rope_write import launch, rope_write
 
 from .test_tree_attention import _runs_here
@@ -90,7 +91,52 @@ def test_compiled_caller_writes_the_callers_caches():
     torch._dynamo.reset()
     assert torch.allclose(q, want_q, atol=1e-5)
     assert torch.allclose(big_k[1], want_k, atol=1e-5) and torch.equal(big_v[1], want_v)
-    assert not big_k[0].any() and not big_k[2].any() and not big_v[2].any()
+    assert not big_k[0].any() and not big_k[2].any() and not big_v[0].any() and not big_v[2].any()
+
+
+@pytest.mark.parametrize("qk_norm,bias", [(True, False), (False, True)])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_attention_with_the_kernel_equals_attention_without(qk_norm, bias, pooled):
+    """model.Attention on the static triton paths, fused_writes on against off: the same output
+    and the same caches, for a Qwen3 (q/k norms) and a Qwen2-like layer (biases, no norms)."""
+    heads, kv_heads, d, n = 4, 2, 16, 3
+    cfg = DecoderConfig(model_type="qwen3" if qk_norm else "qwen2", vocab_size=8, hidden_size=64,
+                        intermediate_size=8, num_hidden_layers=1, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, head_dim=d, qk_norm=qk_norm, qkv_bias=bias)
+    torch.manual_seed(5)
+    decoder = DenseDecoder(cfg)
+    with torch.no_grad():
+        for p in decoder.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    decoder.fuse()
+    decoder = decoder.to(DEVICE)
+    attn = decoder.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(6)
+    b = 2 if pooled else 1
+    x = torch.randn(b * n, 64, generator=g).to(DEVICE)
+    lengths = torch.tensor([5, 9][:b], device=DEVICE)
+    positions = (lengths[:, None] + torch.arange(n, device=DEVICE)).reshape(-1)
+    cos, sin = decoder.rope(positions, torch.float32)
+    sin = torch.cat((-sin[..., :d // 2], sin[..., d // 2:]), dim=-1)
+    tree = torch.ones(b, n, n, dtype=torch.bool, device=DEVICE).tril()
+    shape = (3, kv_heads, 24, d) if pooled else (kv_heads, 24, d)
+    caches = torch.randn(shape, generator=g).to(DEVICE), torch.randn(shape, generator=g).to(DEVICE)
+    if pooled:
+        steps = torch.arange(n, device=DEVICE)
+        plan = BatchPlan(b=b, q=n, slots=torch.arange(b, device=DEVICE)[:, None].expand(b, n),
+                         rows=lengths[:, None] + steps, read=24, mask=None, kernel="triton",
+                         lengths=lengths, tree=tree)
+    else:
+        plan = AttentionPlan(lengths[0] + torch.arange(n, device=DEVICE), 24, None, kernel="triton",
+                             lengths=lengths, tree=tree)
+    results = []
+    for fused in (False, True):
+        attn.fused_writes = fused
+        k, v = caches[0].clone(), caches[1].clone()
+        results.append((attn(x, cos, sin, k, v, plan), k, v))
+    (want, want_k, want_v), (got, got_k, got_v) = results
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(got_k, want_k, atol=1e-5) and torch.equal(got_v, want_v)
 
 
 @pytest.mark.cuda
