@@ -140,6 +140,7 @@ class FastPath:
                     say(f"captured the DDTree build for budget {budget}")
         if self._slots:
             return
+        # The one place the tune runs: before the compile trace and the captures read its choices.
         say("timing the target's one-row products: cuBLAS against the GEMV kernel's tilings")
         self.target.model.tune_gemv()
         picked = self.target.model.gemv.picked

@@ -493,7 +493,6 @@ class FastTarget(HeadShapes):
             raise BadParams(f"buckets {sizes} must lie in 1..{self.buckets[-1]} (max_query's bucket)")
         if cache.length + sizes[-1] > cache.rows:
             raise DecodeError(f"no room to capture: {cache.length} rows + bucket {sizes[-1]} > {cache.rows}")
-        self.model.tune_gemv()  # before any trace or capture reads its choices; once per shape
         lengths = sorted({int(kv) for kv in (spans if spans is not None else self.kv_spans(cache.rows))}
                          | {cache.rows})
         if lengths[0] < 1 or lengths[-1] > cache.rows:

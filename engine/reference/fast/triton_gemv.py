@@ -13,7 +13,8 @@ import triton.language as tl
 def gemv(X, W, BIAS, Y, N, K, sw, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
          EVEN: tl.constexpr):
     """y[n] = sum_k W[n, k] x[k] (+ bias[n]) for BLOCK_N outputs a program: W's rows are read
-    once, contiguous along k, and the products summed in float32. EVEN: BLOCK_N divides N and BLOCK_K divides K (no masks)."""
+    once, contiguous along k, and the products summed in float32. EVEN: BLOCK_N divides N and
+    BLOCK_K divides K (no masks)."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
