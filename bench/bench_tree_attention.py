@@ -13,6 +13,10 @@ median of repeats, for
 - "triton": fast/tree_attention.py over the same cache, reading the length on the device.
 Both over a cache whose rows past the context are never read by either. With --sweep, also
 every tiling of a grid (tree_attention.Config) per case: the best, and what the default gives.
+With --variants, the default tiling against itself changed one way at a time: the merge in a
+second kernel (fold off), at least 2 or 4 key blocks a split, and the split rule before the
+fold (fold off, at most cdiv(the cache's key blocks, 8) splits: the one that starved short
+contexts in small caches).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def sweep_configs(rows_per_kv: int, dtype) -> list:
     return [Config(m, n, w, st, mb) for m, n, w, st in grid if m <= top for mb in (2, 8)]
 
 
-def case(shape: str, n: int, context: int, rows: int, sweep: bool = False) -> dict:
+def case(shape: str, n: int, context: int, rows: int, sweep: bool = False, variants: bool = False) -> dict:
     import torch
 
     from ddtree.engine.reference.fast import tree_attention as fused
@@ -96,6 +100,24 @@ def case(shape: str, n: int, context: int, rows: int, sweep: bool = False) -> di
     out["matmul_us"] = round(_graph_us(matmul), 2)
     out["triton_us"] = round(_graph_us(triton), 2)
     out["speedup"] = round(out["matmul_us"] / out["triton_us"], 2)
+    if variants:
+        import dataclasses
+
+        base = fused.default_config(g * n, dtype)
+        row_blocks = -(-g * n // base.block_m)
+        planned = fused.plan_splits(kvh, row_blocks, rows, torch.device(dev), base.block_n)
+        old_rule = max(1, min(planned, -(-rows // base.block_n // 8)))
+        tried = {"default": (base, None), "fold off": (dataclasses.replace(base, fold=False), None),
+                 "min 2 blocks": (dataclasses.replace(base, min_blocks=2), None),
+                 "min 4 blocks": (dataclasses.replace(base, min_blocks=4), None),
+                 "old rule": (dataclasses.replace(base, fold=False), old_rule)}
+        out["splits"] = {"default": planned, "old rule": old_rule}
+        out["variants_us"] = {}
+        for name, (config, splits) in tried.items():
+            def tiled(config=config, splits=splits):
+                return fused.launch(q, keys, values, lengths, tree, scale, rows, config, splits)
+            torch.testing.assert_close(tiled().float().view(n, -1), got.view(n, -1), rtol=2e-2, atol=2e-2)
+            out["variants_us"][name] = round(_graph_us(tiled), 2)
     if sweep:
         tried = []
         for config in sweep_configs(g * n, dtype):
@@ -121,6 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default="1024,4096", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--rows", type=int, default=8256, help="the cache's rows (a serving window of 8192 and its slack)")
     p.add_argument("--sweep", action="store_true", help="also time every tiling of a grid per case")
+    p.add_argument("--variants", action="store_true",
+                   help="also time the default tiling with the merge kernel, more blocks a split, the old split rule")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     import torch
@@ -131,13 +155,16 @@ def main(argv=None) -> int:
         for context in args.contexts:
             for n in args.nodes:
                 row = {"shape": shape, "n": n, "context": context,
-                       **case(shape, n, context, args.rows, args.sweep)}
+                       **case(shape, n, context, args.rows, args.sweep, args.variants)}
                 result["cases"].append(row)
                 best = ""
                 if args.sweep:
                     c = row["best_config"]
                     best = (f"  best {row['best_us']:.2f} (m{c['block_m']} n{c['block_n']} w{c['warps']} "
                             f"s{c['stages']} b{c['min_blocks']})")
+                if args.variants:
+                    best += "  " + ", ".join(f"{k} {v:.2f}" for k, v in row["variants_us"].items())
+                    best += f" (splits {row['splits']['default']}, old {row['splits']['old rule']})"
                 print(f"{shape:6s} {n:4d} {context:7d} {row['matmul_us']:10.2f} {row['triton_us']:10.2f} "
                       f"{row['speedup']:6.2f} {row['rel_diff']:9.2e}{best}", flush=True)
                 if args.out:

@@ -51,8 +51,34 @@ CONFIGS = (Config(4, 512, 4, 2), Config(4, 1024, 4, 2), Config(8, 512, 4, 2), Co
            Config(16, 256, 4, 2), Config(16, 512, 4, 2), Config(16, 1024, 8, 2))
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], config: Config) -> torch.Tensor:
-    """x [1, K] @ weight[N, K]^T (+ bias) -> [1, N] in x's dtype, with this tiling."""
+# What a product may fold in before it (Gemv's `pre`): the op's code in the kernel (PRE).
+_SILU, _RMS = 1, 2
+
+
+def plain(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pre=None,
+          residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """What Gemv computes, in torch ops: linear(pre(x)) (+ residual). pre: None; an RMSNorm
+    module (x normed by it); or "silu" (x is the fused [gate; up], and silu(gate) * up is the
+    product's input). The layers call this where no Gemv is set, and Gemv where it takes F.linear."""
+    if isinstance(pre, str):
+        gate, up = x.chunk(2, dim=-1)
+        x = ACTIVATIONS[pre](gate) * up
+    elif pre is not None:
+        x = pre(x)
+    out = F.linear(x, weight, bias)
+    return out if residual is None else residual + out
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
+               "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh")}
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], config: Config, pre: int = 0,
+           residual: Optional[torch.Tensor] = None, norm: Optional[torch.Tensor] = None,
+           eps: float = 0.0) -> torch.Tensor:
+    """x [1, K] @ weight[N, K]^T (+ bias) -> [1, N] in x's dtype, with this tiling. pre: 0, or
+    _SILU (x [1, 2K] is [gate; up]) or _RMS (x normed with weight `norm` and eps) folded into
+    the product; residual [1, N]: added to it."""
     from ddtree.engine.reference.fast.triton_gemv import gemv
 
     n, k = weight.shape
@@ -61,20 +87,24 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
     x = x.reshape(-1).contiguous()
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     even = n % config.block_n == 0 and k % config.block_k == 0
-    gemv[(-(-n // config.block_n),)](x, weight, bias if bias is not None else x, out, n, k, weight.stride(0),
+    gemv[(-(-n // config.block_n),)](x, weight, bias if bias is not None else x, out,
+                                     residual.reshape(-1).contiguous() if residual is not None else x,
+                                     norm if norm is not None else x, n, k, weight.stride(0), float(eps),
                                      HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                                     EVEN=even, num_warps=config.warps, num_stages=config.stages)
+                                     EVEN=even, PRE=pre, HAS_RES=residual is not None,
+                                     num_warps=config.warps, num_stages=config.stages)
     return out
 
 
 @torch.library.custom_op("ddtree::gemv", mutates_args=())
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], block_n: int, block_k: int,
-          warps: int, stages: int) -> torch.Tensor:
-    return launch(x, weight, bias, Config(block_n, block_k, warps, stages))
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+          norm: Optional[torch.Tensor], eps: float, pre: int, block_n: int, block_k: int, warps: int,
+          stages: int) -> torch.Tensor:
+    return launch(x, weight, bias, Config(block_n, block_k, warps, stages), pre, residual, norm, eps)
 
 
 @_gemv.register_fake
-def _(x, weight, bias, block_n, block_k, warps, stages):
+def _(x, weight, bias, residual, norm, eps, pre, block_n, block_k, warps, stages):
     return x.new_empty((1, weight.shape[0]))
 
 
@@ -88,18 +118,26 @@ class Gemv:
         self.measured: dict[tuple[int, int], dict[str, float]] = {}
         self.enabled = True  # False: F.linear runs every product and tune measures nothing (benchmarks)
 
-    def takes(self, x: torch.Tensor, weight: torch.Tensor) -> Config | None:
-        """The tiling this product runs with, or None for F.linear. Only tune fills `picked`, and
-        only on CUDA (tests fill it by hand under Triton's interpreter)."""
-        if self.enabled and self.picked and x.dim() == 2 and x.shape[0] == 1:
-            return self.picked.get((int(weight.shape[0]), int(weight.shape[1])))
-        return None
+    def takes(self, x: torch.Tensor, weight: torch.Tensor, pre=None) -> Config | None:
+        """The tiling this product runs with, or None for torch ops (`plain`). Only tune fills
+        `picked`, and only on CUDA (tests fill it by hand under Triton's interpreter). Of the
+        activations only silu folds into the kernel."""
+        if not (self.enabled and self.picked and x.dim() == 2 and x.shape[0] == 1) or pre not in (None, "silu") and (
+                isinstance(pre, str) or not hasattr(pre, "eps")):
+            return None
+        return self.picked.get((int(weight.shape[0]), int(weight.shape[1])))
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        config = self.takes(x, weight)
-        if config is not None:
-            return torch.ops.ddtree.gemv(x, weight, bias, config.block_n, config.block_k, config.warps, config.stages)
-        return F.linear(x, weight, bias)
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pre=None,
+                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`plain`'s product, norm or activation before it and residual after it, on the kernel
+        where `takes` says so: one launch where torch ops take two or three."""
+        config = self.takes(x, weight, pre)
+        if config is None:
+            return plain(x, weight, bias, pre, residual)
+        code, norm, eps = (0, None, 0.0) if pre is None else (_SILU, None, 0.0) if pre == "silu" else (
+            _RMS, pre.weight, pre.eps)
+        return torch.ops.ddtree.gemv(x, weight, bias, residual, norm, eps, code, config.block_n, config.block_k,
+                                     config.warps, config.stages)
 
     def tune(self, groups: Iterable[list[tuple[torch.Tensor, Optional[torch.Tensor]]]],
              configs: tuple[Config, ...] = CONFIGS) -> None:

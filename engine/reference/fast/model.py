@@ -37,14 +37,13 @@ from torch import nn
 
 from ddtree.engine.reference.errors import BadParams, ModelLoadError
 from ddtree.engine.reference.fast import tree_attention as fused
-from ddtree.engine.reference.fast.gemv import Gemv
+from ddtree.engine.reference.fast.gemv import ACTIVATIONS as _ACTIVATIONS
+from ddtree.engine.reference.fast.gemv import Gemv, plain
 from ddtree.engine.reference.fast.rope_write import rope_write
 from ddtree.engine.reference.rope import scale_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # SDPA's GQA flag (torch 2.5+); only the mask-free causal prefill uses it.
 _SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
@@ -373,7 +372,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    linear = staticmethod(F.linear)  # DenseDecoder sets its Gemv (one-row products) here
+    linear = staticmethod(plain)  # DenseDecoder sets its Gemv (one-row products) here
     fused_writes = True  # static triton paths: norm, RoPE and cache writes in one kernel (rope_write)
 
     def __init__(self, cfg: DecoderConfig) -> None:
@@ -400,17 +399,22 @@ class Attention(nn.Module):
         self.qkv = _fuse_linears(projs)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        """x [n, H]; cos/sin [n, 1, d]; k_cache/v_cache [kv_heads, rows, d] (written in place)."""
+                v_cache: torch.Tensor, plan: AttentionPlan, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [n, H]; cos/sin [n, 1, d]; k_cache/v_cache [kv_heads, rows, d] (written in place).
+        norm: applied to x first; residual: added to the output. Both ride on the q/k/v and o
+        products (the GEMV kernel folds them in where it runs a one-row product)."""
         n = x.shape[0]
         d, kvh, g = self.head_dim, self.num_kv_heads, self.groups
         if self.fused_writes and self.qkv is not None and plan.kernel == "triton" and (
                 plan.read != 0 if isinstance(plan, BatchPlan) else not (plan.fresh or isinstance(plan.rows, slice))):
-            return self._fused(self.linear(x, *self.qkv), cos, sin, k_cache, v_cache, plan)
+            return self._fused(self.linear(x, *self.qkv, norm), cos, sin, k_cache, v_cache, plan, residual)
         if self.qkv is not None:
-            q, k, v = self.linear(x, *self.qkv).split([self.num_heads * d, kvh * d, kvh * d], dim=-1)
+            q, k, v = self.linear(x, *self.qkv, norm).split([self.num_heads * d, kvh * d, kvh * d], dim=-1)
             q, k, v = q.view(n, self.num_heads, d), k.view(n, kvh, d), v.view(n, kvh, d)
         else:
+            if norm is not None:
+                x = norm(x)
             q = self.q_proj(x).view(n, self.num_heads, d)
             k = self.k_proj(x).view(n, kvh, d)
             v = self.v_proj(x).view(n, kvh, d)
@@ -422,7 +426,7 @@ class Attention(nn.Module):
         qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
         q, k = qk.split([self.num_heads, kvh], dim=1)
         if isinstance(plan, BatchPlan):
-            return self._batched(q, k, v, k_cache, v_cache, plan)
+            return self._batched(q, k, v, k_cache, v_cache, plan, residual)
         k, v = k.transpose(0, 1), v.transpose(0, 1)           # [kv_heads, n, d]
         if isinstance(plan.rows, slice):
             k_cache[:, plan.rows] = k
@@ -432,11 +436,11 @@ class Attention(nn.Module):
             v_cache.index_copy_(1, plan.rows, v)
         if plan.fresh:
             out = self._causal(q.transpose(0, 1), k, v)        # [heads, n, d]
-            return self._out(out.transpose(0, 1).reshape(n, self.num_heads * d))
+            return self._out(out.transpose(0, 1).reshape(n, self.num_heads * d), residual)
         if plan.kernel == "triton":
             rows = plan.read if plan.read is not None else k_cache.shape[1]
             out = fused.tree_attention(q, k_cache[None], v_cache[None], plan.lengths, plan.tree, d ** -0.5, rows)
-            return self._out(out.view(n, self.num_heads * d))
+            return self._out(out.view(n, self.num_heads * d), residual)
         keys = k_cache if plan.read is None else k_cache[:, :plan.read]
         values = v_cache if plan.read is None else v_cache[:, :plan.read]
         # Fold: query row g*n+i is query i of head kv*g+g' -> [kv_heads, groups*n, d].
@@ -446,9 +450,9 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(qf[None], keys[None], values[None], attn_mask=plan.mask)[0]
         out = out.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads * d)
-        return self._out(out)
+        return self._out(out, residual)
 
-    def _fused(self, qkv, cos, sin, k_cache, v_cache, plan) -> torch.Tensor:
+    def _fused(self, qkv, cos, sin, k_cache, v_cache, plan, residual) -> torch.Tensor:
         """The triton static paths, single and batched: rope_write's one kernel, then the tree
         attention kernel over the rows it wrote."""
         d, heads, kvh = self.head_dim, self.num_heads, self.num_kv_heads
@@ -463,12 +467,12 @@ class Attention(nn.Module):
         else:
             read = plan.read if plan.read is not None else k_cache.shape[1]
             out = fused.tree_attention(q, k_cache[None], v_cache[None], plan.lengths, plan.tree, d ** -0.5, read)
-        return self._out(out.view(qkv.shape[0], heads * d))
+        return self._out(out.view(qkv.shape[0], heads * d), residual)
 
-    def _out(self, out: torch.Tensor) -> torch.Tensor:
-        return self.linear(out, self.o_proj.weight, self.o_proj.bias)
+    def _out(self, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return self.linear(out, self.o_proj.weight, self.o_proj.bias, None, residual)
 
-    def _batched(self, q, k, v, k_cache, v_cache, plan: BatchPlan) -> torch.Tensor:
+    def _batched(self, q, k, v, k_cache, v_cache, plan: BatchPlan, residual) -> torch.Tensor:
         """q [b*q, heads, d], k/v [b*q, kv_heads, d]; caches [slots, kv_heads, rows, d]."""
         b, n, d, kvh, g = plan.b, plan.q, self.head_dim, self.num_kv_heads, self.groups
         k_cache[plan.slots, :, plan.rows] = k.view(b, n, kvh, d)
@@ -483,10 +487,10 @@ class Attention(nn.Module):
                 kh, vh = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
             kwargs = {"enable_gqa": True} if g > 1 and _SDPA_GQA else {}
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, **kwargs)
-            return self._out(out.transpose(1, 2).reshape(b * n, self.num_heads * d))
+            return self._out(out.transpose(1, 2).reshape(b * n, self.num_heads * d), residual)
         if plan.kernel == "triton":
             out = fused.tree_attention(q, k_cache[:b], v_cache[:b], plan.lengths, plan.tree, d ** -0.5, plan.read)
-            return self._out(out.view(b * n, self.num_heads * d))
+            return self._out(out.view(b * n, self.num_heads * d), residual)
         keys, values = k_cache[:b, :, :plan.read], v_cache[:b, :, :plan.read]   # views: no copy
         # Fold per row as the single path does: query g*n+i of row r is query i of head kv*g+g'.
         qf = q.view(b, n, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * n, d)
@@ -499,7 +503,7 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=plan.mask)
         out = out.view(b, kvh, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, self.num_heads * d)
-        return self._out(out)
+        return self._out(out, residual)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # No mask, so the flash kernel (which handles GQA natively) is eligible on CUDA.
@@ -512,13 +516,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    linear = staticmethod(F.linear)  # DenseDecoder sets its Gemv (one-row products) here
+    linear = staticmethod(plain)  # DenseDecoder sets its Gemv (one-row products) here
 
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act_name = cfg.hidden_act
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse()
@@ -527,11 +532,14 @@ class MLP(nn.Module):
         """One [gate; up] weight for one GEMM instead of two (the two become views of it)."""
         self.gate_up = _fuse_linears((self.gate_proj, self.up_proj))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [n, H] -> the MLP's output, plus residual where given (both the activation and the
+        residual ride on the down product, which the GEMV kernel folds in for one row)."""
         if self.gate_up is not None:
-            gate, up = self.linear(x, *self.gate_up).chunk(2, dim=-1)
-            return self.linear(self.act(gate) * up, self.down_proj.weight, self.down_proj.bias)
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            gate_up = self.linear(x, *self.gate_up)
+            return self.linear(gate_up, self.down_proj.weight, self.down_proj.bias, self.act_name, residual)
+        out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return out if residual is None else residual + out
 
 
 def _fuse_linears(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -558,8 +566,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, k_cache, v_cache, plan: AttentionPlan) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, plan)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(x, cos, sin, k_cache, v_cache, plan, norm=self.input_layernorm, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class Backbone(nn.Module):

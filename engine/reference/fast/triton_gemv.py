@@ -10,15 +10,26 @@ import triton.language as tl
 
 
 @triton.jit
-def gemv(X, W, BIAS, Y, N, K, sw, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-         EVEN: tl.constexpr):
-    """y[n] = sum_k W[n, k] x[k] (+ bias[n]) for BLOCK_N outputs a program: W's rows are read
-    once, contiguous along k, and the products summed in float32. EVEN: BLOCK_N divides N and
-    BLOCK_K divides K (no masks)."""
+def gemv(X, W, BIAS, Y, RES, NORM, N, K, sw, eps, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+         BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PRE: tl.constexpr, HAS_RES: tl.constexpr):
+    """y[n] = sum_k W[n, k] x[k] (+ bias[n]) (+ RES[n]) for BLOCK_N outputs a program: W's rows
+    are read once, contiguous along k, the products summed in float32 and y rounded once. EVEN:
+    BLOCK_N divides N and BLOCK_K divides K (no masks). x is X, or what the op before the product
+    would have made of it, in float32 and rounded to X's dtype as that op's output was:
+    PRE 1: silu(X[k]) * X[K + k] (X holds the fused [gate; up]); PRE 2: RMSNorm, X[k] * rstd *
+    NORM[k] with rstd = 1 / sqrt(mean(X^2) + eps), which every program computes for itself (X is
+    one row, read from L2)."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     row = n.to(tl.int64) * sw  # 64-bit: a large head (vocabulary x hidden) passes 2**31 elements
+    if PRE == 2:
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
+            squares += v * v
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, 0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -28,8 +39,16 @@ def gemv(X, W, BIAS, Y, N, K, sw, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
         else:
             x = tl.load(X + k, mask=k < K, other=0.0)
             w = tl.load(W + row[:, None] + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+        if PRE == 1:
+            gate = x.to(tl.float32)
+            up = tl.load(X + K + k, mask=k < K, other=0.0).to(tl.float32)
+            x = (gate / (1.0 + tl.exp(-gate)) * up).to(X.dtype.element_ty)
+        elif PRE == 2:
+            x = (x.to(tl.float32) * rstd * tl.load(NORM + k, mask=k < K, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        y += tl.load(RES + n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n_ok)

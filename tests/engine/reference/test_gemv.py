@@ -68,6 +68,36 @@ def test_only_one_row_of_a_picked_shape_takes_the_kernel(monkeypatch):
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("k, config", [(96, Config(8, 32, 4, 2)), (100, Config(4, 64, 4, 2))], ids=["even", "ragged"])
+@pytest.mark.parametrize("fold", ["rms", "silu", "residual", "rms+residual"])
+def test_what_a_product_folds_in_equals_the_torch_ops(fold, k, config):
+    """The input layer norm (before q/k/v), the activation (before down) and the residual add
+    (after o and down), folded into the kernel, against the same ops in torch (`plain`)."""
+    from ddtree.engine.reference.fast.gemv import plain
+    from ddtree.engine.reference.fast.model import RMSNorm
+
+    x, w, b = _case(40, k, torch.float32, True, k)
+    g = torch.Generator().manual_seed(1)
+    pre = None
+    if "rms" in fold:
+        pre = RMSNorm(k, 1e-6)
+        pre.weight.data = torch.randn(k, generator=g)
+        x = x * 3
+    elif fold == "silu":
+        pre, x = "silu", torch.randn(1, 2 * k, generator=g)
+    residual = torch.randn(1, 40, generator=g) if "residual" in fold else None
+    gemv = Gemv()
+    gemv.picked[(40, k)] = config
+    want = plain(x, w, b, pre, residual)
+    args = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in (x, w, b, pre, residual)]
+    if isinstance(pre, torch.nn.Module):
+        args[3] = pre.to(DEVICE)
+    got = gemv(*args).cpu()
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert gemv.takes(x, w, pre) == config
+    assert gemv.takes(x, w, "gelu") is None  # only silu folds; gelu takes the torch ops
+
+
 def test_tune_measures_nothing_off_cuda():
     gemv = Gemv()
     gemv.tune([[(torch.randn(8, 16), None)]])
@@ -123,3 +153,27 @@ def test_cuda_tune_over_real_shapes_and_every_tiling():
         for config in CONFIGS:
             assert torch.allclose(launch(x, w, None, config).double(), want, atol=2e-2, rtol=2e-2), config
         assert replay_us(lambda: launch(x, w, None, CONFIGS[0]), torch.device("cuda"), 2, 2) > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_folds_at_real_shapes():
+    """The 8B layer's folds in bf16, compiled: the input norm into q/k/v, silu into down, the
+    residual into o and down, against the torch ops within bf16 rounding."""
+    from ddtree.engine.reference.fast.gemv import plain
+    from ddtree.engine.reference.fast.model import RMSNorm
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    norm = RMSNorm(4096, 1e-6).to("cuda", torch.bfloat16)
+    norm.weight.data = torch.rand(4096, device="cuda", generator=g).to(torch.bfloat16) + 0.5
+    cases = [((6144, 4096), norm, None), ((4096, 4096), None, True), ((4096, 12288), "silu", True)]
+    for (n, k), pre, res in cases:
+        w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+        x = torch.randn(1, 2 * k if pre == "silu" else k, device="cuda", generator=g).to(torch.bfloat16)
+        residual = torch.randn(1, n, device="cuda", generator=g).to(torch.bfloat16) if res else None
+        want = plain(x, w, None, pre, residual).double()
+        for config in CONFIGS:
+            gemv = Gemv()
+            gemv.picked[(n, k)] = config
+            got = gemv(x, w, None, pre, residual).double()
+            assert ((got - want).norm() / want.norm()).item() < 1e-2, ((n, k), config)
