@@ -13,10 +13,9 @@ median of repeats, for
 - "triton": fast/tree_attention.py over the same cache, reading the length on the device.
 Both over a cache whose rows past the context are never read by either. With --sweep, also
 every tiling of a grid (tree_attention.Config) per case: the best, and what the default gives.
-With --variants, the default tiling against itself changed one way at a time: the merge in a
-second kernel (fold off), at least 2 or 4 key blocks a split, and the split rule before the
-fold (fold off, at most cdiv(the cache's key blocks, 8) splits: the one that starved short
-contexts in small caches).
+With --variants, the default tiling with other split counts: planned for the cache's own rows
+(the rule before tree_attention._PLAN_ROWS, which starved short contexts in small caches), and
+planned with min_blocks 2 (more splits, a longer merge).
 """
 
 from __future__ import annotations
@@ -105,17 +104,14 @@ def case(shape: str, n: int, context: int, rows: int, sweep: bool = False, varia
 
         base = fused.default_config(g * n, dtype)
         row_blocks = -(-g * n // base.block_m)
-        planned = fused.plan_splits(kvh, row_blocks, rows, torch.device(dev), base.block_n)
-        old_rule = max(1, min(planned, -(-rows // base.block_n // 8)))
-        tried = {"default": (base, None), "fold off": (dataclasses.replace(base, fold=False), None),
-                 "min 2 blocks": (dataclasses.replace(base, min_blocks=2), None),
-                 "min 4 blocks": (dataclasses.replace(base, min_blocks=4), None),
-                 "old rule": (dataclasses.replace(base, fold=False), old_rule)}
-        out["splits"] = {"default": planned, "old rule": old_rule}
+        planned = fused.plan_splits(kvh, row_blocks, rows, torch.device(dev), base.block_n, base.min_blocks)
+        own = max(1, min(planned, -(-rows // base.block_n // base.min_blocks)))
+        more = fused.plan_splits(kvh, row_blocks, rows, torch.device(dev), base.block_n, 2)
+        out["splits"] = {"default": planned, "cache rows": own, "min 2 blocks": more}
         out["variants_us"] = {}
-        for name, (config, splits) in tried.items():
-            def tiled(config=config, splits=splits):
-                return fused.launch(q, keys, values, lengths, tree, scale, rows, config, splits)
+        for name, splits in out["splits"].items():
+            def tiled(splits=splits):
+                return fused.launch(q, keys, values, lengths, tree, scale, rows, base, splits)
             torch.testing.assert_close(tiled().float().view(n, -1), got.view(n, -1), rtol=2e-2, atol=2e-2)
             out["variants_us"][name] = round(_graph_us(tiled), 2)
     if sweep:
@@ -164,7 +160,7 @@ def main(argv=None) -> int:
                             f"s{c['stages']} b{c['min_blocks']})")
                 if args.variants:
                     best += "  " + ", ".join(f"{k} {v:.2f}" for k, v in row["variants_us"].items())
-                    best += f" (splits {row['splits']['default']}, old {row['splits']['old rule']})"
+                    best += " (splits " + ", ".join(f"{v}" for v in row["splits"].values()) + ")"
                 print(f"{shape:6s} {n:4d} {context:7d} {row['matmul_us']:10.2f} {row['triton_us']:10.2f} "
                       f"{row['speedup']:6.2f} {row['rel_diff']:9.2e}{best}", flush=True)
                 if args.out:

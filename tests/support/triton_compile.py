@@ -38,14 +38,14 @@ def main() -> int:
                        "PF": pt // 4, "PN": pt // 8}, warps))
     for dtype in (bf16, f32):
         ptrs = {"Q": dtype, "K": dtype, "V": dtype, "LENGTHS": "*i64", "TREE": "*u8", "OUT": dtype,
-                "PART": f32, "ML": f32, "TICKET": "*i32"}
-        for final, fold in ((True, False), (False, False), (False, True)):
-            cases.append((f"attend_split {dtype} final={final} fold={fold}", triton_kernels.attend_split, ptrs,
-                          {"scale"}, {"D": 128, "BLOCK_M": 16, "BLOCK_N": 64, "HAS_TREE": True, "IEEE": dtype == f32,
-                                      "FINAL": final, "FOLD": fold, "MERGE_R": 4, "CHUNK": 16}, 4))
+                "PART": f32, "ML": f32}
+        for final in (True, False):
+            cases.append((f"attend_split {dtype} final={final}", triton_kernels.attend_split, ptrs, {"scale"},
+                          {"D": 128, "BLOCK_M": 16, "BLOCK_N": 64, "HAS_TREE": True, "IEEE": dtype == f32,
+                           "FINAL": final}, 4))
         cases.append((f"merge_splits {dtype}", triton_kernels.merge_splits,
                       {"PART": f32, "ML": f32, "OUT": dtype, "LENGTHS": "*i64"}, set(),
-                      {"D": 128, "BLOCK_R": 16, "BLOCK_N": 64, "CHUNK": 4}, 4))
+                      {"D": 128, "BLOCK_R": 16, "BLOCK_N": 64}, 4))
     for dtype in (bf16, f32):
         gemv_ptrs = {"X": dtype, "W": dtype, "BIAS": dtype, "Y": dtype, "RES": dtype, "NORM": dtype}
         for even, pre, res in ((True, 0, False), (False, 0, False), (True, 1, True), (False, 2, False)):

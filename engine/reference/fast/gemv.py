@@ -108,6 +108,14 @@ def _(x, weight, bias, residual, norm, eps, pre, block_n, block_k, warps, stages
     return x.new_empty((1, weight.shape[0]))
 
 
+def _is_rms_norm(module) -> bool:
+    """Whether the kernel's RMSNorm prologue computes this module: model.RMSNorm (weight, eps),
+    not a LayerNorm (mean and bias) nor a norm without a weight."""
+    from ddtree.engine.reference.fast.model import RMSNorm
+
+    return isinstance(module, RMSNorm) and module.weight is not None
+
+
 class Gemv:
     """linear(x, weight, bias): the kernel, with the tiling `tune` picked for this weight shape,
     when x is one row; else F.linear. `picked` is filled before any graph capture or compile
@@ -122,8 +130,9 @@ class Gemv:
         """The tiling this product runs with, or None for torch ops (`plain`). Only tune fills
         `picked`, and only on CUDA (tests fill it by hand under Triton's interpreter). Of the
         activations only silu folds into the kernel."""
-        if not (self.enabled and self.picked and x.dim() == 2 and x.shape[0] == 1) or pre not in (None, "silu") and (
-                isinstance(pre, str) or not hasattr(pre, "eps")):
+        if not (self.enabled and self.picked and x.dim() == 2 and x.shape[0] == 1):
+            return None
+        if isinstance(pre, str) and pre != "silu" or not isinstance(pre, (str, type(None))) and not _is_rms_norm(pre):
             return None
         return self.picked.get((int(weight.shape[0]), int(weight.shape[1])))
 

@@ -13,9 +13,8 @@ give a few queries a handful of thread blocks for the whole cache. Measured on a
 (bench/RESULTS.md, fifth pass): 1.5-5.8x faster per layer than the matmul kernel; in the engine,
 a DDTree-64 round's attention went to about 0.5 ms, and the 8B AR step did not move. This is flash decoding:
 programs of (batch row x kv head, query block, key split) stream their share of the key blocks
-with an online softmax, and the last split of each (batch row x kv head, query block) to finish
-merges the splits (or, with Config.fold off, a second small kernel does). The G query heads of a
-kv head are folded into its query rows, so K/V are read once per kv head.
+with an online softmax, and a second small kernel merges the splits. The G query heads of a kv
+head are folded into its query rows, so K/V are read once per kv head.
 
 Numerics are flash attention's: float32 scores and sums, the probabilities rounded to the value
 dtype for the second product (the matmul kernel rounds them too, after normalising). In float32
@@ -39,9 +38,11 @@ from ddtree.engine.reference.errors import BadParams
 
 MERGE_ROWS = 16    # query rows a program of the merge kernel combines
 _MAX_SPLITS = 64
-_MERGE_ELEMENTS = 8192  # partial-sum elements a merge loads at once (64 float32 registers a thread)
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-_TICKET_COUNT = 1 << 16
+# The fewest rows a launch plans its key splits for: the cache the default tiling was fitted on
+# (8256 rows, an 8k window and its slack), where min_blocks=8 gives an AR step 9 splits. Planned
+# on its own rows, a smaller cache got fewer (2 at 1,664 rows: an AR step at a 1k context then
+# had 16 programs for the whole GPU, each streaming 5 key blocks in turn).
+_PLAN_ROWS = 8256
 
 
 @functools.cache
@@ -89,14 +90,12 @@ def _multiprocessors(index: int) -> int:
 @dataclass(frozen=True)
 class Config:
     """How a launch tiles the work: query rows and key rows a step (block_m, block_n), warps and
-    pipeline stages a program, the fewest key blocks a split takes at the length it reads
-    (min_blocks), and whether the last split to finish merges (fold) or a second kernel does."""
+    pipeline stages a program, and the fewest key blocks a split takes (min_blocks)."""
     block_m: int
     block_n: int
     warps: int
     stages: int
     min_blocks: int
-    fold: bool = True
 
 
 def default_config(rows_per_kv: int, dtype: torch.dtype) -> Config:
@@ -105,43 +104,23 @@ def default_config(rows_per_kv: int, dtype: torch.dtype) -> Config:
     sweep (bench_tree_attention.py --sweep: Qwen3-8B and 1.7B attention in bf16, the demo
     target's in float32, 1 to 257 nodes, 1k and 4k contexts; bench/RESULTS.md)."""
     if dtype == torch.float32:  # exact float32 products run on the FMA units: small tiles
-        return Config(block_m=16 if rows_per_kv <= 256 else 32, block_n=64, warps=4, stages=2, min_blocks=1)
+        return Config(block_m=16 if rows_per_kv <= 256 else 32, block_n=64, warps=4, stages=2, min_blocks=8)
     block_m = 16 if rows_per_kv <= 16 else 32 if rows_per_kv <= 128 else 64
-    return Config(block_m=block_m, block_n=128, warps=4, stages=2, min_blocks=1)
+    return Config(block_m=block_m, block_n=128, warps=4, stages=2, min_blocks=8)
 
 
-def plan_splits(pairs: int, row_blocks: int, max_rows: int, device: torch.device, block_n: int) -> int:
-    """How many key splits at most: about two programs per multiprocessor, no more than max_rows
-    has key blocks, at most _MAX_SPLITS. The kernels divide the blocks of the length they read
-    among the splits (at least Config.min_blocks each), so a shorter context takes fewer of them
-    and one launch, and one CUDA graph, serves every length; the cache's size only caps them.
-    On a CPU (the interpreter) a few, so tests cover the merge."""
-    blocks = -(-max_rows // block_n)
+def plan_splits(pairs: int, row_blocks: int, max_rows: int, device: torch.device, block_n: int,
+                min_blocks: int) -> int:
+    """How many key splits at most: about two programs per multiprocessor, at least min_blocks
+    key blocks a split at max_rows (or _PLAN_ROWS, if more), at most _MAX_SPLITS. A shorter
+    context spreads its blocks over fewer splits (the kernels divide by the length they read), so
+    one launch, and one CUDA graph, serves every length. On a CPU (the interpreter) a few, so
+    tests cover the merge."""
     if device.type != "cuda":
-        return max(1, min(3, blocks))
+        return max(1, min(3, -(-max_rows // block_n)))
+    blocks = -(-max(max_rows, _PLAN_ROWS) // block_n)
     wanted = -(-2 * _multiprocessors(device.index or 0) // (pairs * row_blocks))
-    return max(1, min(wanted, blocks, _MAX_SPLITS))
-
-
-def _tickets(device: torch.device, count: int) -> torch.Tensor | None:
-    """The device's zeroed split counters for a folded merge (each merging program zeroes its
-    own again), or None where there are too few: the launch then merges in a second kernel.
-    Made once, outside any capture, so no graph's memory pool holds them. Launches on one device
-    share them, so they must not run at once on two streams: the engine runs one stream."""
-    tickets = _TICKETS.get(device)
-    if tickets is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        tickets = _TICKETS[device] = torch.zeros(_TICKET_COUNT, dtype=torch.int32, device=device)
-    return tickets if count <= tickets.numel() else None
-
-
-def _chunk(rows: int, d: int) -> int:
-    """Splits a merge loads at once for this many rows: as many as _MERGE_ELEMENTS allows, 1..16."""
-    chunk = 1
-    while chunk < 16 and 2 * chunk * rows * d <= _MERGE_ELEMENTS:
-        chunk *= 2
-    return chunk
+    return max(1, min(wanted, -(-blocks // min_blocks), _MAX_SPLITS))
 
 
 def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
@@ -179,7 +158,7 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
     row_blocks = -(-rows_per_kv // config.block_m)
     pairs = batch * kv_heads
     if splits is None:
-        splits = plan_splits(pairs, row_blocks, max_rows, q.device, block_n)
+        splits = plan_splits(pairs, row_blocks, max_rows, q.device, block_n, config.min_blocks)
     attend, merge = _kernels(q.device)
     if tree is not None:
         tree = tree.view(torch.uint8)
@@ -189,26 +168,21 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
     final = splits == 1
     part = out if final else torch.empty((splits, pairs, rows_per_kv, d), dtype=torch.float32, device=q.device)
     ml = out if final else torch.empty((2, splits, pairs, rows_per_kv), dtype=torch.float32, device=q.device)
-    tickets = _tickets(q.device, pairs * row_blocks) if config.fold and not final else None
-    merge_rows = min(config.block_m, 1 << (rows_per_kv - 1).bit_length())
     attend[(pairs, row_blocks, splits)](
         q, keys, values, lengths, tree if tree is not None else lengths, out, part, ml,
-        tickets if tickets is not None else lengths,
-        n, rows_per_kv, kv_heads, groups, splits, config.min_blocks, float(scale), 0 if final else ml.stride(0),
+        n, rows_per_kv, kv_heads, groups, splits, float(scale), 0 if final else ml.stride(0),
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), st_b, st_i, out.stride(0), out.stride(1),
         0 if final else part.stride(0), 0 if final else part.stride(1), 0 if final else part.stride(2),
         0 if final else ml.stride(1), 0 if final else ml.stride(2),
         D=d, BLOCK_M=config.block_m, BLOCK_N=block_n, HAS_TREE=tree is not None,
         IEEE=q.dtype == torch.float32 or q.device.type != "cuda", FINAL=final,
-        FOLD=tickets is not None, MERGE_R=merge_rows, CHUNK=_chunk(merge_rows, d),
         num_warps=config.warps, num_stages=config.stages)
-    if not final and tickets is None:
+    if not final:
         merge[(pairs, -(-rows_per_kv // MERGE_ROWS))](
-            part, ml, out, lengths, n, rows_per_kv, kv_heads, groups, splits, config.min_blocks, ml.stride(0),
+            part, ml, out, lengths, n, rows_per_kv, kv_heads, groups, splits, ml.stride(0),
             out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
-            ml.stride(1), ml.stride(2), D=d, BLOCK_R=MERGE_ROWS, BLOCK_N=block_n, CHUNK=_chunk(MERGE_ROWS, d),
-            num_warps=4)
+            ml.stride(1), ml.stride(2), D=d, BLOCK_R=MERGE_ROWS, BLOCK_N=block_n, num_warps=4)
     return out
 
 

@@ -53,21 +53,16 @@ def _attend_block(q, k_base, v_base, kb, length, total, i, r_ok, tree_base, st_i
 
 
 @triton.jit
-def attend_split(Q, K, V, LENGTHS, TREE, OUT, PART, ML, TICKET,
-                 n, rows_per_kv, kv_heads, groups, splits, min_blocks, scale, ml_half,
+def attend_split(Q, K, V, LENGTHS, TREE, OUT, PART, ML,
+                 n, rows_per_kv, kv_heads, groups, splits, scale, ml_half,
                  sq_n, sq_h, sk_b, sk_h, sk_r, sv_b, sv_h, sv_r, st_b, st_i, so_n, so_h,
                  sp_s, sp_p, sp_r, sm_s, sm_p,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HAS_TREE: tl.constexpr, IEEE: tl.constexpr, FINAL: tl.constexpr,
-                 FOLD: tl.constexpr, MERGE_R: tl.constexpr, CHUNK: tl.constexpr):
+                 HAS_TREE: tl.constexpr, IEEE: tl.constexpr, FINAL: tl.constexpr):
     """One (batch row, kv head) x query block x key split. Query row r of a kv head is query
     i = r % n of head kv*groups + r // n (the fold of model.py); the split streams its share of
-    key blocks [0, cdiv(length + n, BLOCK_N)), at least min_blocks of them, with an online
-    softmax. FINAL (one split): writes the normalised output; else the unnormalised sum, its
-    running max (base 2) and its sum of weights, and with FOLD the last split of this (pair,
-    query block) to finish merges them all (_merged, MERGE_R rows at a time) and writes the
-    output: TICKET counts the splits done, and the merging program sets it back to 0 for the
-    next launch.
+    key blocks [0, cdiv(length + n, BLOCK_N)) with an online softmax. FINAL (one split): writes the
+    normalised output; else the unnormalised sum, its running max (base 2) and its sum of weights.
     IEEE: both products in exact float32 (float32 inputs; and half inputs under the interpreter,
     whose dot of half types is wrong, after the same rounding of the probabilities)."""
     pair = tl.program_id(0)
@@ -78,7 +73,7 @@ def attend_split(Q, K, V, LENGTHS, TREE, OUT, PART, ML, TICKET,
     length = tl.load(LENGTHS + b).to(tl.int32)
     total = length + n
     blocks = tl.cdiv(total, BLOCK_N)
-    per = tl.maximum(tl.cdiv(blocks, splits), min_blocks)
+    per = tl.cdiv(blocks, splits)
     lo = split * per
     hi = tl.minimum(lo + per, blocks)
     clean = tl.minimum(tl.maximum(length // BLOCK_N, lo), hi)  # [lo, clean) need no mask
@@ -112,74 +107,39 @@ def attend_split(Q, K, V, LENGTHS, TREE, OUT, PART, ML, TICKET,
                  mask=r_ok[:, None])
         tl.store(ML + split * sm_s + pair * sm_p + r, m_i, mask=r_ok)
         tl.store(ML + ml_half + split * sm_s + pair * sm_p + r, l_i, mask=r_ok)
-        if FOLD:
-            active = tl.cdiv(blocks, per)
-            if split < active:
-                # Every thread's stores above come before the ticket (the barrier), and the
-                # atomic's release makes them visible GPU-wide; the merger's acquire sees them.
-                tl.debug_barrier()
-                ticket = TICKET + pair * tl.num_programs(1) + block
-                if tl.atomic_add(ticket, 1) == active - 1:
-                    for sub in tl.static_range(0, BLOCK_M, MERGE_R):
-                        if block * BLOCK_M + sub < rows_per_kv:
-                            rr = block * BLOCK_M + sub + tl.arange(0, MERGE_R)
-                            rr_ok = rr < rows_per_kv
-                            out = _merged(PART, ML, pair, rr, rr_ok, active, ml_half, sp_s, sp_p, sp_r, sm_s,
-                                          sm_p, D, MERGE_R, CHUNK)
-                            at = (b * n + rr % n)[:, None] * so_n + (h * groups + rr // n)[:, None] * so_h
-                            tl.store(OUT + at + dd[None, :], out.to(OUT.dtype.element_ty), mask=rr_ok[:, None])
-                    tl.store(ticket, 0)
 
 
 @triton.jit
-def _merged(PART, ML, pair, r, r_ok, active, ml_half, sp_s, sp_p, sp_r, sm_s, sm_p,
-            D: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr):
-    """Rows r of one (batch row, kv head), normalised: the first `active` splits' partial sums
-    weighted by 2^(their max - the overall max), over the weighted sum of weights. CHUNK splits a
-    load, so a merge of many splits waits on few round trips. Every row sees at least itself, so
-    some split has a finite max. Loads skip L1 (.cg): the partials were written by other
-    programs, maybe on other multiprocessors."""
-    c = tl.arange(0, CHUNK)
-    dd = tl.arange(0, D)
-    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s0 in range(0, active, CHUNK):
-        s = s0 + c
-        ok = (s < active)[:, None] & r_ok[None, :]
-        m = tl.load(ML + s[:, None] * sm_s + pair * sm_p + r[None, :], mask=ok, other=float("-inf"),
-                    cache_modifier=".cg")
-        top = tl.maximum(top, tl.max(m, 0))
-    top = tl.where(top == float("-inf"), 0.0, top)  # rows past the end: no -inf - -inf
-    acc = tl.zeros([BLOCK_R, D], tl.float32)
-    total = tl.zeros([BLOCK_R], tl.float32)
-    for s0 in range(0, active, CHUNK):
-        s = s0 + c
-        ok = (s < active)[:, None] & r_ok[None, :]
-        at = s[:, None] * sm_s + pair * sm_p + r[None, :]
-        w = tl.exp2(tl.load(ML + at, mask=ok, other=float("-inf"), cache_modifier=".cg") - top[None, :])
-        total += tl.sum(w * tl.load(ML + ml_half + at, mask=ok, other=0.0, cache_modifier=".cg"), 0)
-        part = tl.load(PART + s[:, None, None] * sp_s + pair * sp_p + r[None, :, None] * sp_r + dd[None, None, :],
-                       mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(part * w[:, :, None], 0)
-    return acc / tl.where(r_ok, total, 1.0)[:, None]
-
-
-@triton.jit
-def merge_splits(PART, ML, OUT, LENGTHS, n, rows_per_kv, kv_heads, groups, splits, min_blocks, ml_half,
+def merge_splits(PART, ML, OUT, LENGTHS, n, rows_per_kv, kv_heads, groups, splits, ml_half,
                  so_n, so_h, sp_s, sp_p, sp_r, sm_s, sm_p,
-                 D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-    """BLOCK_R query rows of one (batch row, kv head), merged from the splits that had key blocks
-    at this row's length (attend_split's division): the merge as its own kernel, when FOLD is off."""
+                 D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """BLOCK_R query rows of one (batch row, kv head): the splits' partial sums weighted by
+    2^(their max - the overall max), over the weighted sum of weights. Only the splits that had
+    key blocks at this row's length are read (attend_split's division). Every row sees at least
+    itself, so some split has a finite max."""
     pair = tl.program_id(0)
     block = tl.program_id(1)
     b = pair // kv_heads
     h = pair % kv_heads
     blocks = tl.cdiv(tl.load(LENGTHS + b).to(tl.int32) + n, BLOCK_N)
-    active = tl.cdiv(blocks, tl.maximum(tl.cdiv(blocks, splits), min_blocks))
+    active = tl.cdiv(blocks, tl.cdiv(blocks, splits))
     r = block * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < rows_per_kv
-    out = _merged(PART, ML, pair, r, r_ok, active, ml_half, sp_s, sp_p, sp_r, sm_s, sm_p, D, BLOCK_R, CHUNK)
+    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in range(0, active):
+        top = tl.maximum(top, tl.load(ML + s * sm_s + pair * sm_p + r, mask=r_ok, other=float("-inf")))
+    top = tl.where(top == float("-inf"), 0.0, top)  # rows past the end: no -inf - -inf
+    dd = tl.arange(0, D)
+    acc = tl.zeros([BLOCK_R, D], tl.float32)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    for s in range(0, active):
+        w = tl.exp2(tl.load(ML + s * sm_s + pair * sm_p + r, mask=r_ok, other=float("-inf")) - top)
+        total += w * tl.load(ML + ml_half + s * sm_s + pair * sm_p + r, mask=r_ok, other=0.0)
+        part = tl.load(PART + s * sp_s + pair * sp_p + r[:, None] * sp_r + dd[None, :],
+                       mask=r_ok[:, None], other=0.0)
+        acc += part * w[:, None]
+    out = acc / tl.where(r_ok, total, 1.0)[:, None]
     i = r % n
     head = h * groups + r // n
-    dd = tl.arange(0, D)
     tl.store(OUT + (b * n + i)[:, None] * so_n + head[:, None] * so_h + dd[None, :],
              out.to(OUT.dtype.element_ty), mask=r_ok[:, None])

@@ -129,27 +129,15 @@ def test_the_lengths_are_read_on_the_device_at_every_call():
     assert not torch.allclose(first, second)
 
 
-@pytest.mark.parametrize("fold", [True, False], ids=["folded-merge", "merge-kernel"])
-@pytest.mark.parametrize("splits, min_blocks, rows_per_block", [(9, 1, 16), (9, 2, 16), (5, 1, 32)])
-def test_the_merge_of_many_splits(fold, splits, min_blocks, rows_per_block, monkeypatch):
-    """More splits than a merge loads at once, splits with no key block at a short row's length,
-    at least min_blocks blocks a split; the last split merges (fold) or the merge kernel does,
-    query blocks wider than the merge's rows. The split counters are back to 0 afterwards, so
-    the next launch (a graph replay) starts from a clean count."""
-    q, keys, values, lengths, tree = _case(2, 2, 2, 3, 300, 16, torch.float32, "random", seed=splits + min_blocks,
-                                           lengths=[40, 280])
-    want = reference(q, keys, values, lengths, tree, 0.25)
-    config = fused.Config(block_m=rows_per_block, block_n=16, warps=4, stages=2, min_blocks=min_blocks, fold=fold)
-    args = _on(DEVICE, q, keys, values, lengths, tree)
-    if fold:
-        from ddtree.engine.reference.fast import triton_kernels
-
-        monkeypatch.setattr(triton_kernels, "merge_splits", None)  # the folded path never launches it
-    for _ in range(2):
-        got = fused.launch(*args, 0.25, 300, config, splits=splits).cpu()
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
-    if fold:
-        assert int(fused._TICKETS[args[0].device].count_nonzero()) == 0
+def test_a_small_cache_plans_the_splits_of_the_fitted_window(monkeypatch):
+    """The split count the default tiling was fitted with (an 8256-row cache) holds for smaller
+    caches too: planned on its own rows, a 1,664-row cache gave an AR step 2 splits."""
+    monkeypatch.setattr(fused, "_multiprocessors", lambda index: 132)  # an H200
+    cuda = torch.device("cuda", 0)
+    fitted = fused.plan_splits(8, 1, 8256, cuda, 128, 8)
+    assert fitted == 9
+    assert fused.plan_splits(8, 1, 1664, cuda, 128, 8) == fitted
+    assert fused.plan_splits(8, 1, 40960, cuda, 128, 8) == 33  # a larger cache: two programs a multiprocessor
 
 
 def test_choose_attention_names_what_runs():
