@@ -41,7 +41,8 @@ _MAX_SPLITS = 64
 # The fewest rows a launch plans its key splits for: the cache the default tiling was fitted on
 # (8256 rows, an 8k window and its slack), where min_blocks=8 gives an AR step 9 splits. Planned
 # on its own rows, a smaller cache got fewer (2 at 1,664 rows: an AR step at a 1k context then
-# had 16 programs for the whole GPU, each streaming 5 key blocks in turn).
+# had 16 programs for the whole GPU, each streaming 5 key blocks in turn): on an H200, 13.1 us a
+# layer against 9.1 planned this way (bench/RESULTS.md, eighth pass).
 _PLAN_ROWS = 8256
 
 
