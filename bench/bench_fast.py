@@ -164,25 +164,29 @@ def bench_shape(shape: str, args) -> dict:
     print(f"[{shape}] ours, transformers path {row['ours_transformers_ms']:.3f}", flush=True)
     del slow
     window = args.context + args.new_tokens + max(args.budgets + args.nodes) + 1
-    # (key, compiled, the GEMV and rope_write kernels): the last is the engine measured below.
-    variants = [("ours_fast_ms", args.compile, True)]
+    # (key, compiled, the GEMV and rope_write kernels, the GEMV's folds): the last is the engine
+    # measured below.
+    variants = [("ours_fast_ms", args.compile, True, True)]
     if args.compile:
-        variants.insert(0, ("ours_fast_graphs_only_ms", False, True))
+        variants.insert(0, ("ours_fast_graphs_only_ms", False, True, True))
         if args.plain_ops_too:
-            variants.insert(1, ("ours_fast_plain_ops_ms", True, False))
-    for key, compiled, kernels in variants:
+            variants.insert(1, ("ours_fast_plain_ops_ms", True, False, False))
+        if args.folds_off_too:
+            variants.insert(-1, ("ours_fast_no_folds_ms", True, True, False))
+    for key, compiled, kernels, folds in variants:
         torch._dynamo.reset()  # compiled code of another shape must not count against this one
         fast = Engine(model, drafter, backend="fast", context_window=window,
                       max_budget=max(args.budgets + args.nodes), slots=1, compile=compiled,
                       attention=args.attention)
         fast.target.model.use_kernels(kernels)
+        fast.target.model.gemv.folds = folds
         t0 = time.perf_counter()
         fast.warmup(progress=lambda msg: print(f"[{shape}] {msg}", flush=True), budgets=tuple(args.budgets))
         row[key.replace("_ms", "_warmup_s")] = round(time.perf_counter() - t0, 2)
         row[key] = engine_ar_ms(fast, prompt, device, args.new_tokens, args.repeats)
         row["compile_error"] = fast.impl.compile_error
         print(f"[{shape}] ours, fast path {row[key]:.3f} (graphs: {fast.graphs}, compiled layers: "
-              f"{fast.target.compiled}, GEMV and rope_write kernels: {kernels})", flush=True)
+              f"{fast.target.compiled}, GEMV and rope_write kernels: {kernels}, GEMV folds: {folds})", flush=True)
         if key != "ours_fast_ms":
             del fast
             torch.cuda.empty_cache() if device.startswith("cuda") else None
@@ -345,6 +349,9 @@ def main(argv=None) -> int:
     p.add_argument("--plain-ops-too", action="store_true",
                    help="also measure the compiled fast path without the GEMV and rope_write kernels "
                         "(every product on cuBLAS; norms, RoPE and cache writes as torch.compile fuses them)")
+    p.add_argument("--folds-off-too", action="store_true",
+                   help="also measure the compiled fast path with the kernels but the input norm, activation and "
+                        "residual adds as torch ops around the GEMV instead of folded into it")
     p.add_argument("--attention", default="auto", help="the fast backend's attention kernel: auto, triton, matmul, sdpa")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
@@ -377,6 +384,8 @@ def main(argv=None) -> int:
         print(f"{shape:8s} {r['floor_ms']:8.3f} {r['hf_static_ms']:10.3f} {r['hf_eager_ms']:9.3f} "
               f"{r['ours_transformers_ms']:8.3f} {r.get('ours_fast_graphs_only_ms', float('nan')):12.3f} "
               f"{r.get('ours_fast_plain_ops_ms', float('nan')):18.3f} {r['ours_fast_ms']:9.3f}   targets {r['targets']}")
+        if "ours_fast_no_folds_ms" in r:
+            print(f"{'':8s} +compile, kernels without the GEMV folds: {r['ours_fast_no_folds_ms']:.3f}")
         if "ours_fast_serving_window_ms" in r:
             print(f"{'':8s} fast in a {r['serving_window']}-token window: {r['ours_fast_serving_window_ms']:.3f} ms/token "
                   f"(KV spans {r['serving_window_graphs'].get('kv_spans')})")

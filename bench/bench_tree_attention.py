@@ -13,9 +13,11 @@ median of repeats, for
 - "triton": fast/tree_attention.py over the same cache, reading the length on the device.
 Both over a cache whose rows past the context are never read by either. With --sweep, also
 every tiling of a grid (tree_attention.Config) per case: the best, and what the default gives.
-With --variants, the default tiling with other split counts: planned for the cache's own rows
-(the rule before tree_attention._PLAN_ROWS, which starved short contexts in small caches), and
-planned with min_blocks 2 (more splits, a longer merge).
+With --variants, the default tiling with other split counts, each used at every length: all the
+splits planned for the cache (what a large cache used before _per_split gave short contexts the
+fitted count), planned for the cache's own rows (the rule before tree_attention._PLAN_ROWS,
+which starved short contexts in small caches), and planned with min_blocks 2 (more splits, a
+longer merge).
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def case(shape: str, n: int, context: int, rows: int, sweep: bool = False, varia
         planned = fused.plan_splits(kvh, row_blocks, rows, torch.device(dev), base.block_n, base.min_blocks)
         own = max(1, min(planned, -(-rows // base.block_n // base.min_blocks)))
         more = fused.plan_splits(kvh, row_blocks, rows, torch.device(dev), base.block_n, 2)
-        out["splits"] = {"default": planned, "cache rows": own, "min 2 blocks": more}
+        out["splits"] = {"default": None, "all planned": planned, "cache rows": own, "min 2 blocks": more}
         out["variants_us"] = {}
         for name, splits in out["splits"].items():
             def tiled(splits=splits):
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
                             f"s{c['stages']} b{c['min_blocks']})")
                 if args.variants:
                     best += "  " + ", ".join(f"{k} {v:.2f}" for k, v in row["variants_us"].items())
-                    best += " (splits " + ", ".join(f"{v}" for v in row["splits"].values()) + ")"
+                    best += " (splits " + ", ".join(f"{v}" for v in row["splits"].values() if v) + ")"
                 print(f"{shape:6s} {n:4d} {context:7d} {row['matmul_us']:10.2f} {row['triton_us']:10.2f} "
                       f"{row['speedup']:6.2f} {row['rel_diff']:9.2e}{best}", flush=True)
                 if args.out:

@@ -60,13 +60,16 @@ def plain(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     """What Gemv computes, in torch ops: linear(pre(x)) (+ residual). pre: None; an RMSNorm
     module (x normed by it); or "silu" (x is the fused [gate; up], and silu(gate) * up is the
     product's input). The layers call this where no Gemv is set, and Gemv where it takes F.linear."""
+    out = F.linear(_before(x, pre), weight, bias)
+    return out if residual is None else residual + out
+
+
+def _before(x: torch.Tensor, pre) -> torch.Tensor:
+    """`pre` applied to x in torch ops (see plain)."""
     if isinstance(pre, str):
         gate, up = x.chunk(2, dim=-1)
-        x = ACTIVATIONS[pre](gate) * up
-    elif pre is not None:
-        x = pre(x)
-    out = F.linear(x, weight, bias)
-    return out if residual is None else residual + out
+        return ACTIVATIONS[pre](gate) * up
+    return x if pre is None else pre(x)
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
@@ -125,6 +128,7 @@ class Gemv:
         self.picked: dict[tuple[int, int], Config] = {}
         self.measured: dict[tuple[int, int], dict[str, float]] = {}
         self.enabled = True  # False: F.linear runs every product and tune measures nothing (benchmarks)
+        self.folds = True  # False: norm, activation and residual run as torch ops around the kernel (benchmarks)
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor, pre=None) -> Config | None:
         """The tiling this product runs with, or None for torch ops (`plain`). Only tune fills
@@ -143,6 +147,9 @@ class Gemv:
         config = self.takes(x, weight, pre)
         if config is None:
             return plain(x, weight, bias, pre, residual)
+        if not self.folds and (pre is not None or residual is not None):
+            out = self(_before(x, pre), weight, bias)
+            return out if residual is None else residual + out
         code, norm, eps = (0, None, 0.0) if pre is None else (_SILU, None, 0.0) if pre == "silu" else (
             _RMS, pre.weight, pre.eps)
         return torch.ops.ddtree.gemv(x, weight, bias, residual, norm, eps, code, config.block_n, config.block_k,

@@ -38,11 +38,13 @@ from ddtree.engine.reference.errors import BadParams
 
 MERGE_ROWS = 16    # query rows a program of the merge kernel combines
 _MAX_SPLITS = 64
-# The fewest rows a launch plans its key splits for: the cache the default tiling was fitted on
-# (8256 rows, an 8k window and its slack), where min_blocks=8 gives an AR step 9 splits. Planned
-# on its own rows, a smaller cache got fewer (2 at 1,664 rows: an AR step at a 1k context then
-# had 16 programs for the whole GPU, each streaming 5 key blocks in turn): on an H200, 13.1 us a
-# layer against 9.1 planned this way (bench/RESULTS.md, eighth pass).
+# The cache the default tiling was fitted on (8256 rows, an 8k window and its slack), where
+# min_blocks=8 gives an AR step 9 splits. A smaller cache plans its splits for these rows:
+# planned on its own, a 1,664-row cache gave an AR step 2 splits (16 programs for the whole GPU),
+# 13.1 us a layer at a 1k context against 9.1 (H200, bench/RESULTS.md, eighth pass). A larger
+# cache uses the fitted count until the context needs more (_per_split in triton_kernels.py): at
+# 33 splits, what a 40k window plans, the 8B AR step's attention took 18.7 us a layer at a 4k
+# context against 15.0 with the fitted 9 (both measured in an 8256-row cache).
 _PLAN_ROWS = 8256
 
 
@@ -142,10 +144,11 @@ def _tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, l
 
 def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
            tree: Optional[torch.Tensor], scale: float, max_rows: int, config: Config | None = None,
-           splits: int | None = None) -> torch.Tensor:
-    """tree_attention's kernels launched directly, with this tiling (default_config when None)
-    and this many key splits (plan_splits when None): what the op runs, and what
-    bench_tree_attention.py tunes."""
+           splits: int | None = None, fitted: int | None = None) -> torch.Tensor:
+    """tree_attention's kernels launched directly, with this tiling (default_config when None):
+    what the op runs, and what bench_tree_attention.py tunes. splits: the launch's key splits
+    (plan_splits for max_rows when None); fitted: the splits a short context uses (plan_splits
+    for _PLAN_ROWS when None and splits are planned, else all of `splits`)."""
     batch, kv_heads, _, d = keys.shape
     heads = q.shape[1]
     n = q.shape[0] // batch
@@ -160,6 +163,9 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
     pairs = batch * kv_heads
     if splits is None:
         splits = plan_splits(pairs, row_blocks, max_rows, q.device, block_n, config.min_blocks)
+        if fitted is None:
+            fitted = plan_splits(pairs, row_blocks, _PLAN_ROWS, q.device, block_n, config.min_blocks)
+    fitted = min(splits, fitted if fitted is not None else splits)
     attend, merge = _kernels(q.device)
     if tree is not None:
         tree = tree.view(torch.uint8)
@@ -171,7 +177,7 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
     ml = out if final else torch.empty((2, splits, pairs, rows_per_kv), dtype=torch.float32, device=q.device)
     attend[(pairs, row_blocks, splits)](
         q, keys, values, lengths, tree if tree is not None else lengths, out, part, ml,
-        n, rows_per_kv, kv_heads, groups, splits, float(scale), 0 if final else ml.stride(0),
+        n, rows_per_kv, kv_heads, groups, splits, fitted, config.min_blocks, float(scale), 0 if final else ml.stride(0),
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), st_b, st_i, out.stride(0), out.stride(1),
         0 if final else part.stride(0), 0 if final else part.stride(1), 0 if final else part.stride(2),
@@ -181,7 +187,7 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
         num_warps=config.warps, num_stages=config.stages)
     if not final:
         merge[(pairs, -(-rows_per_kv // MERGE_ROWS))](
-            part, ml, out, lengths, n, rows_per_kv, kv_heads, groups, splits, ml.stride(0),
+            part, ml, out, lengths, n, rows_per_kv, kv_heads, groups, splits, fitted, config.min_blocks, ml.stride(0),
             out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
             ml.stride(1), ml.stride(2), D=d, BLOCK_R=MERGE_ROWS, BLOCK_N=block_n, num_warps=4)
     return out

@@ -53,15 +53,26 @@ def _attend_block(q, k_base, v_base, kb, length, total, i, r_ok, tree_base, st_i
 
 
 @triton.jit
+def _per_split(blocks, splits, fitted, min_blocks):
+    """Key blocks a split takes at a length of `blocks` key blocks. The splits used are `fitted`
+    (the count the tiling was fitted with, tree_attention._PLAN_ROWS) until the length needs more
+    at min_blocks a split, and never more than the launch's `splits`: a large cache splits a short
+    context as the fitted one does, since a merge of many splits costs more than it saves."""
+    used = tl.minimum(splits, tl.maximum(fitted, tl.cdiv(blocks, min_blocks)))
+    return tl.cdiv(blocks, used)
+
+
+@triton.jit
 def attend_split(Q, K, V, LENGTHS, TREE, OUT, PART, ML,
-                 n, rows_per_kv, kv_heads, groups, splits, scale, ml_half,
+                 n, rows_per_kv, kv_heads, groups, splits, fitted, min_blocks, scale, ml_half,
                  sq_n, sq_h, sk_b, sk_h, sk_r, sv_b, sv_h, sv_r, st_b, st_i, so_n, so_h,
                  sp_s, sp_p, sp_r, sm_s, sm_p,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HAS_TREE: tl.constexpr, IEEE: tl.constexpr, FINAL: tl.constexpr):
     """One (batch row, kv head) x query block x key split. Query row r of a kv head is query
     i = r % n of head kv*groups + r // n (the fold of model.py); the split streams its share of
-    key blocks [0, cdiv(length + n, BLOCK_N)) with an online softmax. FINAL (one split): writes the
+    key blocks [0, cdiv(length + n, BLOCK_N)) (_per_split) with an online softmax; splits past
+    the length's share do nothing. FINAL (one split): writes the
     normalised output; else the unnormalised sum, its running max (base 2) and its sum of weights.
     IEEE: both products in exact float32 (float32 inputs; and half inputs under the interpreter,
     whose dot of half types is wrong, after the same rounding of the probabilities)."""
@@ -73,7 +84,7 @@ def attend_split(Q, K, V, LENGTHS, TREE, OUT, PART, ML,
     length = tl.load(LENGTHS + b).to(tl.int32)
     total = length + n
     blocks = tl.cdiv(total, BLOCK_N)
-    per = tl.cdiv(blocks, splits)
+    per = _per_split(blocks, splits, fitted, min_blocks)
     lo = split * per
     hi = tl.minimum(lo + per, blocks)
     clean = tl.minimum(tl.maximum(length // BLOCK_N, lo), hi)  # [lo, clean) need no mask
@@ -110,7 +121,7 @@ def attend_split(Q, K, V, LENGTHS, TREE, OUT, PART, ML,
 
 
 @triton.jit
-def merge_splits(PART, ML, OUT, LENGTHS, n, rows_per_kv, kv_heads, groups, splits, ml_half,
+def merge_splits(PART, ML, OUT, LENGTHS, n, rows_per_kv, kv_heads, groups, splits, fitted, min_blocks, ml_half,
                  so_n, so_h, sp_s, sp_p, sp_r, sm_s, sm_p,
                  D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """BLOCK_R query rows of one (batch row, kv head): the splits' partial sums weighted by
@@ -122,7 +133,7 @@ def merge_splits(PART, ML, OUT, LENGTHS, n, rows_per_kv, kv_heads, groups, split
     b = pair // kv_heads
     h = pair % kv_heads
     blocks = tl.cdiv(tl.load(LENGTHS + b).to(tl.int32) + n, BLOCK_N)
-    active = tl.cdiv(blocks, tl.cdiv(blocks, splits))
+    active = tl.cdiv(blocks, _per_split(blocks, splits, fitted, min_blocks))
     r = block * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < rows_per_kv
     top = tl.full([BLOCK_R], float("-inf"), tl.float32)

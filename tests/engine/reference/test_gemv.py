@@ -94,6 +94,8 @@ def test_what_a_product_folds_in_equals_the_torch_ops(fold, k, config):
         args[3] = pre.to(DEVICE)
     got = gemv(*args).cpu()
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    gemv.folds = False  # what bench_fast --folds-off-too sets: the same result, the ops around the kernel
+    assert torch.allclose(gemv(*args).cpu(), want, atol=1e-5, rtol=1e-5)
     assert gemv.takes(x, w, pre) == config
     assert gemv.takes(x, w, "gelu") is None  # only silu folds; gelu takes the torch ops
     assert gemv.takes(x[:, :k], w, torch.nn.LayerNorm(k)) is None  # a mean and a bias: not the prologue's

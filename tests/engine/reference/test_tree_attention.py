@@ -129,6 +129,18 @@ def test_the_lengths_are_read_on_the_device_at_every_call():
     assert not torch.allclose(first, second)
 
 
+@pytest.mark.parametrize("splits, fitted", [(9, 2), (9, 9), (5, 1)])
+def test_a_short_context_uses_the_fitted_splits_of_a_large_launch(splits, fitted):
+    """A launch of 9 key splits whose short rows use 2 (or 1) of them until their length needs
+    more at min_blocks a split: the attend kernel and the merge must agree on which splits
+    hold blocks. Two rows, one short and one long, in one launch."""
+    q, keys, values, lengths, tree = _case(2, 2, 2, 3, 300, 16, torch.float32, "random", seed=splits + fitted,
+                                           lengths=[40, 280])
+    config = fused.Config(block_m=16, block_n=16, warps=4, stages=2, min_blocks=4)
+    got = fused.launch(*_on(DEVICE, q, keys, values, lengths, tree), 0.25, 300, config, splits, fitted).cpu()
+    torch.testing.assert_close(got.double(), reference(q, keys, values, lengths, tree, 0.25), rtol=1e-5, atol=1e-6)
+
+
 def test_a_small_cache_plans_the_splits_of_the_fitted_window(monkeypatch):
     """The split count the default tiling was fitted with (an 8256-row cache) holds for smaller
     caches too: planned on its own rows, a 1,664-row cache gave an AR step 2 splits."""
