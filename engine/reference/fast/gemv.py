@@ -16,6 +16,11 @@ only where it wins by a margin. Rows other than one, CPUs and shapes it lost on 
 On the H200 it took o, down and q/k/v of the 8B shape (the head in one lease of two; gate/up
 stayed on cuBLAS), and with rope_write the step went from 5.58 to 4.97 ms (bench/RESULTS.md,
 seventh pass).
+
+On the kernel a product also folds in what DecoderLayer does around it: the RMSNorm before q/k/v
+and gate/up, silu(gate) * up before down, the residual add after o and down. Each fold saves a
+launch, so the tune times each shape with its folds on both sides (`plain`'s torch ops against
+the kernel), as a step runs it.
 """
 
 from __future__ import annotations
@@ -111,6 +116,15 @@ def _(x, weight, bias, residual, norm, eps, pre, block_n, block_k, warps, stages
     return x.new_empty((1, weight.shape[0]))
 
 
+def _fold_args(pre) -> tuple[int, Optional[torch.Tensor], float]:
+    """The kernel's PRE code, norm weight and eps for `pre` (one Gemv.takes accepts)."""
+    if pre is None:
+        return 0, None, 0.0
+    if pre == "silu":
+        return _SILU, None, 0.0
+    return _RMS, pre.weight, float(pre.eps)
+
+
 def _is_rms_norm(module) -> bool:
     """Whether the kernel's RMSNorm prologue computes this module: model.RMSNorm (weight, eps),
     not a LayerNorm (mean and bias) nor a norm without a weight."""
@@ -150,30 +164,39 @@ class Gemv:
         if not self.folds and (pre is not None or residual is not None):
             out = self(_before(x, pre), weight, bias)
             return out if residual is None else residual + out
-        code, norm, eps = (0, None, 0.0) if pre is None else (_SILU, None, 0.0) if pre == "silu" else (
-            _RMS, pre.weight, pre.eps)
+        code, norm, eps = _fold_args(pre)
         return torch.ops.ddtree.gemv(x, weight, bias, residual, norm, eps, code, config.block_n, config.block_k,
                                      config.warps, config.stages)
 
     def tune(self, groups: Iterable[list[tuple[torch.Tensor, Optional[torch.Tensor]]]],
-             configs: tuple[Config, ...] = CONFIGS) -> None:
-        """groups: the (weight, bias) pairs of one shape each (every layer's). Times F.linear and
-        each tiling over a whole group, for shapes not yet measured. A no-op off CUDA, without
-        triton, and inside a capture."""
-        for group in groups:
+             configs: tuple[Config, ...] = CONFIGS, folds: Optional[list] = None) -> None:
+        """groups: the (weight, bias) pairs of one shape each (every layer's). folds: per group,
+        None or (pre, residual): what the layers fold into that product (pre as `plain` takes
+        it, residual True for a residual add). Times the torch ops (F.linear, with the folded
+        ops around it: "torch ops") and each tiling over a whole group, for shapes not yet
+        measured: a fold saves torch a launch, so both sides run what a step runs. A no-op off
+        CUDA, without triton, and inside a capture."""
+        for i, group in enumerate(groups):
             weight = group[0][0]
             key = (int(weight.shape[0]), int(weight.shape[1]))
             if (not self.enabled or key in self.measured or weight.device.type != "cuda" or not tree_attention.available()
                     or torch.cuda.is_current_stream_capturing()):
                 continue
-            x = torch.randn((1, key[1]), device=weight.device, dtype=weight.dtype)
-            times = {"F.linear": replay_us(lambda: [F.linear(x, w, b) for w, b in group], weight.device, 1)}
+            pre, residual = folds[i] if folds is not None and folds[i] is not None and self.folds else (None, False)
+            if pre is not None and not (pre == "silu" or not isinstance(pre, str) and _is_rms_norm(pre)):
+                pre = None  # an op the kernel does not fold: the product alone is what differs
+            x = torch.randn((1, key[1] * (2 if pre == "silu" else 1)), device=weight.device, dtype=weight.dtype)
+            res = torch.randn((1, key[0]), device=weight.device, dtype=weight.dtype) if residual else None
+            code, norm, eps = _fold_args(pre)
+            base = "F.linear" if pre is None and res is None else "torch ops"
+            times = {base: replay_us(lambda: [plain(x, w, b, pre, res) for w, b in group], weight.device, 1)}
             for config in configs:
-                times[str(config)] = replay_us(lambda: [launch(x, w, b, config) for w, b in group], weight.device, 1)
+                times[str(config)] = replay_us(lambda: [launch(x, w, b, config, code, res, norm, eps) for w, b in group],
+                                               weight.device, 1)
             best = min(configs, key=lambda c: times[str(c)])
             self.measured[key] = {name: round(us / len(group), 2) for name, us in times.items()}
-            if times[str(best)] <= _MARGIN * times["F.linear"]:
+            if times[str(best)] <= _MARGIN * times[base]:
                 self.picked[key] = best
-            log.info("one-row linear %s (us a product): F.linear %.2f, best kernel %s %.2f -> %s", key,
-                     self.measured[key]["F.linear"], best, self.measured[key][str(best)],
-                     "kernel" if key in self.picked else "F.linear")
+            log.info("one-row linear %s (us a product): %s %.2f, best kernel %s %.2f -> %s", key, base,
+                     self.measured[key][base], best, self.measured[key][str(best)],
+                     "kernel" if key in self.picked else "torch")

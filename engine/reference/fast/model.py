@@ -532,12 +532,16 @@ class MLP(nn.Module):
         """One [gate; up] weight for one GEMM instead of two (the two become views of it)."""
         self.gate_up = _fuse_linears((self.gate_proj, self.up_proj))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [n, H] -> the MLP's output, plus residual where given (both the activation and the
-        residual ride on the down product, which the GEMV kernel folds in for one row)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                norm: nn.Module | None = None) -> torch.Tensor:
+        """x [n, H] -> the MLP's output, plus residual where given. norm: applied to x first.
+        The norm rides on the gate/up product, the activation and the residual on the down
+        product (the GEMV kernel folds them in for one row)."""
         if self.gate_up is not None:
-            gate_up = self.linear(x, *self.gate_up)
+            gate_up = self.linear(x, *self.gate_up, norm)
             return self.linear(gate_up, self.down_proj.weight, self.down_proj.bias, self.act_name, residual)
+        if norm is not None:
+            x = norm(x)
         out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         return out if residual is None else residual + out
 
@@ -567,7 +571,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, plan: AttentionPlan) -> torch.Tensor:
         x = self.self_attn(x, cos, sin, k_cache, v_cache, plan, norm=self.input_layernorm, residual=x)
-        return self.mlp(self.post_attention_layernorm(x), residual=x)
+        return self.mlp(x, residual=x, norm=self.post_attention_layernorm)
 
 
 class Backbone(nn.Module):
@@ -613,14 +617,17 @@ class DenseDecoder(nn.Module):
             layer.self_attn.fused_writes = on
 
     def tune_gemv(self) -> None:
-        """Measure the one-row products of the fused model (Gemv.tune), before graphs or compiles."""
+        """Measure the one-row products of the fused model (Gemv.tune), before graphs or compiles,
+        each with what DecoderLayer folds into it."""
+        first = self.model.layers[0]
         layers = [(layer.self_attn, layer.mlp) for layer in self.model.layers]
-        groups = [[a.qkv for a, _ in layers if a.qkv is not None],
-                  [(a.o_proj.weight, a.o_proj.bias) for a, _ in layers],
-                  [m.gate_up for _, m in layers if m.gate_up is not None],
-                  [(m.down_proj.weight, m.down_proj.bias) for _, m in layers],
-                  [(self.lm_head.weight, self.lm_head.bias)]]
-        self.gemv.tune([g for g in groups if g])
+        groups = [([a.qkv for a, _ in layers if a.qkv is not None], (first.input_layernorm, False)),
+                  ([(a.o_proj.weight, a.o_proj.bias) for a, _ in layers], (None, True)),
+                  ([m.gate_up for _, m in layers if m.gate_up is not None], (first.post_attention_layernorm, False)),
+                  ([(m.down_proj.weight, m.down_proj.bias) for _, m in layers], (first.mlp.act_name, True)),
+                  ([(self.lm_head.weight, self.lm_head.bias)], None)]
+        groups = [(g, f) for g, f in groups if g]
+        self.gemv.tune([g for g, _ in groups], folds=[f for _, f in groups])
 
     def compile_layers(self) -> None:
         """torch.compile one decoder layer's forward, shared by every layer (regional compilation:

@@ -180,3 +180,26 @@ def test_cuda_folds_at_real_shapes():
             gemv.picked[(n, k)] = config
             got = gemv(x, w, None, pre, residual).double()
             assert ((got - want).norm() / want.norm()).item() < 1e-2, ((n, k), config)
+        gemv = Gemv()
+        gemv.tune([[(w, None)] * 2], folds=[(pre, bool(res))])  # the tune times the folds on both sides
+        assert set(gemv.measured[(n, k)]) == {"torch ops"} | {str(c) for c in CONFIGS}
+
+
+def test_the_tune_is_told_what_each_layer_folds(monkeypatch):
+    """DenseDecoder.tune_gemv hands every product's group its folds: the input norm to q/k/v, the
+    residual to o, the post-attention norm to gate/up, silu and the residual to down, nothing to
+    the head, so the tune times what a step runs."""
+    target = make_target(3)
+    model = Engine(target, make_drafter(target, block_size=4, seed=1), backend="fast", max_budget=4,
+                   graphs=False).target.model
+    seen = {}
+    monkeypatch.setattr(model.gemv, "tune", lambda groups, folds=None: seen.update(groups=groups, folds=folds))
+    model.tune_gemv()
+    first = model.model.layers[0]
+    shapes = [tuple(g[0][0].shape) for g in seen["groups"]]
+    assert shapes == [tuple(first.self_attn.qkv[0].shape), tuple(first.self_attn.o_proj.weight.shape),
+                      tuple(first.mlp.gate_up[0].shape), tuple(first.mlp.down_proj.weight.shape),
+                      tuple(model.lm_head.weight.shape)]
+    assert seen["folds"] == [(first.input_layernorm, False), (None, True), (first.post_attention_layernorm, False),
+                             ("silu", True), None]
+    assert all(len(g) == len(model.model.layers) for g in seen["groups"][:4])
