@@ -174,8 +174,11 @@ class Gemv:
         None or (pre, residual): what the layers fold into that product (pre as `plain` takes
         it, residual True for a residual add). Times the torch ops (F.linear, with the folded
         ops around it: "torch ops") and each tiling over a whole group, for shapes not yet
-        measured: a fold saves torch a launch, so both sides run what a step runs. A no-op off
-        CUDA, without triton, and inside a capture."""
+        measured: a fold saves torch a launch, so both sides run what a step runs. The torch
+        side runs eagerly, where a compiled step fuses silu and its product into one kernel, so
+        down's fold is credited a launch more than it saves. Shapes are keyed alone: two groups
+        of one shape share the first one's timing. A no-op off CUDA, without triton, and inside
+        a capture."""
         for i, group in enumerate(groups):
             weight = group[0][0]
             key = (int(weight.shape[0]), int(weight.shape[1]))

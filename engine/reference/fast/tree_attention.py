@@ -165,7 +165,7 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
         splits = plan_splits(pairs, row_blocks, max_rows, q.device, block_n, config.min_blocks)
         if fitted is None:
             fitted = plan_splits(pairs, row_blocks, _PLAN_ROWS, q.device, block_n, config.min_blocks)
-    fitted = min(splits, fitted if fitted is not None else splits)
+    fitted = max(1, min(splits, fitted if fitted is not None else splits))
     attend, merge = _kernels(q.device)
     if tree is not None:
         tree = tree.view(torch.uint8)

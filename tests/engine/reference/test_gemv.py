@@ -70,7 +70,7 @@ def test_only_one_row_of_a_picked_shape_takes_the_kernel(monkeypatch):
 
 @pytest.mark.parametrize("k, config", [(96, Config(8, 32, 4, 2)), (100, Config(4, 64, 4, 2))], ids=["even", "ragged"])
 @pytest.mark.parametrize("fold", ["rms", "silu", "residual", "silu+residual"])
-def test_what_a_product_folds_in_equals_the_torch_ops(fold, k, config):
+def test_what_a_product_folds_in_equals_the_torch_ops(fold, k, config, monkeypatch):
     """The input layer norm (before q/k/v), the activation (before down) and the residual add
     (after o and down), folded into the kernel, against the same ops in torch (`plain`)."""
     from ddtree.engine.reference.fast.gemv import plain
@@ -92,10 +92,15 @@ def test_what_a_product_folds_in_equals_the_torch_ops(fold, k, config):
     args = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in (x, w, b, pre, residual)]
     if isinstance(pre, torch.nn.Module):
         args[3] = pre.to(DEVICE)
+    codes = []
+    real = gemv_module.launch
+    monkeypatch.setattr(gemv_module, "launch", lambda *a: codes.append((a[4], a[5] is not None)) or real(*a))
     got = gemv(*args).cpu()
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert codes == [({"rms": 2, "silu": 1}.get(fold.split("+")[0], 0), residual is not None)]  # folded: one launch
     gemv.folds = False  # what bench_fast --folds-off-too sets: the same result, the ops around the kernel
     assert torch.allclose(gemv(*args).cpu(), want, atol=1e-5, rtol=1e-5)
+    assert codes[1:] == [(0, False)]  # the bare product on the kernel
     assert gemv.takes(x, w, pre) == config
     assert gemv.takes(x, w, "gelu") is None  # only silu folds; gelu takes the torch ops
     assert gemv.takes(x[:, :k], w, torch.nn.LayerNorm(k)) is None  # a mean and a bias: not the prologue's
