@@ -125,12 +125,16 @@ def _fold_args(pre) -> tuple[int, Optional[torch.Tensor], float]:
     return _RMS, pre.weight, float(pre.eps)
 
 
-def _is_rms_norm(module) -> bool:
-    """Whether the kernel's RMSNorm prologue computes this module: model.RMSNorm (weight, eps),
-    not a LayerNorm (mean and bias) nor a norm without a weight."""
+def _foldable(pre) -> bool:
+    """Whether the kernel's prologue computes `pre`: nothing, silu, or model.RMSNorm (weight,
+    eps), not another activation, a LayerNorm (mean and bias) nor a norm without a weight."""
+    if pre is None or pre == "silu":
+        return True
+    if isinstance(pre, str):
+        return False
     from ddtree.engine.reference.fast.model import RMSNorm
 
-    return isinstance(module, RMSNorm) and module.weight is not None
+    return isinstance(pre, RMSNorm) and pre.weight is not None
 
 
 class Gemv:
@@ -150,7 +154,7 @@ class Gemv:
         activations only silu folds into the kernel."""
         if not (self.enabled and self.picked and x.dim() == 2 and x.shape[0] == 1):
             return None
-        if isinstance(pre, str) and pre != "silu" or not isinstance(pre, (str, type(None))) and not _is_rms_norm(pre):
+        if not _foldable(pre):
             return None
         return self.picked.get((int(weight.shape[0]), int(weight.shape[1])))
 
@@ -186,7 +190,7 @@ class Gemv:
                     or torch.cuda.is_current_stream_capturing()):
                 continue
             pre, residual = folds[i] if folds is not None and folds[i] is not None and self.folds else (None, False)
-            if pre is not None and not (pre == "silu" or not isinstance(pre, str) and _is_rms_norm(pre)):
+            if not _foldable(pre):
                 pre = None  # an op the kernel does not fold: the product alone is what differs
             x = torch.randn((1, key[1] * (2 if pre == "silu" else 1)), device=weight.device, dtype=weight.dtype)
             res = torch.randn((1, key[0]), device=weight.device, dtype=weight.dtype) if residual else None
