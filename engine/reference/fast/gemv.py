@@ -154,9 +154,8 @@ class Gemv:
         activations only silu folds into the kernel."""
         if not (self.enabled and self.picked and x.dim() == 2 and x.shape[0] == 1):
             return None
-        if not _foldable(pre):
-            return None
-        return self.picked.get((int(weight.shape[0]), int(weight.shape[1])))
+        config = self.picked.get((int(weight.shape[0]), int(weight.shape[1])))
+        return config if config is not None and _foldable(pre) else None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pre=None,
                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:
