@@ -59,21 +59,23 @@ _LOGIT_ELEMENTS = 1 << 26
 
 
 def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
-    """One round of every session (Engine.step_many's contract): prefills one by one, then one
+    """One round of every session (Engine.step_many's contract): the new sessions' prefills, then one
     batched round over the prefilled sessions on pool slots; the others step alone. Engine.step_many
     has checked that the sessions are distinct and this engine's."""
     out: list[list[int]] = [[] for _ in sessions]
     pool = engine.impl.pool
-    pooled, alone = [], []
+    new, pooled, alone = [], [], []
     for i, sess in enumerate(sessions):
         if sess.done:
             continue
         if sess._bonus is None:
-            out[i] = _prefill(engine, sess)
+            new.append(i)
         elif pool is not None and pool.index_of(sess._cache) is not None:
             pooled.append(i)
         else:
             alone.append(i)
+    for i, tokens in zip(new, _prefill(engine, [sessions[i] for i in new])):
+        out[i] = tokens
     if len(pooled) == 1:
         alone += pooled
     elif pooled:
@@ -96,19 +98,21 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
     return out
 
 
-def _prefill(engine: Engine, sess: Session) -> list[int]:
-    """A new session's prefill: a graph replay on a pool slot where graphs run (fast/prefill.py),
-    else Session.step()'s own causal forward (always for a prefill in chunks)."""
+def _prefill(engine: Engine, sessions: list[Session]) -> list[list[int]]:
+    """New sessions' prefills: on pool slots where graphs run, a turn's prompts together as
+    batched graph replays (fast/prefill.py); else, and always for a prefill in chunks, each
+    through Session.step()'s own causal forward."""
     impl = engine.impl
-    if sess.chunked_prefill:  # a chunk a step, through the session's own forward
-        return sess.step()
-    if (impl.graphs or impl.batch_static) and impl.pool.index_of(sess._cache) is not None:
-        from ddtree.engine.reference.fast.prefill import prefill
+    out: list[list[int] | None] = [None] * len(sessions)
+    if impl.graphs or impl.batch_static:
+        staged = [j for j, s in enumerate(sessions)
+                  if not s.chunked_prefill and impl.pool.index_of(s._cache) is not None]
+        if staged:
+            from ddtree.engine.reference.fast.prefill import prefill_many
 
-        committed = prefill(engine, sess, graphs=impl.graphs)
-        if committed is not None:
-            return committed
-    return sess.step()
+            for j, committed in zip(staged, prefill_many(engine, [sessions[j] for j in staged], graphs=impl.graphs)):
+                out[j] = committed
+    return [s.step() if committed is None else committed for s, committed in zip(sessions, out)]
 
 
 def batched_round(engine: Engine, sessions: list[Session]) -> list[list[int]]:
@@ -181,19 +185,66 @@ def batched_round(engine: Engine, sessions: list[Session]) -> list[list[int]]:
 
 # ---- the drafter ------------------------------------------------------------------------------
 def append_prompts(engine: Engine, sessions: list[Session]) -> None:
-    """A prompt's features (pending after a prefill) go into its drafter rows alone, before the
-    batched round: padding every row of a batched append to a prompt's length would multiply
-    its work. The first draft then appends nothing, as the single path's would after it."""
+    """Prompts' features (pending after a prefill) go into their drafter rows before the batched
+    round, prompts of similar lengths in one forward (append_groups): the sessions that joined in
+    a turn append together, not one eager forward each. Padding every row of the round's own
+    append to a prompt's length would multiply its work, so the first draft then appends nothing,
+    as the single path's would after a prompt."""
     drafts = engine.impl.drafts
     if drafts is None:
         return
-    for s in sessions:
-        pending = s._pending
-        if s.mode != "ar" and pending is not None and pending.shape[0] > drafts.block_size:
-            with torch.inference_mode():
-                drafts.append(pending, s._draft_cache)
-            s._pending = pending[:0]
+    todo = [s for s in sessions if s.mode != "ar" and s._pending is not None and s._pending.shape[0] > drafts.block_size]
+    for group in append_groups([s._pending.shape[0] for s in todo]):
+        members = [todo[j] for j in group]
+        with torch.inference_mode():
+            if len(members) == 1:
+                drafts.append(members[0]._pending, members[0]._draft_cache)
+            else:
+                _append_together(engine, members)
+        for s in members:
+            s._pending = s._pending[:0]
 
+
+# A batched prompt append: padded rows at most, and at most this much padding over its real rows.
+_APPEND_ROWS = 8192
+_APPEND_SLACK = 2
+
+
+def append_groups(counts: list[int]) -> list[list[int]]:
+    """Indices of these row counts grouped for batched appends, longest first."""
+    groups: list[list[int]] = []
+    real = 0
+    for j in sorted(range(len(counts)), key=lambda j: -counts[j]):
+        if groups:
+            widest = counts[groups[-1][0]]
+            padded = widest * (len(groups[-1]) + 1)
+            if padded <= _APPEND_ROWS and padded <= _APPEND_SLACK * (real + counts[j]):
+                groups[-1].append(j)
+                real += counts[j]
+                continue
+        groups.append([j])
+        real = counts[j]
+    return groups
+
+
+def _append_together(engine: Engine, sessions: list[Session]) -> None:
+    """These pool sessions' pending features into their drafter slots in one append_context."""
+    drafts = engine.impl.drafts
+    pool: KVPool = engine.impl.pool
+    device = pool.lengths.device
+    counts = [int(s._pending.shape[0]) for s in sessions]
+    for s, c in zip(sessions, counts):
+        cache = s._draft_cache
+        if cache.length + c > cache.capacity:
+            raise BadParams(f"drafter cache full: {cache.length} + {c} rows exceed capacity "
+                            f"{cache.capacity}", "build the FastDrafter with a larger capacity")
+    feats = torch.zeros((len(sessions), max(counts), drafts.feature_width), dtype=drafts.dtype, device=device)
+    for j, s in enumerate(sessions):
+        feats[j, :counts[j]] = s._pending.to(drafts.dtype)
+    slots = torch.tensor([pool.index_of(s._cache) for s in sessions], device=device)
+    append_context(engine, feats, torch.tensor(counts, device=device), slots)
+    for s, c in zip(sessions, counts):
+        s._draft_cache.length += c
 
 
 def draft_rows(engine: Engine, sessions: list[Session], slots: list[int], depths: list[int],
@@ -278,27 +329,33 @@ def _append_rows(engine: Engine, pool: KVPool, sessions, slots, pending, counts,
     append_context(engine, feats, count)
 
 
-def append_context(engine: Engine, feats: torch.Tensor, count: torch.Tensor) -> None:
-    """The drafter's context step for slots 0..b-1: the first count[r] rows of feats [b, A, F]
-    become slot r's context K/V at its own length, and its length grows by count[r]. Pad rows
-    (and slots with count 0) all write the slots' scratch row, past every context."""
+def append_context(engine: Engine, feats: torch.Tensor, count: torch.Tensor,
+                   slots: torch.Tensor | None = None) -> None:
+    """The drafter's context step for slots 0..b-1 (or these distinct slots [b]): the first
+    count[r] rows of feats [b, A, F] become row r's slot's context K/V at its own length, and its
+    length grows by count[r]. Pad rows (and slots with count 0) all write the slots' scratch row,
+    past every context."""
     drafts = engine.impl.drafts
     pool: KVPool = engine.impl.pool
     device = pool.lengths.device
     b, widest = feats.shape[0], feats.shape[1]
-    lengths = pool.dlengths[:b]
+    if slots is None:
+        slots = torch.arange(b, device=device)
+        lengths = pool.dlengths[:b]
+    else:
+        lengths = pool.dlengths.index_select(0, slots)
     steps = torch.arange(widest, device=device)
     positions = lengths[:, None] + steps                                   # [b, widest]
     scratch = pool.dk.shape[3] - 1
     rows = torch.where(steps[None] < count[:, None], positions, torch.full_like(positions, scratch))
-    slot_rows = torch.arange(b, device=device)[:, None].expand(b, widest)
+    slot_rows = slots[:, None].expand(b, widest)
     ctx, cos, sin = drafts._project(feats.reshape(b * widest, -1), positions.reshape(-1))
     kvh, d = drafts.num_kv_heads, drafts.head_dim
     for i, layer in enumerate(drafts.drafter.layers):
         k, v = drafts._context_kv(layer, ctx, cos, sin)
         pool.dk[i][slot_rows, :, rows] = k.view(b, widest, kvh, d)
         pool.dv[i][slot_rows, :, rows] = v.view(b, widest, kvh, d)
-    lengths.add_(count)
+    pool.dlengths.index_add_(0, slots, count)
 
 
 # ---- trees ------------------------------------------------------------------------------------

@@ -1,15 +1,23 @@
-"""Prompts of pool sessions prefilled by CUDA graph replays, one graph per padded prompt length.
+"""Prompts of pool sessions prefilled by CUDA graph replays: the new prompts of a turn together,
+one graph per (rows, padded prompt length).
 
 An eager prefill is one forward of a few hundred small kernels: on an H200 about 16 ms for a
 1.7B model whatever the prompt's length, which a server with many short requests pays at every
-join, and which stalls every running stream for that long. Here the prompt is padded to a
-power of two (PREFILL_MIN up to the context window, at most PREFILL_MAX) and replayed: its
-tokens, its length and its slot are device inputs, so one graph per length serves every slot.
+join, and which stalls every running stream for that long. A graph replay of one prompt costs
+about 3.5 ms there, still mostly launches and weight reads: 16 requests that join in one turn
+paid 16 of them in a row (58 ms before the first token at concurrency 16). So the prompts that
+join in a turn go in as one batch: rows padded to a power of two (at most the pool's slots), each
+prompt padded to the power of two above the longest (PREFILL_MIN up to the context window, at
+most PREFILL_MAX), at most PREFILL_BATCH_TOKENS padded tokens a forward; longer sets split into
+groups of similar lengths. Tokens, lengths and slots are device inputs, so one graph per shape
+serves every slot.
 
-The prefill writes K/V rows 0..q-1 of its slot (the padding past the prompt lands past its
-length, unseen) and attends causally among its own rows only: a fresh slot has no context.
-The logits of the last real row and the features of every row come back, as Session._prefill's
-forward gives them; the session then goes on as after any prefill.
+Each prompt writes K/V rows 0..q-1 of its own slot (the padding past the prompt lands past its
+length, unseen) and attends causally among its own rows only: a fresh slot has no context. A
+padding row (rows past the prompts) writes into the last row of the first prompt's slot, a row
+past any length a slot holds (the pool's invariant: rows past a length are never read). The logits
+of each prompt's last real row and the features of every row come back, as Session._prefill's
+forward gives them; each session then goes on as after any prefill.
 """
 
 from __future__ import annotations
@@ -27,6 +35,9 @@ if TYPE_CHECKING:
 
 PREFILL_MIN = 16
 PREFILL_MAX = 4096
+# Padded tokens one batched prefill takes at most (a lone prompt may take its whole bucket):
+# bounds the activations and keeps the graphs few.
+PREFILL_BATCH_TOKENS = 4096
 _WARMUP_RUNS = 2
 
 
@@ -40,86 +51,165 @@ def prefill_sizes(context_window: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def batch_rows(slots: int) -> tuple[int, ...]:
+    """The row counts a batched prefill pads to: powers of two below the pool's slots, then the
+    slots (as the graphed rounds' batch sizes)."""
+    rows, b = [], 1
+    while b < slots:
+        rows.append(b)
+        b *= 2
+    return (*rows, slots)
+
+
+def shapes(sizes: tuple[int, ...], rows: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Every (rows, length) a prefill graph has: one prompt at every length, more rows while
+    they fit PREFILL_BATCH_TOKENS."""
+    return [(b, q) for b in rows for q in sizes if b == 1 or b * q <= PREFILL_BATCH_TOKENS]
+
+
+def plan_groups(lengths: list[int], sizes: tuple[int, ...], rows: tuple[int, ...]) -> list[list[int]]:
+    """Indices of these prompt lengths (each at most sizes[-1]) grouped for batched prefills,
+    shortest first: a group grows while its padded shape is one of `shapes`."""
+    allowed = set(shapes(sizes, rows))
+    groups: list[list[int]] = []
+    for j in sorted(range(len(lengths)), key=lambda j: lengths[j]):
+        if groups and _shape(lengths[j], len(groups[-1]) + 1, sizes, rows) in allowed:
+            groups[-1].append(j)
+        else:
+            groups.append([j])
+    return groups
+
+
+def _shape(longest: int, count: int, sizes: tuple[int, ...], rows: tuple[int, ...]) -> tuple[int, int] | None:
+    b = next((r for r in rows if r >= count), None)
+    q = next((s for s in sizes if s >= longest), None)
+    return None if b is None or q is None else (b, q)
+
+
 class PrefillStage:
     def __init__(self, engine: Engine) -> None:
         target = engine.target
         device = target.device
+        pool = engine.impl.pool
         self.sizes = prefill_sizes(engine.context_window)
-        self.ids = torch.zeros(self.sizes[-1], dtype=torch.long, device=device)
-        self.count = torch.ones((), dtype=torch.long, device=device)
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.rows = batch_rows(pool.slots)
+        self.ids = torch.zeros(max(self.sizes[-1], PREFILL_BATCH_TOKENS), dtype=torch.long, device=device)
+        self.counts = torch.ones(self.rows[-1], dtype=torch.long, device=device)
+        self.slots = torch.zeros(self.rows[-1], dtype=torch.long, device=device)
+        self.real = torch.ones((), dtype=torch.long, device=device)
         self.steps = torch.arange(self.sizes[-1], device=device)
-        self.graphs: dict[int, tuple] = {}
+        self.sink = pool.slot_tokens - 1
+        self.graphs: dict[tuple[int, int], tuple] = {}
         self.graph_pool = None
+        # Every graph writes its outputs here, so the graphs' own outputs are temporaries that
+        # the next capture reuses: dozens of shapes would otherwise each keep their features.
+        self.logits = torch.zeros((self.rows[-1], target.vocab_size), dtype=torch.float32, device=device)
+        width = len(target.feature_layers) * target.hidden_size
+        self.feats = torch.zeros((self.ids.shape[0], width), dtype=target.dtype, device=device) if width else None
 
 
-def prefill_static(engine: Engine, stage: PrefillStage, q: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The prompt staged in stage.ids[:count], padded to q, into slot stage.slot: the last real
-    row's logits [1, V] float32 and every row's features [q, K*H] (None without feature layers)."""
+def prefill_static(engine: Engine, stage: PrefillStage, b: int, q: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The `real` prompts staged in stage.ids[:b*q] (row j's at j*q, counts[j] long), padded to
+    b rows of q, into slots stage.slots[:b]: each row's last real logits [b, V] float32 and every
+    row's features [b*q, K*H] (None without feature layers)."""
     target = engine.target
     pool = engine.impl.pool
     steps = stage.steps[:q]
-    plan = BatchPlan(b=1, q=q, slots=stage.slot[:, None].expand(1, q), rows=steps[None], read=0,
+    prompt = torch.arange(b, device=steps.device)[:, None] < stage.real
+    rows = torch.where(prompt, steps[None], stage.sink)
+    plan = BatchPlan(b=b, q=q, slots=stage.slots[:b, None].expand(b, q), rows=rows, read=0,
                      mask=None, kernel=target.attention)
-    hidden, feats = target.model(stage.ids[:q], steps, pool.k, pool.v, plan, target.feature_layers)
-    last = hidden.index_select(0, (stage.count - 1).reshape(1))
-    return target.lm_head(last).float(), feats
+    hidden, feats = target.model(stage.ids[:b * q], steps.repeat(b), pool.k, pool.v, plan, target.feature_layers)
+    last = torch.arange(b, device=steps.device) * q + stage.counts[:b] - 1
+    return target.lm_head(hidden.index_select(0, last)).float(), feats
 
 
-def prefill(engine: Engine, sess: Session, *, graphs: bool) -> list[int] | None:
-    """Session.step()'s prefill through the stage (None: the prompt is longer than any graph)."""
-    impl = engine.impl
-    stage = impl.prefill_stage()
-    n = len(sess.prompt_ids)
-    q = next((size for size in stage.sizes if size >= n), None)
-    if q is None:
-        return None
+def prefill_many(engine: Engine, sessions: list[Session], *, graphs: bool) -> list[list[int] | None]:
+    """Session.step()'s prefill of each of these new pool sessions, in as few batched forwards as
+    plan_groups allows; None for a prompt longer than any graph (the caller steps it alone)."""
+    stage = engine.impl.prefill_stage()
+    out: list[list[int] | None] = [None] * len(sessions)
+    fit = [j for j, s in enumerate(sessions) if len(s.prompt_ids) <= stage.sizes[-1]]
+    for group in plan_groups([len(sessions[j].prompt_ids) for j in fit], stage.sizes, stage.rows):
+        members = [fit[k] for k in group]
+        for j, tokens in zip(members, _prefill_group(engine, stage, [sessions[j] for j in members], graphs)):
+            out[j] = tokens
+    return out
+
+
+def _prefill_group(engine: Engine, stage: PrefillStage, sessions: list[Session], graphs: bool) -> list[list[int]]:
     t0 = engine.clock()
-    slot = impl.pool.index_of(sess._cache)
+    pool = engine.impl.pool
+    lengths = [len(s.prompt_ids) for s in sessions]
+    b, q = _shape(max(lengths), len(sessions), stage.sizes, stage.rows)
+    slots = [pool.index_of(s._cache) for s in sessions]
+    ids = [0] * (b * q)
+    for j, s in enumerate(sessions):
+        ids[j * q:j * q + lengths[j]] = s.prompt_ids
+    pad = b - len(sessions)
+    device = stage.ids.device
+    committed = []
     with torch.inference_mode():
-        stage.ids[:n].copy_(torch.tensor(sess.prompt_ids, dtype=torch.long, device=stage.ids.device))
-        stage.count.fill_(n)
-        stage.slot.fill_(slot)
+        stage.ids[:b * q].copy_(torch.tensor(ids, dtype=torch.long, device=device))
+        stage.counts[:b].copy_(torch.tensor(lengths + [1] * pad, dtype=torch.long, device=device))
+        stage.slots[:b].copy_(torch.tensor(slots + [slots[0]] * pad, dtype=torch.long, device=device))
+        stage.real.fill_(len(sessions))
         if graphs:
-            found = stage.graphs.get(q)
+            found = stage.graphs.get((b, q))
             if found is None:
-                found = stage.graphs[q] = capture(engine, stage, q)
+                found = stage.graphs[(b, q)] = capture(engine, stage, b, q)
             found[0].replay()
             logits, feats = found[1], found[2]
         else:
-            logits, feats = prefill_static(engine, stage, q)
-        sess._cache.set_length(n)
-        features = None
-        if sess.mode != "ar":
-            features = (feats[:n].clone() if feats is not None else
-                        torch.zeros((n, 0), dtype=engine.target.dtype, device=logits.device))
-        committed = sess._prefilled(logits.clone(), features)
-    sess.timings["prefill"] += engine.clock() - t0
+            logits, feats = prefill_static(engine, stage, b, q)
+        # Nothing in a session has changed before this point: a forward that raises leaves them new.
+        for j, s in enumerate(sessions):
+            n = lengths[j]
+            s._cache.set_length(n)
+            features = None
+            if s.mode != "ar":
+                features = (feats[j * q:j * q + n].clone() if feats is not None else
+                            torch.zeros((n, 0), dtype=engine.target.dtype, device=logits.device))
+            committed.append(s._prefilled(logits[j:j + 1].clone(), features))
+    share = (engine.clock() - t0) / len(sessions)
+    for s in sessions:
+        s.timings["prefill"] += share
     return committed
 
 
-def capture(engine: Engine, stage: PrefillStage, q: int) -> tuple:
-    """Record prefill_static at length q. Its warm-up runs write rows 0..q-1 of slot stage.slot,
-    so the caller points that at a free slot, or at the fresh slot of the session about to
-    prefill (whose prompt overwrites them next)."""
+def capture(engine: Engine, stage: PrefillStage, b: int, q: int) -> tuple:
+    """Record prefill_static at (b, q). Its warm-up runs write rows 0..q-1 of the staged slots,
+    so the caller points them at a free slot, or at the fresh slots of the sessions about to
+    prefill (whose prompts overwrite them next)."""
     if stage.graph_pool is None:
         stage.graph_pool = torch.cuda.graph_pool_handle()
-    graph, (logits, feats) = record_graph(lambda: prefill_static(engine, stage, q), stage.graph_pool,
-                                          stage.ids.device, _WARMUP_RUNS, inference=True)
+    def run():
+        logits, feats = prefill_static(engine, stage, b, q)
+        stage.logits[:b].copy_(logits)
+        if feats is None:
+            return stage.logits[:b], None
+        stage.feats[:b * q].copy_(feats)
+        return stage.logits[:b], stage.feats[:b * q]
+
+    graph, (logits, feats) = record_graph(run, stage.graph_pool, stage.ids.device, _WARMUP_RUNS, inference=True)
     return graph, logits, feats
 
 
 def precapture(engine: Engine, progress=None) -> None:
-    """Capture every prefill length before a server takes requests, on a free slot."""
+    """Capture every prefill shape before a server takes requests, on a free slot."""
     impl = engine.impl
     stage = impl.prefill_stage()
     free = [impl.pool.index_of(pair[0]) for pair in impl._free]
     if not free:
         return
-    stage.slot.fill_(max(free))
-    stage.count.fill_(1)
-    for q in stage.sizes:
-        if q not in stage.graphs:
-            stage.graphs[q] = capture(engine, stage, q)
+    stage.slots.fill_(max(free))
+    stage.counts.fill_(1)
+    stage.real.fill_(1)
+    made = 0
+    for key in shapes(stage.sizes, stage.rows):
+        if key not in stage.graphs:
+            stage.graphs[key] = capture(engine, stage, *key)
+            made += 1
     if progress is not None:
-        progress(f"captured prefill graphs for prompts up to {stage.sizes[-1]} tokens")
+        progress(f"captured {made} prefill graphs: prompts up to {stage.sizes[-1]} tokens, "
+                 f"up to {stage.rows[-1]} at once within {PREFILL_BATCH_TOKENS} padded tokens")

@@ -346,3 +346,146 @@ def test_a_static_round_moves_every_row_of_a_full_depth_path(pair, monkeypatch):
         dst = list(range(start, start + count))
         for cache, before in ((pool.k, seen["k"]), (pool.v, seen["v"])):
             torch.testing.assert_close(cache[:, r, :, dst], before[:, r, :, src], atol=0, rtol=0)
+
+
+# ---- batched prefills (fast/prefill.py), run without graphs -----------------------------------
+@pytest.fixture
+def prefills(monkeypatch):
+    from ddtree.engine.reference.fast import prefill
+
+    calls = []
+    real = prefill.prefill_static
+
+    def spy(engine, stage, b, q):
+        calls.append((b, q, int(stage.real)))
+        return real(engine, stage, b, q)
+    monkeypatch.setattr(prefill, "prefill_static", spy)
+    return calls
+
+
+def test_a_turns_new_prompts_prefill_in_one_forward_and_decode_as_serial(pair, prefills):
+    model, drafter = pair
+    serial = Engine(model, drafter, backend="fast", max_budget=64)
+    pooled = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=6)
+    pooled.impl.batch_static = True
+    prompts = [[3], [5, 9, 1, 4, 4, 2, 8, 7, 7, 1, 30, 2, 6, 17, 20, 21, 40, 2], [1, 2, 3], [9] * 7, [60, 61]]
+    specs = [SpecParams("ar"), SpecParams("ddtree", 16), SpecParams("dflash"), SpecParams("ddtree", 4),
+             SpecParams("ar")]
+    gen = GenParams(max_new_tokens=12)
+    sessions = [pooled.start(p, gen, s) for p, s in zip(prompts, specs)]
+    pooled.step_many(sessions)
+    # Five prompts, one forward: rows padded to 6 (the pool's slots), length to 32 (longest 18).
+    assert prefills == [(6, 32, 5)]
+    while not all(s.done for s in sessions):
+        pooled.step_many(sessions)
+    assert [s.output_ids for s in sessions] == [serial.generate(p, gen, s).output_ids
+                                                for p, s in zip(prompts, specs)]
+
+
+def test_a_batched_prefill_writes_only_its_prompts_rows_and_one_sink_row(pair, prefills):
+    """Running sessions' rows, free slots and the new slots past their prompts' buckets stay as
+    they were: the padding row writes only the sink, a row past any length."""
+    model, drafter = pair
+    engine = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=8)
+    engine.impl.batch_static = True
+    pool = engine.impl.pool
+    gen = GenParams(max_new_tokens=30, ignore_eos=True)
+    running = [engine.start([7, 8, 9, 10], gen, SpecParams("ddtree", 4)) for _ in range(2)]
+    for _ in range(3):
+        engine.step_many(running)
+    k, v = pool.k.clone(), pool.v.clone()
+    new = [engine.start(p, gen, SpecParams("ar")) for p in ([1, 2], [3, 4, 5], [6])]
+    engine.step_many(new)
+    assert prefills[-1] == (4, 16, 3)
+    slots = [pool.index_of(s._cache) for s in new]
+    changed = torch.zeros(pool.k.shape[1:4], dtype=torch.bool)  # [slots, kv_heads, rows]
+    for cache, before in ((pool.k, k), (pool.v, v)):
+        changed |= (cache != before).any(dim=-1).any(dim=0)
+    expected = torch.zeros_like(changed)
+    for r in slots:
+        expected[r, :, :16] = True
+    sink, first = pool.slot_tokens - 1, slots[2]  # a group runs shortest prompt first
+    assert changed[first, :, sink].all()  # the padding row wrote there
+    expected[first, :, sink] = True
+    assert not (changed & ~expected).any()
+    assert all(int(pool.lengths[r]) == len(s.prompt_ids) for r, s in zip(slots, new))
+
+
+def test_prefill_groups_fit_the_graph_shapes():
+    from ddtree.engine.reference.fast import prefill
+
+    sizes = prefill.prefill_sizes(8192)
+    rows = prefill.batch_rows(48)
+    assert rows == (1, 2, 4, 8, 16, 32, 48) and sizes[0] == prefill.PREFILL_MIN and sizes[-1] == prefill.PREFILL_MAX
+    allowed = set(prefill.shapes(sizes, rows))
+    assert {(1, q) for q in sizes} <= allowed
+    assert all(b * q <= prefill.PREFILL_BATCH_TOKENS for b, q in allowed if b > 1)
+    rng = random.Random(3)
+    for _ in range(200):
+        lengths = [rng.choice([rng.randrange(1, 40), rng.randrange(1, sizes[-1] + 1)]) for _ in range(rng.randrange(1, 60))]
+        groups = prefill.plan_groups(lengths, sizes, rows)
+        assert sorted(j for g in groups for j in g) == list(range(len(lengths)))
+        for g in groups:
+            assert prefill._shape(max(lengths[j] for j in g), len(g), sizes, rows) in allowed
+        firsts = [lengths[g[0]] for g in groups]
+        assert firsts == sorted(firsts)  # shortest first, so similar lengths share a group
+    # Sixty short prompts take two forwards, not sixty.
+    assert [len(g) for g in prefill.plan_groups([20] * 60, sizes, rows)] == [48, 12]
+
+
+def test_prefill_precapture_covers_every_shape(pair, monkeypatch):
+    from ddtree.engine.reference.fast import prefill
+
+    model, drafter = pair
+    engine = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=5)
+    monkeypatch.setattr(prefill, "capture", lambda engine, stage, b, q: ("graph", b, q))
+    said = []
+    prefill.precapture(engine, said.append)
+    stage = engine.impl.prefill_stage()
+    assert set(stage.graphs) == set(prefill.shapes(stage.sizes, stage.rows))
+    assert {b for b, _ in stage.graphs} == {1, 2, 4, 5} and len(said) == 1
+
+
+def test_prompts_that_join_together_append_to_the_drafter_together(pair, monkeypatch):
+    model, drafter = pair
+    serial = Engine(model, drafter, backend="fast", max_budget=64)
+    pooled = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=6)
+    calls = []
+    real = fast_batch.append_context
+
+    def spy(engine, feats, count, slots=None):
+        calls.append((tuple(feats.shape[:2]), None if slots is None else sorted(slots.tolist())))
+        return real(engine, feats, count, slots)
+    monkeypatch.setattr(fast_batch, "append_context", spy)
+    rng = random.Random(8)
+    prompts = [[rng.randrange(64) for _ in range(n)] for n in (12, 20, 15, 3, 60)]
+    specs = [SpecParams("ddtree", 16), SpecParams("dflash"), SpecParams("ddtree", 4), SpecParams("dflash"),
+             SpecParams("ddtree", 8)]
+    gen = GenParams(max_new_tokens=10)
+    running = [pooled.start([5, 6], gen, SpecParams("dflash"))]
+    pooled.step_many(running)
+    sessions = [pooled.start(p, gen, s) for p, s in zip(prompts, specs)]
+    pooled.step_many(running + sessions)  # the prefills
+    calls.clear()
+    pooled.step_many(running + sessions)  # the prompts' appends, then the round
+    slots = [pooled.impl.pool.index_of(s._cache) for s in sessions]
+    # 60, 20 and 15 rows pad to 3 x 60, within twice their 95 real rows; 12 more would not (4 x 60
+    # > 2 x 107), so it appends alone; 3 rows fit the first draft's own append.
+    assert calls[0] == ((3, 60), sorted(slots[j] for j in (1, 2, 4)))
+    assert all(slots_of is None for _, slots_of in calls[1:])
+    while not all(s.done for s in running + sessions):
+        pooled.step_many([s for s in running + sessions if not s.done])
+    assert [s.output_ids for s in sessions] == [serial.generate(p, gen, s).output_ids
+                                                for p, s in zip(prompts, specs)]
+
+
+def test_append_groups():
+    assert fast_batch.append_groups([]) == []
+    assert fast_batch.append_groups([30, 30, 30]) == [[0, 1, 2]]
+    assert fast_batch.append_groups([12, 20, 15, 40]) == [[3, 1, 2, 0]]  # 4 x 40 <= 2 x 87
+    assert fast_batch.append_groups([4, 20, 15, 40]) == [[3, 1, 2], [0]]  # 4 x 40 > 2 x 79
+    assert fast_batch.append_groups([2000, 9, 9]) == [[0, 1], [2]]  # at most twice the real rows
+    assert fast_batch.append_groups([5000, 9, 9]) == [[0], [1, 2]]  # at most _APPEND_ROWS padded
+    groups = fast_batch.append_groups([500] * 40)
+    assert sorted(j for g in groups for j in g) == list(range(40))
+    assert all(len(g) * 500 <= fast_batch._APPEND_ROWS for g in groups)
