@@ -3,10 +3,12 @@ rounds (as the server runs them), after warm-up.
 
     python bench/profile_round.py --device cuda --pair demo --out prof-demo.json
     python bench/profile_round.py --device cuda --pair 8b --budgets 64 --out prof-8b.json
+    python bench/profile_round.py --device cuda --pair 1.7b --batch 16 --budgets 16 --out prof-1.7b-b16.json
 
 For each algorithm it reports the wall time per round, the GPU busy time per round (the union of
 kernel intervals, so idle gaps between graph replays show as wall minus busy), the kernels per
-round, and the kernels that take the most GPU time. "demo" is the trained demo pair in float32;
+round, and the kernels that take the most GPU time. With --batch N, N sessions on a KV pool of N
+slots step together (Engine.step_many: the server's batched, graphed rounds) and a round is theirs. "demo" is the trained demo pair in float32;
 a bench_engine shape name is a random pair of that shape in bf16 (the target's own 5-layer drafter).
 """
 
@@ -29,12 +31,13 @@ def load(args):
     from ddtree.engine.reference.engine import Engine
 
     budgets = tuple(args.budgets)
+    pool = args.batch if args.batch > 1 else 0
     if args.pair == "demo":
         from ddtree.engine.demo import demo_paths
 
         target_dir, draft_dir = demo_paths()
         engine = Engine.load(target_dir, draft_dir, device=args.device, dtype=torch.float32, backend="fast",
-                             max_budget=max(budgets), slots=1, context_window=args.window,
+                             max_budget=max(budgets), slots=1, context_window=args.window, pool_slots=pool,
                              graphs=not args.eager, compile=not args.no_compile, attention=args.attention)
         lines = (REPO / "assets" / "prompts" / "code.jsonl").read_text().splitlines()
         prompt = engine.tokenizer.encode(json.loads(lines[0])["prompt"], add_special_tokens=False)
@@ -43,7 +46,8 @@ def load(args):
         model = _hf_random(args.pair, args.device, dtype)
         drafter = _random_drafter(model).to(args.device, dtype)
         engine = Engine(model, drafter, backend="fast", context_window=args.window, max_budget=max(budgets),
-                        slots=1, compile=not args.no_compile, graphs=not args.eager, attention=args.attention)
+                        slots=1, compile=not args.no_compile, graphs=not args.eager, attention=args.attention,
+                        pool_slots=pool)
         prompt = torch.randint(0, model.config.vocab_size, (512,), generator=torch.Generator().manual_seed(1)).tolist()
     engine.warmup(progress=lambda msg: print(f"[{args.pair}] {msg}", flush=True), budgets=budgets)
     return engine, prompt
@@ -62,28 +66,35 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1000
 
 
-def profile(engine, prompt, spec, rounds: int, device: str, top: int, shapes: bool = False) -> dict:
+def profile(engine, prompt, spec, rounds: int, device: str, top: int, shapes: bool = False, batch: int = 1) -> dict:
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from ddtree.engine.reference.engine import GenParams
 
-    sess = engine.start(prompt, GenParams(max_new_tokens=100_000, ignore_eos=True), spec)
+    sessions = [engine.start(prompt, GenParams(max_new_tokens=100_000, ignore_eos=True), spec) for _ in range(batch)]
+
+    def step() -> None:
+        if batch > 1:
+            engine.step_many(sessions)
+        else:
+            sessions[0].step()
     for _ in range(6):
-        sess.step()
+        step()
     _sync(device)
     t0 = time.perf_counter()
     for _ in range(rounds):
-        sess.step()
+        step()
     _sync(device)
     wall_plain = (time.perf_counter() - t0) * 1000 / rounds
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     with torch_profile(activities=activities, record_shapes=shapes) as prof:
         for _ in range(rounds):
-            sess.step()
+            step()
         _sync(device)
-    sess.close()
+    for sess in sessions:
+        sess.close()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     spans = [(e.time_range.start, e.time_range.end) for e in kernels]
     by_name: dict[str, list[float]] = {}
@@ -119,16 +130,18 @@ def main(argv=None) -> int:
     p.add_argument("--eager", action="store_true",
                    help="no CUDA graphs: slower, but the profile names each kernel's op and input shapes")
     p.add_argument("--attention", default="auto", help="the fast backend's kernel: auto, triton, matmul, sdpa")
+    p.add_argument("--batch", type=int, default=1, help="sessions stepping together on a KV pool (a batched round)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     with torch.inference_mode():
         engine, prompt = load(args)
         specs = [("ar", SpecParams("ar")), ("dflash", SpecParams("dflash"))]
         specs += [(f"ddtree-{b}", SpecParams("ddtree", b)) for b in args.budgets]
-        result = {"pair": args.pair, "device": args.device, "attention": engine.attention, "rows": {}}
+        result = {"pair": args.pair, "device": args.device, "attention": engine.attention, "batch": args.batch,
+                  "rows": {}}
         for name, spec in specs:
             result["rows"][name] = row = profile(engine, prompt, spec, args.rounds, args.device, args.top,
-                                                 shapes=args.eager)
+                                                 shapes=args.eager, batch=args.batch)
             print(f"[{args.pair} {engine.attention}] {name}: wall {row['wall_ms_per_round']} ms/round, GPU busy "
                   f"{row['gpu_busy_ms_per_round']} ms, {row['kernels_per_round']} kernels/round", flush=True)
             for k in row["top_kernels"][:8]:

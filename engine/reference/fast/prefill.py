@@ -3,21 +3,20 @@ one graph per (rows, padded prompt length).
 
 An eager prefill is one forward of a few hundred small kernels: on an H200 about 16 ms for a
 1.7B model whatever the prompt's length, which a server with many short requests pays at every
-join, and which stalls every running stream for that long. A graph replay of one prompt costs
-about 3.5 ms there, still mostly launches and weight reads: 16 requests that join in one turn
-paid 16 of them in a row (58 ms before the first token at concurrency 16). So the prompts that
-join in a turn go in as one batch: rows padded to a power of two (at most the pool's slots), each
-prompt padded to the power of two above the longest (PREFILL_MIN up to the context window, at
-most PREFILL_MAX), at most PREFILL_BATCH_TOKENS padded tokens a forward; longer sets split into
-groups of similar lengths. Tokens, lengths and slots are device inputs, so one graph per shape
-serves every slot.
+join, and which stalls every running stream for that long. A graph replay of one short prompt
+costs about 2.6 ms there, and the requests that join in one turn paid one each, in a row (58 ms
+to the first token at concurrency 16). So the prompts of one padded length (the power of two
+above it, PREFILL_MIN up to the context window, at most PREFILL_MAX) share a forward, in as many
+rows as there are of them where a graph has that many (powers of two and the pool's slots, at
+most PREFILL_BATCH_TOKENS tokens a forward). No prompt is padded further than it would be alone:
+a prefill of a few hundred tokens is compute-bound, and padding four prompts to the longest's
+length left the 1.7B grid's TTFT at concurrency 4 where it was (16 ms). Tokens, lengths and slots
+are device inputs, so one graph per shape serves every slot.
 
 Each prompt writes K/V rows 0..q-1 of its own slot (the padding past the prompt lands past its
-length, unseen) and attends causally among its own rows only: a fresh slot has no context. A
-padding row (rows past the prompts) writes into the last row of the first prompt's slot, a row
-past any length a slot holds (the pool's invariant: rows past a length are never read). The logits
-of each prompt's last real row and the features of every row come back, as Session._prefill's
-forward gives them; each session then goes on as after any prefill.
+length, unseen) and attends causally among its own rows only: a fresh slot has no context. The
+logits of each prompt's last real row and the features of every row come back, as
+Session._prefill's forward gives them; each session then goes on as after any prefill.
 """
 
 from __future__ import annotations
@@ -62,28 +61,27 @@ def batch_rows(slots: int) -> tuple[int, ...]:
 
 
 def shapes(sizes: tuple[int, ...], rows: tuple[int, ...]) -> list[tuple[int, int]]:
-    """Every (rows, length) a prefill graph has: one prompt at every length, more rows while
-    they fit PREFILL_BATCH_TOKENS."""
+    """Every (rows, length) a prefill graph has (plan_groups' groups): one prompt at every
+    length, more rows while they fit PREFILL_BATCH_TOKENS."""
     return [(b, q) for b in rows for q in sizes if b == 1 or b * q <= PREFILL_BATCH_TOKENS]
 
 
 def plan_groups(lengths: list[int], sizes: tuple[int, ...], rows: tuple[int, ...]) -> list[list[int]]:
-    """Indices of these prompt lengths (each at most sizes[-1]) grouped for batched prefills,
-    shortest first: a group grows while its padded shape is one of `shapes`."""
-    allowed = set(shapes(sizes, rows))
-    groups: list[list[int]] = []
+    """Indices of these prompt lengths (each at most sizes[-1]) grouped for batched prefills.
+    Only prompts of one padded length share a forward, in as many rows as there are prompts
+    (the most `rows` and PREFILL_BATCH_TOKENS allow, then the rest): a prefill of a few hundred
+    tokens is compute-bound on a GPU, so a group must not pad a prompt further than its own
+    prefill would. Shortest first."""
+    by_size: dict[int, list[int]] = {}
     for j in sorted(range(len(lengths)), key=lambda j: lengths[j]):
-        if groups and _shape(lengths[j], len(groups[-1]) + 1, sizes, rows) in allowed:
-            groups[-1].append(j)
-        else:
-            groups.append([j])
+        by_size.setdefault(next(s for s in sizes if s >= lengths[j]), []).append(j)
+    groups = []
+    for q, members in by_size.items():
+        while members:
+            b = max(r for r in rows if r <= len(members) and (r == 1 or r * q <= PREFILL_BATCH_TOKENS))
+            groups.append(members[:b])
+            members = members[b:]
     return groups
-
-
-def _shape(longest: int, count: int, sizes: tuple[int, ...], rows: tuple[int, ...]) -> tuple[int, int] | None:
-    b = next((r for r in rows if r >= count), None)
-    q = next((s for s in sizes if s >= longest), None)
-    return None if b is None or q is None else (b, q)
 
 
 class PrefillStage:
@@ -96,9 +94,7 @@ class PrefillStage:
         self.ids = torch.zeros(max(self.sizes[-1], PREFILL_BATCH_TOKENS), dtype=torch.long, device=device)
         self.counts = torch.ones(self.rows[-1], dtype=torch.long, device=device)
         self.slots = torch.zeros(self.rows[-1], dtype=torch.long, device=device)
-        self.real = torch.ones((), dtype=torch.long, device=device)
         self.steps = torch.arange(self.sizes[-1], device=device)
-        self.sink = pool.slot_tokens - 1
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.graph_pool = None
         # Every graph writes its outputs here, so the graphs' own outputs are temporaries that
@@ -109,15 +105,13 @@ class PrefillStage:
 
 
 def prefill_static(engine: Engine, stage: PrefillStage, b: int, q: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The `real` prompts staged in stage.ids[:b*q] (row j's at j*q, counts[j] long), padded to
-    b rows of q, into slots stage.slots[:b]: each row's last real logits [b, V] float32 and every
-    row's features [b*q, K*H] (None without feature layers)."""
+    """The b prompts staged in stage.ids[:b*q] (row j's at j*q, counts[j] long, padded to q) into
+    slots stage.slots[:b]: each row's last real logits [b, V] float32 and every row's features
+    [b*q, K*H] (None without feature layers)."""
     target = engine.target
     pool = engine.impl.pool
     steps = stage.steps[:q]
-    prompt = torch.arange(b, device=steps.device)[:, None] < stage.real
-    rows = torch.where(prompt, steps[None], stage.sink)
-    plan = BatchPlan(b=b, q=q, slots=stage.slots[:b, None].expand(b, q), rows=rows, read=0,
+    plan = BatchPlan(b=b, q=q, slots=stage.slots[:b, None].expand(b, q), rows=steps[None].expand(b, q), read=0,
                      mask=None, kernel=target.attention)
     hidden, feats = target.model(stage.ids[:b * q], steps.repeat(b), pool.k, pool.v, plan, target.feature_layers)
     last = torch.arange(b, device=steps.device) * q + stage.counts[:b] - 1
@@ -141,19 +135,16 @@ def _prefill_group(engine: Engine, stage: PrefillStage, sessions: list[Session],
     t0 = engine.clock()
     pool = engine.impl.pool
     lengths = [len(s.prompt_ids) for s in sessions]
-    b, q = _shape(max(lengths), len(sessions), stage.sizes, stage.rows)
-    slots = [pool.index_of(s._cache) for s in sessions]
+    b, q = len(sessions), next(size for size in stage.sizes if size >= max(lengths))
     ids = [0] * (b * q)
     for j, s in enumerate(sessions):
         ids[j * q:j * q + lengths[j]] = s.prompt_ids
-    pad = b - len(sessions)
     device = stage.ids.device
     committed = []
     with torch.inference_mode():
         stage.ids[:b * q].copy_(torch.tensor(ids, dtype=torch.long, device=device))
-        stage.counts[:b].copy_(torch.tensor(lengths + [1] * pad, dtype=torch.long, device=device))
-        stage.slots[:b].copy_(torch.tensor(slots + [slots[0]] * pad, dtype=torch.long, device=device))
-        stage.real.fill_(len(sessions))
+        stage.counts[:b].copy_(torch.tensor(lengths, dtype=torch.long, device=device))
+        stage.slots[:b].copy_(torch.tensor([pool.index_of(s._cache) for s in sessions], dtype=torch.long, device=device))
         if graphs:
             found = stage.graphs.get((b, q))
             if found is None:
@@ -202,9 +193,8 @@ def precapture(engine: Engine, progress=None) -> None:
     free = [impl.pool.index_of(pair[0]) for pair in impl._free]
     if not free:
         return
-    stage.slots.fill_(max(free))
+    stage.slots.fill_(max(free))  # every row writes that slot: the warm-ups' rows are garbage
     stage.counts.fill_(1)
-    stage.real.fill_(1)
     made = 0
     for key in shapes(stage.sizes, stage.rows):
         if key not in stage.graphs:
