@@ -120,7 +120,10 @@ def prefill_static(engine: Engine, stage: PrefillStage, b: int, q: int) -> tuple
 
 def prefill_many(engine: Engine, sessions: list[Session], *, graphs: bool) -> list[list[int] | None]:
     """Session.step()'s prefill of each of these new pool sessions, in as few batched forwards as
-    plan_groups allows; None for a prompt longer than any graph (the caller steps it alone)."""
+    plan_groups allows; None for a prompt longer than any graph (the caller steps it alone).
+    If a group raises, the groups before it have committed their first tokens (in each session's
+    output_ids, as a prefill that stepped alone would have) and its sessions and the later ones
+    are still new."""
     stage = engine.impl.prefill_stage()
     out: list[list[int] | None] = [None] * len(sessions)
     fit = [j for j, s in enumerate(sessions) if len(s.prompt_ids) <= stage.sizes[-1]]
@@ -161,7 +164,11 @@ def _prefill_group(engine: Engine, stage: PrefillStage, sessions: list[Session],
             if s.mode != "ar":
                 features = (feats[j * q:j * q + n].clone() if feats is not None else
                             torch.zeros((n, 0), dtype=engine.target.dtype, device=logits.device))
-            committed.append(s._prefilled(logits[j:j + 1].clone(), features))
+            try:
+                committed.append(s._prefilled(logits[j:j + 1].clone(), features))
+            except BaseException:
+                s._cache.set_length(0)  # still new: a later step prefills it from row 0
+                raise
     share = (engine.clock() - t0) / len(sessions)
     for s in sessions:
         s.timings["prefill"] += share

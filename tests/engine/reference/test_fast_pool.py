@@ -64,16 +64,21 @@ def _drive(engine: Engine, jobs, *, running: int, rng: random.Random | None = No
     return out, gone
 
 
+def _spy(monkeypatch, module, name: str, record) -> list:
+    """Calls of module.name from now on, each as record(*args) says; the function still runs."""
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*args):
+        calls.append(record(*args))
+        return real(*args)
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
 @pytest.fixture
 def counted(monkeypatch):
-    calls = []
-    real = fast_batch.batched_round
-
-    def spy(engine, sessions):
-        calls.append(len(sessions))
-        return real(engine, sessions)
-    monkeypatch.setattr(fast_batch, "batched_round", spy)
-    return calls
+    return _spy(monkeypatch, fast_batch, "batched_round", lambda engine, sessions: len(sessions))
 
 
 def test_batched_rounds_equal_serial_with_mixed_algorithms_and_joins(pair, counted):
@@ -200,14 +205,7 @@ def test_verify_timing_leaves_the_pool_as_it_was(pair):
 def graphed(monkeypatch):
     from ddtree.engine.reference.fast import batch_graph
 
-    calls = []
-    real = batch_graph.static_round
-
-    def spy(engine, stage, mode, budget, b, span):
-        calls.append((mode, budget, b))
-        return real(engine, stage, mode, budget, b, span)
-    monkeypatch.setattr(batch_graph, "static_round", spy)
-    return calls
+    return _spy(monkeypatch, batch_graph, "static_round", lambda engine, stage, mode, budget, b, span: (mode, budget, b))
 
 
 @pytest.mark.parametrize("spec", [SpecParams("ar"), SpecParams("dflash"), SpecParams("ddtree", 4),
@@ -353,14 +351,7 @@ def test_a_static_round_moves_every_row_of_a_full_depth_path(pair, monkeypatch):
 def prefills(monkeypatch):
     from ddtree.engine.reference.fast import prefill
 
-    calls = []
-    real = prefill.prefill_static
-
-    def spy(engine, stage, b, q):
-        calls.append((b, q))
-        return real(engine, stage, b, q)
-    monkeypatch.setattr(prefill, "prefill_static", spy)
-    return calls
+    return _spy(monkeypatch, prefill, "prefill_static", lambda engine, stage, b, q: (b, q))
 
 
 def test_a_turns_new_prompts_prefill_together_and_decode_as_serial(pair, prefills):
@@ -414,17 +405,21 @@ def test_prefill_groups_fit_the_graph_shapes():
     sizes = prefill.prefill_sizes(8192)
     rows = prefill.batch_rows(48)
     assert rows == (1, 2, 4, 8, 16, 32, 48) and sizes[0] == prefill.PREFILL_MIN and sizes[-1] == prefill.PREFILL_MAX
-    allowed = set(prefill.shapes(sizes, rows))
-    assert {(1, q) for q in sizes} <= allowed
-    assert all(b * q <= prefill.PREFILL_BATCH_TOKENS for b, q in allowed if b > 1)
     rng = random.Random(3)
-    for _ in range(200):
-        lengths = [rng.choice([rng.randrange(1, 40), rng.randrange(1, sizes[-1] + 1)]) for _ in range(rng.randrange(1, 60))]
-        groups = prefill.plan_groups(lengths, sizes, rows)
-        assert sorted(j for g in groups for j in g) == list(range(len(lengths)))
-        for g in groups:
-            padded = {next(s for s in sizes if s >= lengths[j]) for j in g}
-            assert len(padded) == 1 and (len(g), padded.pop()) in allowed  # no prompt padded further
+    for window, slots in [(8192, 48), (3000, 1), (3000, 5), (256, 3), (2048, 64), (40000, 16)]:
+        sizes, rows = prefill.prefill_sizes(window), prefill.batch_rows(slots)
+        allowed = set(prefill.shapes(sizes, rows))
+        assert {(1, q) for q in sizes} <= allowed
+        assert all(b * q <= prefill.PREFILL_BATCH_TOKENS for b, q in allowed if b > 1)
+        for _ in range(100):
+            lengths = [rng.choice([rng.randrange(1, 40), rng.randrange(1, sizes[-1] + 1)])
+                       for _ in range(rng.randrange(1, 70))]
+            groups = prefill.plan_groups(lengths, sizes, rows)
+            assert sorted(j for g in groups for j in g) == list(range(len(lengths)))
+            for g in groups:
+                padded = {next(s for s in sizes if s >= lengths[j]) for j in g}
+                assert len(padded) == 1 and (len(g), padded.pop()) in allowed  # no prompt padded further
+    sizes, rows = prefill.prefill_sizes(8192), prefill.batch_rows(48)
     # Sixty short prompts take three forwards, not sixty.
     assert [len(g) for g in prefill.plan_groups([20] * 60, sizes, rows)] == [48, 8, 4]
 
@@ -446,25 +441,36 @@ def test_prompts_that_join_together_append_to_the_drafter_together(pair, monkeyp
     model, drafter = pair
     serial = Engine(model, drafter, backend="fast", max_budget=64)
     pooled = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=6)
-    calls = []
-    real = fast_batch.append_context
-
-    def spy(engine, feats, count, slots=None):
-        calls.append((tuple(feats.shape[:2]), None if slots is None else sorted(slots.tolist())))
-        return real(engine, feats, count, slots)
-    monkeypatch.setattr(fast_batch, "append_context", spy)
+    pooled.impl.batch_static = True  # the prefills batch too
+    calls = _spy(monkeypatch, fast_batch, "append_context", lambda engine, feats, count, slots=None:
+                 (tuple(feats.shape[:2]), None if slots is None else sorted(slots.tolist())))
     rng = random.Random(8)
     prompts = [[rng.randrange(64) for _ in range(n)] for n in (12, 20, 15, 3, 60)]
     specs = [SpecParams("ddtree", 16), SpecParams("dflash"), SpecParams("ddtree", 4), SpecParams("dflash"),
              SpecParams("ddtree", 8)]
     gen = GenParams(max_new_tokens=10)
+    # What each prompt's prefill features and drafter keys are alone (no pool).
+    want_feats, want_keys = [], []
+    for p, s in zip(prompts, specs):
+        alone = serial.start(p, gen, s)
+        alone.step()
+        want_feats.append(alone._pending.clone())
+        alone.step()
+        want_keys.append(alone._draft_cache.keys[:, :, :len(p)].clone())
+        alone.close()
     running = [pooled.start([5, 6], gen, SpecParams("dflash"))]
     pooled.step_many(running)
     sessions = [pooled.start(p, gen, s) for p, s in zip(prompts, specs)]
     pooled.step_many(running + sessions)  # the prefills
+    for s, want in zip(sessions, want_feats):  # each row's own features, not another's
+        torch.testing.assert_close(s._pending, want, rtol=1e-4, atol=1e-5)
     calls.clear()
     pooled.step_many(running + sessions)  # the prompts' appends, then the round
-    slots = [pooled.impl.pool.index_of(s._cache) for s in sessions]
+    pool = pooled.impl.pool
+    slots = [pool.index_of(s._cache) for s in sessions]
+    for s, r, want in zip(sessions, slots, want_keys):  # in each session's own slot, at its rows
+        torch.testing.assert_close(pool.dk[:, r, :, :want.shape[2]], want, rtol=1e-4, atol=1e-5)
+        assert int(pool.dlengths[r]) == s._draft_cache.length
     # 60, 20 and 15 rows pad to 3 x 60, within twice their 95 real rows; 12 more would not (4 x 60
     # > 2 x 107), so it appends alone; 3 rows fit the first draft's own append.
     assert calls[0] == ((3, 60), sorted(slots[j] for j in (1, 2, 4)))
@@ -485,3 +491,32 @@ def test_append_groups():
     groups = fast_batch.append_groups([500] * 40)
     assert sorted(j for g in groups for j in g) == list(range(40))
     assert all(len(g) * 500 <= fast_batch._APPEND_ROWS for g in groups)
+
+
+def test_a_prefill_that_fails_leaves_its_session_new(pair, monkeypatch, prefills):
+    from ddtree.engine.reference.decode import Session
+
+    model, drafter = pair
+    serial = Engine(model, drafter, backend="fast", max_budget=16)
+    engine = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=4)
+    engine.impl.batch_static = True
+    gen = GenParams(max_new_tokens=8)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    sessions = [engine.start(p, gen, SpecParams("ddtree", 4)) for p in prompts]
+    real = Session._prefilled
+
+    def broken(self, logits, features):
+        if self is sessions[1]:
+            raise RuntimeError("sampler failed")
+        return real(self, logits, features)
+    monkeypatch.setattr(Session, "_prefilled", broken)
+    with pytest.raises(RuntimeError):
+        engine.step_many(sessions)
+    assert prefills == [(2, 16)]
+    assert sessions[0].output_ids and not sessions[1].output_ids
+    assert sessions[1]._cache.length == 0 and int(engine.impl.pool.lengths[engine.impl.pool.index_of(sessions[1]._cache)]) == 0
+    monkeypatch.setattr(Session, "_prefilled", real)
+    while not all(s.done for s in sessions):
+        engine.step_many([s for s in sessions if not s.done])
+    assert [s.output_ids for s in sessions] == [serial.generate(p, gen, SpecParams("ddtree", 4)).output_ids
+                                                for p in prompts]
