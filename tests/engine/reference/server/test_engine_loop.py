@@ -58,9 +58,12 @@ def test_engine_process_serves_the_single_process_tokens_and_dies_with_the_serve
         chunks = list(EngineClient(srv.url).generate_stream(PROMPTS[1], sampling_params={
             "max_new_tokens": 30, "temperature": 0.0, "ignore_eos": True}, speculative={"algorithm": "ar"}))
         sizes = [len(c["output_ids"]) for c in chunks]
-        steps = [b - a for a, b in zip([0] + sizes, sizes)]
-        # AR commits a token a round: the first leaves at once, then 4 at a time, the rest at the end.
-        assert steps == [1] + [4] * 7 + [1], steps
+        # AR commits a token a round: the first leaves at once, then 4 at a time, the rest at the end,
+        # so a chunk ends after token 1, 5, 9, ... 29 or 30. The HTTP side may merge updates that
+        # queue up behind a slow event loop (a loaded box), so a chunk may end at fewer of them, never
+        # anywhere else.
+        sent = {1, *range(5, 30, 4), 30}
+        assert sizes[-1] == 30 and set(sizes) <= sent and sizes == sorted(set(sizes)), sizes
         srv.proc.kill()  # the server dies without a word to its engine
         srv.proc.wait()
         assert gone(engines[0]), "the engine process outlived a killed server"
