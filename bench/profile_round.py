@@ -49,6 +49,7 @@ def load(args):
                         slots=1, compile=not args.no_compile, graphs=not args.eager, attention=args.attention,
                         pool_slots=pool)
         prompt = torch.randint(0, model.config.vocab_size, (512,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine.target.model.gemv.folds = not args.no_folds
     engine.warmup(progress=lambda msg: print(f"[{args.pair}] {msg}", flush=True), budgets=budgets)
     return engine, prompt
 
@@ -131,6 +132,8 @@ def main(argv=None) -> int:
                    help="no CUDA graphs: slower, but the profile names each kernel's op and input shapes")
     p.add_argument("--attention", default="auto", help="the fast backend's kernel: auto, triton, matmul, sdpa")
     p.add_argument("--batch", type=int, default=1, help="sessions stepping together on a KV pool (a batched round)")
+    p.add_argument("--no-folds", action="store_true",
+                   help="norms, silu and residual adds as torch ops around every product (no GEMV folds, no row_ops)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     with torch.inference_mode():
@@ -138,7 +141,7 @@ def main(argv=None) -> int:
         specs = [("ar", SpecParams("ar")), ("dflash", SpecParams("dflash"))]
         specs += [(f"ddtree-{b}", SpecParams("ddtree", b)) for b in args.budgets]
         result = {"pair": args.pair, "device": args.device, "attention": engine.attention, "batch": args.batch,
-                  "rows": {}}
+                  "folds": not args.no_folds, "rows": {}}
         for name, spec in specs:
             result["rows"][name] = row = profile(engine, prompt, spec, args.rounds, args.device, args.top,
                                                  shapes=args.eager, batch=args.batch)

@@ -25,7 +25,7 @@ def main() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ddtree.engine.reference.fast import triton_gemv, triton_kernels, triton_rope, triton_tree
+    from ddtree.engine.reference.fast import triton_gemv, triton_kernels, triton_rope, triton_row_ops, triton_tree
 
     f32, bf16 = "*fp32", "*bf16"
     cases = []
@@ -58,6 +58,11 @@ def main() -> int:
                           {"QKV": dtype, "QW": dtype, "KW": dtype, "COS": dtype, "SIN": dtype, "KC": dtype,
                            "VC": dtype, "SLOTS": "*i64", "ROWS": "*i64", "QOUT": dtype}, {"eps"},
                           {"D": 128, "HAS_NORM": norm, "HAS_SLOTS": slots}, 1))
+        cases.append((f"silu_mul {dtype}", triton_row_ops.silu_mul, {"X": dtype, "OUT": dtype}, set(),
+                      {"BLOCK": 1024}, 4))
+        for width, warps in ((2048, 8), (4096, 16)):
+            cases.append((f"rms_norm {dtype} {width}", triton_row_ops.rms_norm, {"X": dtype, "W": dtype, "OUT": dtype},
+                          {"eps"}, {"BLOCK": width}, warps))
     failed = 0
     for name, fn, ptrs, floats, consts, warps in cases:
         sig, constexprs = _signature(fn, ptrs, floats, consts)

@@ -32,7 +32,7 @@ from typing import Iterable, Optional
 import torch
 import torch.nn.functional as F
 
-from ddtree.engine.reference.fast import tree_attention
+from ddtree.engine.reference.fast import row_ops, tree_attention
 from ddtree.engine.reference.fast.rows import replay_us
 
 log = logging.getLogger(__name__)
@@ -139,14 +139,17 @@ def _foldable(pre) -> bool:
 
 class Gemv:
     """linear(x, weight, bias): the kernel, with the tiling `tune` picked for this weight shape,
-    when x is one row; else F.linear. `picked` is filled before any graph capture or compile
+    when x is one row; else, on CUDA outside a compile, F.linear with row_ops around it (fewer
+    launches for the norm, silu and residual add); else `plain`. `picked` is filled before any graph capture or compile
     trace, and only read after (a compiled layer guards on it)."""
 
     def __init__(self) -> None:
         self.picked: dict[tuple[int, int], Config] = {}
         self.measured: dict[tuple[int, int], dict[str, float]] = {}
         self.enabled = True  # False: F.linear runs every product and tune measures nothing (benchmarks)
-        self.folds = True  # False: norm, activation and residual run as torch ops around the kernel (benchmarks)
+        # False: norm, activation and residual run as torch ops around every product, one row (the
+        # kernel) or many (row_ops) (benchmarks).
+        self.folds = True
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor, pre=None) -> Config | None:
         """The tiling this product runs with, or None for torch ops (`plain`). Only tune fills
@@ -163,6 +166,8 @@ class Gemv:
         where `takes` says so: one launch where torch ops take two or three."""
         config = self.takes(x, weight, pre)
         if config is None:
+            if self.enabled and self.folds and row_ops.runs(x):
+                return row_ops.linear(x, weight, bias, pre, residual, _before)
             return plain(x, weight, bias, pre, residual)
         if not self.folds and (pre is not None or residual is not None):
             out = self(_before(x, pre), weight, bias)
