@@ -84,10 +84,27 @@ def test_linear_equals_plain(pre, residual, bias):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_gemv_sends_only_cuda_products_of_many_rows_here():
-    x = torch.zeros(4, 8)
-    assert not row_ops.runs(x)  # a CPU tensor: the torch ops
-    assert not row_ops.runs(torch.zeros(2, 4, 8))
+def test_gemv_sends_only_half_precision_cuda_products_of_many_rows_here():
+    assert not row_ops.runs(torch.zeros(4, 8, dtype=torch.bfloat16))  # a CPU tensor: the torch ops
+    assert not row_ops.runs(torch.zeros(2, 4, 8, device=DEVICE, dtype=torch.bfloat16))
+    assert not row_ops.runs(torch.zeros(4, 8, device=DEVICE))  # float32 keeps the torch ops
+    if DEVICE == "cuda":
+        assert row_ops.runs(torch.zeros(4, 8, device=DEVICE, dtype=torch.bfloat16))
+
+
+def test_a_compiled_product_of_many_rows_keeps_one_graph():
+    """Inside torch.compile Gemv takes the torch ops without tracing row_ops.runs: traced on CUDA,
+    its triton lookup broke the compiled layer's graph at every product (H200, 12 s stalls)."""
+    from ddtree.engine.reference.fast.gemv import Gemv
+
+    torch._dynamo.reset()
+    gemv = Gemv()
+    norm = RMSNorm(16, 1e-6).to(DEVICE, torch.bfloat16)
+    weight = _rand(24, 16, seed=1, dtype=torch.bfloat16).to(DEVICE)
+    x, res = _rand(5, 16, seed=2, dtype=torch.bfloat16).to(DEVICE), _rand(5, 24, seed=3, dtype=torch.bfloat16).to(DEVICE)
+    explained = torch._dynamo.explain(lambda a, r: gemv(a, weight, None, norm, r))(x, res)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
 
 
 @pytest.mark.slow
