@@ -270,7 +270,7 @@ class SweepsPane(Vertical):
             table = self.query_one("#points", RowTable)
             # Two finished points above it for context, what is to come below. After the refresh:
             # the table's virtual size grows with the rows just set.
-            self.call_after_refresh(table.scroll_to, y=max(0, index - 2), animate=False, force=True, immediate=True)
+            self.call_after_refresh(table.scroll_row_to_top, max(0, index - 2))
 
     def sentinel_report(self):
         """The run's points against earlier runs of its fingerprint, once their history is read."""

@@ -137,6 +137,7 @@ class RowTable(ScrollView, can_focus=True):
         self._strips: dict[tuple, Strip] = {}
         self._look: tuple | None = None
         self._now: tuple | None = None
+        self._top_row: int | None = None  # scroll_row_to_top's row, until the cursor moves
 
     # -- data ------------------------------------------------------------------------------------
     def set_columns(self, *labels: str) -> None:
@@ -232,7 +233,19 @@ class RowTable(ScrollView, can_focus=True):
         if key is not None:
             self.post_message(self.RowHighlighted(self, new, key))
 
+    def scroll_row_to_top(self, index: int) -> None:
+        """Show row `index` first, and again after each resize until the cursor moves. The table's
+        height follows its rows and the widgets around it, so a scroll made before the last layout
+        is clamped to the height before it (a loaded machine left a snapshot one row off)."""
+        self._top_row = index
+        self.scroll_to(y=index, animate=False, force=True, immediate=True)
+
+    def on_resize(self, event: events.Resize) -> None:
+        if self._top_row is not None:
+            self.scroll_to(y=self._top_row, animate=False, force=True, immediate=True)
+
     def _scroll_to_cursor(self) -> None:
+        self._top_row = None
         self.scroll_to_region(Region(0, self.cursor_row + 1, 1, 1), animate=False, spacing=Spacing(top=1),
                               force=True, immediate=True)
 

@@ -116,3 +116,24 @@ async def test_wider_than_the_widget_scrolls_sideways():
         await pilot.press("right", "right", "right")
         assert table.scroll_offset.x == 3
         assert line(table, 1).startswith("  xxx") and line(table, 0).startswith("  NAME")
+
+
+async def test_a_row_scrolled_to_the_top_stays_there_when_the_table_gets_shorter():
+    """scroll_row_to_top before the layout shrinks the table: the scroll made first is clamped to
+    the taller table's range, and the resize puts the row back on top; a cursor move ends it."""
+    app = TableApp()
+    async with app.run_test(size=(60, 12)) as pilot:
+        table = app.query_one(RowTable)
+        table.set_rows(rows(14))
+        await pilot.pause()
+        table.scroll_row_to_top(7)
+        assert table.scroll_offset.y == table.max_scroll_y < 7  # all 12 lines tall: clamped
+        table.styles.max_height = 6  # the layout settles on a shorter table
+        await pilot.pause()
+        await pilot.pause()
+        assert table.scroll_offset.y == 7 and "run-7" in line(table, 1)
+        table.move_cursor(row=0)
+        table.styles.max_height = 5
+        await pilot.pause()
+        await pilot.pause()
+        assert table.scroll_offset.y == 0
