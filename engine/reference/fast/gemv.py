@@ -139,9 +139,10 @@ def _foldable(pre) -> bool:
 
 class Gemv:
     """linear(x, weight, bias): the kernel, with the tiling `tune` picked for this weight shape,
-    when x is one row; else, on CUDA outside a compile, F.linear with row_ops around it (fewer
-    launches for the norm, silu and residual add); else `plain`. `picked` is filled before any graph capture or compile
-    trace, and only read after (a compiled layer guards on it)."""
+    when x is one row; else, in bf16/fp16 on CUDA outside a compile, F.linear with row_ops
+    around it (fewer launches for the norm, silu and residual add); else `plain`. `picked` is
+    filled before any graph capture or compile trace, and only read after (a compiled layer
+    guards on it)."""
 
     def __init__(self) -> None:
         self.picked: dict[tuple[int, int], Config] = {}
