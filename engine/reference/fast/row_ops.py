@@ -45,8 +45,8 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     n, inner = x.shape[0], x.shape[1] // 2
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty((n, inner), dtype=x.dtype, device=x.device)
-    kernel[(n, _cdiv(inner, _SILU_BLOCK))](x, out, inner, x.stride(0), out.stride(0), BLOCK=_SILU_BLOCK,
-                                                 num_warps=4)
+    kernel[(n, -(-inner // _SILU_BLOCK))](x, out, inner, x.stride(0), out.stride(0), BLOCK=_SILU_BLOCK,
+                                           num_warps=4)
     return out
 
 
@@ -79,6 +79,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
     out = F.linear(x, weight, bias)
     return out if residual is None else residual + out
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
