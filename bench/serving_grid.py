@@ -81,15 +81,40 @@ def server_cell(url: str, args, concurrency: int, spec: dict) -> dict:
 
     prompts, warm = prompts_for(args, concurrency)
     cfg = BenchConfig(concurrency=concurrency, max_new_tokens=args.max_new_tokens, temperature=0.0,
-                      warmup=len(warm), speculative=spec)
-    result = run_point(url, prompts, cfg, warmup_prompts=warm)
+                      speculative=spec)
+    run_point(url, warm, cfg)  # the warm-up apart, so the turn counters below see only the cell
+    before = engine_turns(url)
+    result = run_point(url, prompts, cfg)
     cell = {k: result.metrics.get(k) for k in POINT_KEYS}
+    cell.update(turn_figures(before, engine_turns(url)))
     cell["prompts"] = len(prompts)
     cell["warnings"] = result.warnings
     failed = [r for r in result.requests if not r.ok]
     if failed:
         cell["first_failure"] = f"{failed[0].error}: {failed[0].detail}"
     return cell
+
+
+TURN_KEYS = ("scheduler_turns_total", "scheduler_turn_seconds_total", "engine_seconds_total")
+
+
+def engine_turns(url: str) -> dict | None:
+    """The engine process's turn counters (/server_info), or None from a server without them."""
+    states = ((server_info(url) or {}).get("internal_states") or [{}])[0]
+    return {k: states[k] for k in TURN_KEYS} if all(k in states for k in TURN_KEYS) else None
+
+
+def turn_figures(before: dict | None, after: dict | None) -> dict:
+    """A cell's turns, and per turn its wall ms and the ms inside engine calls: what the
+    engine process adds to the rounds, against the in-process side's same figures."""
+    if not before or not after:
+        return {}
+    turns = after["scheduler_turns_total"] - before["scheduler_turns_total"]
+    if turns <= 0:
+        return {}
+    wall = after["scheduler_turn_seconds_total"] - before["scheduler_turn_seconds_total"]
+    engine = after["engine_seconds_total"] - before["engine_seconds_total"]
+    return {"turns": turns, "turn_ms": 1000 * wall / turns, "engine_ms_per_turn": 1000 * engine / turns}
 
 
 def server_info(url: str) -> dict | None:
@@ -161,18 +186,31 @@ def drive(engine, prompts: list[list[int]], gen, spec, concurrency: int) -> dict
                 itls.extend([(now - last[i]) / len(new)] * len(new))
             last[i] = now
 
+    # Turns, and the seconds inside engine calls, as the server's scheduler counts them.
+    turns, turn_s, engine_s = 0, 0.0, 0.0
+
+    def timed(fn, *args):
+        nonlocal engine_s
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            engine_s += time.perf_counter() - t0
+
     def step(group) -> None:
         if len(group) > 1:
-            new = engine.step_many([s for _, s in group])
+            new = timed(engine.step_many, [s for _, s in group])
         else:
-            new = [s.step() for _, s in group]
+            new = [timed(s.step) for _, s in group]
         record(group, new, time.perf_counter())
 
     while waiting or running:
+        turn_start = time.perf_counter()
+        turns += 1
         while waiting and arrivals and len(running) < concurrency:
             i = waiting.popleft()
             arrived[i] = arrivals.popleft()
-            running.append((i, engine.start(prompts[i], gen, spec)))
+            running.append((i, timed(engine.start, prompts[i], gen, spec)))
         fresh = [(i, s) for i, s in running if not s.output_ids]
         live = [(i, s) for i, s in running if s.output_ids and not s.done]
         if fresh:
@@ -187,16 +225,19 @@ def drive(engine, prompts: list[list[int]], gen, spec, concurrency: int) -> dict
             if spec.algorithm != "ar":  # as the server, which reports no acceptance for ar
                 verifies += sess.verify_ct
                 spec_tokens += len(sess.output_ids)
-            sess.close()
+            timed(sess.close)
             ends.append(now)
             if waiting:
                 arrivals.append(now)
+        turn_s += time.perf_counter() - turn_start
     duration = (max(ends) - t0) if ends else 0.0
     return {"requests_ok": len(ends), "output_tokens": tokens, "duration_s": duration,
             "output_tok_s": tokens / duration if duration > 0 else None,
             "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
             "itl_p50": percentile(itls, 50), "itl_p99": percentile(itls, 99),
-            "tau_weighted": spec_tokens / verifies if verifies else None}
+            "tau_weighted": spec_tokens / verifies if verifies else None,
+            "turns": turns, "turn_ms": 1000 * turn_s / turns if turns else None,
+            "engine_ms_per_turn": 1000 * engine_s / turns if turns else None}
 
 
 def load_engine(args, flags: list[str]):
@@ -284,7 +325,9 @@ def _num(value, fmt: str = "8.1f") -> str:
 def line(cell: dict) -> str:
     return (f"{_num(cell.get('output_tok_s'))} tok/s  TTFT p50/p99 {_ms(cell.get('ttft_p50'))} /"
             f"{_ms(cell.get('ttft_p99'))} ms  ITL p50/p99 {_ms(cell.get('itl_p50'))} /{_ms(cell.get('itl_p99'))} ms"
-            f"  tau {_num(cell.get('tau_weighted'), '5.2f')}  ({cell.get('wall_s')} s)")
+            f"  tau {_num(cell.get('tau_weighted'), '5.2f')}  ({cell.get('wall_s')} s)"
+            + (f"  {cell['turns']} turns of {cell['turn_ms']:.2f} ms, {cell['engine_ms_per_turn']:.2f} in the engine"
+               if cell.get("turns") else ""))
 
 
 def summarize(server: list[dict] | None, inprocess: list[dict] | None, specs, concurrencies: list[int]) -> dict:

@@ -194,6 +194,9 @@ class StatsView:
     verify_calls_total: int
     batched_rounds_total: int
     avg_batch_size: float | None
+    turns_total: int
+    turn_seconds_total: float
+    engine_seconds_total: float
     avg_accept_length: float | None
     recent_accept_length: float
     recent_accept_rate: float
@@ -229,6 +232,12 @@ class Stats:
         self.accepted_tokens_total = 0  # sum of tau over all verify rounds
         self.batched_rounds_total = 0   # turns that stepped several requests in one batched round
         self.batched_requests_total = 0  # request-rounds inside those
+        # Where the engine thread's time goes: turns (admit, prefill, round, publish; the idle
+        # wait for work excluded) and, inside them, the engine's own calls. The difference is the
+        # scheduler's host time, which on a GPU adds to every round.
+        self.turns_total = 0
+        self.turn_seconds_total = 0.0
+        self.engine_seconds_total = 0.0
         self._recent_rounds: deque[tuple[int, int]] = deque(maxlen=self.WINDOW_ROUNDS)  # (tau, proposed)
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self.ttft = Histogram()
@@ -246,6 +255,12 @@ class Stats:
         with self._lock:
             self.batched_rounds_total += 1
             self.batched_requests_total += size
+
+    def add_turn(self, seconds: float, engine_seconds: float) -> None:
+        with self._lock:
+            self.turns_total += 1
+            self.turn_seconds_total += seconds
+            self.engine_seconds_total += engine_seconds
 
     def avg_batch_size(self) -> float | None:
         with self._lock:
@@ -310,7 +325,9 @@ class Stats:
                 requests_total=self.requests_total, aborted_total=self.aborted_total,
                 prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
                 verify_calls_total=self.verify_calls_total, batched_rounds_total=self.batched_rounds_total,
-                avg_batch_size=batch, avg_accept_length=accept, recent_accept_length=tau, recent_accept_rate=rate,
+                avg_batch_size=batch, turns_total=self.turns_total, turn_seconds_total=self.turn_seconds_total,
+                engine_seconds_total=self.engine_seconds_total, avg_accept_length=accept,
+                recent_accept_length=tau, recent_accept_rate=rate,
                 gen_throughput=throughput, ttft=self.ttft.copy(), itl=self.itl.copy(), e2e=self.e2e.copy())
 
 
@@ -350,6 +367,7 @@ class Scheduler:
         #: The thread the rounds run on: pass the one that loaded the engine (see EngineThread).
         self._engine_thread = thread
         self._looping: Future | None = None
+        self._engine_s = 0.0  # this turn's seconds inside engine calls (engine thread only)
         #: Turns started so far (each admits, then advances every running session by one round).
         self.turns = 0
         self._on_publish = on_publish
@@ -449,6 +467,7 @@ class Scheduler:
                 admit = []
                 while self._waiting and len(self._running) + len(admit) < self.max_running:
                     admit.append(self._waiting.popleft())
+            started, self._engine_s = time.perf_counter(), 0.0
             for ticket in admit:
                 self._admit(ticket)
             self._published()
@@ -461,6 +480,15 @@ class Scheduler:
                     self._advance(active)
                     self._published()
             self._published()
+            self.stats.add_turn(time.perf_counter() - started, self._engine_s)
+
+    def _engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call into the engine, counting the time towards this turn's engine seconds."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._engine_s += time.perf_counter() - t0
 
     def _published(self) -> None:
         if self._on_publish is not None:
@@ -471,7 +499,7 @@ class Scheduler:
             self._finish(ticket, Update(done=True, finish_reason="abort"), aborted=True)
             return
         try:
-            session = self.engine.start(ticket.input_ids, ticket.gen, ticket.spec)
+            session = self._engine(self.engine.start, ticket.input_ids, ticket.gen, ticket.spec)
         except EngineError as exc:
             self._finish(ticket, Update(done=True, finish_reason="abort", error=exc), aborted=True)
             return
@@ -494,7 +522,7 @@ class Scheduler:
             return
         if not session.done:
             try:
-                session.step()
+                self._engine(session.step)
             except EngineError as exc:
                 self._retire(active, Update(done=True, finish_reason="abort", error=exc), aborted=True)
                 return
@@ -518,7 +546,7 @@ class Scheduler:
         # cohort's first tokens wait for one forward rather than for one each plus a round.
         if len(fresh) > 1:
             try:
-                self.engine.step_many([a.session for a in fresh])
+                self._engine(self.engine.step_many, [a.session for a in fresh])
             except Exception as exc:  # boundary: find the culprit by prefilling each alone
                 log.warning("batched prefill failed (%s: %s); prefilling one by one", type(exc).__name__, exc)
                 for active in fresh:
@@ -536,7 +564,7 @@ class Scheduler:
                 self._advance(active)
             return
         try:
-            self.engine.step_many([a.session for a in live])
+            self._engine(self.engine.step_many, [a.session for a in live])
         except Exception as exc:  # boundary: find the culprit by stepping each request alone
             log.warning("batched round failed (%s: %s); stepping the requests one by one", type(exc).__name__, exc)
             for active in live:
@@ -582,7 +610,7 @@ class Scheduler:
             if active in self._running:
                 self._running.remove(active)
         try:
-            active.session.close()
+            self._engine(active.session.close)
         finally:
             self._finish(active.ticket, update, aborted=aborted)
 
@@ -663,6 +691,11 @@ def render_metrics(snapshot: Snapshot, labels: dict[str, str]) -> str:
         ("sglang:num_aborted_requests_total", "Number of requests aborted.", stats.aborted_total),
         ("sglang:spec_verify_calls_total", "Number of speculative decoding verification calls.",
          stats.verify_calls_total),
+        ("ddtree:scheduler_turns_total", "Scheduler turns (admit, prefill, one round, publish).", stats.turns_total),
+        ("ddtree:scheduler_turn_seconds_total", "Seconds the engine thread spent in turns, idle waits excluded.",
+         stats.turn_seconds_total),
+        ("ddtree:engine_seconds_total", "Seconds of those turns inside engine calls (start, steps, rounds, close); "
+         "the rest is the scheduler's own host time.", stats.engine_seconds_total),
     ]
     for name, doc, value in counters:
         scalar(name, "counter", doc, value)

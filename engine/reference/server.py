@@ -181,6 +181,9 @@ def build_app(api: Api) -> Starlette:
                 "generation_tokens_total": stats.generation_tokens_total,
                 "batched_rounds_total": stats.batched_rounds_total,
                 "avg_batch_size": stats.avg_batch_size,
+                "scheduler_turns_total": stats.turns_total,
+                "scheduler_turn_seconds_total": stats.turn_seconds_total,
+                "engine_seconds_total": stats.engine_seconds_total,
             }],
         })
 

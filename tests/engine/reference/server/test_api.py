@@ -217,6 +217,9 @@ def test_concurrent_clients_match_serial(client, server):
     assert [r["output_ids"] for r in results] == serial
     states = client.server_info()["internal_states"][0]
     assert states["batched_rounds_total"] > before and states["avg_batch_size"] > 1
+    # The engine process's turns, and the share of them inside engine calls, cross to /server_info.
+    assert states["scheduler_turns_total"] >= states["batched_rounds_total"]
+    assert 0 < states["engine_seconds_total"] <= states["scheduler_turn_seconds_total"]
 
 
 def test_seeded_sampling_is_reproducible_under_concurrency(client, server):

@@ -224,6 +224,36 @@ def test_render_metrics_parses(started):
     assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == 1
 
 
+def test_turn_seconds_split_engine_calls_from_the_schedulers_own_time(engine_and_sched, monkeypatch):
+    """A fake clock: each round takes 1 s inside the engine, each update's delivery 0.25 s of the
+    scheduler's own time. One request of 6 tokens is 3 rounds in 3 turns (the first admits too)."""
+    import types
+
+    from ddtree.engine.reference import scheduler as scheduler_module
+
+    engine, sched = engine_and_sched
+    clock = [0.0]
+    monkeypatch.setattr(scheduler_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    engine.after_step = lambda session: clock.__setitem__(0, clock[0] + 1.0)
+    q = queue.Queue()
+
+    def sink(update):
+        clock[0] += 0.25
+        q.put(update)
+
+    sched.submit([3], Gen(6), Spec(), sink)
+    sched.start()
+    assert len(drain(q)) == 3
+    sched.stop(timeout=5)
+    stats = sched.stats.view(clock[0])
+    assert stats.turns_total == 3
+    assert stats.engine_seconds_total == 3.0
+    assert stats.turn_seconds_total == 3.75
+    families = {f.name: f for f in text_string_to_metric_families(render_metrics(sched.snapshot(clock[0]), {}))}
+    assert families["ddtree:scheduler_turns"].samples[0].value == 3
+    assert families["ddtree:engine_seconds"].samples[0].value == 3.0
+
+
 class BatchingEngine(FakeEngine):
     """FakeEngine with step_many: records each batch; a batch holding tag 777 fails as a whole."""
 
