@@ -32,7 +32,7 @@ Without --grid:
    --repeats/3 (at least 3); (c) what share of a DDTree round the verify forward is.
 
 With --grid (defaults then: --concurrency 1,4,16,64 --budgets 16,64), per concurrency and
-algorithm (ar, dflash, ddtree@each budget), --num-prompts or 2 x concurrency prompts, whichever
+algorithm (ar, dflash, ddtree@each budget), --num-prompts or --waves x concurrency prompts, whichever
 is more: the server's output tok/s, TTFT p50/p99, ITL p50/p99 and tau through the sweep client,
 then the same cells in process with the server's engine and loop, server / in-process per cell,
 AR throughput c=16 / c=1, the DDTree-vs-AR crossover, and the issue's targets. --verify-grid:
@@ -379,7 +379,11 @@ def main() -> int:
     p.add_argument("--dataset", default="builtin:code")
     p.add_argument("--concurrency", default=None, help="default 1,4,8; with --grid 1,4,16,64")
     p.add_argument("--budgets", default=None, help="DDTree budgets; default 4,8,16,32; with --grid 16,64")
-    p.add_argument("--num-prompts", type=int, default=16, help="with --grid, per cell max(this, 2 x concurrency)")
+    p.add_argument("--num-prompts", type=int, default=16,
+                   help="with --grid, per cell max(this, --waves x concurrency)")
+    p.add_argument("--waves", type=int, default=2,
+                   help="with --grid, prompts per cell are at least this many times the concurrency: more "
+                        "waves weigh the first cohort's prefill and the last one's tail less (default: 2)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--context", type=int, default=256,
                    help="context tokens per request in the batching and verify-grid timings")
@@ -420,6 +424,8 @@ def main() -> int:
     args.engine_loops = [part.strip() for part in args.engine_loops.split(",") if part.strip()]
     if not args.engine_loops or set(args.engine_loops) - {"process", "thread"}:
         p.error(f"--engine-loops takes process and/or thread, got {','.join(args.engine_loops) or 'nothing'}")
+    if args.waves < 1:
+        p.error(f"--waves must be at least 1, got {args.waves}")
     clock_start = time.perf_counter()
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-server-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)

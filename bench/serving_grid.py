@@ -59,12 +59,16 @@ def grid_specs(algorithms: list[str], budgets: list[int]) -> list[tuple[str, dic
     return out
 
 
+def cell_prompts(args, concurrency: int) -> int:
+    return max(args.num_prompts, args.waves * concurrency)
+
+
 def prompts_for(args, concurrency: int):
-    """The measured prompts of a cell, max(--num-prompts, 2 x concurrency), and its warm-up ones
-    (a disjoint slice), as bench_server's serving bench picks them."""
+    """The measured prompts of a cell, max(--num-prompts, --waves x concurrency), and its warm-up
+    ones (a disjoint slice), as bench_server's serving bench picks them."""
     from ddtree.engine.serving.prompts import load_prompts
 
-    prompts = load_prompts(args.dataset, max(args.num_prompts, 2 * concurrency), seed=0)
+    prompts = load_prompts(args.dataset, cell_prompts(args, concurrency), seed=0)
     warm = load_prompts(args.dataset, min(concurrency, 4), seed=0, offset=1000)
     return prompts, warm
 
@@ -464,7 +468,7 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
     flags = server_flags(max(concurrencies + (args.verify_b if args.verify_grid else [])))
     grid: dict = {"server_flags": flags, "concurrencies": concurrencies, "algorithms": [n for n, _ in specs],
                   "max_new_tokens": args.max_new_tokens, "backend_asked": args.backend, "dtype": args.dtype,
-                  "prompts_per_cell": {c: max(args.num_prompts, 2 * c) for c in concurrencies}}
+                  "prompts_per_cell": {c: cell_prompts(args, c) for c in concurrencies}}
     timings: dict = {}
     grid["part_s"] = timings
     if args.grid:
