@@ -28,6 +28,7 @@ from torch import nn
 
 from ddtree.engine.reference.errors import ModelLoadError
 from ddtree.engine.reference.fast.draft import FastDrafter
+from ddtree.engine.reference.fast.graphs import record_graph
 from ddtree.engine.reference.fast.model import DecoderConfig, DenseDecoder, unsupported_reason
 from ddtree.engine.reference.fast.target import FastTarget
 from ddtree.engine.reference.tree import Tree, build_tree_device, fetch_walk, walk_device
@@ -363,16 +364,7 @@ class FastPath:
                 self._pool = torch.cuda.graph_pool_handle()
             # The slot's stages were made under inference mode (FastTarget.capture); writing them
             # from outside it is refused, so the build is warmed up and captured inside it too.
-            with torch.inference_mode():
-                side = torch.cuda.Stream(device=target.device)
-                side.wait_stream(torch.cuda.current_stream(target.device))
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        build()
-                torch.cuda.current_stream(target.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    tree = build()
+            graph, tree = record_graph(build, self._pool, target.device, 2, inference=True)
             self._trees[key] = _TreeGraph(graph, logits, root, tree, staged[0])
         return self._trees[key]
 

@@ -1,13 +1,15 @@
 """The fast backend's static path through torch.compile'd layers decodes the same tokens.
 
-On CUDA the compiled layers run inside the captured graphs (FastPath.warmup); here, on a CPU,
-inductor compiles the same layer function for the static padded path without graphs.
+On CUDA the compiled layers run inside the captured graphs (FastPath.warmup), and only there
+(graphs.recording): here, on a CPU, inductor compiles the same layer function for the static
+padded path, inside graphs.recording_scope() as a capture's warm-up would be.
 """
 
 import pytest
 import torch
 
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
+from ddtree.engine.reference.fast.graphs import recording_scope
 
 from .conftest import make_drafter, make_target
 
@@ -54,22 +56,32 @@ def test_compiled_static_path_decodes_like_the_reference(attention, monkeypatch)
     for prompt in prompts:
         ar = reference.generate(prompt, gen, SpecParams("ar"))
         for spec in specs:
-            got = fast.generate(prompt, gen, spec)
+            with recording_scope():
+                got = fast.generate(prompt, gen, spec)
             assert got.output_ids == ar.output_ids, spec
             if spec.algorithm != "ar":
                 assert got.accept_lengths == reference.generate(prompt, gen, spec).accept_lengths
     # One compiled graph for single-token steps and one with a dynamic query length, shared by
     # every layer: regional compilation, not one compile per layer and shape.
-    assert counters["stats"]["unique_graphs"] <= 3
+    assert 1 <= counters["stats"]["unique_graphs"] <= 3
     if attention == "triton":
         assert ran["gemv"] and ran["rope_write"], ran
+    # Outside a recording nothing compiles, whatever the shape: serving never waits for inductor.
+    torch._dynamo.reset()
+    counters.clear()
+    assert fast.generate([5, 5, 5, 2, 1], gen, SpecParams("ddtree", 16)).output_ids == \
+        reference.generate([5, 5, 5, 2, 1], gen, SpecParams("ar")).output_ids
+    assert counters["stats"]["unique_graphs"] == 0
     torch._dynamo.reset()
 
 
 def test_compiled_drafter_block_equals_eager():
+    from torch._dynamo.utils import counters
+
     from ddtree.engine.reference.fast.draft import FastDrafter, default_buckets
 
     torch._dynamo.reset()
+    counters.clear()
     model = make_target(42)
     drafter = make_drafter(model, block_size=8, layers=2)
     fast = FastDrafter(drafter, model.model.embed_tokens, model.lm_head, capacity=64, mask_token_id=63)
@@ -77,6 +89,13 @@ def test_compiled_drafter_block_equals_eager():
     feats = torch.randn(12, drafter.fc.weight.shape[1])
     want = fast.draft(5, 12, feats, eager_cache, 7)
     fast.compile()
-    got = fast.draft(5, 12, feats, static_cache, 7)
+    with recording_scope():
+        got = fast.draft(5, 12, feats, static_cache, 7)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] >= 1
+    torch._dynamo.reset()
+    counters.clear()
+    torch.testing.assert_close(fast.draft(5, 12, feats, fast.new_cache(append_buckets=default_buckets(8)), 7),
+                               want, atol=1e-4, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 0  # outside a recording the block runs uncompiled
     torch._dynamo.reset()
