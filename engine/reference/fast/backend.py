@@ -28,7 +28,7 @@ from torch import nn
 
 from ddtree.engine.reference.errors import ModelLoadError
 from ddtree.engine.reference.fast.draft import FastDrafter
-from ddtree.engine.reference.fast.graphs import record_graph
+from ddtree.engine.reference.fast.graphs import record_graph, warmup_scope
 from ddtree.engine.reference.fast.model import DecoderConfig, DenseDecoder, unsupported_reason
 from ddtree.engine.reference.fast.target import FastTarget
 from ddtree.engine.reference.tree import Tree, build_tree_device, fetch_walk, walk_device
@@ -127,7 +127,12 @@ class FastPath:
 
     def warmup(self, progress: Callable[[str], None] | None = None, budgets: tuple[int, ...] = ()) -> None:
         """Allocate the slots and, on CUDA, capture their graphs (once; later calls do nothing),
-        and the tree builds of these budgets (others are captured on their first round)."""
+        and the tree builds of these budgets (others are captured on their first round). Compiled
+        code runs only in here (graphs.warmup_scope)."""
+        with warmup_scope():
+            self._warmup(progress, budgets)
+
+    def _warmup(self, progress: Callable[[str], None] | None, budgets: tuple[int, ...]) -> None:
         if not self.want_graphs:
             return
         say = progress or (lambda _msg: None)

@@ -45,7 +45,7 @@ from torch import nn
 
 from ddtree.engine.reference.drafter import DFlashDrafter, rope_inv_freq
 from ddtree.engine.reference.errors import BadParams
-from ddtree.engine.reference.fast.graphs import record_graph, recording
+from ddtree.engine.reference.fast.graphs import record_graph, warming_up
 from ddtree.engine.reference.fast import tree_attention as fused
 from ddtree.engine.reference.fast.model import choose_attention, eager_kernel, matmul_attention
 from ddtree.engine.reference.fast.rows import RowLinears
@@ -421,7 +421,7 @@ class FastDrafter:
     def _block_static(self, cache: DraftContextCache, start: torch.Tensor | None = None) -> torch.Tensor:
         """start: the block's first position on the device (None: static.start)."""
         start = cache.static.start if start is None else start
-        if self._compiled_block is not None and recording():  # graphs.py says why only there
+        if self._compiled_block is not None and warming_up():  # graphs.py says why only then
             return self._compiled_block(cache, start)
         return self._block_static_raw(cache, start)
 

@@ -7,27 +7,28 @@ from typing import Iterator
 
 import torch
 
-# Graph recordings under way (their warm-up runs included). torch.compile'd code runs only inside
-# them: there every shape compiles once, while the server warms up. A forward that finds no graph
-# runs uncompiled instead, since a new shape there meant a compile of several seconds in the
-# middle of serving (the demo pair's DDTree at one session on an H200, bench/RESULTS.md).
-_recording = 0
+# Warm-ups under way (FastPath.warmup). torch.compile'd code runs only inside them: there every
+# shape the captures need compiles once, before the server takes requests. Anything later, a
+# forward with no graph or a graph captured on first use (a longer context, a prefill bucket),
+# runs uncompiled: a new shape compiled mid-serving stalled every stream for about 6 s (the demo
+# pair's one-session DDTree on an H200 made 45 tok/s, bench/RESULTS.md).
+_warming = 0
 
 
-def recording() -> bool:
-    """Whether a graph is being recorded (or warmed up for one) on this process."""
-    return _recording > 0
+def warming_up() -> bool:
+    """Whether an engine warm-up is under way on this process."""
+    return _warming > 0
 
 
 @contextlib.contextmanager
-def recording_scope() -> Iterator[None]:
-    """Mark the code inside as part of a graph recording (record_graph; tests on a CPU)."""
-    global _recording
-    _recording += 1
+def warmup_scope() -> Iterator[None]:
+    """Mark the code inside as a warm-up (FastPath.warmup; tests on a CPU)."""
+    global _warming
+    _warming += 1
     try:
         yield
     finally:
-        _recording -= 1
+        _warming -= 1
 
 
 def record_graph(fn, pool, device, runs: int, inference: bool = False):
@@ -36,7 +37,7 @@ def record_graph(fn, pool, device, runs: int, inference: bool = False):
     pool: (graph, what fn returned during the capture: the tensors each replay rewrites).
     inference: do both under torch.inference_mode (what writes inference tensors needs it)."""
     context = torch.inference_mode() if inference else contextlib.nullcontext()
-    with context, recording_scope():
+    with context:
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device=device)
         side.wait_stream(current)

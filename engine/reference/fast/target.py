@@ -34,7 +34,7 @@ import torch
 from ddtree.engine.reference.errors import BadParams, DecodeError, ModelLoadError
 from ddtree.engine.reference.fast.cache import ROW_ALIGN, StaticKVCache, kv_bucket, kv_buckets
 from ddtree.engine.reference.fast.commit import new_walk_io, set_walk_inputs, walk_commit_static
-from ddtree.engine.reference.fast.graphs import record_graph, recording
+from ddtree.engine.reference.fast.graphs import record_graph, warming_up
 from ddtree.engine.reference.fast.model import (
     AttentionPlan,
     DenseDecoder,
@@ -331,7 +331,7 @@ class FastTarget(HeadShapes):
             seen = (rel < 0)[None, :] | (among_new[None, :] & tree_cols)
             plan = AttentionPlan(rows, span, self._fold(seen), kernel=self.attention)
         hidden, feats = self.model(ids, positions, cache.k, cache.v, plan, self.feature_layers,
-                                   compiled=self.compiled and recording())
+                                   compiled=self.compiled and warming_up())
         weight, bias, gemv = self.lm_head.weight, self.lm_head.bias, self.model.gemv
         if into is None:
             return gemv(hidden, weight, bias).float(), feats

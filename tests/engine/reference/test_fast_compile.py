@@ -1,15 +1,15 @@
 """The fast backend's static path through torch.compile'd layers decodes the same tokens.
 
-On CUDA the compiled layers run inside the captured graphs (FastPath.warmup), and only there
-(graphs.recording): here, on a CPU, inductor compiles the same layer function for the static
-padded path, inside graphs.recording_scope() as a capture's warm-up would be.
+On CUDA the compiled layers run inside the graphs FastPath.warmup captures, and only during the
+warm-up (graphs.warming_up): here, on a CPU, inductor compiles the same layer function for the
+static padded path, inside graphs.warmup_scope() as the warm-up's captures would.
 """
 
 import pytest
 import torch
 
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
-from ddtree.engine.reference.fast.graphs import recording_scope
+from ddtree.engine.reference.fast.graphs import warmup_scope
 
 from .conftest import make_drafter, make_target
 
@@ -56,7 +56,7 @@ def test_compiled_static_path_decodes_like_the_reference(attention, monkeypatch)
     for prompt in prompts:
         ar = reference.generate(prompt, gen, SpecParams("ar"))
         for spec in specs:
-            with recording_scope():
+            with warmup_scope():
                 got = fast.generate(prompt, gen, spec)
             assert got.output_ids == ar.output_ids, spec
             if spec.algorithm != "ar":
@@ -66,7 +66,7 @@ def test_compiled_static_path_decodes_like_the_reference(attention, monkeypatch)
     assert 1 <= counters["stats"]["unique_graphs"] <= 3
     if attention == "triton":
         assert ran["gemv"] and ran["rope_write"], ran
-    # Outside a recording nothing compiles, whatever the shape: serving never waits for inductor.
+    # Past the warm-up nothing compiles, whatever the shape: serving never waits for inductor.
     torch._dynamo.reset()
     counters.clear()
     assert fast.generate([5, 5, 5, 2, 1], gen, SpecParams("ddtree", 16)).output_ids == \
@@ -89,7 +89,7 @@ def test_compiled_drafter_block_equals_eager():
     feats = torch.randn(12, drafter.fc.weight.shape[1])
     want = fast.draft(5, 12, feats, eager_cache, 7)
     fast.compile()
-    with recording_scope():
+    with warmup_scope():
         got = fast.draft(5, 12, feats, static_cache, 7)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert counters["stats"]["unique_graphs"] >= 1
@@ -97,5 +97,5 @@ def test_compiled_drafter_block_equals_eager():
     counters.clear()
     torch.testing.assert_close(fast.draft(5, 12, feats, fast.new_cache(append_buckets=default_buckets(8)), 7),
                                want, atol=1e-4, rtol=1e-4)
-    assert counters["stats"]["unique_graphs"] == 0  # outside a recording the block runs uncompiled
+    assert counters["stats"]["unique_graphs"] == 0  # past the warm-up the block runs uncompiled
     torch._dynamo.reset()
