@@ -245,14 +245,14 @@ def drive(engine, prompts: list[list[int]], gen, spec, concurrency: int) -> dict
 
 
 def load_engine(args, flags: list[str]):
-    """The engine the server builds from the same options (server.py's own loader), warmed up
-    for the grid's budgets; Engine.load with those options if that loader is gone."""
+    """The engine the server builds from the same options (server.py's own loader and warm-up);
+    Engine.load with those options, warmed up for the grid's budgets, if that loader is gone."""
     from ddtree.engine.reference import server
 
     t0 = time.perf_counter()
     parsed = server.build_parser().parse_args(flags)
     try:
-        engine = server._load(parsed)[0]
+        engine, model_path, draft_path = server._load(parsed)
     except AttributeError:  # the server's loader renamed: load as it did when this was written
         import torch
 
@@ -261,7 +261,12 @@ def load_engine(args, flags: list[str]):
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
         engine = Engine.load(parsed.model, parsed.draft, device=parsed.device, dtype=dtype,
                              backend=parsed.backend, context_window=parsed.context_window)
-    engine.warmup(budgets=tuple(args.budget_list))
+        engine.warmup(budgets=tuple(args.budget_list))
+    else:
+        # The server's own warm-up (graphs, then a short generation of each kind it serves), so
+        # both sides measure an engine past the same first-use work.
+        server.warm_up(engine, server.settle_config(parsed, engine, model_path, draft_path),
+                       progress=lambda _message: None)
     print(f"in-process engine: backend {engine.backend} ({engine.backend_reason}), cuda graphs {engine.graphs}, "
           f"KV pool {pool_usage(engine)}, loaded and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
     return engine

@@ -368,13 +368,29 @@ def print_progress(message: str) -> None:
 
 def warm_up(engine: Engine, config: ServerConfig, progress=print_progress) -> None:
     """The backend's own warm-up (CUDA graph capture on the fast backend), then short generations
-    (alone, and two batched), so the first real requests do not pay for lazy initialisation."""
+    (alone, and two batched), so the first real requests do not pay for lazy initialisation.
+
+    With CUDA graphs, one generation alone per kind a request may ask for (ar, dflash, and ddtree
+    at each captured budget), not only the server's default: on an H200 the demo pair's first
+    one-session DDTree requests at a budget no warm-up had run stalled for seconds (45 tok/s at
+    budget 64, where budget 16, the default the warm-up ran, made 2218; bench/RESULTS.md)."""
     budgets = set(config.capture_budgets) | ({config.budget} if config.algorithm == "ddtree" else set())
     engine.warmup(progress=progress, budgets=tuple(sorted(budgets)))
     ids = list(engine.tokenizer.encode("def main():\n    ")) or list(engine.eos_token_ids or [0])
     gen = GenParams(max_new_tokens=8, temperature=0.0)
     spec = SpecParams(algorithm=config.algorithm, budget=config.budget)
-    engine.generate(ids, gen, spec)
+    kinds = {(config.algorithm, config.budget if config.algorithm == "ddtree" else 0): spec}
+    if engine.graphs:
+        extra = [("ar", 0)]
+        if engine.draft_name is not None:
+            extra += [("dflash", 0)] + [("ddtree", b) for b in sorted(budgets)]
+        for algorithm, budget in extra:
+            kinds.setdefault((algorithm, budget), SpecParams(algorithm, budget or config.budget))
+    for (algorithm, budget), kind in kinds.items():
+        engine.generate(ids, gen, kind)
+        if kind is not spec:
+            progress(f"warmed up {algorithm}{f' at budget {budget}' if algorithm == 'ddtree' else ''} "
+                     f"with a generation of {gen.max_new_tokens} tokens")
     if config.batch:
         sessions = [engine.start(ids, gen, spec), engine.start(ids[:1] + ids, gen, spec)]
         try:
@@ -506,6 +522,14 @@ def check_args(args: argparse.Namespace) -> None:
 def prepare(args: argparse.Namespace, engine_thread: EngineThread) -> tuple[Engine, ServerConfig]:
     """Load the engine, settle the server's configuration, warm up: all on `engine_thread`."""
     engine, model_path, draft_path = engine_thread.call(_load, args)
+    config = settle_config(args, engine, model_path, draft_path)
+    engine_thread.call(warm_up, engine, config)
+    return engine, config
+
+
+def settle_config(args: argparse.Namespace, engine: Engine, model_path: str, draft_path: str | None) -> ServerConfig:
+    """The server's configuration from its options and the loaded engine (budget, algorithm and
+    running requests follow what the engine can do)."""
     # A target served without a drafter has max_budget 0: the default must follow it down, not up.
     default_budget = DEFAULT_BUDGET if engine.max_budget is None else min(DEFAULT_BUDGET, engine.max_budget)
     budget = args.budget if args.budget is not None else default_budget
@@ -520,18 +544,16 @@ def prepare(args: argparse.Namespace, engine_thread: EngineThread) -> tuple[Engi
         max_running = pool["slots"]
     if args.algorithm != "ar" and engine.draft_name is None:
         log.warning("no drafter loaded: serving %s requests as ar", args.algorithm)
-    config = ServerConfig(algorithm=algorithm, budget=budget,
-                          # the name a user gave, or the repo id; never the demo's install path
-                          served_model_name=args.served_model_name or display_name(model_path),
-                          model_path=model_path, draft_path=draft_path,
-                          max_running=max_running, max_queued=args.max_queued_requests,
-                          graceful_timeout_s=args.graceful_timeout,
-                          batch=DEFAULT_BATCH if args.batch is None else args.batch,
-                          stream_interval=args.stream_interval,
-                          capture_budgets=tuple(b for b in args.capture_budgets
-                                                if engine.max_budget is None or b <= engine.max_budget))
-    engine_thread.call(warm_up, engine, config)
-    return engine, config
+    return ServerConfig(algorithm=algorithm, budget=budget,
+                        # the name a user gave, or the repo id; never the demo's install path
+                        served_model_name=args.served_model_name or display_name(model_path),
+                        model_path=model_path, draft_path=draft_path,
+                        max_running=max_running, max_queued=args.max_queued_requests,
+                        graceful_timeout_s=args.graceful_timeout,
+                        batch=DEFAULT_BATCH if args.batch is None else args.batch,
+                        stream_interval=args.stream_interval,
+                        capture_budgets=tuple(b for b in args.capture_budgets
+                                              if engine.max_budget is None or b <= engine.max_budget))
 
 
 def _setup_logging(args: argparse.Namespace) -> None:

@@ -71,6 +71,31 @@ def test_warm_up_prints_backend_progress_as_json_lines_before_anything_else(tiny
         {"event": "warmup", "message": "captured CUDA graphs for session slot 1/1"}]
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_warm_up_generates_once_per_kind_a_request_may_ask_for_where_graphs_run(graphs, capsys):
+    """With CUDA graphs, ar, dflash and ddtree at each captured budget, besides the default;
+    without them (a CPU), the default alone."""
+    from types import SimpleNamespace
+
+    from ddtree.engine.reference.api import ServerConfig
+    from ddtree.engine.reference.server import warm_up
+
+    ran = []
+    engine = SimpleNamespace(
+        graphs=graphs, draft_name="d", eos_token_ids=[0],
+        tokenizer=SimpleNamespace(encode=lambda text: [1, 2, 3]),
+        warmup=lambda progress=None, budgets=(): ran.append(("warmup", budgets)),
+        generate=lambda ids, gen, spec: ran.append((spec.algorithm, spec.budget)))
+    warm_up(engine, ServerConfig(algorithm="ddtree", budget=16, served_model_name="t", model_path="t",
+                                 draft_path="d", capture_budgets=(64, 16)))
+    if graphs:
+        assert ran == [("warmup", (16, 64)), ("ddtree", 16), ("ar", 16), ("dflash", 16), ("ddtree", 64)]
+        messages = [json.loads(line)["message"] for line in capsys.readouterr().out.splitlines()]
+        assert messages[-1] == "warmed up ddtree at budget 64 with a generation of 8 tokens"
+    else:
+        assert ran == [("warmup", (16, 64)), ("ddtree", 16)]
+
+
 @pytest.mark.parametrize("argv", [["--budget", "-1"], ["--port", "70000"], ["--algorithm", "medusa"],
                                   ["--backend", "bogus"]])
 def test_serve_rejects_bad_arguments(argv, capsys):
