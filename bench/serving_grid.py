@@ -65,7 +65,7 @@ def cell_prompts(args, concurrency: int) -> int:
 
 def prompts_for(args, concurrency: int):
     """The measured prompts of a cell, max(--num-prompts, --waves x concurrency), and its warm-up
-    ones (a disjoint slice), as bench_server's serving bench picks them."""
+    ones (a disjoint slice of the same dataset)."""
     from ddtree.engine.serving.prompts import load_prompts
 
     prompts = load_prompts(args.dataset, cell_prompts(args, concurrency), seed=0)
@@ -86,11 +86,13 @@ def server_cell(url: str, args, concurrency: int, spec: dict) -> dict:
     prompts, warm = prompts_for(args, concurrency)
     cfg = BenchConfig(concurrency=concurrency, max_new_tokens=args.max_new_tokens, temperature=0.0,
                       speculative=spec)
-    run_point(url, warm, cfg)  # the warm-up apart, so the turn counters below see only the cell
+    warmed = run_point(url, warm, cfg)  # the warm-up apart, so the turn counters below see only the cell
     before = engine_turns(url)
     result = run_point(url, prompts, cfg)
     cell = {k: result.metrics.get(k) for k in POINT_KEYS}
     cell.update(turn_figures(before, engine_turns(url)))
+    if warm and not any(r.ok for r in warmed.requests):
+        result.warnings.append(f"every warm-up request failed ({len(warm)})")
     cell["prompts"] = len(prompts)
     cell["warnings"] = result.warnings
     failed = [r for r in result.requests if not r.ok]
@@ -102,10 +104,18 @@ def server_cell(url: str, args, concurrency: int, spec: dict) -> dict:
 TURN_KEYS = ("scheduler_turns_total", "scheduler_turn_seconds_total", "engine_seconds_total")
 
 
-def engine_turns(url: str) -> dict | None:
-    """The engine process's turn counters (/server_info), or None from a server without them."""
-    states = ((server_info(url) or {}).get("internal_states") or [{}])[0]
-    return {k: states[k] for k in TURN_KEYS} if all(k in states for k in TURN_KEYS) else None
+def engine_turns(url: str, settle_s: float = 0.02, reads: int = 5) -> dict | None:
+    """The engine process's turn counters (/server_info), or None from a server without them.
+    A turn's updates leave before the turn is counted, so this reads until two reads agree."""
+    last = None
+    for _ in range(reads):
+        states = ((server_info(url) or {}).get("internal_states") or [{}])[0]
+        now = {k: states[k] for k in TURN_KEYS} if all(k in states for k in TURN_KEYS) else None
+        if now is None or now == last:
+            return now
+        last = now
+        time.sleep(settle_s)
+    return last
 
 
 def turn_figures(before: dict | None, after: dict | None) -> dict:
@@ -245,28 +255,16 @@ def drive(engine, prompts: list[list[int]], gen, spec, concurrency: int) -> dict
 
 
 def load_engine(args, flags: list[str]):
-    """The engine the server builds from the same options (server.py's own loader and warm-up);
-    Engine.load with those options, warmed up for the grid's budgets, if that loader is gone."""
+    """The engine the server builds from the same options, with server.py's own loader and warm-up."""
     from ddtree.engine.reference import server
 
     t0 = time.perf_counter()
     parsed = server.build_parser().parse_args(flags)
-    try:
-        engine, model_path, draft_path = server._load(parsed)
-    except AttributeError:  # the server's loader renamed: load as it did when this was written
-        import torch
-
-        from ddtree.engine.reference.engine import Engine
-
-        dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-        engine = Engine.load(parsed.model, parsed.draft, device=parsed.device, dtype=dtype,
-                             backend=parsed.backend, context_window=parsed.context_window)
-        engine.warmup(budgets=tuple(args.budget_list))
-    else:
-        # The server's own warm-up (graphs, then a short generation of each kind it serves), so
-        # both sides measure an engine past the same first-use work.
-        server.warm_up(engine, server.settle_config(parsed, engine, model_path, draft_path),
-                       progress=lambda _message: None)
+    engine, model_path, draft_path = server._load(parsed)
+    # The server's own warm-up (graphs, then a short generation of each kind it serves), so both
+    # sides measure an engine past the same first-use work.
+    server.warm_up(engine, server.settle_config(parsed, engine, model_path, draft_path),
+                   progress=lambda _message: None)
     print(f"in-process engine: backend {engine.backend} ({engine.backend_reason}), cuda graphs {engine.graphs}, "
           f"KV pool {pool_usage(engine)}, loaded and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
     return engine

@@ -374,7 +374,9 @@ def warm_up(engine: Engine, config: ServerConfig, progress=print_progress) -> No
     at each captured budget), not only the server's default: on an H200 the demo pair's first
     one-session DDTree requests at a budget no warm-up had run stalled for seconds (45 tok/s at
     budget 64, where budget 16, the default the warm-up ran, made 2218; bench/RESULTS.md)."""
-    budgets = set(config.capture_budgets) | ({config.budget} if config.algorithm == "ddtree" else set())
+    # --budget is what a DDTree request without a budget gets, whatever the default algorithm.
+    drafts = config.algorithm == "ddtree" or engine.draft_name is not None
+    budgets = set(config.capture_budgets) | ({config.budget} if drafts and config.budget > 0 else set())
     engine.warmup(progress=progress, budgets=tuple(sorted(budgets)))
     ids = list(engine.tokenizer.encode("def main():\n    ")) or list(engine.eos_token_ids or [0])
     gen = GenParams(max_new_tokens=8, temperature=0.0)

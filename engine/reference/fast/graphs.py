@@ -3,32 +3,34 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 import torch
 
 # Warm-ups under way (FastPath.warmup). torch.compile'd code runs only inside them: there every
-# shape the captures need compiles once, before the server takes requests. Anything later, a
-# forward with no graph or a graph captured on first use (a longer context, a prefill bucket),
-# runs uncompiled: a new shape compiled mid-serving stalled every stream for about 6 s (the demo
-# pair's one-session DDTree on an H200 made 45 tok/s, bench/RESULTS.md).
-_warming = 0
+# shape the warm-up's captures need compiles once, before the server takes requests. Anything
+# later, a forward with no graph or a graph captured on first use (a longer context, a prefill
+# bucket), runs uncompiled: on an H200 the demo pair's warm-up logs its recompiles about 6 s apart
+# (bench/RESULTS.md), and mid-serving every stream would wait through one.
+# Per thread: a warm-up runs on the thread that calls it, and another engine's rounds on another
+# thread of the process must not compile meanwhile.
+_state = threading.local()
 
 
 def warming_up() -> bool:
-    """Whether an engine warm-up is under way on this process."""
-    return _warming > 0
+    """Whether an engine warm-up is under way on this thread."""
+    return getattr(_state, "depth", 0) > 0
 
 
 @contextlib.contextmanager
 def warmup_scope() -> Iterator[None]:
     """Mark the code inside as a warm-up (FastPath.warmup; tests on a CPU)."""
-    global _warming
-    _warming += 1
+    _state.depth = getattr(_state, "depth", 0) + 1
     try:
         yield
     finally:
-        _warming -= 1
+        _state.depth -= 1
 
 
 def record_graph(fn, pool, device, runs: int, inference: bool = False):
