@@ -371,9 +371,10 @@ def warm_up(engine: Engine, config: ServerConfig, progress=print_progress) -> No
     (alone, and two batched), so the first real requests do not pay for lazy initialisation.
 
     With CUDA graphs, one generation alone per kind a request may ask for (ar, dflash, and ddtree
-    at each captured budget), not only the server's default: on an H200 the demo pair's first
-    one-session DDTree requests at a budget no warm-up had run stalled for seconds (45 tok/s at
-    budget 64, where budget 16, the default the warm-up ran, made 2218; bench/RESULTS.md)."""
+    at each captured budget), not only the server's default, so whatever a kind does first (its
+    first prefill with features, its first tree at each bucket) happens before /health turns 200.
+    The tree builds of every draft depth are the backend's warm-up's (FastPath._tree_graphs):
+    those were what stalled the demo pair's first one-session DDTree-64 requests on an H200."""
     # --budget is what a DDTree request without a budget gets, whatever the default algorithm.
     drafts = config.algorithm == "ddtree" or engine.draft_name is not None
     budgets = set(config.capture_budgets) | ({config.budget} if drafts and config.budget > 0 else set())

@@ -127,8 +127,8 @@ class FastPath:
 
     def warmup(self, progress: Callable[[str], None] | None = None, budgets: tuple[int, ...] = ()) -> None:
         """Allocate the slots and, on CUDA, capture their graphs (once; later calls do nothing),
-        and the tree builds of these budgets (others are captured on their first round). Compiled
-        code runs only in here (graphs.warmup_scope)."""
+        and the tree builds of these budgets at every draft depth (other budgets are captured on
+        their first round). Compiled code runs only in here (graphs.warmup_scope)."""
         with warmup_scope():
             self._warmup(progress, budgets)
 
@@ -140,10 +140,9 @@ class FastPath:
         if self.drafts is not None:
             for budget in budgets:
                 if budget > 0:
-                    self._tree_graph(int(budget), depth)
-                    for key in list(self._sources):
-                        self._tree_graph(int(budget), depth, key)
-                    say(f"captured the DDTree build for budget {budget}")
+                    for key in [0, *self._sources]:
+                        self._tree_graphs(int(budget), depth, key)
+                    say(f"captured the DDTree build for budget {budget} at draft depths 1..{depth}")
         if self._slots:
             return
         # The one place the tune runs: before the compile trace and the captures read its choices.
@@ -187,10 +186,10 @@ class FastPath:
             self.add_slot(cache, draft_cache)
             if draft_cache is not None:
                 source = draft_cache.static.out.data_ptr()
-                self._tree_graph(CHAIN, depth, source)  # DFlash rounds
+                self._tree_graphs(CHAIN, depth, source)  # DFlash rounds
                 for budget in budgets:
                     if budget > 0:
-                        self._tree_graph(int(budget), depth, source)
+                        self._tree_graphs(int(budget), depth, source)
             spans = sorted({kv for _, kv in cache.graphs})
             say(f"captured CUDA graphs for session slot {i + 1}/{self.slots} "
                 f"(verify buckets {sorted(cache.stages)} at KV spans {spans}, {len(cache.graphs)} graphs)")
@@ -343,6 +342,16 @@ class FastPath:
                 return out
         # A round reads the verify's outputs before the next forward: no copies out of the stage.
         return self.target.forward(tree.tokens, tree.depths + start, cache, mask, features=True, copy=False)
+
+    def _tree_graphs(self, budget: int, depth: int, source: int = 0) -> None:
+        """The tree builds of one budget and source at every draft depth up to `depth`. A
+        request's last rounds draft shallower (Session._depth_cap: tokens still wanted), and a
+        depth first met mid-serving captured its graph then, compiling the tree kernel where its
+        padded sizes change (three more kernels a budget on the demo pair): on an H200 its first
+        one-session DDTree-64 requests stalled for seconds (49 tok/s in a cell whose median
+        request took 27 ms; bench/RESULTS.md)."""
+        for d in range(depth, 0, -1):
+            self._tree_graph(budget, d, source)
 
     def _tree_graph(self, budget: int, depth: int, source: int = 0) -> _TreeGraph:
         key = (budget, depth, source)

@@ -78,6 +78,22 @@ def test_graphs_tiny_target_fp32_equal_ar_and_transformers(tiny):
         fast.block_size = ref.block_size = 8
 
 
+def test_warmup_captures_the_tree_builds_of_every_draft_depth():
+    """A request's last rounds draft shallower (Session._depth_cap); none of those depths may
+    capture a tree build (and compile its kernel) mid-generation."""
+    model = make_target(41).to("cuda")
+    drafter = make_drafter(model, block_size=8, seed=4)
+    fast = Engine(model, drafter, backend="fast", max_budget=64)
+    fast.warmup(budgets=(16,))
+    captured = set(fast.impl._trees)
+    depth = fast.block_size - 1
+    assert {(16, d, 0) for d in range(1, depth + 1)} <= captured
+    for spec in (SpecParams("ddtree", 16), SpecParams("dflash")):
+        for n in (5, 13, 30):
+            fast.generate([1, 2, 3, 4], GenParams(max_new_tokens=n, ignore_eos=True), spec)
+    assert set(fast.impl._trees) == captured
+
+
 def test_graphs_sessions_beyond_the_slots_equal_serial(tiny):
     ref, fast = tiny
     slots = fast.impl.slots
