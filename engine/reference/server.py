@@ -455,8 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_builtin_options(p, passthrough=False, default_budget=DEFAULT_BUDGET)
     p.add_argument("--served-model-name", default=None, help="the model name the OpenAI endpoints report")
     p.add_argument("--capture-budgets", type=_budget_list, default=(),
-                   help="fast backend on CUDA: DDTree budgets (comma-separated) whose graphs are captured before "
-                        "/health turns 200, besides --budget's; other budgets capture on their first round")
+                   help="fast backend on CUDA: DDTree budgets (comma-separated) whose graphs are captured, at "
+                        "every draft depth, and run once before /health turns 200, besides --budget's; other "
+                        "budgets capture on their first round, which then waits for it")
     p.add_argument("--graceful-timeout", type=float, default=60.0,
                    help="seconds in-flight requests get to finish after SIGTERM (default: 60)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
