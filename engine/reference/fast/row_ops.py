@@ -28,8 +28,8 @@ def runs(x: torch.Tensor) -> bool:
     interpreter.)
 
     is_compiling comes first: traced, the rest (find_spec behind a cache) broke the compiled
-    layer's graph at every product, and each piece then recompiled for every query bucket, 12 s
-    stalls of a live server on the H200. float32 (the demo pair) keeps the torch ops: in the one
+    layer's graph at every product, and each piece then recompiled for every query bucket (the
+    H200's recompile log, bench/RESULTS.md). float32 (the demo pair) keeps the torch ops: in the one
     demo grid run with these on, AR at 16 sessions ran 27% below the grid before (not isolated).
     """
     if torch.compiler.is_compiling():
