@@ -37,12 +37,12 @@ def main() -> int:
                       {"PK": pt // 16, "PM": pt // 16, "PC": pc, "PS": min(pc, pt // 16), "PT": pt,
                        "PF": pt // 4, "PN": pt // 8}, warps))
     for dtype in (bf16, f32):
-        ptrs = {"Q": dtype, "K": dtype, "V": dtype, "LENGTHS": "*i64", "TREE": "*u8", "OUT": dtype,
-                "PART": f32, "ML": f32}
-        for final in (True, False):
-            cases.append((f"attend_split {dtype} final={final}", triton_kernels.attend_split, ptrs, {"scale"},
-                          {"D": 128, "BLOCK_M": 16, "BLOCK_N": 64, "HAS_TREE": True, "IEEE": dtype == f32,
-                           "FINAL": final}, 4))
+        ptrs = {"Q": dtype, "K": dtype, "V": dtype, "LENGTHS": "*i64", "TREE": "*u8", "SLOTS": "*i64",
+                "OUT": dtype, "PART": f32, "ML": f32}
+        for final, slots in ((True, False), (False, False), (False, True)):
+            cases.append((f"attend_split {dtype} final={final} slots={slots}", triton_kernels.attend_split, ptrs,
+                          {"scale"}, {"D": 128, "BLOCK_M": 16, "BLOCK_N": 64, "HAS_TREE": True, "HAS_SLOTS": slots,
+                                      "IEEE": dtype == f32, "FINAL": final}, 4))
         cases.append((f"merge_splits {dtype}", triton_kernels.merge_splits,
                       {"PART": f32, "ML": f32, "OUT": dtype, "LENGTHS": "*i64"}, set(),
                       {"D": 128, "BLOCK_R": 16, "BLOCK_N": 64}, 4))

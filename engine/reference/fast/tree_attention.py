@@ -127,29 +127,34 @@ def plan_splits(pairs: int, row_blocks: int, max_rows: int, device: torch.device
 
 
 def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                   tree: Optional[torch.Tensor], scale: float, max_rows: int) -> torch.Tensor:
+                   tree: Optional[torch.Tensor], scale: float, max_rows: int,
+                   slots: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B*n, heads, d] (batch-row major); keys/values [B, kv_heads, rows, d] with the new rows
     written; lengths [B] long (context rows per batch row, on the device); tree None or bool
     [B, n, n] (visibility among the new rows); max_rows: the most rows any batch row may attend
-    (length + n), which sizes the key splits -> [B*n, heads, d] in q's dtype. A custom op, so
-    torch.compile'd code calls it as it is."""
-    return torch.ops.ddtree.tree_attention(q, keys, values, lengths, tree, scale, max_rows)
+    (length + n), which sizes the key splits -> [B*n, heads, d] in q's dtype. slots: [B] long on
+    the device, the cache slot each batch row reads (keys/values then hold every slot, and B is
+    slots' length); None reads slots 0..B-1. A custom op, so torch.compile'd code calls it as it is."""
+    return torch.ops.ddtree.tree_attention(q, keys, values, lengths, tree, scale, max_rows, slots)
 
 
 @torch.library.custom_op("ddtree::tree_attention", mutates_args=())
 def _tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                    tree: Optional[torch.Tensor], scale: float, max_rows: int) -> torch.Tensor:
-    return launch(q, keys, values, lengths, tree, scale, max_rows)
+                    tree: Optional[torch.Tensor], scale: float, max_rows: int,
+                    slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return launch(q, keys, values, lengths, tree, scale, max_rows, slots=slots)
 
 
 def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
            tree: Optional[torch.Tensor], scale: float, max_rows: int, config: Config | None = None,
-           splits: int | None = None, fitted: int | None = None) -> torch.Tensor:
+           splits: int | None = None, fitted: int | None = None, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
     """tree_attention's kernels launched directly, with this tiling (default_config when None):
     what the op runs, and what bench_tree_attention.py tunes. splits: the launch's key splits
     (plan_splits for max_rows when None); fitted: the splits a short context uses (plan_splits
     for _PLAN_ROWS when None and splits are planned, else all of `splits`)."""
     batch, kv_heads, _, d = keys.shape
+    if slots is not None:
+        batch = slots.shape[0]
     heads = q.shape[1]
     n = q.shape[0] // batch
     groups = heads // kv_heads
@@ -176,13 +181,14 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
     part = out if final else torch.empty((splits, pairs, rows_per_kv, d), dtype=torch.float32, device=q.device)
     ml = out if final else torch.empty((2, splits, pairs, rows_per_kv), dtype=torch.float32, device=q.device)
     attend[(pairs, row_blocks, splits)](
-        q, keys, values, lengths, tree if tree is not None else lengths, out, part, ml,
+        q, keys, values, lengths, tree if tree is not None else lengths, slots if slots is not None else lengths,
+        out, part, ml,
         n, rows_per_kv, kv_heads, groups, splits, fitted, config.min_blocks, float(scale), 0 if final else ml.stride(0),
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), st_b, st_i, out.stride(0), out.stride(1),
         0 if final else part.stride(0), 0 if final else part.stride(1), 0 if final else part.stride(2),
         0 if final else ml.stride(1), 0 if final else ml.stride(2),
-        D=d, BLOCK_M=config.block_m, BLOCK_N=block_n, HAS_TREE=tree is not None,
+        D=d, BLOCK_M=config.block_m, BLOCK_N=block_n, HAS_TREE=tree is not None, HAS_SLOTS=slots is not None,
         IEEE=q.dtype == torch.float32 or q.device.type != "cuda", FINAL=final,
         num_warps=config.warps, num_stages=config.stages)
     if not final:
@@ -194,5 +200,5 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
 
 
 @_tree_attention.register_fake
-def _(q, keys, values, lengths, tree, scale, max_rows):
+def _(q, keys, values, lengths, tree, scale, max_rows, slots=None):
     return q.new_empty((q.shape[0], q.shape[1], keys.shape[3]))

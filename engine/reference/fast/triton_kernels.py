@@ -63,13 +63,14 @@ def _per_split(blocks, splits, fitted, min_blocks):
 
 
 @triton.jit
-def attend_split(Q, K, V, LENGTHS, TREE, OUT, PART, ML,
+def attend_split(Q, K, V, LENGTHS, TREE, SLOTS, OUT, PART, ML,
                  n, rows_per_kv, kv_heads, groups, splits, fitted, min_blocks, scale, ml_half,
                  sq_n, sq_h, sk_b, sk_h, sk_r, sv_b, sv_h, sv_r, st_b, st_i, so_n, so_h,
                  sp_s, sp_p, sp_r, sm_s, sm_p,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HAS_TREE: tl.constexpr, IEEE: tl.constexpr, FINAL: tl.constexpr):
-    """One (batch row, kv head) x query block x key split. Query row r of a kv head is query
+                 HAS_TREE: tl.constexpr, HAS_SLOTS: tl.constexpr, IEEE: tl.constexpr, FINAL: tl.constexpr):
+    """One (batch row, kv head) x query block x key split. HAS_SLOTS: batch row b reads cache
+    slot SLOTS[b] (a device value) rather than slot b. Query row r of a kv head is query
     i = r % n of head kv*groups + r // n (the fold of model.py); the split streams its share of
     key blocks [0, cdiv(length + n, BLOCK_N)) (_per_split) with an online softmax; splits past
     the length's share do nothing. FINAL (one split): writes the
@@ -99,8 +100,11 @@ def attend_split(Q, K, V, LENGTHS, TREE, OUT, PART, ML,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    k_base = K + b * sk_b + h * sk_h
-    v_base = V + b * sv_b + h * sv_h
+    slot = b
+    if HAS_SLOTS:
+        slot = tl.load(SLOTS + b)
+    k_base = K + slot * sk_b + h * sk_h
+    v_base = V + slot * sv_b + h * sv_h
     tree_base = TREE + b * st_b
     qk_scale = scale * 1.4426950408889634  # log2(e): the softmax runs in base 2
     for kb in range(lo, clean):
