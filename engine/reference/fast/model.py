@@ -261,6 +261,8 @@ class BatchPlan:
     causally among its own new rows (a prompt's prefill; mask None).
     mask: additive [b, 1, groups*q, read] (folded per KV group), in float32 for "matmul"; None
     for "triton", which reads `lengths` [b] and `tree` [b, q, q] instead (as AttentionPlan's).
+    index: [b] long on the device, the pool slot each row attends over, when that is not slot r
+    for row r (a prefill chunk riding in a round, MixedPlan); the writes follow `slots` either way.
     """
     b: int
     q: int
@@ -271,6 +273,21 @@ class BatchPlan:
     kernel: str = "sdpa"
     lengths: torch.Tensor | None = None
     tree: torch.Tensor | None = None
+    index: torch.Tensor | None = None
+
+
+@dataclass
+class MixedPlan:
+    """One forward over a pool whose tokens are several BatchPlans' in a row (a round's b*q, then
+    a prefill chunk's): every GEMM takes all the tokens, so the weights stream once; attention
+    runs per part. slots/rows: every token's write position, [n] each (the parts' in order)."""
+    parts: tuple[BatchPlan, ...]
+    slots: torch.Tensor
+    rows: torch.Tensor
+
+    @property
+    def kernel(self) -> str:
+        return self.parts[0].kernel
 
 
 def matmul_attention_works(device: torch.device) -> bool:
@@ -407,7 +424,8 @@ class Attention(nn.Module):
         n = x.shape[0]
         d, kvh, g = self.head_dim, self.num_kv_heads, self.groups
         if self.fused_writes and self.qkv is not None and plan.kernel == "triton" and (
-                plan.read != 0 if isinstance(plan, BatchPlan) else not (plan.fresh or isinstance(plan.rows, slice))):
+                isinstance(plan, MixedPlan) or
+                (plan.read != 0 if isinstance(plan, BatchPlan) else not (plan.fresh or isinstance(plan.rows, slice)))):
             return self._fused(self.linear(x, *self.qkv, norm), cos, sin, k_cache, v_cache, plan, residual)
         if self.qkv is not None:
             q, k, v = self.linear(x, *self.qkv, norm).split([self.num_heads * d, kvh * d, kvh * d], dim=-1)
@@ -426,7 +444,15 @@ class Attention(nn.Module):
         qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
         q, k = qk.split([self.num_heads, kvh], dim=1)
         if isinstance(plan, BatchPlan):
-            return self._batched(q, k, v, k_cache, v_cache, plan, residual)
+            return self._out(self._batched(q, k, v, k_cache, v_cache, plan), residual)
+        if isinstance(plan, MixedPlan):
+            outs, at = [], 0
+            for part in plan.parts:
+                n_part = part.b * part.q
+                outs.append(self._batched(q[at:at + n_part], k[at:at + n_part], v[at:at + n_part],
+                                          k_cache, v_cache, part))
+                at += n_part
+            return self._out(torch.cat(outs), residual)
         k, v = k.transpose(0, 1), v.transpose(0, 1)           # [kv_heads, n, d]
         if isinstance(plan.rows, slice):
             k_cache[:, plan.rows] = k
@@ -457,13 +483,20 @@ class Attention(nn.Module):
         attention kernel over the rows it wrote."""
         d, heads, kvh = self.head_dim, self.num_heads, self.num_kv_heads
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
-        if isinstance(plan, BatchPlan):
+        if isinstance(plan, MixedPlan):
+            slots, rows = plan.slots, plan.rows
+        elif isinstance(plan, BatchPlan):
             slots, rows = plan.slots.reshape(-1).contiguous(), plan.rows.reshape(-1).contiguous()
         else:
             slots, rows = None, plan.rows
         q = rope_write(qkv, norms[0], norms[1], cos, sin, norms[2], k_cache, v_cache, slots, rows, heads, kvh)
-        if isinstance(plan, BatchPlan):
-            out = fused.tree_attention(q, k_cache[:plan.b], v_cache[:plan.b], plan.lengths, plan.tree, d ** -0.5, plan.read)
+        if isinstance(plan, (BatchPlan, MixedPlan)):
+            outs, at = [], 0
+            for part in plan.parts if isinstance(plan, MixedPlan) else (plan,):
+                n_part = part.b * part.q
+                outs.append(self._tree_kernel(q[at:at + n_part], k_cache, v_cache, part))
+                at += n_part
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
         else:
             read = plan.read if plan.read is not None else k_cache.shape[1]
             out = fused.tree_attention(q, k_cache[None], v_cache[None], plan.lengths, plan.tree, d ** -0.5, read)
@@ -472,8 +505,16 @@ class Attention(nn.Module):
     def _out(self, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self.linear(out, self.o_proj.weight, self.o_proj.bias, None, residual)
 
-    def _batched(self, q, k, v, k_cache, v_cache, plan: BatchPlan, residual) -> torch.Tensor:
-        """q [b*q, heads, d], k/v [b*q, kv_heads, d]; caches [slots, kv_heads, rows, d]."""
+    def _tree_kernel(self, q, k_cache, v_cache, plan: BatchPlan) -> torch.Tensor:
+        """The triton kernel over this plan's slots (0..b-1, or plan.index): [b*q, heads, d]."""
+        scale = self.head_dim ** -0.5
+        if plan.index is not None:
+            return fused.tree_attention(q, k_cache, v_cache, plan.lengths, plan.tree, scale, plan.read, plan.index)
+        return fused.tree_attention(q, k_cache[:plan.b], v_cache[:plan.b], plan.lengths, plan.tree, scale, plan.read)
+
+    def _batched(self, q, k, v, k_cache, v_cache, plan: BatchPlan) -> torch.Tensor:
+        """q [b*q, heads, d], k/v [b*q, kv_heads, d]; caches [slots, kv_heads, rows, d] ->
+        the attention output [b*q, heads*d], before o_proj."""
         b, n, d, kvh, g = plan.b, plan.q, self.head_dim, self.num_kv_heads, self.groups
         k_cache[plan.slots, :, plan.rows] = k.view(b, n, kvh, d)
         v_cache[plan.slots, :, plan.rows] = v.view(b, n, kvh, d)
@@ -487,11 +528,13 @@ class Attention(nn.Module):
                 kh, vh = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
             kwargs = {"enable_gqa": True} if g > 1 and _SDPA_GQA else {}
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, **kwargs)
-            return self._out(out.transpose(1, 2).reshape(b * n, self.num_heads * d), residual)
+            return out.transpose(1, 2).reshape(b * n, self.num_heads * d)
         if plan.kernel == "triton":
-            out = fused.tree_attention(q, k_cache[:b], v_cache[:b], plan.lengths, plan.tree, d ** -0.5, plan.read)
-            return self._out(out.view(b * n, self.num_heads * d), residual)
-        keys, values = k_cache[:b, :, :plan.read], v_cache[:b, :, :plan.read]   # views: no copy
+            return self._tree_kernel(q, k_cache, v_cache, plan).view(b * n, self.num_heads * d)
+        if plan.index is not None:  # a copy of the slot's rows: the kernels here take no slot index
+            keys, values = k_cache.index_select(0, plan.index)[:, :, :plan.read], v_cache.index_select(0, plan.index)[:, :, :plan.read]
+        else:
+            keys, values = k_cache[:b, :, :plan.read], v_cache[:b, :, :plan.read]   # views: no copy
         # Fold per row as the single path does: query g*n+i of row r is query i of head kv*g+g'.
         qf = q.view(b, n, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * n, d)
         if plan.kernel == "matmul":
@@ -502,8 +545,7 @@ class Attention(nn.Module):
             out = out.view(b, kvh, g * n, d)
         else:
             out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=plan.mask)
-        out = out.view(b, kvh, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, self.num_heads * d)
-        return self._out(out, residual)
+        return out.view(b, kvh, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, self.num_heads * d)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # No mask, so the flash kernel (which handles GQA natively) is eligible on CUDA.
