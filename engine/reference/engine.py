@@ -106,6 +106,9 @@ class Engine:
         #: Prompt tokens a prefill step takes at most (0: the whole prompt in one step); the
         #: server's --chunked-prefill-size. A target with recurrent layers always prefills whole.
         self.prefill_chunk = 0
+        #: Whether a new session's prefill chunk may ride in the running sessions' round (the
+        #: server's --enable-mixed-chunk; fast/ride.py: the pooled fast backend only).
+        self.mixed_chunk = False
         # Recurrent (linear-attention, Mamba) layers: such a target decodes with ar only; start()
         # refuses dflash and ddtree (arch.speculative_refusal says why).
         self.hybrid_reason = hybrid_reason(model.config)

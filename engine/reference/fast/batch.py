@@ -74,20 +74,29 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
             pooled.append(i)
         else:
             alone.append(i)
-    for i, tokens in zip(new, _prefill(engine, [sessions[i] for i in new])):
-        out[i] = tokens
     if len(pooled) == 1:
         alone += pooled
-    elif pooled:
+        pooled = []
+    kind = rider = None
+    if pooled:
         from ddtree.engine.reference.fast import batch_graph
 
         members = [sessions[i] for i in pooled]
         append_prompts(engine, members)
         impl = engine.impl
         kind = batch_graph.eligible(engine, members) if (impl.graphs or impl.batch_static) else None
+        if kind is not None and new:
+            rider = _rider(engine, [sessions[i] for i in new], kind)
+    if rider is None:
+        for i, tokens in zip(new, _prefill(engine, [sessions[i] for i in new])):
+            out[i] = tokens
+    # else the rider's chunk is this turn's prefill work; the other new sessions wait a turn
+    if pooled:
         with torch.inference_mode():
             if kind is not None:
-                results = batch_graph.graphed_round(engine, members, kind, graphs=impl.graphs)
+                results, ridden = batch_graph.graphed_round(engine, members, kind, graphs=impl.graphs, rider=rider)
+                if rider is not None:
+                    out[sessions.index(rider)] = ridden
             else:
                 results = batched_round(engine, members)
         for i, tokens in zip(pooled, results):
@@ -96,6 +105,20 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         out[i] = sessions[i].step()
     engine.impl.refresh_usage()
     return out
+
+
+def _rider(engine: Engine, new: list[Session], kind: tuple) -> Session | None:
+    """The new session whose next prefill chunk rides in this graphed round (fast/ride.py): one
+    whose prompt is part in already, else the first."""
+    from ddtree.engine.reference.fast import batch_graph, ride
+
+    stage = engine.impl.round_stage()
+    if stage.rider is None or not ride.riders_run(engine) or stage.rider.chunk != ride.width(engine):
+        return None
+    started = [s for s in new if s._prefilled_rows > 0]
+    mode, budget = kind
+    return ride.pick(engine, stage.rider, started + [s for s in new if s._prefilled_rows == 0],
+                     batch_graph._width(engine, mode, budget, engine.block_size - 1))
 
 
 def _prefill(engine: Engine, sessions: list[Session]) -> list[list[int]]:

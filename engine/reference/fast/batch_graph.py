@@ -41,6 +41,7 @@ from ddtree.engine.reference.fast.batch_tree import (
     unpack_walks,
     walk_batch,
 )
+from ddtree.engine.reference.fast import ride
 from ddtree.engine.reference.fast.cache import kv_bucket
 from ddtree.engine.reference.fast.graphs import record_graph
 
@@ -73,6 +74,7 @@ class RoundStage:
         self.graph_pool = None
         self.host: dict[tuple, torch.Tensor] = {}  # key -> pinned copy of its packed walks
         self.done = torch.cuda.Event() if device.type == "cuda" else None
+        self.rider = ride.RiderStage(engine, ride.width(engine)) if ride.riders_run(engine) else None
 
 
 def eligible(engine: Engine, sessions: list[Session]) -> tuple | None:
@@ -89,9 +91,11 @@ def eligible(engine: Engine, sessions: list[Session]) -> tuple | None:
     return first.mode, int(first.spec.budget) if first.mode == "tree" else 0
 
 
-def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graphs: bool) -> list[list[int]]:
-    """The round of these sessions (all eligible with `kind`) through the stage; graphs=False
-    runs the same code without capture."""
+def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graphs: bool,
+                  rider: Session | None = None) -> tuple[list[list[int]], list[int]]:
+    """The round of these sessions (all eligible with `kind`) through the stage, with `rider`'s
+    next prefill chunk in its forward (fast/ride.py; stage.rider exists then); graphs=False runs
+    the same code without capture. Returns each session's committed tokens, and the rider's."""
     impl, target = engine.impl, engine.target
     pool: KVPool = impl.pool
     stage: RoundStage = impl.round_stage()
@@ -131,8 +135,12 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
             rows = int(s._pending.shape[0])
             stage.feats[r, :rows].copy_(s._pending)
             stage.count[r] = rows
-    key = (mode, budget, b, span)
     saved = (pool.lengths.clone(), pool.dlengths.clone() if pool.dlengths is not None else None)
+    chunk = count = 0
+    if rider is not None:
+        chunk = stage.rider.chunk
+        count = ride.stage(engine, stage.rider, rider)
+    key = (mode, budget, b, span, chunk)
     try:
         if graphs:
             rows_out = unpack_walks(_replay(engine, stage, key))
@@ -162,10 +170,12 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
         features = stage.feats[r, :tau] if mode != "ar" else None
         committed.append(s._advance(path, new, features, drafted=mode != "ar"))
         stage.holds[r] = (id(s), s.verify_ct)
-    share = (t1 - t0) / len(sessions)
+    share = (t1 - t0) / (len(sessions) + (rider is not None))
     for s in sessions:
         s.timings["verify"] += share
-    return committed
+    if rider is None:
+        return committed, []
+    return committed, ride.finish(engine, stage.rider, rider, count, share)
 
 
 def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
@@ -186,6 +196,13 @@ def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
     depth = engine.block_size - 1
     rows = engine.target.new_cache_rows()
     buckets = engine.target.kv_spans(rows)
+    # With a prefill chunk, each key also with a chunk riding (fast/ride.py), written into a
+    # free slot by the captures' warm-up runs.
+    chunks = [0]
+    free = [pool.index_of(pair[0]) for pair in engine.impl._free]
+    if stage.rider is not None and free:
+        chunks.append(stage.rider.chunk)
+        ride.point_at_free_slot(stage.rider, max(free))
     made = 0
     for mode, budget in kinds:
         q = _width(engine, mode, budget, depth)
@@ -194,10 +211,11 @@ def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
         later = [size for size in buckets if size > first][:1]
         for span in [first, *later]:
             for b in sizes:
-                key = (mode, budget, b, span)
-                if key not in stage.graphs:
-                    stage.graphs[key] = capture(engine, stage, key)
-                    made += 1
+                for chunk in chunks:
+                    key = (mode, budget, b, span, chunk)
+                    if key not in stage.graphs:
+                        stage.graphs[key] = capture(engine, stage, key)
+                        made += 1
         if progress is not None:
             progress(f"captured batched-round graphs for {mode}{'@' + str(budget) if budget else ''} "
                      f"(batches {sizes})")
@@ -252,8 +270,10 @@ def capture(engine: Engine, stage: RoundStage, key: tuple) -> tuple[object, torc
         stage.active.copy_(saved)
 
 
-def static_round(engine: Engine, stage: RoundStage, mode: str, budget: int, b: int, span: int) -> torch.Tensor:
-    """One round over slots 0..b-1 with shapes fixed by the arguments; returns the packed walks
+def static_round(engine: Engine, stage: RoundStage, mode: str, budget: int, b: int, span: int,
+                 chunk: int = 0) -> torch.Tensor:
+    """One round over slots 0..b-1 with shapes fixed by the arguments, and with chunk > 0 the
+    staged prefill chunk in its target forward (fast/ride.py); returns the packed walks
     [b, 1 + 2q] (pack_walks)."""
     target = engine.target
     pool: KVPool = engine.impl.pool
@@ -279,9 +299,14 @@ def static_round(engine: Engine, stage: RoundStage, mode: str, budget: int, b: i
     start = lengths.clone()
     plan = batch_plan(target, lengths, trees.visible, span)
     positions = lengths[:, None] + trees.depths
-    layers = target.feature_layers if mode != "ar" else ()
-    hidden, feats = target.model(trees.tokens.clamp(min=0).view(-1), positions.reshape(-1),
-                                 pool.k, pool.v, plan, layers)
+    # A riding chunk's features go to its drafter later, whatever the round's own mode.
+    layers = target.feature_layers if mode != "ar" or chunk else ()
+    tokens, positions = trees.tokens.clamp(min=0).view(-1), positions.reshape(-1)
+    if chunk:
+        tokens, positions, plan = ride.join(target, stage.rider, tokens, positions, plan)
+    hidden, feats = target.model(tokens, positions, pool.k, pool.v, plan, layers)
+    if chunk:
+        hidden, feats = ride.split(target, stage.rider, hidden, feats, b * q)
     # In blocks of rows, so b*q rows over a large vocabulary never sit in memory at once.
     posterior = argmax_rows(target, hidden).view(b, q)
     order, count = walk_batch(trees, posterior)

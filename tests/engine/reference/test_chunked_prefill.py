@@ -135,3 +135,77 @@ def test_closing_a_session_mid_prefill_lets_its_chunks_go(pair):
     assert sess._prefill_features  # the first chunk's features, kept for the first draft
     sess.close()
     assert sess._prefill_features == [] and sess.done and sess.finish_reason == "abort"
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.algorithm}{s.budget}")
+def test_chunks_riding_in_graphed_rounds_decode_as_serial(pair, spec, monkeypatch):
+    """With a chunk size and a graphed round running, a new session's prompt goes into the cache
+    one chunk a turn inside the round's target forward (fast/ride.py), the turn's other new
+    sessions waiting; every output is still the serial one, whatever the riders' algorithms."""
+    from ddtree.engine.reference.fast import ride
+
+    whole, chunked = engines(pair, "fast", pool_slots=4)
+    chunked.impl.batch_static = True  # the graphed round's code, without graphs, on a CPU
+    chunked.mixed_chunk = True
+    rides = []
+    real_finish = ride.finish
+    monkeypatch.setattr(ride, "finish", lambda *a: rides.append(a[3]) or real_finish(*a))
+    gen = GenParams(max_new_tokens=9, ignore_eos=True)
+    rng = random.Random(7)
+    # The running sessions share one kind; joiners may be of any kind.
+    jobs = [([rng.randrange(64) for _ in range(rng.randrange(1, 20))], SPECS[k % 4] if k % 5 == 4 else spec)
+            for k in range(14)]
+    want = [whole.generate(p, gen, s).output_ids for p, s in jobs]
+    active, out, nxt, waited = [], {}, 0, 0
+    while active or nxt < len(jobs):
+        while nxt < len(jobs) and len(active) < 4:
+            active.append((nxt, chunked.start(jobs[nxt][0], gen, jobs[nxt][1])))
+            nxt += 1
+        new = [s for _, s in active if s._bonus is None]
+        before, ridden = [s._cache.length for s in new], len(rides)
+        chunked.step_many([s for _, s in active])
+        if len(rides) > ridden:  # a turn with a rider prefills nothing else
+            assert sum(s._cache.length - b for s, b in zip(new, before)) == rides[-1] <= CHUNK
+            waited += len(new) > 1
+        for item in list(active):
+            if item[1].done:
+                out[item[0]] = item[1].output_ids
+                item[1].close()
+                active.remove(item)
+    assert [out[j] for j in range(len(jobs))] == want
+    assert rides and max(rides) <= CHUNK and waited
+    assert chunked.pool_usage()["free_slots"] == 4
+
+
+def test_with_mixed_chunks_a_long_prompt_rides_in_the_running_round_a_chunk_a_turn(pair, monkeypatch):
+    """The scheduler steps new and running requests in one call (--enable-mixed-chunk): the long
+    prompt's chunks ride in the running streams' round, one a turn, with no turn of its own."""
+    from ddtree.engine.reference.fast import ride
+
+    _, engine = engines(pair, "fast", pool_slots=4)
+    engine.impl.batch_static = True
+    engine.mixed_chunk = True
+    rides = []
+    real_finish = ride.finish
+    monkeypatch.setattr(ride, "finish", lambda *a: rides.append(a[3]) or real_finish(*a))
+    sched = Scheduler(engine, max_running=4, max_queued=4, batch=True)
+    sched.start()
+    try:
+        streams = [queue.Queue(), queue.Queue()]
+        for q in streams:
+            sched.submit([1, 2, 3], GenParams(max_new_tokens=60, ignore_eos=True), SpecParams("ar"), q.put)
+        firsts = [q.get(timeout=120) for q in streams]
+        assert all(u.new_ids for u in firsts)
+        long: queue.Queue = queue.Queue()
+        prompt = list(range(1, 4 * CHUNK + 2))  # 5 chunks
+        ticket = sched.submit(prompt, GenParams(max_new_tokens=2, ignore_eos=True), SpecParams("ar"), long.put)
+        head = long.get(timeout=120)
+        assert head.new_ids and head.turn == ticket.submitted_turn + 5
+        assert rides == [CHUNK] * 4 + [1]
+        updates = [firsts[0]]
+        while not updates[-1].done:
+            updates.append(streams[0].get(timeout=120))
+        turns = {u.turn for u in updates if u.new_ids}
+        assert set(range(ticket.submitted_turn + 1, head.turn + 1)) <= turns
+    finally:
+        sched.stop(timeout=30)

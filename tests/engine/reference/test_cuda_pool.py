@@ -54,3 +54,34 @@ def test_mixed_rounds_and_drops_on_cuda(engines):
         assert got[j] == serial.generate(prompt, GenParams(max_new_tokens=n), spec).output_ids, j
     gc.collect()
     assert len(pooled.impl._free) == pooled.impl.pool.slots
+
+
+@pytest.mark.parametrize("spec", [SpecParams("ar"), SpecParams("ddtree", 16)], ids=lambda s: s.algorithm)
+def test_graphed_rounds_with_riding_chunks_equal_serial(engines, spec):
+    """--enable-mixed-chunk: joining prompts ride in the graphed rounds a chunk at a time (the
+    rider graphs captured by the warm-up, the chunk's attention over its slot in place)."""
+    from ddtree.engine.reference.fast import ride
+
+    serial, _ = engines
+    model = make_target(0).cuda()
+    mixed = Engine(model, make_drafter(model, block_size=8, seed=1), backend="fast", max_budget=64, slots=2,
+                   pool_slots=8, compile=False)
+    mixed.prefill_chunk, mixed.mixed_chunk = 8, True
+    mixed.warmup()
+    stage = mixed.impl.round_stage()
+    assert stage.rider is not None and any(key[4] == 8 for key in stage.graphs)
+    rides = []
+    real_finish = ride.finish
+    ride.finish = lambda *a: rides.append(a[3]) or real_finish(*a)
+    try:
+        rng = random.Random(5)
+        jobs = [([rng.randrange(64) for _ in range(rng.randrange(1, 30))], spec, rng.randrange(1, 40))
+                for _ in range(12)]
+        want = [serial.generate(p, GenParams(max_new_tokens=n), s).output_ids for p, s, n in jobs]
+        got, _ = _drive(mixed, jobs, running=6)
+    finally:
+        ride.finish = real_finish
+    assert [got[j] for j in range(len(jobs))] == want
+    assert rides
+    gc.collect()
+    assert len(mixed.impl._free) == mixed.impl.pool.slots

@@ -205,7 +205,7 @@ def test_verify_timing_leaves_the_pool_as_it_was(pair):
 def graphed(monkeypatch):
     from ddtree.engine.reference.fast import batch_graph
 
-    return _spy(monkeypatch, batch_graph, "static_round", lambda engine, stage, mode, budget, b, span: (mode, budget, b))
+    return _spy(monkeypatch, batch_graph, "static_round", lambda engine, stage, mode, budget, b, span, chunk=0: (mode, budget, b))
 
 
 @pytest.mark.parametrize("spec", [SpecParams("ar"), SpecParams("dflash"), SpecParams("ddtree", 4),
@@ -265,15 +265,29 @@ def test_precapture_covers_every_batch_size_and_kind(pair, monkeypatch):
     said = []
     made = batch_graph.precapture(engine, (16, 64, 500), said.append)
     keys = set(engine.impl.round_stage().graphs)
-    assert {(m, b) for m, b, _, _ in keys} == {("ar", 0), ("chain", 0), ("tree", 16), ("tree", 64)}
+    assert {k[:2] for k in keys} == {("ar", 0), ("chain", 0), ("tree", 16), ("tree", 64)}
+    assert {k[4] for k in keys} == {0}  # no prefill chunk: no riders
     assert {k[2] for k in keys} == {2, 4, 6} and made == len(keys) and len(said) == 4
     # The smallest span of each kind is the one a round over a short context takes.
     from ddtree.engine.reference.fast.cache import kv_bucket
 
     rows = engine.target.new_cache_rows()
-    for mode, budget in {(m, b) for m, b, _, _ in keys}:
+    for mode, budget in {k[:2] for k in keys}:
         q = batch_graph._width(engine, mode, budget, engine.block_size - 1)
         assert min(k[3] for k in keys if k[:2] == (mode, budget)) == kv_bucket(rows, 1 + q)
+
+
+def test_precapture_with_mixed_chunks_captures_every_key_with_a_rider_too(pair, monkeypatch):
+    from ddtree.engine.reference.fast import batch_graph, ride
+
+    model, drafter = pair
+    engine = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=4)
+    engine.prefill_chunk, engine.mixed_chunk = 1000, True
+    monkeypatch.setattr(batch_graph, "capture", lambda engine, stage, key: ("graph", key))
+    batch_graph.precapture(engine, (16,))
+    keys = set(engine.impl.round_stage().graphs)
+    assert {k[4] for k in keys} == {0, ride.RIDE_MAX}
+    assert {k[:4] for k in keys if k[4]} == {k[:4] for k in keys if not k[4]}
 
 
 def test_a_new_lease_forgets_what_the_stage_held_for_its_slot(pair):

@@ -119,6 +119,20 @@ def test_rows_past_the_context_and_the_new_rows_are_never_read():
     torch.testing.assert_close(got.double(), clean, rtol=1e-5, atol=1e-6)
 
 
+def test_slots_pick_the_cache_slot_each_batch_row_reads():
+    """A prefill chunk riding in a batched round reads one pool slot, named on the device."""
+    q, keys, values, lengths, tree = _case(2, 2, 2, 6, 140, 32, torch.float32, "causal", seed=9, lengths=[40, 7])
+    pool_k = torch.randn(5, 2, 140, 32)
+    pool_v = torch.randn(5, 2, 140, 32)
+    slots = torch.tensor([3, 1])
+    pool_k[slots], pool_v[slots] = keys, values
+    want = reference(q, keys, values, lengths, tree, 32 ** -0.5)
+    got = fused.tree_attention(*_on(DEVICE, q, pool_k, pool_v, lengths, tree), 32 ** -0.5, 140,
+                               slots.to(DEVICE)).cpu()
+    assert got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_the_lengths_are_read_on_the_device_at_every_call():
     q, keys, values, lengths, tree = _on(DEVICE, *_case(1, 1, 2, 3, 200, 16, torch.float32, "causal", seed=7,
                                                           lengths=[20]))
@@ -240,19 +254,23 @@ def test_drafter_static_block_with_the_kernel_equals_the_reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("static", [False, True], ids=["batched", "batched-static"])
-def test_pooled_rounds_with_the_kernel_equal_serial(static, monkeypatch):
+@pytest.mark.parametrize("static, riding", [(False, False), (True, False), (True, True)],
+                         ids=["batched", "batched-static", "batched-static-riding"])
+def test_pooled_rounds_with_the_kernel_equal_serial(static, riding, monkeypatch):
     """Batched rounds over the KV pool, each row masked by its own length and tree inside the
-    kernel (the target's verify and the drafter's block), with sessions joining and leaving."""
+    kernel (the target's verify and the drafter's block), with sessions joining and leaving;
+    riding: new prompts' chunks in the rounds, their attention through the kernel's slot index."""
     import random
 
     from .test_fast_pool import _drive
 
-    batches = []
+    batches, indexed = [], []
     real = fused.tree_attention
 
     def counted(q, keys, *args):
         batches.append(keys.shape[0])
+        if len(args) > 5 and args[5] is not None:
+            indexed.append(q.shape[0])
         return real(q, keys, *args)
     monkeypatch.setattr(fused, "tree_attention", counted)
 
@@ -261,6 +279,8 @@ def test_pooled_rounds_with_the_kernel_equal_serial(static, monkeypatch):
     serial = Engine(model, drafter, backend="fast", max_budget=16, attention="matmul", graphs=False)
     pooled = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=4, attention="triton", graphs=False)
     pooled.impl.batch_static = static
+    if riding:
+        pooled.prefill_chunk, pooled.mixed_chunk = 4, True
     rng = random.Random(4)
     specs = [SpecParams("ar"), SpecParams("dflash"), SpecParams("ddtree", 5), SpecParams("ddtree", 16)]
     spec_of = (lambda i: specs[i % 4]) if not static else (lambda i: specs[3])
@@ -271,3 +291,4 @@ def test_pooled_rounds_with_the_kernel_equal_serial(static, monkeypatch):
     assert [got[j] for j in range(len(jobs))] == want
     assert len(pooled.impl._free) == pooled.impl.pool.slots
     assert max(batches) > 1  # the kernel really served batched rows
+    assert bool(indexed) == riding
