@@ -399,6 +399,10 @@ def main() -> int:
     p.add_argument("--kv-pool-gb", type=float, default=None, help="--grid: the server's --kv-pool-gb (default theirs)")
     p.add_argument("--stream-interval", type=int, default=None,
                    help="--grid: the server's --stream-interval, tokens per streamed chunk (default theirs, 1)")
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="--grid: the server's --chunked-prefill-size (default theirs)")
+    p.add_argument("--enable-mixed-chunk", action="store_true",
+                   help="--grid: the server's --enable-mixed-chunk (a joining prompt's chunks ride in the round)")
     p.add_argument("--grid", action="store_true",
                    help="issue 15's table: one batching server and the same loop in process, per concurrency "
                         "and algorithm (replaces the batch / no-batch serving comparison)")
@@ -450,6 +454,10 @@ def main() -> int:
 
         def grid_flags(max_running: int) -> list[str]:
             interval = ["--stream-interval", str(args.stream_interval)] if args.stream_interval else []
+            if args.chunked_prefill_size:
+                interval += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
+            if args.enable_mixed_chunk:
+                interval.append("--enable-mixed-chunk")
             return server_flags(model, draft, max_running, args.threads, batch=True, device=args.device,
                                 backend=args.backend, dtype=args.dtype, context_window=args.context_window,
                                 kv_pool_gb=args.kv_pool_gb, capture_budgets=tuple(args.budget_list)) + interval

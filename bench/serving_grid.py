@@ -173,7 +173,8 @@ def server_grid(args, url: str, specs, concurrencies: list[int], clock: Clock, s
 def drive(engine, prompts: list[list[int]], gen, spec, concurrency: int) -> dict:
     """The server scheduler's loop without HTTP: each turn admits waiting prompts up to
     `concurrency` running sessions, prefills the fresh ones together, then steps the others
-    together (`Engine.step_many`; one session alone steps by itself, as the scheduler does). A
+    together (`Engine.step_many`; one session alone steps by itself, as the scheduler does; with
+    --enable-mixed-chunk, fresh and running ones in one call, as the scheduler does then). A
     prompt arrives when an earlier session finishes (the sweep client's closed loop), so TTFT
     counts the wait for the next turn as it does through the server. ITL splits a round's gap
     over the tokens it brought, as the client does."""
@@ -227,10 +228,13 @@ def drive(engine, prompts: list[list[int]], gen, spec, concurrency: int) -> dict
             running.append((i, timed(engine.start, prompts[i], gen, spec)))
         fresh = [(i, s) for i, s in running if not s.output_ids]
         live = [(i, s) for i, s in running if s.output_ids and not s.done]
-        if fresh:
-            step(fresh)
-        if live:
-            step(live)
+        if fresh and len(live) > 1 and getattr(engine, "mixed_chunk", False):
+            step(fresh + live)  # as the scheduler: a prefill chunk may ride in the round
+        else:
+            if fresh:
+                step(fresh)
+            if live:
+                step(live)
         now = time.perf_counter()
         for pair in [p for p in running if p[1].done]:
             running.remove(pair)

@@ -40,7 +40,8 @@ def server_argv(args: argparse.Namespace) -> list[str]:
                         kv_pool_gb=getattr(args, "kv_pool_gb", None),
                         engine_loop=getattr(args, "engine_loop", None),
                         chunked_prefill_size=getattr(args, "chunked_prefill_size", None),
-                        stream_interval=getattr(args, "stream_interval", None))
+                        stream_interval=getattr(args, "stream_interval", None),
+                        enable_mixed_chunk=bool(getattr(args, "enable_mixed_chunk", False)))
 
 
 def refusal(args: argparse.Namespace) -> str | None:

@@ -62,6 +62,7 @@ class EngineFacts:
     attention: str
     graphs: bool
     prefill_chunk: int
+    mixed_chunk: bool = False
 
     @classmethod
     def of(cls, engine: Any) -> "EngineFacts":
@@ -70,7 +71,7 @@ class EngineFacts:
                    vocab_size=engine.vocab_size, device=str(engine.device),
                    backend=engine.backend, backend_reason=engine.backend_reason, attention=engine.attention,
                    graphs=bool(engine.graphs),
-                   prefill_chunk=engine.prefill_chunk)
+                   prefill_chunk=engine.prefill_chunk, mixed_chunk=bool(engine.mixed_chunk))
 
 
 # -- the engine process ------------------------------------------------------------------------

@@ -167,6 +167,7 @@ def build_app(api: Api) -> Starlette:
             "max_running_requests": config.max_running, "max_queued_requests": config.max_queued,
             "batch": config.batch, "engine_loop": api.engine_loop,
             "chunked_prefill_size": engine.prefill_chunk or -1,
+            "enable_mixed_chunk": engine.mixed_chunk,
             "stream_interval": config.stream_interval,
             "kv_pool": snap.pool,
             "chat_template": "model" if api.has_chat_template else "fallback",
@@ -490,6 +491,7 @@ def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
                          pool_slots=args.max_running_requests if batch else 0, pool_bytes=pool_bytes)
     # A target with recurrent layers prefills whole (Session.chunked_prefill), and says so.
     engine.prefill_chunk = 0 if engine.hybrid_reason else max(0, args.chunked_prefill_size)
+    engine.mixed_chunk = bool(args.enable_mixed_chunk) and engine.prefill_chunk > 0
     if args.block_size is not None and args.block_size != engine.block_size:
         # A shorter block drafts fewer positions per round (SGLang's --speculative-dflash-block-size);
         # the drafter has no causal mask inside a block, so any length up to the trained one works.

@@ -200,7 +200,8 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
                  max_queued_requests: int | None = None, threads: int | None = None,
                  batch: bool | None = None, context_window: int | None = None,
                  kv_pool_gb: float | None = None, engine_loop: str | None = None,
-                 chunked_prefill_size: int | None = None, stream_interval: int | None = None) -> list[str]:
+                 chunked_prefill_size: int | None = None, stream_interval: int | None = None,
+                 enable_mixed_chunk: bool | None = False) -> list[str]:
     """The builtin server's command line. Options left None are not passed (the server's default
     applies); model None is the server's demo pair."""
     argv = [python or sys.executable, "-m", BUILTIN_MODULE]
@@ -223,6 +224,8 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
             argv += [flag, str(value)]
     if batch is not None:
         argv.append("--batch" if batch else "--no-batch")
+    if enable_mixed_chunk:
+        argv.append("--enable-mixed-chunk")
     return argv
 
 
@@ -335,6 +338,12 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                         help=f"prompt tokens one prefill step takes at most: a longer prompt prefills a chunk a round, "
                              f"so running streams keep their inter-token latency; -1 prefills whole "
                              f"(default: {DEFAULT_PREFILL_CHUNK}, as SGLang's flag of that name)")
+    parser.add_argument("--enable-mixed-chunk", action="store_true", default=default(False),
+                        help="fast backend with a KV pool: while requests run, a joining prompt's prefill rides in "
+                             "their round's forward, a chunk a round (--chunked-prefill-size, at most "
+                             "128 tokens), instead of a forward of its own that every running stream waits for; "
+                             "lower inter-token latency under load, a later first token (as SGLang's flag of "
+                             "that name)")
     parser.add_argument("--stream-interval", type=positive if passthrough else int, default=default(1),
                         help="tokens a running request gathers before they are sent: every update costs the HTTP "
                              "process a chunk, so at high token rates a larger value serves more tokens/s, in "

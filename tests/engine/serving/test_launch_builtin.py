@@ -41,3 +41,10 @@ def test_serve_passes_on_only_what_was_given():
 def test_serve_checks_values_as_it_parses(flag, value):
     with pytest.raises(SystemExit):
         serve_parser().parse_args([flag, value])
+
+
+def test_mixed_chunks_pass_on_when_asked():
+    args = serve_parser().parse_args(["--enable-mixed-chunk", "--chunked-prefill-size", "64"])
+    argv = builtin_argv(**{k.replace("-", "_"): v for k, v in vars(args).items() if k != "draft"}, draft=args.draft)
+    assert "--enable-mixed-chunk" in argv and argv[argv.index("--chunked-prefill-size") + 1] == "64"
+    assert "--enable-mixed-chunk" not in builtin_argv()

@@ -36,6 +36,7 @@ def test_engine_process_serves_the_single_process_tokens_and_dies_with_the_serve
     try:
         info = httpx.get(threaded.url + "/server_info").json()
         assert info["engine_loop"] == "thread" and info["chunked_prefill_size"] == -1
+        assert info["enable_mixed_chunk"] is False
         assert psutil.Process(threaded.proc.pid).children() == []
         want = greedy_outputs(threaded.url)
         drained = sigterm_mid_stream(threaded)
@@ -43,12 +44,15 @@ def test_engine_process_serves_the_single_process_tokens_and_dies_with_the_serve
         assert threaded.stop() == 0, threaded.log_tail()
     assert drained["meta_info"]["finish_reason"] == {"type": "length", "length": 100}
     # Prompts of 9-15 tokens in chunks of 3: the chunked prefill's tokens are checked here too,
-    # and so are tokens sent 4 or more at a time.
-    srv = start(tiny_pair, tmp_path / "process.log", "--chunked-prefill-size", "3", "--stream-interval", "4")
+    # and so are tokens sent 4 or more at a time, and new and running requests stepped in one
+    # call (--enable-mixed-chunk; on this backend the prefills still run apart).
+    srv = start(tiny_pair, tmp_path / "process.log", "--chunked-prefill-size", "3", "--stream-interval", "4",
+                "--enable-mixed-chunk")
     try:
         info = httpx.get(srv.url + "/server_info").json()
         assert info["engine_loop"] == "process" and info["backend"] == "transformers"
         assert info["chunked_prefill_size"] == 3 and info["stream_interval"] == 4
+        assert info["enable_mixed_chunk"] is True
         engines = psutil.Process(srv.proc.pid).children()
         assert [p.cmdline()[1:3] for p in engines] == [["-m", "ddtree.engine.reference.engine_loop"]]
         assert greedy_outputs(srv.url) == want
