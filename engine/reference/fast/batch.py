@@ -60,7 +60,9 @@ _LOGIT_ELEMENTS = 1 << 26
 
 def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
     """One round of every session (Engine.step_many's contract): the new sessions' prefills, then one
-    batched round over the prefilled sessions on pool slots; the others step alone. Engine.step_many
+    batched round over the prefilled sessions on pool slots; the others step alone. With mixed
+    chunks (engine.mixed_chunk) and a graphed round to ride, one new session's next chunk goes
+    into that round instead, and the other new sessions wait (fast/ride.py). Engine.step_many
     has checked that the sessions are distinct and this engine's."""
     out: list[list[int]] = [[] for _ in sessions]
     pool = engine.impl.pool
