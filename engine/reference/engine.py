@@ -276,10 +276,12 @@ class Engine:
         in one target forward (on a CPU, verifies of very different sizes go in separate forwards).
 
         Returns each session's newly committed tokens, as `Session.step()` would; a session that
-        is done gets [], one not yet prefilled gets its prefill. Outputs equal stepping the
-        sessions one by one (at temperature 0 token for token; seeded sampling draws the same).
-        If the batched round raises, no session in it has changed; the prefills before it have
-        happened, each complete.
+        is done gets [], one not yet prefilled gets its prefill (with mixed_chunk on the pooled
+        fast backend, beside a graphed round: one of them gets its next chunk inside that round
+        and the others [], untouched; fast/ride.py). Outputs equal stepping the sessions one by
+        one (at temperature 0 token for token; seeded sampling draws the same). If the batched
+        round raises, no session in it has changed, the riding one included; the prefills before
+        it have happened, each complete.
         """
         sessions = list(sessions)
         # Checked here once for every backend below: batch.step_many and fast/batch.step_many

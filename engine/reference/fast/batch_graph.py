@@ -154,6 +154,8 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
         pool.lengths.copy_(saved[0])
         if saved[1] is not None:
             pool.dlengths.copy_(saved[1])
+        if rider is not None:  # its host length too: its next prefill starts where its rows end
+            rider._cache.set_length(rider._prefilled_rows)
         stage.holds.clear()
         raise
     t1 = engine.clock()

@@ -80,13 +80,14 @@ def riders_run(engine: Engine) -> bool:
 
 
 def pick(engine: Engine, rider: RiderStage, new: list[Session], q: int) -> Session | None:
-    """The first new session whose next chunk fits its slot beside a round q tokens a row wide
-    (the inactive row of its slot writes past the chunk); None if none does."""
+    """The first of these new sessions, if its next chunk fits its slot beside a round q tokens a
+    row wide (the inactive row of its slot writes past the chunk); else None, and the turn
+    prefills as without riders, so a session that cannot ride is never passed over for ever."""
     pool = engine.impl.pool
     rows = engine.target.new_cache_rows()
-    for s in new:
-        if pool.index_of(s._cache) is not None and s._prefilled_rows + rider.chunk + q <= rows:
-            return s
+    s = new[0]
+    if pool.index_of(s._cache) is not None and s._prefilled_rows + rider.chunk + q <= rows:
+        return s
     return None
 
 

@@ -10,6 +10,7 @@ import queue
 import random
 
 import pytest
+import torch
 
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 from ddtree.engine.reference.scheduler import Scheduler
@@ -209,3 +210,34 @@ def test_with_mixed_chunks_a_long_prompt_rides_in_the_running_round_a_chunk_a_tu
         assert set(range(ticket.submitted_turn + 1, head.turn + 1)) <= turns
     finally:
         sched.stop(timeout=30)
+
+
+def test_a_failing_ridden_round_leaves_the_rider_where_it_was(pair, monkeypatch):
+    """A round that raises with a chunk riding changes neither the running sessions nor the
+    rider: its cache length is its prefilled rows again, and it decodes as serial afterwards."""
+    from ddtree.engine.reference.fast import batch_graph
+
+    whole, engine = engines(pair, "fast", pool_slots=4)
+    engine.impl.batch_static = True
+    engine.mixed_chunk = True
+    gen = GenParams(max_new_tokens=8, ignore_eos=True)
+    running = [engine.start([1, 2, 3], gen, SpecParams("ar")) for _ in range(2)]
+    engine.step_many(running)  # their prefills: no round to ride yet
+    prompt = list(range(5, 5 + 2 * CHUNK + 1))
+    rider = engine.start(prompt, gen, SpecParams("ar"))
+    engine.step_many(running + [rider])  # its first chunk rides
+    assert rider._prefilled_rows == CHUNK and rider._cache.length == CHUNK
+    before = [list(s.output_ids) for s in running]
+    lengths = engine.impl.pool.lengths.clone()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("round failed")
+    monkeypatch.setattr(batch_graph, "static_round", broken)
+    with pytest.raises(RuntimeError):
+        engine.step_many(running + [rider])
+    assert [list(s.output_ids) for s in running] == before and torch.equal(engine.impl.pool.lengths, lengths)
+    assert rider._prefilled_rows == CHUNK and rider._cache.length == CHUNK
+    monkeypatch.undo()
+    while not rider.done:
+        engine.step_many([s for s in running + [rider] if not s.done])
+    assert rider.output_ids == whole.generate(prompt, gen, SpecParams("ar")).output_ids
