@@ -543,7 +543,7 @@ class Scheduler:
             else:
                 live.append(active)
         if fresh and len(live) > 1 and getattr(self.engine, "mixed_chunk", False):
-            self._advance_joined(fresh + live, len(live))
+            self._step_together(fresh + live, len(live))
             return
         # New requests prefill together and publish at once, before the others' round, so a
         # cohort's first tokens wait for one forward rather than for one each plus a round.
@@ -566,22 +566,13 @@ class Scheduler:
             for active in live:
                 self._advance(active)
             return
-        try:
-            self._engine(self.engine.step_many, [a.session for a in live])
-        except Exception as exc:  # boundary: find the culprit by stepping each request alone
-            log.warning("batched round failed (%s: %s); stepping the requests one by one", type(exc).__name__, exc)
-            for active in live:
-                self._advance(active)
-            return
-        self.stats.add_batch(len(live))
-        for active in live:
-            self._publish(active)
+        self._step_together(live, len(live))
 
-    def _advance_joined(self, turn: list[_Active], live: int) -> None:
-        """New and running requests in one engine call, with mixed chunks on: the fast
-        engine then folds one new request's chunk into the running round's forward and holds the
-        other new ones back a turn (fast/ride.py), so running streams never wait for a prefill of
-        its own."""
+    def _step_together(self, turn: list[_Active], live: int) -> None:
+        """These requests in one engine call, `live` of them running. With mixed chunks on, new
+        requests come too: the fast engine then folds one new request's chunk into the running
+        round's forward and holds the other new ones back a turn (fast/ride.py), so running
+        streams never wait for a prefill of its own."""
         try:
             self._engine(self.engine.step_many, [a.session for a in turn])
         except Exception as exc:  # boundary: find the culprit by stepping each request alone
