@@ -14,8 +14,11 @@ With engine.mixed_chunk (the server's --enable-mixed-chunk) and a prefill chunk 
 W = min(C, RIDE_MAX) prompt tokens (padded to W; all of a shorter prompt) of one new session into
 that round, of the one whose prompt is part in already, else of the first; the turn's other new
 sessions wait. So while requests run, prefill happens inside their rounds only, one chunk a round:
-a later first token for the joiners, no stall for the running streams. A turn with no graphed
-round (fewer than two running sessions, or a mix of kinds) prefills as before.
+a later first token for the joiners, no stall for the running streams. First come, first served:
+a long prompt holds later joiners back until it is in (as SGLang runs one chunked request at a
+time), and if the first cannot ride (its chunk would not fit its slot) the turn prefills as
+without riders. A turn with no graphed round (fewer than two running sessions, or a mix of kinds)
+prefills as before.
 
 Measured on an H200 (bench/RESULTS.md): a first version that let the new sessions of one turn
 prefill together in a forward of their own, and rode only a lone joiner, left the 1.7B grid's ITL
