@@ -4,7 +4,7 @@ target forward, so a join no longer stalls the running streams (issue 15, chunke
 Why: a joining request prefilled in a forward of its own between two rounds, and every running
 stream waited for it. On the 1.7B shape on an H200 a lone ~250-token prompt costs about what a
 round at concurrency 16 costs, so the server's ITL p99 there was 3x its p50. Any forward of its
-own, however short, streams the weights once more (1.6 ms there). Riding, the chunk's tokens go
+own, however short, streams the weights once more (a one-token step alone takes 1.6 ms there). Riding, the chunk's tokens go
 through every GEMM with the round's rows, which are weight-bound at a few dozen tokens; only
 attention runs apart (model.MixedPlan), the chunk's over its own pool slot, named on the device
 (the kernel's slot index), so one graph per round key serves any joiner.
@@ -24,7 +24,7 @@ Measured on an H200 (bench/RESULTS.md): a first version that let the new session
 prefill together in a forward of their own, and rode only a lone joiner, left the 1.7B grid's ITL
 p99 at concurrency 16 where it was (6.9 against 7.2 ms), since that grid's joins come in groups.
 
-What the graph does with the rider: it writes the chunk's K/V rows [start, start + C) of its slot,
+What the graph does with the rider: it writes the chunk's K/V rows [start, start + W) of its slot,
 and leaves the last real row's logits and every row's features in the stage. The host then sets
 the slot's length and, after the last chunk, commits the first token as any prefill does. The
 round's rows do not know the rider: if its slot is among slots 0..b-1, that row is inactive and
