@@ -8,6 +8,10 @@
 #   PART=tests bash bench/gpu_pool.sh        # the CUDA tests (cuda-pool-tests.txt)
 #   PART=grid SHAPE=1.7b bash bench/gpu_pool.sh  # the grid (grid-$SHAPE.{json,txt}); random weights
 #   PART=grid SHAPE=pair bash bench/gpu_pool.sh  # the trained demo pair (its real acceptance)
+#   PART=mixed SHAPE=1.7b bash bench/gpu_pool.sh # the grid without, then with --enable-mixed-chunk
+#       (grid-$SHAPE-mix-{off,on}.*), side by side in one call. A cold machine's first server start
+#       takes about 110 s on the 1.7B shape (48 s once its kernel caches are warm): give each grid a
+#       TIME_BUDGET of about 290 s, whose first half must cover the pair's build and that start.
 set -u
 OUT=${OUT:-$PWD/gpu-pool-out}; mkdir -p "$OUT"
 PART=${PART:-all}
@@ -22,16 +26,25 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tm
 export PYTHONPATH=/tmp/site
 python3 -c "import aiohttp, httpx, starlette, uvicorn" || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
-if [ "$PART" != grid ]; then
+if [ "$PART" = all ] || [ "$PART" = tests ]; then
     tests=${CUDA_TESTS:-tests/engine/reference/test_cuda_pool.py tests/engine/reference/test_batch_tree.py}
     timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m cuda -x $tests > "$OUT/cuda-pool-tests.txt" 2>&1
     tail -15 "$OUT/cuda-pool-tests.txt"
 fi
-if [ "$PART" != tests ]; then
+grid() {  # grid NAME EXTRA_ARGS...: one bench_server.py --grid run, written as grid-NAME.*
+    local name=$1; shift
     shape="--random-shape $SHAPE"; [ "$SHAPE" = pair ] && shape=""
     timeout ${GRID_TIMEOUT:-420} python3 bench/bench_server.py --device cuda $shape --grid ${VERIFY_GRID:---verify-grid} \
         --skip-batching --context-window ${CONTEXT_WINDOW:-2048} --max-new-tokens ${MAX_NEW:-64} \
-        --time-budget ${TIME_BUDGET:-380} --out "$OUT/grid-$SHAPE.json" ${GRID_ARGS:-} 2>&1 \
-        | grep -v "Loading weights\|Writing model" | tee "$OUT/grid-$SHAPE.txt"
-    cp /tmp/bench-server-*/server-grid*.log "$OUT/" 2>/dev/null
+        --time-budget ${TIME_BUDGET:-380} --out "$OUT/grid-$name.json" ${GRID_ARGS:-} "$@" 2>&1 \
+        | grep -v "Loading weights\|Writing model" | tee "$OUT/grid-$name.txt"
+    for log in /tmp/bench-server-*/server-grid*.log; do
+        [ -f "$log" ] && mv "$log" "$OUT/$name-$(basename "$log")"
+    done
+}
+if [ "$PART" = mixed ]; then
+    grid "$SHAPE-mix-off"
+    grid "$SHAPE-mix-on" --enable-mixed-chunk
+elif [ "$PART" != tests ]; then
+    grid "$SHAPE"
 fi
