@@ -40,6 +40,15 @@ def prompts(seed: int, count: int) -> list[list[int]]:
     return [[rng.randrange(64) for _ in range(rng.randrange(1, 15))] for _ in range(count)]
 
 
+def _collect_done(active: list, out: dict) -> None:
+    """Move each finished (job index, session) from `active` to out[index], closing it."""
+    for item in list(active):
+        if item[1].done:
+            out[item[0]] = item[1].output_ids
+            item[1].close()
+            active.remove(item)
+
+
 @pytest.mark.parametrize("backend", ["transformers", "fast"])
 def test_chunked_prefill_decodes_the_whole_prefills_tokens(pair, backend):
     whole, chunked = engines(pair, backend)
@@ -78,11 +87,7 @@ def test_chunked_prefills_in_batched_rounds_match_serial(pair, backend, pooled):
                 active.append((nxt, chunked.start(jobs[nxt][0], gen, jobs[nxt][1])))
                 nxt += 1
         chunked.step_many([s for _, s in active])
-        for item in list(active):
-            if item[1].done:
-                out[item[0]] = item[1].output_ids
-                item[1].close()
-                active.remove(item)
+        _collect_done(active, out)
     assert [out[j] for j in range(len(jobs))] == want
     if pooled:
         assert chunked.pool_usage()["free_slots"] == 4
@@ -168,11 +173,7 @@ def test_chunks_riding_in_graphed_rounds_decode_as_serial(pair, spec, monkeypatc
         if len(rides) > ridden:  # a turn with a rider prefills nothing else
             assert sum(s._cache.length - b for s, b in zip(new, before)) == rides[-1] <= CHUNK
             waited += len(new) > 1
-        for item in list(active):
-            if item[1].done:
-                out[item[0]] = item[1].output_ids
-                item[1].close()
-                active.remove(item)
+        _collect_done(active, out)
     assert [out[j] for j in range(len(jobs))] == want
     assert rides and max(rides) <= CHUNK and waited
     assert chunked.pool_usage()["free_slots"] == 4
