@@ -8,6 +8,7 @@
 #   PART=tests bash bench/gpu_pool.sh        # the CUDA tests (cuda-pool-tests.txt)
 #   PART=grid SHAPE=1.7b bash bench/gpu_pool.sh  # the grid (grid-$SHAPE.{json,txt}); random weights
 #   PART=grid SHAPE=pair bash bench/gpu_pool.sh  # the trained demo pair (its real acceptance)
+#       (NAME=x names the outputs grid-x.* instead)
 #   PART=mixed SHAPE=1.7b bash bench/gpu_pool.sh # the grid without, then with --enable-mixed-chunk
 #       (grid-$SHAPE-mix-{off,on}.*), side by side in one call. A cold machine's first server start
 #       takes about 110 s on the 1.7B shape (48 s once its kernel caches are warm): give each grid a
@@ -46,5 +47,5 @@ if [ "$PART" = mixed ]; then
     grid "$SHAPE-mix-off"
     grid "$SHAPE-mix-on" --enable-mixed-chunk
 elif [ "$PART" != tests ]; then
-    grid "$SHAPE"
+    grid "${NAME:-$SHAPE}"
 fi

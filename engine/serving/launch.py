@@ -339,9 +339,10 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                              f"so running streams keep their inter-token latency; -1 prefills whole "
                              f"(default: {DEFAULT_PREFILL_CHUNK}, as SGLang's flag of that name)")
     parser.add_argument("--enable-mixed-chunk", action="store_true", default=default(False),
-                        help="fast backend with a KV pool: while requests run, a joining prompt's prefill rides in "
-                             "their round's forward, a chunk a round (--chunked-prefill-size, at most "
-                             "128 tokens), instead of a forward of its own that every running stream waits for; "
+                        help="fast backend with a KV pool: while requests run, joining prompts' prefills ride in "
+                             "their round's forward, up to four a round, 128 to 512 tokens in all (at most "
+                             "--chunked-prefill-size each), instead of a forward of their own that every running "
+                             "stream waits for; "
                              "lower inter-token latency under load, a later first token (as SGLang's flag of "
                              "that name)")
     parser.add_argument("--stream-interval", type=positive if passthrough else int, default=default(1),

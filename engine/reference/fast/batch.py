@@ -61,7 +61,7 @@ _LOGIT_ELEMENTS = 1 << 26
 def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
     """One round of every session (Engine.step_many's contract): the new sessions' prefills, then one
     batched round over the prefilled sessions on pool slots; the others step alone. With mixed
-    chunks (engine.mixed_chunk) and a graphed round to ride, one new session's next chunk goes
+    chunks (engine.mixed_chunk) and a graphed round to ride, new sessions' next chunks go
     into that round instead, and the other new sessions wait (fast/ride.py). Engine.step_many
     has checked that the sessions are distinct and this engine's."""
     out: list[list[int]] = [[] for _ in sessions]
@@ -79,7 +79,7 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
     if len(pooled) == 1:
         alone += pooled
         pooled = []
-    kind = rider = None
+    kind = riders = None
     if pooled:
         from ddtree.engine.reference.fast import batch_graph
 
@@ -88,17 +88,18 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         impl = engine.impl
         kind = batch_graph.eligible(engine, members) if (impl.graphs or impl.batch_static) else None
         if kind is not None and new:
-            rider = _rider(engine, [sessions[i] for i in new], kind)
-    if rider is None:
+            riders = _riders(engine, members, [sessions[i] for i in new], kind)
+    if riders is None:
         for i, tokens in zip(new, _prefill(engine, [sessions[i] for i in new])):
             out[i] = tokens
-    # else the rider's chunk is this turn's prefill work; the other new sessions wait a turn
+    # else the riders' chunks are this turn's prefill work; the other new sessions wait a turn
     if pooled:
         with torch.inference_mode():
             if kind is not None:
-                results, ridden = batch_graph.graphed_round(engine, members, kind, graphs=impl.graphs, rider=rider)
-                if rider is not None:
-                    out[sessions.index(rider)] = ridden
+                results, ridden = batch_graph.graphed_round(engine, members, kind, graphs=impl.graphs,
+                                                            riders=riders)
+                for s, tokens in zip(riders[0] if riders else [], ridden):
+                    out[sessions.index(s)] = tokens
             else:
                 results = batched_round(engine, members)
         for i, tokens in zip(pooled, results):
@@ -109,18 +110,16 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
     return out
 
 
-def _rider(engine: Engine, new: list[Session], kind: tuple) -> Session | None:
-    """The new session whose next prefill chunk rides in this graphed round (fast/ride.py): one
-    whose prompt is part in already, else the first."""
+def _riders(engine: Engine, members: list[Session], new: list[Session], kind: tuple):
+    """The new sessions whose next prefill chunks ride in this graphed round of `members`, and
+    their shape (fast/ride.py), or None: those whose prompt is part in already first."""
     from ddtree.engine.reference.fast import batch_graph, ride
 
-    stage = engine.impl.round_stage()
-    if stage.rider is None or not ride.riders_run(engine) or stage.rider.chunk != ride.width(engine):
+    if not ride.riders_run(engine):
         return None
     started = [s for s in new if s._prefilled_rows > 0]
-    mode, budget = kind
-    return ride.pick(engine, stage.rider, started + [s for s in new if s._prefilled_rows == 0],
-                     batch_graph._width(engine, mode, budget, engine.block_size - 1))
+    b, q = batch_graph.round_shape(engine, members, kind)
+    return ride.pick(engine, started + [s for s in new if s._prefilled_rows == 0], b * q, q)
 
 
 def _prefill(engine: Engine, sessions: list[Session]) -> list[list[int]]:

@@ -74,7 +74,15 @@ class RoundStage:
         self.graph_pool = None
         self.host: dict[tuple, torch.Tensor] = {}  # key -> pinned copy of its packed walks
         self.done = torch.cuda.Event() if device.type == "cuda" else None
-        self.rider = ride.RiderStage(engine, ride.width(engine)) if ride.riders_run(engine) else None
+        self.riders: dict[tuple[int, int], ride.RiderStage] = {}  # shape -> its buffers (fast/ride.py)
+        self._engine = engine
+
+    def rider(self, shape: tuple[int, int]) -> ride.RiderStage:
+        """The buffers of riders of this (rows, tokens each) shape (made on first use, before any
+        graph reads them)."""
+        if shape not in self.riders:
+            self.riders[shape] = ride.RiderStage(self._engine, *shape)
+        return self.riders[shape]
 
 
 def eligible(engine: Engine, sessions: list[Session]) -> tuple | None:
@@ -92,21 +100,18 @@ def eligible(engine: Engine, sessions: list[Session]) -> tuple | None:
 
 
 def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graphs: bool,
-                  rider: Session | None = None) -> tuple[list[list[int]], list[int]]:
-    """The round of these sessions (all eligible with `kind`) through the stage, with `rider`'s
-    next prefill chunk in its forward (fast/ride.py; stage.rider exists then); graphs=False runs
-    the same code without capture. Returns each session's committed tokens, and the rider's."""
+                  riders: tuple[list[Session], tuple[int, int]] | None = None
+                  ) -> tuple[list[list[int]], list[list[int]]]:
+    """The round of these sessions (all eligible with `kind`) through the stage, with the riders'
+    next prefill chunks in its forward (ride.pick's riders and shape, fast/ride.py); graphs=False
+    runs the same code without capture. Returns each session's committed tokens, and each
+    rider's."""
     impl, target = engine.impl, engine.target
     pool: KVPool = impl.pool
     stage: RoundStage = impl.round_stage()
     slots = [pool.index_of(s._cache) for s in sessions]
-    b = 1
-    while b < max(slots) + 1:
-        b *= 2
-    b = min(b, pool.slots)
+    b, q = round_shape(engine, sessions, kind)
     mode, budget = kind
-    depth = engine.block_size - 1
-    q = _width(engine, mode, budget, depth)
     span = max(s._start for s in sessions) + q
     cache_rows = target.new_cache_rows()
     span = kv_bucket(cache_rows, span, target.kv_spans(cache_rows)) if target.bucket_kv else cache_rows
@@ -136,11 +141,11 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
             stage.feats[r, :rows].copy_(s._pending)
             stage.count[r] = rows
     saved = (pool.lengths.clone(), pool.dlengths.clone() if pool.dlengths is not None else None)
-    chunk = count = 0
-    if rider is not None:
-        chunk = stage.rider.chunk
-        count = ride.stage(engine, stage.rider, rider)
-    key = (mode, budget, b, span, chunk)
+    shape, counts, riding = 0, [], []
+    if riders is not None:
+        riding, shape = riders
+        counts = ride.stage(engine, stage.rider(shape), riding)
+    key = (mode, budget, b, span, shape)
     try:
         if graphs:
             rows_out = unpack_walks(_replay(engine, stage, key))
@@ -154,8 +159,8 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
         pool.lengths.copy_(saved[0])
         if saved[1] is not None:
             pool.dlengths.copy_(saved[1])
-        if rider is not None:  # its host length too: its next prefill starts where its rows end
-            rider._cache.set_length(rider._prefilled_rows)
+        for s in riding:  # their host lengths too: a next prefill starts where its rows end
+            s._cache.set_length(s._prefilled_rows)
         stage.holds.clear()
         raise
     t1 = engine.clock()
@@ -172,12 +177,12 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
         features = stage.feats[r, :tau] if mode != "ar" else None
         committed.append(s._advance(path, new, features, drafted=mode != "ar"))
         stage.holds[r] = (id(s), s.verify_ct)
-    share = (t1 - t0) / (len(sessions) + (rider is not None))
+    share = (t1 - t0) / (len(sessions) + len(riding))
     for s in sessions:
         s.timings["verify"] += share
-    if rider is None:
+    if not riding:
         return committed, []
-    return committed, ride.finish(engine, stage.rider, rider, count, share)
+    return committed, ride.finish(engine, stage.rider(shape), riding, counts, share)
 
 
 def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
@@ -198,13 +203,10 @@ def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
     depth = engine.block_size - 1
     rows = engine.target.new_cache_rows()
     buckets = engine.target.kv_spans(rows)
-    # With a prefill chunk, each key also with a chunk riding (fast/ride.py), written into a
-    # free slot by the captures' warm-up runs.
-    chunks = [0]
+    # With mixed chunks, each key also with riders of each shape it takes (fast/ride.py), written
+    # into a free slot by the captures' warm-up runs.
     free = [pool.index_of(pair[0]) for pair in engine.impl._free]
-    if stage.rider is not None and free:
-        chunks.append(stage.rider.chunk)
-        ride.point_at_free_slot(stage.rider, max(free))
+    riding = ride.riders_run(engine) and bool(free)
     made = 0
     for mode, budget in kinds:
         q = _width(engine, mode, budget, depth)
@@ -213,8 +215,13 @@ def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
         later = [size for size in buckets if size > first][:1]
         for span in [first, *later]:
             for b in sizes:
-                for chunk in chunks:
-                    key = (mode, budget, b, span, chunk)
+                shapes = [0]
+                if riding:
+                    shapes += ride.shapes(engine, b * q)
+                    for shape in shapes[1:]:
+                        ride.point_at_free_slot(stage.rider(shape), max(free))
+                for shape in shapes:
+                    key = (mode, budget, b, span, shape)
                     if key not in stage.graphs:
                         stage.graphs[key] = capture(engine, stage, key)
                         made += 1
@@ -222,6 +229,18 @@ def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
             progress(f"captured batched-round graphs for {mode}{'@' + str(budget) if budget else ''} "
                      f"(batches {sizes})")
     return made
+
+
+def round_shape(engine: Engine, sessions: list[Session], kind: tuple) -> tuple[int, int]:
+    """(b, q) of these sessions' graphed round: the power-of-two batch that covers their slots
+    (at most the pool), and the query bucket of its kind."""
+    pool = engine.impl.pool
+    top = max(pool.index_of(s._cache) for s in sessions)
+    b = 1
+    while b < top + 1:
+        b *= 2
+    mode, budget = kind
+    return min(b, pool.slots), _width(engine, mode, budget, engine.block_size - 1)
 
 
 def _width(engine: Engine, mode: str, budget: int, depth: int) -> int:
@@ -273,10 +292,10 @@ def capture(engine: Engine, stage: RoundStage, key: tuple) -> tuple[object, torc
 
 
 def static_round(engine: Engine, stage: RoundStage, mode: str, budget: int, b: int, span: int,
-                 chunk: int = 0) -> torch.Tensor:
-    """One round over slots 0..b-1 with shapes fixed by the arguments, and with chunk > 0 the
-    staged prefill chunk in its target forward (fast/ride.py); returns the packed walks
-    [b, 1 + 2q] (pack_walks)."""
+                 riders: tuple[int, int] | int = 0) -> torch.Tensor:
+    """One round over slots 0..b-1 with shapes fixed by the arguments, and with riders (their
+    (rows, tokens each), fast/ride.py) the staged prefill chunks in its target forward; returns
+    the packed walks [b, 1 + 2q] (pack_walks)."""
     target = engine.target
     pool: KVPool = engine.impl.pool
     device = pool.lengths.device
@@ -302,13 +321,13 @@ def static_round(engine: Engine, stage: RoundStage, mode: str, budget: int, b: i
     plan = batch_plan(target, lengths, trees.visible, span)
     positions = lengths[:, None] + trees.depths
     # A riding chunk's features go to its drafter later, whatever the round's own mode.
-    layers = target.feature_layers if mode != "ar" or chunk else ()
+    layers = target.feature_layers if mode != "ar" or riders else ()
     tokens, positions = trees.tokens.clamp(min=0).view(-1), positions.reshape(-1)
-    if chunk:
-        tokens, positions, plan = ride.join(target, stage.rider, tokens, positions, plan)
+    if riders:
+        tokens, positions, plan = ride.join(target, stage.rider(riders), tokens, positions, plan)
     hidden, feats = target.model(tokens, positions, pool.k, pool.v, plan, layers)
-    if chunk:
-        hidden, feats = ride.split(target, stage.rider, hidden, feats, b * q)
+    if riders:
+        hidden, feats = ride.split(target, stage.rider(riders), hidden, feats, b * q)
     # In blocks of rows, so b*q rows over a large vocabulary never sit in memory at once.
     posterior = argmax_rows(target, hidden).view(b, q)
     order, count = walk_batch(trees, posterior)

@@ -11,24 +11,33 @@ attention runs apart (model.MixedPlan), the chunk's over its own pool slot, name
 
 With engine.mixed_chunk (the server's --enable-mixed-chunk) and a prefill chunk C (its
 --chunked-prefill-size), a turn whose running sessions share a graphed round takes the next
-W = min(C, RIDE_MAX) prompt tokens (padded to W; all of a shorter prompt) of one new session into
-that round, of the one whose prompt is part in already, else of the first; the turn's other new
-sessions wait. So while requests run, prefill happens inside their rounds only, one chunk a round:
-a later first token for the joiners, no stall for the running streams. First come, first served:
-a long prompt holds later joiners back until it is in (as SGLang runs one chunked request at a
-time), and if the first cannot ride (its chunk would not fit its slot) the turn prefills as
-without riders. A turn with no graphed round (fewer than two running sessions, or a mix of kinds)
-prefills as before.
+prompt tokens of new sessions into that round, first come first served (those whose prompt is
+part in already first). The riders form R rows of W tokens each (padded), R x W at most the
+round's allowance: its own rows (b x q) rounded down to a power of two, between 2 x RIDE_MIN and
+RIDE_MAX, so a ridden round costs at most about two plain ones. The shapes a round takes: one
+rider of RIDE_MIN tokens; one of the whole allowance, for a long prompt; and, when several new
+sessions wait, allowance / RIDE_MIN rows of RIDE_MIN tokens (each W also at most C). Rows
+without a rider repeat the last rider's row: the same tokens into the same cache rows, so they
+write what it writes. The turn's other new sessions wait. So while requests run, prefill
+happens inside their rounds only: a later first token for the joiners, no stall for the
+running streams. If the first cannot ride (its chunk would not fit its slot) the turn prefills
+as without riders. A turn with no graphed round (fewer than two running sessions, or a mix of
+kinds) prefills as before.
 
-Measured on an H200 (bench/RESULTS.md): a first version that let the new sessions of one turn
-prefill together in a forward of their own, and rode only a lone joiner, left the 1.7B grid's ITL
-p99 at concurrency 16 where it was (6.9 against 7.2 ms), since that grid's joins come in groups.
+Measured on an H200 (bench/RESULTS.md), 1.7B shape, concurrency 16: a first version that let the
+new sessions of one turn prefill together in a forward of their own, and rode only a lone
+joiner, left the ITL p99 where it was (6.9 against 7.2 ms), since that grid's joins come in
+groups. One rider of 128 tokens a round met the ITL target for AR (p99 4.4 against p50 2.5 ms),
+but DDTree-16's TTFT p99 rose from 65 to 180 ms: a wave's joiners rode one after another through
+its 7 ms rounds. A single wider rider (one round a prompt) left that p99 at 182 ms. Hence
+several riders a round.
 
-What the graph does with the rider: it writes the chunk's K/V rows [start, start + W) of its slot,
-and leaves the last real row's logits and every row's features in the stage. The host then sets
-the slot's length and, after the last chunk, commits the first token as any prefill does. The
-round's rows do not know the rider: if its slot is among slots 0..b-1, that row is inactive and
-writes its padding at the slot's length, so the host sets that length past the chunk first.
+What the graph does with the riders: each row writes its chunk's K/V rows [start, start + W) of
+its slot, and leaves its last real row's logits and every row's features in the stage. The
+host then sets each slot's length and, after the last chunk, commits the first token as any
+prefill does. The round's rows do not know the riders: if a rider's slot is among slots
+0..b-1, that row is inactive and writes its padding at the slot's length, so the host sets that
+length past the chunk first.
 """
 
 from __future__ import annotations
@@ -47,30 +56,36 @@ if TYPE_CHECKING:
 
 
 class RiderStage:
-    """A chunk's device inputs and outputs (the round graphs bake in their addresses)."""
+    """The riders' device inputs and outputs, `rows` chunks of `chunk` tokens (the round graphs
+    bake in their addresses)."""
 
-    def __init__(self, engine: Engine, chunk: int) -> None:
+    def __init__(self, engine: Engine, rows: int, chunk: int) -> None:
         target = engine.target
         device = target.device
-        self.chunk = chunk
-        self.ids = torch.zeros(chunk, dtype=torch.long, device=device)
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)
-        self.start = torch.zeros(1, dtype=torch.long, device=device)
-        self.count = torch.ones(1, dtype=torch.long, device=device)
-        self.tree = torch.ones((chunk, chunk), dtype=torch.bool, device=device).tril()[None]
-        self.logits = torch.zeros((1, target.vocab_size), dtype=torch.float32, device=device)
+        self.rows, self.chunk = rows, chunk
+        self.ids = torch.zeros(rows * chunk, dtype=torch.long, device=device)
+        self.slot = torch.zeros(rows, dtype=torch.long, device=device)
+        self.start = torch.zeros(rows, dtype=torch.long, device=device)
+        self.count = torch.ones(rows, dtype=torch.long, device=device)
+        self.tree = torch.ones((chunk, chunk), dtype=torch.bool, device=device).tril().repeat(rows, 1, 1)
+        self.logits = torch.zeros((rows, target.vocab_size), dtype=torch.float32, device=device)
         width = len(target.feature_layers) * target.hidden_size
-        self.feats = torch.zeros((chunk, width), dtype=target.dtype, device=device) if width else None
+        self.feats = torch.zeros((rows * chunk, width), dtype=target.dtype, device=device) if width else None
 
 
-# Prompt tokens a chunk riding in a round takes at most (the graphs pad every rider to its width):
-# the round's GEMMs stay near their weight-bound cost with this many more rows.
-RIDE_MAX = 128
+# A rider row's tokens (below this, the round's GEMMs stay near their weight-bound cost whatever
+# the round), and the most rider tokens a round takes.
+RIDE_MIN, RIDE_MAX = 128, 512
 
 
-def width(engine: Engine) -> int:
-    """The tokens a rider takes: the prefill chunk, at most RIDE_MAX."""
-    return min(engine.prefill_chunk, RIDE_MAX)
+def shapes(engine: Engine, rows: int) -> list[tuple[int, int]]:
+    """The (riders, tokens each) shapes a round of `rows` rows (b x q) takes (module docstring)."""
+    allowance = RIDE_MIN * 2
+    while allowance * 2 <= min(rows, RIDE_MAX):
+        allowance *= 2
+    base = min(RIDE_MIN, engine.prefill_chunk)
+    out = [(1, base), (1, min(allowance, engine.prefill_chunk)), (allowance // RIDE_MIN, base)]
+    return sorted(set(out))
 
 
 def riders_run(engine: Engine) -> bool:
@@ -82,74 +97,111 @@ def riders_run(engine: Engine) -> bool:
             and (target.attention == "triton" or target.device.type == "cpu"))
 
 
-def pick(engine: Engine, rider: RiderStage, new: list[Session], q: int) -> Session | None:
-    """The first of these new sessions, if its next chunk fits its slot beside a round q tokens a
-    row wide (the inactive row of its slot writes past the chunk); else None, and the turn
-    prefills as without riders, so a session that cannot ride is never passed over for ever."""
+def pick(engine: Engine, new: list[Session], rows: int,
+         q: int) -> tuple[list[Session], tuple[int, int]] | None:
+    """The riders of a round of `rows` rows, q tokens a row wide, from these new sessions in
+    order, and their shape: with several waiting, as many as a multi-row shape holds, else the
+    first alone at the narrowest width that holds the rest of its prompt (else the widest).
+    Each chunk must fit its slot beside the round (the inactive row of its slot writes past the
+    chunk); if the first does not, None, and the turn prefills as without riders, so a session
+    that cannot ride is never passed over for ever."""
     pool = engine.impl.pool
-    rows = engine.target.new_cache_rows()
-    s = new[0]
-    if pool.index_of(s._cache) is not None and s._prefilled_rows + rider.chunk + q <= rows:
-        return s
-    return None
+    cache_rows = engine.target.new_cache_rows()
+
+    def fits(s: Session, width: int) -> bool:
+        return pool.index_of(s._cache) is not None and s._prefilled_rows + width + q <= cache_rows
+
+    options = shapes(engine, rows)
+    several = [shape for shape in options if shape[0] > 1]
+    if len(new) > 1 and several:
+        count, width = several[-1]
+        riders = []
+        for s in new[:count]:
+            if not fits(s, width):
+                break
+            riders.append(s)
+        if len(riders) > 1:
+            return riders, (count, width)
+    lone = sorted(width for count, width in options if count == 1)
+    rest = len(new[0].prompt_ids) - new[0]._prefilled_rows
+    width = next((w for w in lone if w >= rest), lone[-1])
+    return ([new[0]], (1, width)) if fits(new[0], width) else None
 
 
-def stage(engine: Engine, rider: RiderStage, s: Session) -> int:
-    """Put s's next chunk in the stage and its slot's length past the chunk; its real count."""
-    start = s._prefilled_rows
-    ids = s.prompt_ids[start:start + rider.chunk]
-    padded = ids + [0] * (rider.chunk - len(ids))
+def stage(engine: Engine, rider: RiderStage, riders: list[Session]) -> list[int]:
+    """Put the riders' next chunks in the stage (rows past the last repeat it) and each slot's
+    length past its chunk; their real counts."""
+    w, pool = rider.chunk, engine.impl.pool
+    ids, slots, starts, counts = [], [], [], []
+    for r in range(rider.rows):
+        s = riders[min(r, len(riders) - 1)]
+        start = s._prefilled_rows
+        chunk = s.prompt_ids[start:start + w]
+        ids += chunk + [0] * (w - len(chunk))
+        slots.append(pool.index_of(s._cache))
+        starts.append(start)
+        counts.append(len(chunk))
     device = rider.ids.device
-    rider.ids.copy_(torch.tensor(padded, dtype=torch.long, device=device))
-    rider.slot.fill_(engine.impl.pool.index_of(s._cache))
-    rider.start.fill_(start)
-    rider.count.fill_(len(ids))
-    s._cache.set_length(start + rider.chunk)
-    return len(ids)
+    rider.ids.copy_(torch.tensor(ids, dtype=torch.long, device=device))
+    rider.slot.copy_(torch.tensor(slots, dtype=torch.long, device=device))
+    rider.start.copy_(torch.tensor(starts, dtype=torch.long, device=device))
+    rider.count.copy_(torch.tensor(counts, dtype=torch.long, device=device))
+    for s in riders:
+        s._cache.set_length(s._prefilled_rows + w)
+    return counts[:len(riders)]
 
 
 def point_at_free_slot(rider: RiderStage, slot: int) -> None:
-    """Before a capture with no rider: its warm-up runs write a chunk into this (free) slot."""
+    """Before a capture with no riders: its warm-up runs write every row's chunk into this (free)
+    slot."""
     rider.slot.fill_(slot)
     rider.start.zero_()
     rider.count.fill_(1)
 
 
 def join(target, rider: RiderStage, tokens: torch.Tensor, positions: torch.Tensor, plan: BatchPlan):
-    """The round's flat tokens, positions and plan with the chunk's appended."""
-    chunk = rider.chunk
+    """The round's flat tokens, positions and plan with the riders' appended."""
+    rows, chunk = rider.rows, rider.chunk
     steps = torch.arange(chunk, device=tokens.device)
     alone = batch_plan(target, rider.start, rider.tree, target.new_cache_rows())
-    alone = dataclasses.replace(alone, slots=rider.slot[:, None].expand(1, chunk), index=rider.slot)
+    alone = dataclasses.replace(alone, slots=rider.slot[:, None].expand(rows, chunk), index=rider.slot)
     mixed = MixedPlan(parts=(plan, alone), slots=torch.cat((plan.slots.reshape(-1), alone.slots.reshape(-1))),
                       rows=torch.cat((plan.rows.reshape(-1), alone.rows.reshape(-1))))
-    return torch.cat((tokens, rider.ids)), torch.cat((positions, rider.start + steps)), mixed
+    at = (rider.start[:, None] + steps).reshape(-1)
+    return torch.cat((tokens, rider.ids)), torch.cat((positions, at)), mixed
 
 
 def split(target, rider: RiderStage, hidden: torch.Tensor, feats: torch.Tensor | None, n: int):
-    """Keep the chunk's last real logits and its features in the stage; the round's own rows."""
-    last = rider.count - 1 + n
+    """Keep each rider row's last real logits and its features in the stage; the round's own rows."""
+    last = n + torch.arange(rider.rows, device=hidden.device) * rider.chunk + rider.count - 1
     rider.logits.copy_(target.lm_head(hidden.index_select(0, last)).float())
     if feats is not None and rider.feats is not None:
         rider.feats.copy_(feats[n:])
     return hidden[:n], None if feats is None else feats[:n]
 
 
-def finish(engine: Engine, rider: RiderStage, s: Session, count: int, seconds: float) -> list[int]:
-    """After the round: the chunk is in s's cache; the first token once the prompt is all in."""
-    end = s._prefilled_rows + count
-    s._cache.set_length(end)
-    s._prefilled_rows = end
-    s.timings["prefill"] += seconds
-    features = None
-    if s.mode != "ar":
-        features = (rider.feats[:count].clone() if rider.feats is not None else
-                    torch.zeros((count, 0), dtype=engine.target.dtype, device=rider.ids.device))
-    if end < len(s.prompt_ids):
-        if features is not None:
-            s._prefill_features.append(features)
-        return []
-    if features is not None and s._prefill_features:
-        features = torch.cat([*s._prefill_features, features], dim=0)
-    s._prefill_features = []
-    return s._prefilled(rider.logits.clone(), features)
+def finish(engine: Engine, rider: RiderStage, riders: list[Session], counts: list[int],
+           seconds: float) -> list[list[int]]:
+    """After the round: each rider's chunk is in its cache; its first token once its prompt is
+    all in. Returns each rider's committed tokens."""
+    out = []
+    for r, (s, count) in enumerate(zip(riders, counts)):
+        end = s._prefilled_rows + count
+        s._cache.set_length(end)
+        s._prefilled_rows = end
+        s.timings["prefill"] += seconds
+        features = None
+        if s.mode != "ar":
+            at = r * rider.chunk
+            features = (rider.feats[at:at + count].clone() if rider.feats is not None else
+                        torch.zeros((count, 0), dtype=engine.target.dtype, device=rider.ids.device))
+        if end < len(s.prompt_ids):
+            if features is not None:
+                s._prefill_features.append(features)
+            out.append([])
+            continue
+        if features is not None and s._prefill_features:
+            features = torch.cat([*s._prefill_features, features], dim=0)
+        s._prefill_features = []
+        out.append(s._prefilled(rider.logits[r:r + 1].clone(), features))
+    return out

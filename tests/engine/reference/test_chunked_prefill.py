@@ -145,12 +145,13 @@ def test_closing_a_session_mid_prefill_lets_its_chunks_go(pair):
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.algorithm}{s.budget}")
 def test_chunks_riding_in_graphed_rounds_decode_as_serial(pair, spec, monkeypatch):
-    """With a chunk size and a graphed round running, a new session's prompt goes into the cache
-    one chunk a turn inside the round's target forward (fast/ride.py), the turn's other new
-    sessions waiting; every output is still the serial one, whatever the riders' algorithms."""
+    """With a chunk size and a graphed round running, new sessions' prompts go into the cache one
+    chunk a turn inside the round's target forward (fast/ride.py), several a round, the turn's
+    other new sessions waiting; every output is still the serial one, whatever the riders'
+    algorithms."""
     from ddtree.engine.reference.fast import ride
 
-    whole, chunked = engines(pair, "fast", pool_slots=4)
+    whole, chunked = engines(pair, "fast", pool_slots=8)
     chunked.impl.batch_static = True  # the graphed round's code, without graphs, on a CPU
     chunked.mixed_chunk = True
     rides = []
@@ -160,23 +161,24 @@ def test_chunks_riding_in_graphed_rounds_decode_as_serial(pair, spec, monkeypatc
     rng = random.Random(7)
     # The running sessions share one kind; joiners may be of any kind.
     jobs = [([rng.randrange(64) for _ in range(rng.randrange(1, 20))], SPECS[k % 4] if k % 5 == 4 else spec)
-            for k in range(14)]
+            for k in range(24)]
     want = [whole.generate(p, gen, s).output_ids for p, s in jobs]
     active, out, nxt, waited = [], {}, 0, 0
     while active or nxt < len(jobs):
-        while nxt < len(jobs) and len(active) < 4:
+        while nxt < len(jobs) and len(active) < 8:
             active.append((nxt, chunked.start(jobs[nxt][0], gen, jobs[nxt][1])))
             nxt += 1
         new = [s for _, s in active if s._bonus is None]
         before, ridden = [s._cache.length for s in new], len(rides)
         chunked.step_many([s for _, s in active])
-        if len(rides) > ridden:  # a turn with a rider prefills nothing else
-            assert sum(s._cache.length - b for s, b in zip(new, before)) == rides[-1] <= CHUNK
-            waited += len(new) > 1
+        if len(rides) > ridden:  # a turn with riders prefills nothing else
+            assert sum(s._cache.length - b for s, b in zip(new, before)) == sum(rides[-1])
+            assert max(rides[-1]) <= CHUNK
+            waited += len(new) > len(rides[-1])
         _collect_done(active, out)
     assert [out[j] for j in range(len(jobs))] == want
-    assert rides and max(rides) <= CHUNK and waited
-    assert chunked.pool_usage()["free_slots"] == 4
+    assert waited and max(len(r) for r in rides) > 1
+    assert chunked.pool_usage()["free_slots"] == 8
 
 
 def test_with_mixed_chunks_a_long_prompt_rides_in_the_running_round_a_chunk_a_turn(pair, monkeypatch):
@@ -203,7 +205,7 @@ def test_with_mixed_chunks_a_long_prompt_rides_in_the_running_round_a_chunk_a_tu
         ticket = sched.submit(prompt, GenParams(max_new_tokens=2, ignore_eos=True), SpecParams("ar"), long.put)
         head = long.get(timeout=120)
         assert head.new_ids and head.turn == ticket.submitted_turn + 5
-        assert rides == [CHUNK] * 4 + [1]
+        assert rides == [[CHUNK]] * 4 + [[1]]
         updates = [firsts[0]]
         while not updates[-1].done:
             updates.append(streams[0].get(timeout=120))
@@ -242,3 +244,65 @@ def test_a_failing_ridden_round_leaves_the_rider_where_it_was(pair, monkeypatch)
     while not rider.done:
         engine.step_many([s for s in running + [rider] if not s.done])
     assert rider.output_ids == whole.generate(prompt, gen, SpecParams("ar")).output_ids
+
+
+def test_riders_shapes_and_picks(pair):
+    """A round's rider shapes grow with its rows (fast/ride.py); several new sessions ride
+    together as rows of RIDE_MIN tokens, a lone one at the narrowest width that holds its rest."""
+    from ddtree.engine.reference.fast import ride
+
+    _, engine = engines(pair, "fast", pool_slots=8)
+    engine.prefill_chunk = 2048
+    assert ride.shapes(engine, 16) == [(1, 128), (1, 256), (2, 128)]  # AR at concurrency 16
+    assert ride.shapes(engine, 16 * 32) == ride.shapes(engine, 10**6) == [(1, 128), (1, 512), (4, 128)]
+    engine.prefill_chunk = 200
+    assert ride.shapes(engine, 10**6) == [(1, 128), (1, 200), (4, 128)]
+    engine.prefill_chunk = CHUNK
+    assert ride.shapes(engine, 10**6) == [(1, CHUNK), (4, CHUNK)]
+    engine.prefill_chunk = 2048
+    gen = GenParams(max_new_tokens=2)
+    long = engine.start(list(range(1, 60)) * 5, gen, SpecParams("ar"))
+    short = engine.start(list(range(1, 51)), gen, SpecParams("ar"))
+    others = [engine.start([1, 2, 3], gen, SpecParams("ar")) for _ in range(4)]
+    assert ride.pick(engine, [long], 512, 32) == ([long], (1, 512))
+    assert ride.pick(engine, [short], 512, 32) == ([short], (1, 128))
+    assert ride.pick(engine, [long], 16, 1) == ([long], (1, 256))
+    assert ride.pick(engine, [long, short], 16, 1) == ([long, short], (2, 128))
+    assert ride.pick(engine, [short, *others], 512, 32) == ([short, *others[:3]], (4, 128))
+    for sess in (long, short, *others):
+        sess.close()
+
+
+@pytest.mark.parametrize("spec", [SpecParams("ar"), SpecParams("ddtree", 16)], ids=lambda s: s.algorithm)
+def test_riders_of_every_shape_decode_as_serial(pair, spec, monkeypatch):
+    """The rider widths scaled down (RIDE_MIN 2, RIDE_MAX 8), so that rounds of these tiny
+    batches take lone riders and several riders a round, with rows to spare. Every output is
+    still the serial one."""
+    from ddtree.engine.reference.fast import ride
+
+    monkeypatch.setattr(ride, "RIDE_MIN", 2)
+    monkeypatch.setattr(ride, "RIDE_MAX", 8)
+    whole, chunked = engines(pair, "fast", pool_slots=4)
+    chunked.prefill_chunk = 8
+    chunked.impl.batch_static = True
+    chunked.mixed_chunk = True
+    seen = set()
+    real_stage = ride.stage
+    monkeypatch.setattr(ride, "stage", lambda e, rider, riders: (
+        seen.add((rider.rows, rider.chunk, len(riders))) or real_stage(e, rider, riders)))
+    gen = GenParams(max_new_tokens=9, ignore_eos=True)
+    rng = random.Random(11)
+    jobs = [[rng.randrange(64) for _ in range(rng.randrange(1, 24))] for _ in range(16)]
+    want = [whole.generate(p, gen, spec).output_ids for p in jobs]
+    active, out, nxt = [], {}, 0
+    while active or nxt < len(jobs):
+        while nxt < len(jobs) and len(active) < 4:
+            active.append((nxt, chunked.start(jobs[nxt], gen, spec)))
+            nxt += 1
+        chunked.step_many([s for _, s in active])
+        _collect_done(active, out)
+    assert [out[j] for j in range(len(jobs))] == want
+    assert any(rows == 1 for rows, _, _ in seen) and any(rows > 1 for rows, _, _ in seen)
+    if spec.algorithm == "ddtree":  # its wide rounds take lone riders of 8 and four rows
+        assert (1, 8, 1) in seen and any(rows == 4 > n for rows, _, n in seen)
+    assert chunked.pool_usage()["free_slots"] == 4

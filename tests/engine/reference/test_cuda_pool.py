@@ -57,22 +57,28 @@ def test_mixed_rounds_and_drops_on_cuda(engines):
 
 
 @pytest.mark.parametrize("spec", [SpecParams("ar"), SpecParams("ddtree", 16)], ids=lambda s: s.algorithm)
-def test_graphed_rounds_with_riding_chunks_equal_serial(engines, spec):
+def test_graphed_rounds_with_riding_chunks_equal_serial(engines, spec, monkeypatch):
     """--enable-mixed-chunk: joining prompts ride in the graphed rounds a chunk at a time (the
-    rider graphs captured by the warm-up, the chunk's attention over its slot in place)."""
+    rider graphs captured by the warm-up, the chunks' attention over their slots in place). The
+    rider widths scaled down (RIDE_MIN 4, RIDE_MAX 16), so that these small rounds capture every
+    shape and take lone riders and several riders a round."""
     from ddtree.engine.reference.fast import ride
+
+    monkeypatch.setattr(ride, "RIDE_MIN", 4)
+    monkeypatch.setattr(ride, "RIDE_MAX", 16)
 
     serial, _ = engines
     model = make_target(0).cuda()
     mixed = Engine(model, make_drafter(model, block_size=8, seed=1), backend="fast", max_budget=64, slots=2,
                    pool_slots=8, compile=False)
-    mixed.prefill_chunk, mixed.mixed_chunk = 8, True
+    mixed.prefill_chunk, mixed.mixed_chunk = 16, True
     mixed.warmup()
     stage = mixed.impl.round_stage()
-    assert stage.rider is not None and any(key[4] == 8 for key in stage.graphs)
+    shapes = {(1, 4), (1, 8), (2, 4), (1, 16), (4, 4)}
+    assert set(stage.riders) == {key[4] for key in stage.graphs} - {0} == shapes
     rides = []
     real_finish = ride.finish
-    ride.finish = lambda *a: rides.append(a[3]) or real_finish(*a)
+    ride.finish = lambda *a: rides.append((a[1].rows, a[1].chunk)) or real_finish(*a)
     try:
         rng = random.Random(5)
         jobs = [([rng.randrange(64) for _ in range(rng.randrange(1, 30))], spec, rng.randrange(1, 40))
@@ -82,6 +88,6 @@ def test_graphed_rounds_with_riding_chunks_equal_serial(engines, spec):
     finally:
         ride.finish = real_finish
     assert [got[j] for j in range(len(jobs))] == want
-    assert rides
+    assert any(rows == 1 for rows, _ in rides) and any(rows > 1 for rows, _ in rides)
     gc.collect()
     assert len(mixed.impl._free) == mixed.impl.pool.slots

@@ -281,13 +281,18 @@ def test_precapture_with_mixed_chunks_captures_every_key_with_a_rider_too(pair, 
     from ddtree.engine.reference.fast import batch_graph, ride
 
     model, drafter = pair
-    engine = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=4)
+    engine = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=8)
     engine.prefill_chunk, engine.mixed_chunk = 1000, True
     monkeypatch.setattr(batch_graph, "capture", lambda engine, stage, key: ("graph", key))
-    batch_graph.precapture(engine, (16,))
+    batch_graph.precapture(engine, (16, 64))
     keys = set(engine.impl.round_stage().graphs)
-    assert {k[4] for k in keys} == {0, ride.RIDE_MAX}
-    assert {k[:4] for k in keys if k[4]} == {k[:4] for k in keys if not k[4]}
+    plain = {k[:4] for k in keys if not k[4]}
+    for mode, budget, b, span in plain:
+        q = batch_graph._width(engine, mode, budget, engine.block_size - 1)
+        want = ride.shapes(engine, b * q)
+        assert {k[4] for k in keys if k[:4] == (mode, budget, b, span) and k[4]} == set(want)
+    # Narrow rounds take riders of up to 256 tokens; wide trees up to 512.
+    assert {k[4] for k in keys} == {0, (1, 128), (1, 256), (2, 128), (1, 512), (4, 128)}
 
 
 def test_a_new_lease_forgets_what_the_stage_held_for_its_slot(pair):
