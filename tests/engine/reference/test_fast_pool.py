@@ -480,18 +480,19 @@ def test_prompts_that_join_together_append_to_the_drafter_together(pair, monkeyp
     running = [pooled.start([5, 6], gen, SpecParams("dflash"))]
     pooled.step_many(running)
     sessions = [pooled.start(p, gen, s) for p, s in zip(prompts, specs)]
-    pooled.step_many(running + sessions)  # the prefills
-    for s, want in zip(sessions, want_feats):  # each row's own features, not another's
-        torch.testing.assert_close(s._pending, want, rtol=1e-4, atol=1e-5)
     calls.clear()
-    pooled.step_many(running + sessions)  # the prompts' appends, then the round
+    pooled.step_many(running + sessions)  # the prefills, then the prompts' appends in that turn
+    assert [s._pending.shape[0] for s in sessions] == [0, 0, 0, 3, 0]
+    torch.testing.assert_close(sessions[3]._pending, want_feats[3], rtol=1e-4, atol=1e-5)
+    pooled.step_many(running + sessions)  # the round: the 3-row prompt's first draft appends it
     pool = pooled.impl.pool
     slots = [pool.index_of(s._cache) for s in sessions]
     for s, r, want in zip(sessions, slots, want_keys):  # in each session's own slot, at its rows
         torch.testing.assert_close(pool.dk[:, r, :, :want.shape[2]], want, rtol=1e-4, atol=1e-5)
         assert int(pool.dlengths[r]) == s._draft_cache.length
     # 60, 20 and 15 rows pad to 3 x 60, within twice their 95 real rows; 12 more would not (4 x 60
-    # > 2 x 107), so it appends alone; 3 rows fit the first draft's own append.
+    # > 2 x 107), so it appends alone; 3 rows fit the first draft's own append. Each row's own
+    # features, not another's: the keys above are each prompt's alone.
     assert calls[0] == ((3, 60), sorted(slots[j] for j in (1, 2, 4)))
     assert all(slots_of is None for _, slots_of in calls[1:])
     while not all(s.done for s in running + sessions):
@@ -539,3 +540,20 @@ def test_a_prefill_that_fails_leaves_its_session_new(pair, monkeypatch, prefills
         engine.step_many([s for s in sessions if not s.done])
     assert [s.output_ids for s in sessions] == [serial.generate(p, gen, SpecParams("ddtree", 4)).output_ids
                                                 for p in prompts]
+
+
+def test_a_prompts_drafter_rows_go_in_with_its_prefill(pair):
+    """A prompt longer than a draft block appends its features to its drafter rows in its prefill's
+    turn, so the turn after it can be a graphed round (batch_graph.eligible) and the append's time
+    counts in the first token's, not in the gap to the second."""
+    from ddtree.engine.reference.fast import batch_graph
+
+    model, drafter = pair
+    engine = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=4)
+    engine.impl.batch_static = True
+    gen = GenParams(max_new_tokens=6)
+    sessions = [engine.start(list(range(1, 21)), gen, SpecParams("ddtree", 16)) for _ in range(2)]
+    engine.step_many(sessions)
+    assert all(len(s.output_ids) == 1 and s._pending.shape[0] == 0 for s in sessions)
+    assert all(s._draft_cache.length == 20 for s in sessions)
+    assert batch_graph.eligible(engine, sessions) == ("tree", 16)
