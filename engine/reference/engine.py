@@ -277,10 +277,10 @@ class Engine:
 
         Returns each session's newly committed tokens, as `Session.step()` would; a session that
         is done gets [], one not yet prefilled gets its prefill (with mixed_chunk on the pooled
-        fast backend, beside a graphed round: one of them gets its next chunk inside that round
+        fast backend, beside a graphed round: some of them get their next chunk inside that round
         and the others [], untouched; fast/ride.py). Outputs equal stepping the sessions one by
         one (at temperature 0 token for token; seeded sampling draws the same). If the batched
-        round raises, no session in it has changed, the riding one included; the prefills before
+        round raises, no session in it has changed, the riding ones included; the prefills before
         it have happened, each complete.
         """
         sessions = list(sessions)

@@ -546,8 +546,10 @@ class Scheduler:
             self._step_together(fresh + live, len(live))
             return
         # New requests prefill together and publish at once, before the others' round, so a
-        # cohort's first tokens wait for one forward rather than for one each plus a round.
-        if len(fresh) > 1:
+        # cohort's first tokens wait for one forward rather than for one each plus a round. A
+        # lone one goes through step_many too: there its prompt's drafter rows go in with its
+        # prefill (fast/batch.py), not in the gap to its second token.
+        if fresh:
             try:
                 self._engine(self.engine.step_many, [a.session for a in fresh])
             except Exception as exc:  # boundary: find the culprit by prefilling each alone
@@ -570,9 +572,9 @@ class Scheduler:
 
     def _step_together(self, turn: list[_Active], live: int) -> None:
         """These requests in one engine call, `live` of them running. With mixed chunks on, new
-        requests come too: the fast engine then folds one new request's chunk into the running
-        round's forward and holds the other new ones back a turn (fast/ride.py), so running
-        streams never wait for a prefill of its own."""
+        requests come too: the fast engine then folds new requests' chunks into the running
+        round's forward (up to four) and holds the other new ones back a turn (fast/ride.py), so
+        running streams never wait for a prefill of its own."""
         try:
             self._engine(self.engine.step_many, [a.session for a in turn])
         except Exception as exc:  # boundary: find the culprit by stepping each request alone

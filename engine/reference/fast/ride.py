@@ -183,25 +183,27 @@ def split(target, rider: RiderStage, hidden: torch.Tensor, feats: torch.Tensor |
 def finish(engine: Engine, rider: RiderStage, riders: list[Session], counts: list[int],
            seconds: float) -> list[list[int]]:
     """After the round: each rider's chunk is in its cache; its first token once its prompt is
-    all in. Returns each rider's committed tokens."""
-    out = []
+    all in. Returns each rider's committed tokens. Every rider's rows and features are in place
+    before any first token is committed, so one that raises leaves no later rider behind."""
+    done = []
     for r, (s, count) in enumerate(zip(riders, counts)):
-        end = s._prefilled_rows + count
-        s._cache.set_length(end)
-        s._prefilled_rows = end
+        s._prefilled_rows += count
+        s._cache.set_length(s._prefilled_rows)
         s.timings["prefill"] += seconds
         features = None
         if s.mode != "ar":
             at = r * rider.chunk
             features = (rider.feats[at:at + count].clone() if rider.feats is not None else
                         torch.zeros((count, 0), dtype=engine.target.dtype, device=rider.ids.device))
-        if end < len(s.prompt_ids):
+        if s._prefilled_rows < len(s.prompt_ids):
             if features is not None:
                 s._prefill_features.append(features)
-            out.append([])
             continue
         if features is not None and s._prefill_features:
             features = torch.cat([*s._prefill_features, features], dim=0)
         s._prefill_features = []
-        out.append(s._prefilled(rider.logits[r:r + 1].clone(), features))
+        done.append((r, features, rider.logits[r:r + 1].clone()))
+    out: list[list[int]] = [[] for _ in riders]
+    for r, features, logits in done:
+        out[r] = riders[r]._prefilled(logits, features)
     return out

@@ -215,9 +215,9 @@ def test_with_mixed_chunks_a_long_prompt_rides_in_the_running_round_a_chunk_a_tu
         sched.stop(timeout=30)
 
 
-def test_a_failing_ridden_round_leaves_the_rider_where_it_was(pair, monkeypatch):
-    """A round that raises with a chunk riding changes neither the running sessions nor the
-    rider: its cache length is its prefilled rows again, and it decodes as serial afterwards."""
+def test_a_failing_ridden_round_leaves_the_riders_where_they_were(pair, monkeypatch):
+    """A round that raises with chunks riding changes neither the running sessions nor the
+    riders: each cache length is its prefilled rows again, and they decode as serial afterwards."""
     from ddtree.engine.reference.fast import batch_graph
 
     whole, engine = engines(pair, "fast", pool_slots=4)
@@ -226,10 +226,10 @@ def test_a_failing_ridden_round_leaves_the_rider_where_it_was(pair, monkeypatch)
     gen = GenParams(max_new_tokens=8, ignore_eos=True)
     running = [engine.start([1, 2, 3], gen, SpecParams("ar")) for _ in range(2)]
     engine.step_many(running)  # their prefills: no round to ride yet
-    prompt = list(range(5, 5 + 2 * CHUNK + 1))
-    rider = engine.start(prompt, gen, SpecParams("ar"))
-    engine.step_many(running + [rider])  # its first chunk rides
-    assert rider._prefilled_rows == CHUNK and rider._cache.length == CHUNK
+    prompts = [list(range(5, 6 + 2 * CHUNK)), list(range(9, 12 + 2 * CHUNK))]
+    riders = [engine.start(p, gen, SpecParams("ar")) for p in prompts]
+    engine.step_many(running + riders)  # their first chunks ride, two rows
+    assert all(r._prefilled_rows == CHUNK and r._cache.length == CHUNK for r in riders)
     before = [list(s.output_ids) for s in running]
     lengths = engine.impl.pool.lengths.clone()
 
@@ -237,13 +237,13 @@ def test_a_failing_ridden_round_leaves_the_rider_where_it_was(pair, monkeypatch)
         raise RuntimeError("round failed")
     monkeypatch.setattr(batch_graph, "static_round", broken)
     with pytest.raises(RuntimeError):
-        engine.step_many(running + [rider])
+        engine.step_many(running + riders)
     assert [list(s.output_ids) for s in running] == before and torch.equal(engine.impl.pool.lengths, lengths)
-    assert rider._prefilled_rows == CHUNK and rider._cache.length == CHUNK
+    assert all(r._prefilled_rows == CHUNK and r._cache.length == CHUNK for r in riders)
     monkeypatch.undo()
-    while not rider.done:
-        engine.step_many([s for s in running + [rider] if not s.done])
-    assert rider.output_ids == whole.generate(prompt, gen, SpecParams("ar")).output_ids
+    while not all(r.done for r in riders):
+        engine.step_many([s for s in running + riders if not s.done])
+    assert [r.output_ids for r in riders] == [whole.generate(p, gen, SpecParams("ar")).output_ids for p in prompts]
 
 
 def test_riders_shapes_and_picks(pair):
@@ -269,6 +269,15 @@ def test_riders_shapes_and_picks(pair):
     assert ride.pick(engine, [long], 16, 1) == ([long], (1, 256))
     assert ride.pick(engine, [long, short], 16, 1) == ([long, short], (2, 128))
     assert ride.pick(engine, [short, *others], 512, 32) == ([short, *others[:3]], (4, 128))
+    # The chunk and the round's q rows must fit the slot; one that does not stops the pick
+    # there (first come, first served), and a first that does not makes the turn prefill.
+    rows = engine.target.new_cache_rows()
+    others[1]._prefilled_rows = rows - 128 - 31
+    assert ride.pick(engine, [short, others[0], others[1], others[2]], 512, 32) == ([short, others[0]], (4, 128))
+    assert ride.pick(engine, [others[1], short], 512, 32) is None
+    others[1]._prefilled_rows = rows - 128 - 32
+    assert ride.pick(engine, [others[1]], 512, 32) == ([others[1]], (1, 128))
+    others[1]._prefilled_rows = 0
     for sess in (long, short, *others):
         sess.close()
 
@@ -293,15 +302,20 @@ def test_riders_of_every_shape_decode_as_serial(pair, spec, monkeypatch):
     gen = GenParams(max_new_tokens=9, ignore_eos=True)
     rng = random.Random(11)
     jobs = [[rng.randrange(64) for _ in range(rng.randrange(1, 24))] for _ in range(16)]
-    want = [whole.generate(p, gen, spec).output_ids for p in jobs]
-    active, out, nxt = [], {}, 0
+    want = [whole.generate(p, gen, spec) for p in jobs]
+    active, started, nxt = [], [], 0
     while active or nxt < len(jobs):
         while nxt < len(jobs) and len(active) < 4:
-            active.append((nxt, chunked.start(jobs[nxt], gen, spec)))
+            active.append(chunked.start(jobs[nxt], gen, spec))
+            started.append(active[-1])
             nxt += 1
-        chunked.step_many([s for _, s in active])
-        _collect_done(active, out)
-    assert [out[j] for j in range(len(jobs))] == want
+        chunked.step_many(active)
+        for s in [s for s in active if s.done]:
+            s.close()
+            active.remove(s)
+    assert [s.output_ids for s in started] == [w.output_ids for w in want]
+    # The drafts saw each rider's own prompt features (a wrong row drafts worse, losslessly).
+    assert [s.accept_lengths for s in started] == [w.accept_lengths for w in want]
     assert any(rows == 1 for rows, _, _ in seen) and any(rows > 1 for rows, _, _ in seen)
     if spec.algorithm == "ddtree":  # its wide rounds take lone riders of 8 and four rows
         assert (1, 8, 1) in seen and any(rows == 4 > n for rows, _, n in seen)

@@ -544,8 +544,8 @@ def test_a_prefill_that_fails_leaves_its_session_new(pair, monkeypatch, prefills
 
 def test_a_prompts_drafter_rows_go_in_with_its_prefill(pair):
     """A prompt longer than a draft block appends its features to its drafter rows in its prefill's
-    turn, so the turn after it can be a graphed round (batch_graph.eligible) and the append's time
-    counts in the first token's, not in the gap to the second."""
+    turn, so the append's time counts in the first token's, not in the gap to the second; the
+    next turn's round has nothing to append (batch_graph.eligible takes it as it is)."""
     from ddtree.engine.reference.fast import batch_graph
 
     model, drafter = pair
