@@ -17,8 +17,9 @@ round's allowance: its own rows (b x q) rounded down to a power of two, between 
 RIDE_MAX, so a ridden round costs at most about two plain ones. The shapes a round takes: one
 rider of RIDE_MIN tokens; one of the whole allowance, for a long prompt; and, when several new
 sessions wait, allowance / RIDE_MIN rows of RIDE_MIN tokens (each W also at most C). Rows
-without a rider repeat the last rider's row: the same tokens into the same cache rows, so they
-write what it writes. The turn's other new sessions wait. So while requests run, prefill
+without a rider write into a rider's slot past its chunk, rows no one reads (not into its
+chunk's rows: two GEMM rows of the same tokens need not round alike, and which write landed would
+be a race). The turn's other new sessions wait. So while requests run, prefill
 happens inside their rounds only: a later first token for the joiners, no stall for the
 running streams. If the first cannot ride (its chunk would not fit its slot) the turn prefills
 as without riders. A turn with no graphed round (fewer than two running sessions, or a mix of
@@ -103,8 +104,9 @@ def pick(engine: Engine, new: list[Session], rows: int,
     order, and their shape: with several waiting, as many as a multi-row shape holds, else the
     first alone at the narrowest width that holds the rest of its prompt (else the widest).
     Each chunk must fit its slot beside the round (the inactive row of its slot writes past the
-    chunk); if the first does not, None, and the turn prefills as without riders, so a session
-    that cannot ride is never passed over for ever."""
+    chunk), and with spare rows one rider's slot must hold a second chunk past its own (spare());
+    if the first does not fit, None, and the turn prefills as without riders, so a session that
+    cannot ride is never passed over for ever."""
     pool = engine.impl.pool
     cache_rows = engine.target.new_cache_rows()
 
@@ -120,7 +122,7 @@ def pick(engine: Engine, new: list[Session], rows: int,
             if not fits(s, width):
                 break
             riders.append(s)
-        if len(riders) > 1:
+        if len(riders) > 1 and (len(riders) == count or spare(engine, riders, width) is not None):
             return riders, (count, width)
     lone = sorted(width for count, width in options if count == 1)
     rest = len(new[0].prompt_ids) - new[0]._prefilled_rows
@@ -128,15 +130,25 @@ def pick(engine: Engine, new: list[Session], rows: int,
     return ([new[0]], (1, width)) if fits(new[0], width) else None
 
 
+def spare(engine: Engine, riders: list[Session], width: int) -> Session | None:
+    """The rider whose slot takes the rows of the stage's spare rows: the first with room for a
+    second chunk past its own."""
+    rows = engine.target.new_cache_rows()
+    return next((s for s in riders if s._prefilled_rows + 2 * width <= rows), None)
+
+
 def stage(engine: Engine, rider: RiderStage, riders: list[Session]) -> list[int]:
-    """Put the riders' next chunks in the stage (rows past the last repeat it) and each slot's
-    length past its chunk; their real counts."""
+    """Put the riders' next chunks in the stage, the spare rows past a rider's chunk (spare()),
+    and each slot's length past its chunk; their real counts."""
     w, pool = rider.chunk, engine.impl.pool
     ids, slots, starts, counts = [], [], [], []
+    host = spare(engine, riders, w) if len(riders) < rider.rows else None
     for r in range(rider.rows):
-        s = riders[min(r, len(riders) - 1)]
-        start = s._prefilled_rows
-        chunk = s.prompt_ids[start:start + w]
+        if r < len(riders):
+            s, start = riders[r], riders[r]._prefilled_rows
+            chunk = s.prompt_ids[start:start + w]
+        else:
+            s, start, chunk = host, host._prefilled_rows + w, [0]
         ids += chunk + [0] * (w - len(chunk))
         slots.append(pool.index_of(s._cache))
         starts.append(start)

@@ -277,7 +277,17 @@ def test_riders_shapes_and_picks(pair):
     assert ride.pick(engine, [others[1], short], 512, 32) is None
     others[1]._prefilled_rows = rows - 128 - 32
     assert ride.pick(engine, [others[1]], 512, 32) == ([others[1]], (1, 128))
-    others[1]._prefilled_rows = 0
+    # Spare rows write past a rider's chunk, in its own slot: one rider needs room for two chunks.
+    assert ride.pick(engine, [others[1], others[2]], 512, 32) == ([others[1], others[2]], (4, 128))
+    assert ride.spare(engine, [others[1], others[2]], 128) is others[2]
+    others[2]._prefilled_rows = rows - 128 - 32
+    assert ride.pick(engine, [others[1], others[2]], 512, 32) == ([others[1]], (1, 128))
+    others[1]._prefilled_rows = others[2]._prefilled_rows = 0
+    stage = ride.RiderStage(engine, 4, 128)
+    assert ride.stage(engine, stage, [short, others[0]]) == [50, 3]
+    slot = engine.impl.pool.index_of(short._cache)
+    assert stage.start.tolist() == [0, 0, 128, 128] and stage.slot.tolist()[2:] == [slot, slot]
+    assert short._cache.length == others[0]._cache.length == 128  # past the chunks, until finish
     for sess in (long, short, *others):
         sess.close()
 
