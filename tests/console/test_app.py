@@ -116,7 +116,7 @@ async def test_two_consoles_at_once_while_a_job_runs(db_path):
     app = make_app(db_path, poll_s=0.1)
     async with app.run_test() as pilot:
         job_id = submit(db_path, "sleep", {"seconds": 1.0})
-        await until(pilot, lambda: rows(app, "jobs") and rows(app, "jobs")[0][3] == "succeeded", timeout=30)
+        await until(pilot, lambda: rows(app, "jobs") and rows(app, "jobs")[0][3] == "succeeded")
         assert rows(app, "jobs")[0][0] == str(job_id)
         await pilot.press("q")
     out, err = await asyncio.to_thread(other.communicate, timeout=60)

@@ -29,7 +29,7 @@ def db_path(tmp_path):
 def ready(check, keys=()):
     async def run_before(pilot) -> None:
         await pilot.press(*keys)  # panes are built on their first visit: go there, then wait
-        await until(pilot, lambda: check(pilot.app), timeout=15)
+        await until(pilot, lambda: check(pilot.app))
         await pilot.pause(0.1)
 
     return run_before

@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 
 
-async def until(pilot, predicate, timeout: float = 10.0, what: str = "it") -> None:
-    """Let the app run until predicate() holds; fail naming `what` after `timeout` seconds."""
+async def until(pilot, predicate, timeout: float = 60.0, what: str = "it") -> None:
+    """Let the app run until predicate() holds; fail naming `what` after `timeout` seconds. The
+    bound only keeps a broken console from hanging the run: a loaded CI box has taken more than
+    15 s to settle a pane, so it is far above what a healthy wait takes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         await pilot.pause(0.05)
