@@ -94,11 +94,20 @@ def server_cell(url: str, args, concurrency: int, spec: dict) -> dict:
     if warm and not any(r.ok for r in warmed.requests):
         result.warnings.append(f"every warm-up request failed ({len(warm)})")
     cell["prompts"] = len(prompts)
+    cell["ttft_worst"] = worst_first_tokens(result.requests)
     cell["warnings"] = result.warnings
     failed = [r for r in result.requests if not r.ok]
     if failed:
         cell["first_failure"] = f"{failed[0].error}: {failed[0].detail}"
     return cell
+
+
+def worst_first_tokens(requests, n: int = 4) -> list[list[float]]:
+    """The slowest first tokens as [start offset, TTFT] in ms: with a few dozen requests a
+    cell's TTFT p99 is its worst one or two, and whether they started with the cell (the first
+    wave's cohort) or joined running streams says which path made them slow."""
+    timed = sorted((r for r in requests if r.ttft_s is not None), key=lambda r: r.ttft_s, reverse=True)
+    return [[round(1000 * r.start_offset_s, 1), round(1000 * r.ttft_s, 1)] for r in timed[:n]]
 
 
 TURN_KEYS = ("scheduler_turns_total", "scheduler_turn_seconds_total", "engine_seconds_total")
@@ -338,7 +347,8 @@ def line(cell: dict) -> str:
             f"{_ms(cell.get('ttft_p99'))} ms  ITL p50/p99 {_ms(cell.get('itl_p50'))} /{_ms(cell.get('itl_p99'))} ms"
             f"  tau {_num(cell.get('tau_weighted'), '5.2f')}  ({cell.get('wall_s')} s)"
             + (f"  {cell['turns']} turns of {cell['turn_ms']:.2f} ms, {cell['engine_ms_per_turn']:.2f} in the engine"
-               if cell.get("turns") else ""))
+               if cell.get("turns") else "")
+            + (f"  slowest first tokens (start, TTFT ms) {cell['ttft_worst'][:2]}" if cell.get("ttft_worst") else ""))
 
 
 def summarize(server: list[dict] | None, inprocess: list[dict] | None, specs, concurrencies: list[int]) -> dict:

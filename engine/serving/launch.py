@@ -342,9 +342,9 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                         help="fast backend with a KV pool: while requests run, joining prompts' prefills ride in "
                              "their round's forward, up to four a round, 128 to 512 tokens in all (at most "
                              "--chunked-prefill-size each), instead of a forward of their own that every running "
-                             "stream waits for; "
-                             "lower inter-token latency under load, a later first token (as SGLang's flag of "
-                             "that name)")
+                             "stream waits for (a burst that riding would hold back more than twice as long still prefills "
+                             "at once); lower inter-token latency under load, a later first token (as SGLang's flag "
+                             "of that name)")
     parser.add_argument("--stream-interval", type=positive if passthrough else int, default=default(1),
                         help="tokens a running request gathers before they are sent: every update costs the HTTP "
                              "process a chunk, so at high token rates a larger value serves more tokens/s, in "

@@ -23,7 +23,12 @@ be a race). The turn's other new sessions wait. So while requests run, prefill
 happens inside their rounds only: a later first token for the joiners, no stall for the
 running streams. If the first cannot ride (its chunk would not fit its slot) the turn prefills
 as without riders. A turn with no graphed round (fewer than two running sessions, or a mix of
-kinds) prefills as before.
+kinds) prefills as before. So does a burst: prompts whose riding would take more than
+BURST_ROUNDS times the turns that prefilling alone takes, as a cohort of short prompts does
+when it finds few streams running (small rounds take two riders). Prefilled together they cost
+the running streams one gap; riding, the last of them would wait for many rounds. SGLang makes
+the same trade with mixed chunks: a step takes up to --chunked-prefill-size tokens of the waiting
+prompts, the running decodes mixed in.
 
 Measured on an H200 (bench/RESULTS.md), 1.7B shape, concurrency 16: a first version that let the
 new sessions of one turn prefill together in a forward of their own, and rode only a lone
@@ -77,6 +82,9 @@ class RiderStage:
 # A rider row's tokens (below this, the round's GEMMs stay near their weight-bound cost whatever
 # the round), and the most rider tokens a round takes.
 RIDE_MIN, RIDE_MAX = 128, 512
+# Riding may take at most this many times the turns that prefilling alone would take to give
+# every waiting prompt its first token; past that the wait is a burst (pick()).
+BURST_ROUNDS = 2
 
 
 def shapes(engine: Engine, rows: int) -> list[tuple[int, int]]:
@@ -106,14 +114,16 @@ def pick(engine: Engine, new: list[Session], rows: int,
     Each chunk must fit its slot beside the round (the inactive row of its slot writes past the
     chunk), and with spare rows one rider's slot must hold a second chunk past its own (spare());
     if the first does not fit, None, and the turn prefills as without riders, so a session that
-    cannot ride is never passed over for ever."""
+    cannot ride is never passed over for ever. A burst gets None too (burst())."""
     pool = engine.impl.pool
     cache_rows = engine.target.new_cache_rows()
+    options = shapes(engine, rows)
+    if burst(engine, new, options):
+        return None
 
     def fits(s: Session, width: int) -> bool:
         return pool.index_of(s._cache) is not None and s._prefilled_rows + width + q <= cache_rows
 
-    options = shapes(engine, rows)
     several = [shape for shape in options if shape[0] > 1]
     if len(new) > 1 and several:
         count, width = several[-1]
@@ -128,6 +138,21 @@ def pick(engine: Engine, new: list[Session], rows: int,
     rest = len(new[0].prompt_ids) - new[0]._prefilled_rows
     width = next((w for w in lone if w >= rest), lone[-1])
     return ([new[0]], (1, width)) if fits(new[0], width) else None
+
+
+def burst(engine: Engine, new: list[Session], options: list[tuple[int, int]]) -> bool:
+    """Whether riding would take more than BURST_ROUNDS times the turns that prefilling alone
+    takes to give the last of these prompts its first token. Alone, each prompt takes a chunk
+    a turn, all at once; riding, the round's widest shape bounds the tokens a round, and one
+    rider row a session."""
+    rests = [max(0, len(s.prompt_ids) - s._prefilled_rows) for s in new]
+    if not rests:
+        return False
+    alone = max(-(-rest // engine.prefill_chunk) for rest in rests)
+    lone = max(width for count, width in options if count == 1)
+    riding = max(-(-sum(rests) // max(count * width for count, width in options)),
+                 *(-(-rest // lone) for rest in rests))
+    return riding > BURST_ROUNDS * alone
 
 
 def spare(engine: Engine, riders: list[Session], width: int) -> Session | None:

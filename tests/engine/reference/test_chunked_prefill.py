@@ -269,6 +269,15 @@ def test_riders_shapes_and_picks(pair):
     assert ride.pick(engine, [long], 16, 1) == ([long], (1, 256))
     assert ride.pick(engine, [long, short], 16, 1) == ([long, short], (2, 128))
     assert ride.pick(engine, [short, *others], 512, 32) == ([short, *others[:3]], (4, 128))
+    # A burst prefills in a forward of its own: riding would take more than BURST_ROUNDS times
+    # the turns that prefilling alone takes (one turn here, a chunk of 2048; long's 295 tokens
+    # ride in two rounds of 256 wide, not with 230 more; in a wider round they do).
+    more = engine.start(list(range(1, 47)) * 5, gen, SpecParams("ar"))
+    assert ride.BURST_ROUNDS == 2 and ride.pick(engine, [long, more], 16, 1) is None
+    assert ride.pick(engine, [long, more], 512, 32) == ([long, more], (4, 128))
+    engine.prefill_chunk = 128  # alone: three turns; riding 128 a row: three rounds
+    assert ride.pick(engine, [long, more], 16, 1) == ([long, more], (2, 128))
+    engine.prefill_chunk = 2048
     # The chunk and the round's q rows must fit the slot; one that does not stops the pick
     # there (first come, first served), and a first that does not makes the turn prefill.
     rows = engine.target.new_cache_rows()
