@@ -417,6 +417,9 @@ def main() -> int:
     p.add_argument("--engine-loops", default="process",
                    help="--grid: one server per value, comma-separated (process, thread): where the server runs "
                         "its rounds; default process")
+    p.add_argument("--trace-turns", metavar="STEM", default=None,
+                   help="--grid: the server's --trace-turns, into STEM-LOOP.jsonl per engine loop; each cell "
+                        "keeps its turn_range there (bench/turn_trace.py reads both)")
     p.add_argument("--skip-inprocess", action="store_true", help="--grid: skip the in-process side")
     p.add_argument("--skip-batching", action="store_true", help="skip the batched-verify timings (not --grid's)")
     p.add_argument("--out", default=None, help="JSON results (default: bench_server.json in a temp folder)")

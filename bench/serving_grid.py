@@ -26,6 +26,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 # Shares of --time-budget (from the script's start) past which no new cell of a part starts: the
@@ -137,7 +138,9 @@ def turn_figures(before: dict | None, after: dict | None) -> dict:
         return {}
     wall = after["scheduler_turn_seconds_total"] - before["scheduler_turn_seconds_total"]
     engine = after["engine_seconds_total"] - before["engine_seconds_total"]
-    return {"turns": turns, "turn_ms": 1000 * wall / turns, "engine_ms_per_turn": 1000 * engine / turns}
+    return {"turns": turns, "turn_ms": 1000 * wall / turns, "engine_ms_per_turn": 1000 * engine / turns,
+            # the cell's turns in the server's --trace-turns file: numbers first + 1 .. last
+            "turn_range": [before["scheduler_turns_total"], after["scheduler_turns_total"]]}
 
 
 def server_info(url: str) -> dict | None:
@@ -499,7 +502,11 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
         for k, loop in enumerate(loops):
             cells = grid["servers"][loop] = []
             t0 = time.perf_counter()
-            proc = start_server(flags + ["--engine-loop", loop], f"server-grid-{loop}.log")
+            trace = []
+            if getattr(args, "trace_turns", None):  # the server appends: a file of this run only
+                trace = ["--trace-turns", f"{args.trace_turns}-{loop}.jsonl"]
+                Path(trace[1]).unlink(missing_ok=True)
+            proc = start_server(flags + ["--engine-loop", loop] + trace, f"server-grid-{loop}.log")
             try:
                 timings[f"server_start_{loop}"] = round(time.perf_counter() - t0, 1)
                 print(f"server (--engine-loop {loop}) up in {timings[f'server_start_{loop}']} s at {proc.url}",

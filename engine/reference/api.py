@@ -58,6 +58,8 @@ class ServerConfig:
     capture_budgets: tuple[int, ...] = ()
     #: Tokens a running request gathers before they leave (Scheduler's stream_interval).
     stream_interval: int = 1
+    #: A file that gets one JSON line per scheduler turn (Scheduler's trace_turns), or None.
+    trace_turns: str | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:

@@ -109,6 +109,9 @@ class Engine:
         #: Whether a new session's prefill chunk may ride in the running sessions' round (the
         #: server's --enable-mixed-chunk; fast/ride.py: the pooled fast backend only).
         self.mixed_chunk = False
+        #: What the last step_many did with new sessions beside a graphed round, for the
+        #: scheduler's turn trace: "" (nothing of note), "riders RxW" or "burst" (fast/batch.py).
+        self.turn_note = ""
         # Recurrent (linear-attention, Mamba) layers: such a target decodes with ar only; start()
         # refuses dflash and ddtree (arch.speculative_refusal says why).
         self.hybrid_reason = hybrid_reason(model.config)

@@ -27,6 +27,7 @@ rather than seconds: a request submitted in turn t is admitted in turn t+1 when 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import queue
@@ -345,12 +346,14 @@ class Scheduler:
 
     def __init__(self, engine: Any, *, max_running: int = 8, max_queued: int = 64, stats: Stats | None = None,
                  batch: bool = False, thread: EngineThread | None = None,
-                 on_publish: Callable[[], None] | None = None, stream_interval: int = 1) -> None:
+                 on_publish: Callable[[], None] | None = None, stream_interval: int = 1,
+                 trace_turns: str | None = None) -> None:
         """`on_publish` runs on the engine thread wherever updates are ready to leave together:
         after a turn's admissions, after its prefills, after each unbatched step, and at the end
         of the turn (the engine process sends what the sinks gathered, in one message).
         `stream_interval`: a running request's tokens leave once at least this many are unsent
-        (its first token and its end at once), as SGLang's --stream-interval."""
+        (its first token and its end at once), as SGLang's --stream-interval.
+        `trace_turns`: a file that gets one JSON line per turn (_trace), opened by the loop."""
         if max_running < 1 or max_queued < 0:
             raise ValueError("max_running must be >= 1 and max_queued >= 0")
         if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
@@ -372,13 +375,16 @@ class Scheduler:
         self.turns = 0
         self._on_publish = on_publish
         self.stream_interval = stream_interval
+        self.trace_turns = trace_turns
+        self._how = ""  # how this turn stepped its requests, for the trace
 
     @classmethod
     def for_server(cls, engine: Any, config: Any, *, thread: EngineThread | None,
                    on_publish: Callable[[], None] | None = None) -> "Scheduler":
         """The scheduler a server's configuration (api.ServerConfig) asks for, wherever it runs."""
         return cls(engine, max_running=config.max_running, max_queued=config.max_queued, batch=config.batch,
-                   thread=thread, on_publish=on_publish, stream_interval=config.stream_interval)
+                   thread=thread, on_publish=on_publish, stream_interval=config.stream_interval,
+                   trace_turns=getattr(config, "trace_turns", None))
 
     # -- any thread ---------------------------------------------------------------------------
     def start(self) -> Future:
@@ -457,6 +463,14 @@ class Scheduler:
 
     # -- engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
+        trace = open(self.trace_turns, "a", buffering=1) if self.trace_turns else None
+        try:
+            self._turns(trace)
+        finally:
+            if trace is not None:
+                trace.close()
+
+    def _turns(self, trace) -> None:
         while True:
             with self._cond:
                 while not self._waiting and not self._running and not self._stopping:
@@ -473,14 +487,31 @@ class Scheduler:
             self._published()
             with self._cond:
                 turn = list(self._running)
+            before = [len(a.session.output_ids) for a in turn] if trace is not None else []
             if self.batch and len(turn) > 1:
                 self._advance_batch(turn)
             else:
+                self._how = "alone"
                 for active in turn:
                     self._advance(active)
                     self._published()
             self._published()
-            self.stats.add_turn(time.perf_counter() - started, self._engine_s)
+            seconds = time.perf_counter() - started
+            self.stats.add_turn(seconds, self._engine_s)
+            if trace is not None:
+                self._trace(trace, started, seconds, len(admit), turn, before)
+
+    def _trace(self, trace, started: float, seconds: float, admitted: int, turn: list[_Active],
+               before: list[int]) -> None:
+        """One JSON line for this turn: what bench/turn_trace.py needs to tell which turns make
+        the inter-token and first-token tails (a stream's gap is the turns between its tokens)."""
+        after = [len(a.session.output_ids) for a in turn]
+        trace.write(json.dumps({
+            "turn": self.turns, "t": round(started, 6), "s": round(seconds, 6), "engine_s": round(self._engine_s, 6),
+            "how": self._how, "note": getattr(self.engine, "turn_note", "") if self._how == "together" else "",
+            "admitted": admitted, "new": sum(1 for n in before if n == 0),
+            "running": sum(1 for n in before if n > 0), "firsts": sum(1 for b, a in zip(before, after) if b == 0 < a),
+            "tokens": sum(after) - sum(before)}) + "\n")
 
     def _engine(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Call into the engine, counting the time towards this turn's engine seconds."""
@@ -543,8 +574,10 @@ class Scheduler:
             else:
                 live.append(active)
         if fresh and len(live) > 1 and getattr(self.engine, "mixed_chunk", False):
+            self._how = "together"
             self._step_together(fresh + live, len(live))
             return
+        self._how = "+".join(["prefill"] * bool(fresh) + ["round" if len(live) > 1 else "step"] * bool(live))
         # New requests prefill together and publish at once, before the others' round, so a
         # cohort's first tokens wait for one forward rather than for one each plus a round. A
         # lone one goes through step_many too: there its prompt's drafter rows go in with its

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -462,6 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graceful-timeout", type=float, default=60.0,
                    help="seconds in-flight requests get to finish after SIGTERM (default: 60)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--trace-turns", metavar="PATH", default=None,
+                   help="append one JSON line per scheduler turn to PATH: its seconds and those inside the "
+                        "engine, the requests it admitted, started and ran, the first tokens and tokens it "
+                        "committed, and how it stepped them (bench/turn_trace.py reads it); off by default")
     return p
 
 
@@ -523,6 +528,8 @@ def check_args(args: argparse.Namespace) -> None:
                          f"got {args.chunked_prefill_size}")
     if args.stream_interval < 1:
         raise BadRequest(f"--stream-interval must be at least 1, got {args.stream_interval}")
+    if args.trace_turns is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace_turns))):
+        raise BadRequest(f"--trace-turns: no folder for {args.trace_turns}")
 
 
 def prepare(args: argparse.Namespace, engine_thread: EngineThread) -> tuple[Engine, ServerConfig]:
@@ -557,7 +564,7 @@ def settle_config(args: argparse.Namespace, engine: Engine, model_path: str, dra
                         max_running=max_running, max_queued=args.max_queued_requests,
                         graceful_timeout_s=args.graceful_timeout,
                         batch=DEFAULT_BATCH if args.batch is None else args.batch,
-                        stream_interval=args.stream_interval,
+                        stream_interval=args.stream_interval, trace_turns=args.trace_turns,
                         capture_budgets=tuple(b for b in args.capture_budgets
                                               if engine.max_budget is None or b <= engine.max_budget))
 

@@ -66,6 +66,7 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
     has checked that the sessions are distinct and this engine's."""
     out: list[list[int]] = [[] for _ in sessions]
     pool = engine.impl.pool
+    engine.turn_note = ""
     new, pooled, alone = [], [], []
     for i, sess in enumerate(sessions):
         if sess.done:
@@ -126,7 +127,12 @@ def _riders(engine: Engine, members: list[Session], new: list[Session], kind: tu
         return None
     started = [s for s in new if s._prefilled_rows > 0]
     b, q = batch_graph.round_shape(engine, members, kind)
-    return ride.pick(engine, started + [s for s in new if s._prefilled_rows == 0], b * q, q)
+    picked = ride.pick(engine, started + [s for s in new if s._prefilled_rows == 0], b * q, q)
+    if picked is not None:
+        engine.turn_note = "riders {}x{}".format(*picked[1])
+    elif ride.burst(engine, new, ride.shapes(engine, b * q)):
+        engine.turn_note = "burst"
+    return picked
 
 
 def _prefill(engine: Engine, sessions: list[Session]) -> list[list[int]]:

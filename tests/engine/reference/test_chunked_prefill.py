@@ -172,6 +172,7 @@ def test_chunks_riding_in_graphed_rounds_decode_as_serial(pair, spec, monkeypatc
         before, ridden = [s._cache.length for s in new], len(rides)
         chunked.step_many([s for _, s in active])
         if len(rides) > ridden:  # a turn with riders prefills nothing else
+            assert chunked.turn_note.startswith("riders ")  # for the scheduler's turn trace
             assert sum(s._cache.length - b for s, b in zip(new, before)) == sum(rides[-1])
             assert max(rides[-1]) <= CHUNK
             waited += len(new) > len(rides[-1])

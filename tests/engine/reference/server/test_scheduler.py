@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -286,6 +287,27 @@ def test_batched_turns_step_all_running_sessions_at_once():
     assert engine.batches[0] == [1, 2, 3]
     assert all(len(b) <= 3 for b in engine.batches) and any(4 in b for b in engine.batches)
     assert not engine.open_sessions
+
+
+def test_the_turn_trace_accounts_for_every_token_and_request(tmp_path):
+    engine = BatchingEngine()
+    trace = tmp_path / "turns.jsonl"
+    sched = Scheduler(engine, max_running=3, max_queued=4, batch=True, trace_turns=str(trace))
+    queues = [collect(sched, tag, n)[1] for tag, n in ((1, 10), (2, 4), (3, 4), (4, 4))]
+    sched.start()
+    try:
+        for q in queues:
+            drain(q)
+    finally:
+        sched.stop(timeout=5)
+    turns = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [t["turn"] for t in turns] == list(range(1, len(turns) + 1))
+    assert sum(t["tokens"] for t in turns) == 22 and sum(t["firsts"] for t in turns) == 4
+    assert sum(t["admitted"] for t in turns) == 4
+    assert turns[0]["how"] == "prefill" and turns[0]["new"] == 3 and turns[0]["running"] == 0
+    assert {t["how"] for t in turns} <= {"prefill", "prefill+round", "prefill+step", "round", "step", "alone"}
+    assert all(t["s"] >= t["engine_s"] >= 0 for t in turns)
+    assert all(b["t"] >= a["t"] + a["s"] for a, b in zip(turns, turns[1:]))
 
 
 def test_a_failing_batch_falls_back_to_single_steps():

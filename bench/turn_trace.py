@@ -1,0 +1,111 @@
+"""Which scheduler turns make a server's inter-token and first-token tails.
+
+Reads the builtin server's --trace-turns file (one JSON line per turn, scheduler.py) and, with a
+bench_server.py --grid JSON, splits it by each server cell's turn_range:
+
+    python bench/bench_server.py --grid ... --trace-turns /tmp/turns --out /tmp/grid.json
+    python bench/turn_trace.py /tmp/turns-process.jsonl --grid /tmp/grid.json
+
+Per cell (or for the whole file without --grid) it prints the turns by how they stepped their
+requests (alone, prefill, round, prefill+round, together: new and running requests in one
+engine call, where new ones ride in the round or, as a burst, prefill first),
+each kind's count and p50/p99 seconds, and the stream gaps: a turn's time once for every request
+that was running through it, the engine side of the client's ITL. The tail line says which
+kinds the slowest 1% of those gaps came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+
+def load(path: Path) -> list[dict]:
+    turns = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            turns.append(json.loads(line))
+        except ValueError:
+            raise SystemExit(f"{path}:{n}: not a JSON line (is this a --trace-turns file?)") from None
+    return turns
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def kind(turn: dict) -> str:
+    """How the turn stepped its requests; for new ones beside a round, whether they rode in it
+    (their shape) or prefilled as a burst."""
+    how, note = turn["how"] or "idle", turn.get("note") or ""
+    return f"{how} ({note})" if note else how
+
+
+def summary(turns: list[dict]) -> dict:
+    """Turns by kind, and the running streams' gaps with the kinds of their slowest 1%."""
+    kinds: dict[str, list[float]] = {}
+    for t in turns:
+        kinds.setdefault(kind(t), []).append(t["s"])
+    gaps = sorted(((t["s"], kind(t)) for t in turns for _ in range(t["running"])), reverse=True)
+    tail = gaps[:max(1, len(gaps) // 100)] if gaps else []
+    return {
+        "turns": len(turns),
+        "kinds": {how: {"count": len(s), "p50_ms": 1000 * percentile(s, 50), "p99_ms": 1000 * percentile(s, 99)}
+                  for how, s in sorted(kinds.items(), key=lambda kv: -len(kv[1]))},
+        "gaps": len(gaps),
+        "gap_p50_ms": 1000 * percentile([g for g, _ in gaps], 50) if gaps else None,
+        "gap_p99_ms": 1000 * percentile([g for g, _ in gaps], 99) if gaps else None,
+        "tail_kinds": dict(Counter(how for _, how in tail).most_common()),
+        "first_tokens": sum(t["firsts"] for t in turns),
+        "tokens": sum(t["tokens"] for t in turns),
+    }
+
+
+def show(label: str, s: dict) -> None:
+    print(f"{label}: {s['turns']} turns, {s['tokens']} tokens, {s['first_tokens']} first tokens")
+    for how, k in s["kinds"].items():
+        print(f"  {how:14s} {k['count']:6d} turns  p50 {k['p50_ms']:7.2f} ms  p99 {k['p99_ms']:7.2f} ms")
+    if s["gaps"]:
+        print(f"  stream gaps    {s['gaps']:6d}        p50 {s['gap_p50_ms']:7.2f} ms  p99 {s['gap_p99_ms']:7.2f} ms;"
+              f" slowest 1% from {s['tail_kinds']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", type=Path, help="a --trace-turns file")
+    p.add_argument("--grid", type=Path, help="the bench_server.py --grid JSON whose server wrote it: split by cell")
+    p.add_argument("--loop", default="process", help="which engine loop's cells (default: process)")
+    args = p.parse_args(argv)
+    for path in [args.trace] + ([args.grid] if args.grid else []):
+        if not path.is_file():
+            p.error(f"no such file: {path}")
+    turns = load(args.trace)
+    if args.grid is None:
+        show(str(args.trace), summary(turns))
+        return 0
+    try:
+        cells = json.loads(args.grid.read_text())["grid"]["servers"][args.loop]
+    except (ValueError, KeyError, TypeError):
+        p.error(f"{args.grid}: no server cells for --loop {args.loop}")
+    out = {}
+    for cell in cells:
+        if "turn_range" not in cell:
+            continue
+        first, last = cell["turn_range"]
+        label = f"c={cell['concurrency']} {cell['algorithm']}"
+        out[label] = summary([t for t in turns if first < t["turn"] <= last])
+        show(label, out[label])
+    if not out:
+        print("no cell has a turn_range (a grid from before --trace-turns?)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
