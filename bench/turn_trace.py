@@ -11,12 +11,14 @@ requests (alone, prefill, round, prefill+round, together: new and running reques
 engine call, where new ones ride in the round or, as a burst, prefill first),
 each kind's count and p50/p99 seconds, and the stream gaps: a turn's time once for every request
 that was running through it, the engine side of the client's ITL. The tail line says which
-kinds the slowest 1% of those gaps came from.
+kinds the slowest 1% of those gaps came from; the first line, how long the engine sat idle
+between turns (waiting for requests: what the closed loop through HTTP costs).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from collections import Counter
@@ -25,7 +27,8 @@ from pathlib import Path
 
 def load(path: Path) -> list[dict]:
     turns = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    for n, line in enumerate(text.splitlines(), 1):
         try:
             turns.append(json.loads(line))
         except ValueError:
@@ -47,6 +50,10 @@ def kind(turn: dict) -> str:
     return f"{how} ({note})" if note else how
 
 
+def _span(turns: list[dict]) -> float:
+    return turns[-1]["t"] + turns[-1]["s"] - turns[0]["t"] if turns else 0.0
+
+
 def summary(turns: list[dict]) -> dict:
     """Turns by kind, and the running streams' gaps with the kinds of their slowest 1%."""
     kinds: dict[str, list[float]] = {}
@@ -62,13 +69,16 @@ def summary(turns: list[dict]) -> dict:
         "gap_p50_ms": 1000 * percentile([g for g, _ in gaps], 50) if gaps else None,
         "gap_p99_ms": 1000 * percentile([g for g, _ in gaps], 99) if gaps else None,
         "tail_kinds": dict(Counter(how for _, how in tail).most_common()),
+        # The engine's idle share of the cell: time between turns, waiting for requests.
+        "idle_pct": 100 * (1 - sum(t["s"] for t in turns) / span) if (span := _span(turns)) > 0 else None,
         "first_tokens": sum(t["firsts"] for t in turns),
         "tokens": sum(t["tokens"] for t in turns),
     }
 
 
 def show(label: str, s: dict) -> None:
-    print(f"{label}: {s['turns']} turns, {s['tokens']} tokens, {s['first_tokens']} first tokens")
+    idle = f", the engine idle {s['idle_pct']:.1f}% of the time" if s["idle_pct"] is not None else ""
+    print(f"{label}: {s['turns']} turns, {s['tokens']} tokens, {s['first_tokens']} first tokens{idle}")
     for how, k in s["kinds"].items():
         print(f"  {how:14s} {k['count']:6d} turns  p50 {k['p50_ms']:7.2f} ms  p99 {k['p99_ms']:7.2f} ms")
     if s["gaps"]:
@@ -78,7 +88,7 @@ def show(label: str, s: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("trace", type=Path, help="a --trace-turns file")
+    p.add_argument("trace", type=Path, help="a --trace-turns file (or it gzipped, .gz)")
     p.add_argument("--grid", type=Path, help="the bench_server.py --grid JSON whose server wrote it: split by cell")
     p.add_argument("--loop", default="process", help="which engine loop's cells (default: process)")
     args = p.parse_args(argv)

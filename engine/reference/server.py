@@ -397,13 +397,24 @@ def warm_up(engine: Engine, config: ServerConfig, progress=print_progress) -> No
             progress(f"warmed up {algorithm}{f' at budget {budget}' if algorithm == 'ddtree' else ''} "
                      f"with a generation of {gen.max_new_tokens} tokens")
     if config.batch:
+        # Two prompts together, each longer than a draft block where drafting: their prompts'
+        # drafter rows then go in through the batched append (fast/batch.py append_prompts), as
+        # a burst of joiners' do, not only through the one-session path above.
+        longer = ids * (engine.block_size // max(1, len(ids)) + 2)
         sessions = [engine.start(ids, gen, spec), engine.start(ids[:1] + ids, gen, spec)]
+        if engine.draft_name is not None:
+            drafting = spec if spec.algorithm != "ar" else SpecParams("dflash")
+            sessions += [engine.start(longer, gen, drafting), engine.start(longer + ids, gen, drafting)]
         try:
             while not all(s.done for s in sessions):
                 engine.step_many([s for s in sessions if not s.done])
         finally:
             for s in sessions:
                 s.close()
+    if engine.graphs:
+        from ddtree.engine.reference.fast.graphs import watch_late_compiles
+
+        watch_late_compiles(log)
 
 
 def _uvicorn_server(app: Starlette, api: Api, announce: Any, graceful_timeout_s: float) -> Any:

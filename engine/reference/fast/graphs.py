@@ -51,3 +51,42 @@ def record_graph(fn, pool, device, runs: int, inference: bool = False):
         with torch.cuda.graph(graph, pool=pool):
             out = fn()
     return graph, out
+
+
+# Triton kernels compiled since watch_late_compiles() and outside a warm-up: (name, seconds).
+late_compiles: list[tuple[str, float]] = []
+
+
+def watch_late_compiles(log) -> bool:
+    """After a server's warm-up: log every Triton kernel specialisation that compiles later (a
+    stream waits for each, up to a second on an H200 when the kernel cache is cold), with its
+    time, and keep it in late_compiles. False where this Triton has no such hooks."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_cache_hook") or not hasattr(runtime, "jit_post_compile_hook"):
+        return False
+    started: dict[str, float] = {}
+
+    def before(*, key, repr, **_rest) -> bool:
+        import time
+
+        started[str(key)] = time.perf_counter()
+        return False  # compile as usual
+
+    def after(*, key, repr, **_rest) -> bool:
+        import time
+
+        t0 = started.pop(str(key), None)
+        if t0 is not None and not warming_up():
+            seconds = time.perf_counter() - t0
+            late_compiles.append((repr.split("[", 1)[0], seconds))
+            log.warning("Triton compiled %s while serving (%.2f s; the warm-up did not meet this shape): %s",
+                        repr.split("[", 1)[0], seconds, repr)
+        return False
+
+    runtime.jit_cache_hook = before
+    runtime.jit_post_compile_hook = after
+    return True
