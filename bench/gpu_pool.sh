@@ -10,7 +10,9 @@
 #   PART=grid SHAPE=pair bash bench/gpu_pool.sh  # the trained demo pair (its real acceptance)
 #       (NAME=x names the outputs grid-x.* instead)
 #   PART=mixed SHAPE=1.7b bash bench/gpu_pool.sh # the grid without, then with --enable-mixed-chunk
-#       (grid-$SHAPE-mix-{off,on}.*), side by side in one call. A cold machine's first server start
+#       (grid-$SHAPE-mix-{off,on}.*), side by side in one call.
+#   TRACE=1 with a grid: the server's --trace-turns, summarised by bench/turn_trace.py at the
+#       end of grid-NAME.txt (the trace gzipped beside it, turns-NAME-process.jsonl.gz). A cold machine's first server start
 #       takes about 110 s on the 1.7B shape (48 s once its kernel caches are warm): give each grid a
 #       TIME_BUDGET of about 290 s, whose first half must cover the pair's build and that start.
 set -u
@@ -22,8 +24,8 @@ rm -rf /tmp/site  # a warm machine keeps the last install, and pip --target does
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 fi
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >"$OUT/install.log" 2>&1 \
-    || { cat "$OUT/install.log"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/tmp/install.log 2>&1 \
+    || { cat /tmp/install.log; exit 1; }
 export PYTHONPATH=/tmp/site
 python3 -c "import aiohttp, httpx, starlette, uvicorn" || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
@@ -35,12 +37,24 @@ fi
 grid() {  # grid NAME EXTRA_ARGS...: one bench_server.py --grid run, written as grid-NAME.*
     local name=$1; shift
     shape="--random-shape $SHAPE"; [ "$SHAPE" = pair ] && shape=""
+    trace=""; [ "${TRACE:-0}" = 1 ] && trace="--trace-turns $OUT/turns-$name"
     timeout ${GRID_TIMEOUT:-420} python3 bench/bench_server.py --device cuda $shape --grid ${VERIFY_GRID:---verify-grid} \
         --skip-batching --context-window ${CONTEXT_WINDOW:-2048} --max-new-tokens ${MAX_NEW:-64} \
-        --time-budget ${TIME_BUDGET:-380} --out "$OUT/grid-$name.json" ${GRID_ARGS:-} "$@" 2>&1 \
+        --time-budget ${TIME_BUDGET:-380} --out "$OUT/grid-$name.json" $trace ${GRID_ARGS:-} "$@" 2>&1 \
         | grep -v "Loading weights\|Writing model" | tee "$OUT/grid-$name.txt"
+    # A call brings back only a few files: the trace's summary and the server log's lines other
+    # than its access log go at the end of grid-NAME.txt, the trace itself gzipped beside it.
+    if [ -n "$trace" ] && [ -f "$OUT/turns-$name-process.jsonl" ]; then
+        echo "== bench/turn_trace.py" >> "$OUT/grid-$name.txt"
+        python3 bench/turn_trace.py "$OUT/turns-$name-process.jsonl" --grid "$OUT/grid-$name.json" \
+            >> "$OUT/grid-$name.txt" 2>&1
+        gzip -f "$OUT/turns-$name-process.jsonl"
+    fi
     for log in /tmp/bench-server-*/server-grid*.log; do
-        [ -f "$log" ] && mv "$log" "$OUT/$name-$(basename "$log")"
+        [ -f "$log" ] || continue
+        echo "== $(basename "$log"), access lines left out" >> "$OUT/grid-$name.txt"
+        grep -v "server.access: " "$log" >> "$OUT/grid-$name.txt"
+        rm -f "$log"
     done
 }
 if [ "$PART" = mixed ]; then

@@ -92,6 +92,9 @@ def server_cell(url: str, args, concurrency: int, spec: dict) -> dict:
     result = run_point(url, prompts, cfg)
     cell = {k: result.metrics.get(k) for k in POINT_KEYS}
     cell.update(turn_figures(before, engine_turns(url)))
+    # Since the server's warm-up: a count that grows in a cell is a first-use stall in it.
+    cell["late_triton_compiles"] = ((server_info(url) or {}).get("internal_states") or [{}])[0].get(
+        "late_triton_compiles")
     if warm and not any(r.ok for r in warmed.requests):
         result.warnings.append(f"every warm-up request failed ({len(warm)})")
     cell["prompts"] = len(prompts)

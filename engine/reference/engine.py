@@ -269,6 +269,15 @@ class Engine:
                 raise BadParams(f"budget {spec.budget} exceeds this engine's maximum {self.max_budget}")
         return Session(self, ids, gen, spec)
 
+    def late_compiles(self) -> int | None:
+        """Triton kernels compiled while serving, after the server's warm-up (each one a stall
+        for every stream); None where that is not watched (no CUDA graphs, or an old Triton)."""
+        if not self.graphs:
+            return None
+        from ddtree.engine.reference.fast import graphs
+
+        return len(graphs.late_compiles) if graphs.watching else None
+
     def pool_usage(self) -> dict | None:
         """The fast backend's KV pool: slots, free slots, bytes, tokens held (None: no pool)."""
         usage = getattr(self.impl, "pool_usage", None)

@@ -215,6 +215,8 @@ class Snapshot:
     running: int
     queued: int
     pool: dict | None
+    #: Triton kernels compiled after the server's warm-up (None where nothing watches).
+    late_compiles: int | None = None
 
 
 class Stats:
@@ -427,7 +429,9 @@ class Scheduler:
     def snapshot(self, now: float) -> Snapshot:
         running, queued = self.counts()
         pool_usage = getattr(self.engine, "pool_usage", None)
-        return Snapshot(self.stats.view(now), running, queued, pool_usage() if pool_usage else None)
+        late = getattr(self.engine, "late_compiles", None)
+        return Snapshot(self.stats.view(now), running, queued, pool_usage() if pool_usage else None,
+                        late() if late else None)
 
     @property
     def failure(self) -> str | None:

@@ -186,6 +186,7 @@ def build_app(api: Api) -> Starlette:
                 "scheduler_turns_total": stats.turns_total,
                 "scheduler_turn_seconds_total": stats.turn_seconds_total,
                 "engine_seconds_total": stats.engine_seconds_total,
+                "late_triton_compiles": snap.late_compiles,
             }],
         })
 
@@ -414,7 +415,8 @@ def warm_up(engine: Engine, config: ServerConfig, progress=print_progress) -> No
     if engine.graphs:
         from ddtree.engine.reference.fast.graphs import watch_late_compiles
 
-        watch_late_compiles(log)
+        if watch_late_compiles(log):
+            progress("from now on, a Triton kernel compiled while serving is logged as a warning")
 
 
 def _uvicorn_server(app: Starlette, api: Api, announce: Any, graceful_timeout_s: float) -> Any:

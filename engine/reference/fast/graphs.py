@@ -53,8 +53,10 @@ def record_graph(fn, pool, device, runs: int, inference: bool = False):
     return graph, out
 
 
-# Triton kernels compiled since watch_late_compiles() and outside a warm-up: (name, seconds).
+# Triton kernels compiled since watch_late_compiles() and outside a warm-up: (name, seconds);
+# and whether anything watches.
 late_compiles: list[tuple[str, float]] = []
+watching = False
 
 
 def watch_late_compiles(log) -> bool:
@@ -87,6 +89,8 @@ def watch_late_compiles(log) -> bool:
                         repr.split("[", 1)[0], seconds, repr)
         return False
 
+    global watching
     runtime.jit_cache_hook = before
     runtime.jit_post_compile_hook = after
+    watching = True
     return True

@@ -14,8 +14,9 @@ def test_compiles_after_the_warm_up_are_logged_and_kept(monkeypatch, caplog):
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
     monkeypatch.setattr(graphs, "late_compiles", [])
+    monkeypatch.setattr(graphs, "watching", False)
     log = logging.getLogger("test.late")
-    assert graphs.watch_late_compiles(log)
+    assert graphs.watch_late_compiles(log) and graphs.watching
     before, after = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
     kernel = "_rope_write_kernel[num_warps=4](x: *fp32, n: i32)"
     with graphs.warmup_scope():
