@@ -296,6 +296,7 @@ class Engine:
         it have happened, each complete.
         """
         sessions = list(sessions)
+        self.turn_note = ""
         # Checked here once for every backend below: batch.step_many and fast/batch.step_many
         # trust their caller for it.
         if len({id(s) for s in sessions}) != len(sessions):

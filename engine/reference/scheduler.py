@@ -378,6 +378,7 @@ class Scheduler:
         self._on_publish = on_publish
         self.stream_interval = stream_interval
         self.trace_turns = trace_turns
+        self._trace_file = None  # open while the loop runs, on the engine thread
         self._how = ""  # how this turn stepped its requests, for the trace
 
     @classmethod
@@ -467,14 +468,26 @@ class Scheduler:
 
     # -- engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
-        trace = open(self.trace_turns, "a", buffering=1) if self.trace_turns else None
+        self._trace_file = None
+        if self.trace_turns:
+            try:
+                self._trace_file = open(self.trace_turns, "a", buffering=1)
+            except OSError as exc:  # a debugging aid: serving goes on without it
+                log.warning("no turn trace: cannot open %s (%s)", self.trace_turns, exc)
         try:
-            self._turns(trace)
+            self._turns()
         finally:
-            if trace is not None:
-                trace.close()
+            self._stop_trace()
 
-    def _turns(self, trace) -> None:
+    def _stop_trace(self) -> None:
+        trace, self._trace_file = self._trace_file, None
+        if trace is not None:
+            try:
+                trace.close()
+            except OSError:
+                pass
+
+    def _turns(self) -> None:
         while True:
             with self._cond:
                 while not self._waiting and not self._running and not self._stopping:
@@ -491,7 +504,7 @@ class Scheduler:
             self._published()
             with self._cond:
                 turn = list(self._running)
-            before = [len(a.session.output_ids) for a in turn] if trace is not None else []
+            before = [len(a.session.output_ids) for a in turn] if self._trace_file is not None else []
             if self.batch and len(turn) > 1:
                 self._advance_batch(turn)
             else:
@@ -502,20 +515,26 @@ class Scheduler:
             self._published()
             seconds = time.perf_counter() - started
             self.stats.add_turn(seconds, self._engine_s)
-            if trace is not None:
-                self._trace(trace, started, seconds, len(admit), turn, before)
+            if self._trace_file is not None:
+                self._trace(started, seconds, len(admit), turn, before)
 
-    def _trace(self, trace, started: float, seconds: float, admitted: int, turn: list[_Active],
+    def _trace(self, started: float, seconds: float, admitted: int, turn: list[_Active],
                before: list[int]) -> None:
         """One JSON line for this turn: what bench/turn_trace.py needs to tell which turns make
-        the inter-token and first-token tails (a stream's gap is the turns between its tokens)."""
+        the inter-token and first-token tails (a stream's gap is the turns between its tokens).
+        A write that fails (a full disk) ends the trace, not the serving."""
         after = [len(a.session.output_ids) for a in turn]
-        trace.write(json.dumps({
+        line = json.dumps({
             "turn": self.turns, "t": round(started, 6), "s": round(seconds, 6), "engine_s": round(self._engine_s, 6),
             "how": self._how, "note": getattr(self.engine, "turn_note", "") if self._how == "together" else "",
             "admitted": admitted, "new": sum(1 for n in before if n == 0),
             "running": sum(1 for n in before if n > 0), "firsts": sum(1 for b, a in zip(before, after) if b == 0 < a),
-            "tokens": sum(after) - sum(before)}) + "\n")
+            "tokens": sum(after) - sum(before)}) + "\n"
+        try:
+            self._trace_file.write(line)
+        except (OSError, ValueError) as exc:
+            log.warning("turn trace stopped: writing %s failed (%s)", self.trace_turns, exc)
+            self._stop_trace()
 
     def _engine(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Call into the engine, counting the time towards this turn's engine seconds."""

@@ -398,25 +398,35 @@ def warm_up(engine: Engine, config: ServerConfig, progress=print_progress) -> No
             progress(f"warmed up {algorithm}{f' at budget {budget}' if algorithm == 'ddtree' else ''} "
                      f"with a generation of {gen.max_new_tokens} tokens")
     if config.batch:
-        # Two prompts together, each longer than a draft block where drafting: their prompts'
-        # drafter rows then go in through the batched append (fast/batch.py append_prompts), as
-        # a burst of joiners' do, not only through the one-session path above.
+        _warm_batch(engine, [ids, ids[:1] + ids], gen, spec)
+        # Then two drafting prompts together, each longer than a draft block, on pool slots:
+        # their drafter rows go in through the batched append (fast/batch.py append_prompts), as
+        # a burst of joiners' do. A c=64 DFlash burst once took 851 ms on an H200 without this.
         longer = ids * (engine.block_size // max(1, len(ids)) + 2)
-        sessions = [engine.start(ids, gen, spec), engine.start(ids[:1] + ids, gen, spec)]
-        if engine.draft_name is not None:
+        slots = (engine.pool_usage() or {}).get("slots", 0)
+        if (engine.draft_name is not None and not engine.hybrid_reason and slots >= 2
+                and len(longer) + len(ids) + gen.max_new_tokens <= engine.context_window):
             drafting = spec if spec.algorithm != "ar" else SpecParams("dflash")
-            sessions += [engine.start(longer, gen, drafting), engine.start(longer + ids, gen, drafting)]
-        try:
-            while not all(s.done for s in sessions):
-                engine.step_many([s for s in sessions if not s.done])
-        finally:
-            for s in sessions:
-                s.close()
+            _warm_batch(engine, [longer, longer + ids], gen, drafting)
     if engine.graphs:
         from ddtree.engine.reference.fast.graphs import watch_late_compiles
 
         if watch_late_compiles(log):
             progress("from now on, a Triton kernel compiled while serving is logged as a warning")
+
+
+def _warm_batch(engine: Engine, prompts: list[list[int]], gen: GenParams, spec: SpecParams) -> None:
+    """These prompts decoded together, batched round by round; their sessions closed whatever
+    happens."""
+    sessions = []
+    try:
+        for prompt in prompts:
+            sessions.append(engine.start(prompt, gen, spec))
+        while not all(s.done for s in sessions):
+            engine.step_many([s for s in sessions if not s.done])
+    finally:
+        for s in sessions:
+            s.close()
 
 
 def _uvicorn_server(app: Starlette, api: Api, announce: Any, graceful_timeout_s: float) -> Any:
@@ -541,8 +551,12 @@ def check_args(args: argparse.Namespace) -> None:
                          f"got {args.chunked_prefill_size}")
     if args.stream_interval < 1:
         raise BadRequest(f"--stream-interval must be at least 1, got {args.stream_interval}")
-    if args.trace_turns is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace_turns))):
-        raise BadRequest(f"--trace-turns: no folder for {args.trace_turns}")
+    if args.trace_turns is not None:
+        try:  # the engine thread opens it after the load: a bad path fails here, not then
+            with open(args.trace_turns, "a"):
+                pass
+        except OSError as exc:
+            raise BadRequest(f"--trace-turns: cannot write {args.trace_turns} ({exc.strerror or exc})") from None
 
 
 def prepare(args: argparse.Namespace, engine_thread: EngineThread) -> tuple[Engine, ServerConfig]:

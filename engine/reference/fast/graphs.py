@@ -63,6 +63,7 @@ def watch_late_compiles(log) -> bool:
     """After a server's warm-up: log every Triton kernel specialisation that compiles later (a
     stream waits for each, up to a second on an H200 when the kernel cache is cold), with its
     time, and keep it in late_compiles. False where this Triton has no such hooks."""
+    global watching
     try:
         from triton import knobs
     except ImportError:
@@ -70,26 +71,31 @@ def watch_late_compiles(log) -> bool:
     runtime = getattr(knobs, "runtime", None)
     if runtime is None or not hasattr(runtime, "jit_cache_hook") or not hasattr(runtime, "jit_post_compile_hook"):
         return False
+    if watching:  # a second warm-up in this process (a bench's in-process engine): one watch
+        return True
     started: dict[str, float] = {}
+    # Hooks someone set before (torch may): still called, and their answer kept.
+    earlier_before, earlier_after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
 
-    def before(*, key, repr, **_rest) -> bool:
+    def before(*, key, repr, **rest):
         import time
 
         started[str(key)] = time.perf_counter()
-        return False  # compile as usual
+        # True would make Triton skip the compile: only an earlier hook may ask for that.
+        return earlier_before(key=key, repr=repr, **rest) if earlier_before else False
 
-    def after(*, key, repr, **_rest) -> bool:
+    def after(*, key, repr, **rest):
         import time
 
+        answer = earlier_after(key=key, repr=repr, **rest) if earlier_after else False
         t0 = started.pop(str(key), None)
         if t0 is not None and not warming_up():
             seconds = time.perf_counter() - t0
             late_compiles.append((repr.split("[", 1)[0], seconds))
             log.warning("Triton compiled %s while serving (%.2f s; the warm-up did not meet this shape): %s",
                         repr.split("[", 1)[0], seconds, repr)
-        return False
+        return answer
 
-    global watching
     runtime.jit_cache_hook = before
     runtime.jit_post_compile_hook = after
     watching = True

@@ -23,12 +23,13 @@ be a race). The turn's other new sessions wait. So while requests run, prefill
 happens inside their rounds only: a later first token for the joiners, no stall for the
 running streams. If the first cannot ride (its chunk would not fit its slot) the turn prefills
 as without riders. A turn with no graphed round (fewer than two running sessions, or a mix of
-kinds) prefills as before. So does a burst: prompts whose riding would take more than
+kinds) prefills as before. So does a burst: several prompts whose riding would take more than
 BURST_ROUNDS times the turns that prefilling alone takes, as a cohort of short prompts does
-when it finds few streams running (small rounds take two riders). Prefilled together they cost
-the running streams one gap; riding, the last of them would wait for many rounds. SGLang makes
-the same trade with mixed chunks: a step takes up to --chunked-prefill-size tokens of the waiting
-prompts, the running decodes mixed in.
+when it finds few streams running (small rounds take two riders). Prefilled together, all of
+them in that turn, they cost the running streams one gap; riding, the last of them would wait
+for many rounds. SGLang leans the same way with mixed chunks: a step prefills waiting prompts up
+to its --chunked-prefill-size tokens, the running decodes mixed in (here a burst takes every
+waiting prompt at once, in forwards of at most 4096 padded tokens, fast/prefill.py).
 
 Measured on an H200 (bench/RESULTS.md), 1.7B shape, concurrency 16: a first version that let the
 new sessions of one turn prefill together in a forward of their own, and rode only a lone
@@ -141,12 +142,13 @@ def pick(engine: Engine, new: list[Session], rows: int,
 
 
 def burst(engine: Engine, new: list[Session], options: list[tuple[int, int]]) -> bool:
-    """Whether riding would take more than BURST_ROUNDS times the turns that prefilling alone
-    takes to give the last of these prompts its first token. Alone, each prompt takes a chunk
-    a turn, all at once; riding, the round's widest shape bounds the tokens a round, and one
-    rider row a session."""
+    """Whether these new sessions are a burst: several, and riding would take more than
+    BURST_ROUNDS times the turns that prefilling alone takes to give the last of them its first
+    token. Alone, each prompt takes a chunk a turn, all at once; riding, the round's widest
+    shape bounds the tokens a round, and one rider row a session. A lone prompt always rides,
+    however long: a long prompt is what riding spares the running streams from."""
     rests = [max(0, len(s.prompt_ids) - s._prefilled_rows) for s in new]
-    if not rests:
+    if len(rests) < 2:
         return False
     alone = max(-(-rest // engine.prefill_chunk) for rest in rests)
     lone = max(width for count, width in options if count == 1)

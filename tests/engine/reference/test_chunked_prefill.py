@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 import random
+import types
 
 import pytest
 import torch
@@ -279,6 +280,11 @@ def test_riders_shapes_and_picks(pair):
     engine.prefill_chunk = 128  # alone: three turns; riding 128 a row: three rounds
     assert ride.pick(engine, [long, more], 16, 1) == ([long, more], (2, 128))
     engine.prefill_chunk = 2048
+    # A lone prompt is never a burst, however many rounds it rides through (burst() reads only
+    # the prompts' lengths, so these stand-ins may be longer than this engine's window).
+    huge, small = (types.SimpleNamespace(prompt_ids=[1] * n, _prefilled_rows=0) for n in (1800, 50))
+    assert not ride.burst(engine, [huge], ride.shapes(engine, 16))
+    assert ride.burst(engine, [huge, small], ride.shapes(engine, 16))
     # The chunk and the round's q rows must fit the slot; one that does not stops the pick
     # there (first come, first served), and a first that does not makes the turn prefill.
     rows = engine.target.new_cache_rows()

@@ -29,3 +29,16 @@ def test_compiles_after_the_warm_up_are_logged_and_kept(monkeypatch, caplog):
     assert "Triton compiled _rope_write_kernel while serving" in caplog.text
     after(key="never-started", repr=kernel)  # a post hook without its start: nothing to time
     assert len(graphs.late_compiles) == 1
+    assert graphs.watch_late_compiles(log) and knobs.runtime.jit_cache_hook is before  # one watch
+
+
+def test_hooks_set_before_are_still_called_and_answer(monkeypatch):
+    calls = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: calls.append(("before", kw["key"])) or True)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: calls.append(("after", kw["key"])))
+    monkeypatch.setattr(graphs, "late_compiles", [])
+    monkeypatch.setattr(graphs, "watching", False)
+    assert graphs.watch_late_compiles(logging.getLogger("test.late"))
+    assert knobs.runtime.jit_cache_hook(key="k", repr="kern[]()", fn=None) is True  # theirs: skip it
+    knobs.runtime.jit_post_compile_hook(key="k", repr="kern[]()", fn=None)
+    assert calls == [("before", "k"), ("after", "k")]

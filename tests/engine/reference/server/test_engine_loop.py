@@ -142,6 +142,14 @@ def test_a_bad_prefill_chunk_or_stream_interval_is_refused_in_one_line_before_lo
     assert out.stderr.count("\n") == 1 and flag in out.stderr
 
 
+def test_a_trace_path_that_cannot_be_written_is_refused_in_one_line_before_loading(tmp_path):
+    import subprocess
+
+    out = subprocess.run([*SERVER, "--trace-turns", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "--trace-turns" in out.stderr
+
+
 def test_a_model_that_fails_to_load_is_one_line_from_the_server(tmp_path):
     import subprocess
 

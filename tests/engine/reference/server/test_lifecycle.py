@@ -72,13 +72,17 @@ def test_warm_up_prints_backend_progress_as_json_lines_before_anything_else(tiny
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_warm_up_generates_once_per_kind_a_request_may_ask_for_where_graphs_run(graphs, capsys):
+def test_warm_up_generates_once_per_kind_a_request_may_ask_for_where_graphs_run(graphs, capsys, monkeypatch):
     """With CUDA graphs, ar, dflash and ddtree at each captured budget, besides the default;
-    without them (a CPU), the default alone."""
+    without them (a CPU), the default alone. Then, with graphs, the late-compile watch."""
     from types import SimpleNamespace
 
     from ddtree.engine.reference.api import ServerConfig
+    from ddtree.engine.reference.fast import graphs as graph_module
     from ddtree.engine.reference.server import warm_up
+
+    watched = []
+    monkeypatch.setattr(graph_module, "watch_late_compiles", lambda log: watched.append(log) or True)
 
     ran = []
     engine = SimpleNamespace(
@@ -91,9 +95,10 @@ def test_warm_up_generates_once_per_kind_a_request_may_ask_for_where_graphs_run(
     if graphs:
         assert ran == [("warmup", (16, 64)), ("ddtree", 16), ("ar", 16), ("dflash", 16), ("ddtree", 64)]
         messages = [json.loads(line)["message"] for line in capsys.readouterr().out.splitlines()]
-        assert messages[-1] == "warmed up ddtree at budget 64 with a generation of 8 tokens"
+        assert messages[-2] == "warmed up ddtree at budget 64 with a generation of 8 tokens"
+        assert messages[-1].startswith("from now on, a Triton kernel compiled while serving") and watched
     else:
-        assert ran == [("warmup", (16, 64)), ("ddtree", 16)]
+        assert ran == [("warmup", (16, 64)), ("ddtree", 16)] and not watched
 
 
 @pytest.mark.parametrize("argv", [["--budget", "-1"], ["--port", "70000"], ["--algorithm", "medusa"],

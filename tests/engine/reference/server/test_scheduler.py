@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import queue
 import threading
 import time
@@ -308,6 +310,26 @@ def test_the_turn_trace_accounts_for_every_token_and_request(tmp_path):
     assert {t["how"] for t in turns} <= {"prefill", "prefill+round", "prefill+step", "round", "step", "alone"}
     assert all(t["s"] >= t["engine_s"] >= 0 for t in turns)
     assert all(b["t"] >= a["t"] + a["s"] for a, b in zip(turns, turns[1:]))
+
+
+@pytest.mark.parametrize("where", ["/dev/full", "folder"])
+def test_a_trace_that_cannot_be_written_stops_and_serving_goes_on(tmp_path, where, caplog):
+    """A full disk (/dev/full takes the open and fails the writes) or a path that is a folder
+    ends the trace with a warning; every request still finishes."""
+    engine = BatchingEngine()
+    path = "/dev/full" if where == "/dev/full" else str(tmp_path)
+    if where == "/dev/full" and not os.path.exists(path):
+        pytest.skip("no /dev/full here")
+    sched = Scheduler(engine, max_running=3, max_queued=4, batch=True, trace_turns=path)
+    queues = [collect(sched, tag, n)[1] for tag, n in ((1, 5), (2, 3))]
+    with caplog.at_level(logging.WARNING):
+        sched.start()
+        try:
+            outs = [[i for u in drain(q) for i in u.new_ids] for q in queues]
+        finally:
+            sched.stop(timeout=5)
+    assert outs == [[1000 + i for i in range(5)], [2000 + i for i in range(3)]]
+    assert "turn trace" in caplog.text and sched.failure is None
 
 
 def test_a_failing_batch_falls_back_to_single_steps():
