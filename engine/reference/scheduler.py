@@ -765,6 +765,10 @@ def render_metrics(snapshot: Snapshot, labels: dict[str, str]) -> str:
         ("ddtree:engine_seconds_total", "Seconds of those turns inside engine calls (start, steps, rounds, close); "
          "the rest is the scheduler's own host time.", stats.engine_seconds_total),
     ]
+    if snapshot.late_compiles is not None:
+        counters.append(("ddtree:late_triton_compiles_total", "Triton kernels compiled while serving, after the "
+                         "warm-up: each one a stall that every running stream waited through.",
+                         snapshot.late_compiles))
     for name, doc, value in counters:
         scalar(name, "counter", doc, value)
     histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", stats.ttft)

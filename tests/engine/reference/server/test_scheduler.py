@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -225,6 +226,11 @@ def test_render_metrics_parses(started):
     assert families["sglang:num_running_reqs"].samples[0].labels["model_name"] == 'a "quoted"\\name'
     buckets = [s for s in families["sglang:time_to_first_token_seconds"].samples if s.name.endswith("_bucket")]
     assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == 1
+    # Late Triton compiles: a counter where something watches for them (CUDA graphs), else none.
+    assert "ddtree:late_triton_compiles" not in families
+    watched = dataclasses.replace(sched.snapshot(time.perf_counter()), late_compiles=2)
+    families = {f.name: f for f in text_string_to_metric_families(render_metrics(watched, {}))}
+    assert families["ddtree:late_triton_compiles"].samples[0].value == 2
 
 
 def test_turn_seconds_split_engine_calls_from_the_schedulers_own_time(engine_and_sched, monkeypatch):
