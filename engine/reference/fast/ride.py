@@ -37,7 +37,11 @@ joiner, left the ITL p99 where it was (6.9 against 7.2 ms), since that grid's jo
 groups. One rider of 128 tokens a round met the ITL target for AR (p99 4.4 against p50 2.5 ms),
 but DDTree-16's TTFT p99 rose from 65 to 180 ms: a wave's joiners rode one after another through
 its 7 ms rounds. A single wider rider (one round a prompt) left that p99 at 182 ms. Hence
-several riders a round.
+several riders a round. Four a round still left it at 164 ms: a cell's first wave reaches the
+engine a few ms apart through HTTP, so its last joiners rode two a round through the first
+sessions' small rounds. Hence the burst rule. With it, riders lowered the ITL p99 in 7 of 9
+cells at concurrency 4-64, at 1-11% of throughput and a higher TTFT p99 in most of them: a trade,
+so the flag stays off by default.
 
 What the graph does with the riders: each row writes its chunk's K/V rows [start, start + W) of
 its slot, and leaves its last real row's logits and every row's features in the stage. The
