@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -401,7 +400,8 @@ def warm_up(engine: Engine, config: ServerConfig, progress=print_progress) -> No
         _warm_batch(engine, [ids, ids[:1] + ids], gen, spec)
         # Then two drafting prompts together, each longer than a draft block, on pool slots:
         # their drafter rows go in through the batched append (fast/batch.py append_prompts), as
-        # a burst of joiners' do. A c=64 DFlash burst once took 851 ms on an H200 without this.
+        # a burst of joiners' do (a c=64 DFlash burst once stalled 851 ms on an H200 before this
+        # was warmed up; the cause is not confirmed, bench/RESULTS.md).
         longer = ids * (engine.block_size // max(1, len(ids)) + 2)
         slots = (engine.pool_usage() or {}).get("slots", 0)
         if (engine.draft_name is not None and not engine.hybrid_reason and slots >= 2

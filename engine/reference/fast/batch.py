@@ -66,7 +66,6 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
     has checked that the sessions are distinct and this engine's."""
     out: list[list[int]] = [[] for _ in sessions]
     pool = engine.impl.pool
-    engine.turn_note = ""
     new, pooled, alone = [], [], []
     for i, sess in enumerate(sessions):
         if sess.done:
