@@ -24,6 +24,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from ddtree.engine.serving.bench import percentile  # the sweep client's, as its ITL p99 is read
+
 
 def load(path: Path) -> list[dict]:
     turns = []
@@ -34,13 +36,6 @@ def load(path: Path) -> list[dict]:
         except ValueError:
             raise SystemExit(f"{path}:{n}: not a JSON line (is this a --trace-turns file?)") from None
     return turns
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 def kind(turn: dict) -> str:
