@@ -280,12 +280,16 @@ def bench_demo(args) -> dict:
     specs += [(f"ddtree-{b}", SpecParams("ddtree", b)) for b in args.demo_budgets]
     gen = GenParams(max_new_tokens=args.demo_new_tokens, ignore_eos=True)
     out = {}
-    for backend in args.demo_backends:
+    for label in args.demo_backends:
+        backend = label.removesuffix("-rows")
         torch._dynamo.reset()
         # One session at a time here: one slot's graphs, in a window the prompts fit.
         engine = Engine.load(target_dir, draft_dir, device=args.device, dtype=torch.float32, backend=backend,
                              max_budget=max(args.demo_budgets), slots=1, context_window=args.demo_window,
                              attention=args.attention)
+        if label.endswith("-rows") and backend == "fast":  # the few-row kernel, before the tunes
+            engine.target.model.gemv.rows = True
+            engine.impl.drafts.linear.kernels = True
         engine.warmup(progress=lambda msg: print(f"[demo {backend}] {msg}", flush=True),
                       budgets=tuple(args.demo_budgets))
         lines = (REPO / "assets" / "prompts" / "code.jsonl").read_text().splitlines()
@@ -316,12 +320,12 @@ def bench_demo(args) -> dict:
                 for name, v in rate.items()}
         best = max((n for n in rows if n.startswith("ddtree")), key=lambda n: rows[n]["tok_s"])
         split = round_ms(engine, prompts[0], args.demo_budgets, args.repeats * 4) if backend == "fast" else {}
-        out[backend] = {"rows": rows, "best_ddtree": best, "round_ms": split, "attention": engine.attention,
+        out[label] = {"rows": rows, "best_ddtree": best, "round_ms": split, "attention": engine.attention,
                         "ddtree_x_ar": rows[best]["x_ar"],
                         "ddtree_x_dflash": round(rows[best]["tok_s"] / rows["dflash"]["tok_s"], 3),
                         "graphs": engine.graphs,
                         "host_work_per_round": spec_host_work(engine, prompts[0], specs)}
-        print(f"[demo {backend}] " + json.dumps(out[backend]), flush=True)
+        print(f"[demo {label}] " + json.dumps(out[label]), flush=True)
         del engine
     return out
 
@@ -341,7 +345,8 @@ def main(argv=None) -> int:
     p.add_argument("--demo-new-tokens", type=int, default=96)
     p.add_argument("--demo-budgets", default="8,16,32,64", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--demo-window", type=int, default=1024, help="the demo engine's context window")
-    p.add_argument("--demo-backends", default="transformers,fast", type=lambda s: [x for x in s.split(",") if x])
+    p.add_argument("--demo-backends", default="transformers,fast", type=lambda s: [x for x in s.split(",") if x],
+                   help="transformers, fast, and fast-rows (fast with the few-row kernel tuned in)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="measure the fast path with CUDA graphs only (by default also with torch.compile'd layers)")
     p.add_argument("--serving-window", type=int, default=8192,
@@ -391,7 +396,7 @@ def main(argv=None) -> int:
                   f"(KV spans {r['serving_window_graphs'].get('kv_spans')})")
     if "demo" in result:
         d = result["demo"][args.demo_backends[-1]]
-        print(f"demo fast: best {d['best_ddtree']} {d['ddtree_x_ar']}x AR, {d['ddtree_x_dflash']}x DFlash")
+        print(f"demo {args.demo_backends[-1]}: best {d['best_ddtree']} {d['ddtree_x_ar']}x AR, {d['ddtree_x_dflash']}x DFlash")
     return 0
 
 

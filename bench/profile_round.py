@@ -31,7 +31,7 @@ def load(args):
     from ddtree.engine.reference.engine import Engine
 
     budgets = tuple(args.budgets)
-    pool = args.batch if args.batch > 1 else 0
+    pool = args.pool_slots or (args.batch if args.batch > 1 else 0)
     if args.pair == "demo":
         from ddtree.engine.demo import demo_paths
 
@@ -50,6 +50,10 @@ def load(args):
                         pool_slots=pool)
         prompt = torch.randint(0, model.config.vocab_size, (512,), generator=torch.Generator().manual_seed(1)).tolist()
     engine.target.model.gemv.folds = not args.no_folds
+    if args.rows:  # before the warm-up's tunes
+        engine.target.model.gemv.rows = True
+        if engine.impl.drafts is not None:
+            engine.impl.drafts.linear.kernels = True
     engine.warmup(progress=lambda msg: print(f"[{args.pair}] {msg}", flush=True), budgets=budgets)
     return engine, prompt
 
@@ -67,17 +71,27 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1000
 
 
-def profile(engine, prompt, spec, rounds: int, device: str, top: int, shapes: bool = False, batch: int = 1) -> dict:
+def profile(engine, prompt, spec, rounds: int, device: str, top: int, shapes: bool = False, batch: int = 1,
+            one_graph: bool = False) -> dict:
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from ddtree.engine.reference.engine import GenParams
+    from ddtree.engine.reference.fast import batch as fast_batch
+    from ddtree.engine.reference.fast import batch_graph
 
     sessions = [engine.start(prompt, GenParams(max_new_tokens=100_000, ignore_eos=True), spec) for _ in range(batch)]
 
     def step() -> None:
-        if batch > 1:
+        if one_graph:  # the server's batched round, over these sessions however few
+            if sessions[0]._bonus is None:
+                engine.step_many(sessions)
+                fast_batch.append_prompts(engine, sessions)
+                return
+            kind = batch_graph.eligible(engine, sessions)
+            batch_graph.graphed_round(engine, sessions, kind, graphs=engine.impl.graphs)
+        elif batch > 1:
             engine.step_many(sessions)
         else:
             sessions[0].step()
@@ -132,8 +146,17 @@ def main(argv=None) -> int:
                    help="no CUDA graphs: slower, but the profile names each kernel's op and input shapes")
     p.add_argument("--attention", default="auto", help="the fast backend's kernel: auto, triton, matmul, sdpa")
     p.add_argument("--batch", type=int, default=1, help="sessions stepping together on a KV pool (a batched round)")
+    p.add_argument("--pool-slots", type=int, default=0,
+                   help="the KV pool's slots (default: --batch where it is over 1, else no pool)")
+    p.add_argument("--one-graph", action="store_true",
+                   help="a round is the batched round's one graph replay (batch_graph.graphed_round) even "
+                        "for one session, where Engine.step_many steps a lone session through Session.step(); "
+                        "needs a pool")
     p.add_argument("--no-folds", action="store_true",
                    help="norms, silu and residual adds as torch ops around every product (no GEMV folds, no row_ops)")
+    p.add_argument("--rows", action="store_true",
+                   help="let the warm-up's tunes pick the few-row kernel (fast/gemv.py's rows) for 2..128-row "
+                        "products where it beats cuBLAS; off by default until measured on a GPU")
     p.add_argument("--out")
     args = p.parse_args(argv)
     with torch.inference_mode():
@@ -141,10 +164,19 @@ def main(argv=None) -> int:
         specs = [("ar", SpecParams("ar")), ("dflash", SpecParams("dflash"))]
         specs += [(f"ddtree-{b}", SpecParams("ddtree", b)) for b in args.budgets]
         result = {"pair": args.pair, "device": args.device, "attention": engine.attention, "batch": args.batch,
-                  "folds": not args.no_folds, "rows": {}}
+                  "pool_slots": args.pool_slots, "one_graph": args.one_graph, "folds": not args.no_folds,
+                  "rows_kernel": args.rows, "rows": {}}
+        gemv, drafts = engine.target.model.gemv, engine.impl.drafts
+        result["few_row_tune"] = {"target": {str(k): v for k, v in sorted(gemv.measured_rows.items())},
+                                  "target_picked": {str(k): str(v) for k, v in sorted(gemv.picked_rows.items())},
+                                  "drafter": {str(k): v for k, v in sorted(drafts.linear.measured.items())} if drafts else {},
+                                  "drafter_kernel": sorted(str(k) for k in drafts.linear.kernel) if drafts else []}
+        print(f"[{args.pair}] few-row kernel: target {len(gemv.picked_rows)} of {len(gemv.measured_rows)} (rows, shape), "
+              f"drafter {len(drafts.linear.kernel) if drafts else 0} of {len(drafts.linear.measured) if drafts else 0}",
+              flush=True)
         for name, spec in specs:
             result["rows"][name] = row = profile(engine, prompt, spec, args.rounds, args.device, args.top,
-                                                 shapes=args.eager, batch=args.batch)
+                                                 shapes=args.eager, batch=args.batch, one_graph=args.one_graph)
             print(f"[{args.pair} {engine.attention}] {name}: wall {row['wall_ms_per_round']} ms/round, GPU busy "
                   f"{row['gpu_busy_ms_per_round']} ms, {row['kernels_per_round']} kernels/round", flush=True)
             for k in row["top_kernels"][:8]:

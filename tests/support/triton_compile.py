@@ -53,6 +53,10 @@ def main() -> int:
                           {"HAS_BIAS": True, "BLOCK_N": 8, "BLOCK_K": 512, "EVEN": even, "PRE": pre, "HAS_RES": res}, 4))
         cases.append((f"gemv {dtype} 16x1024", triton_gemv.gemv, gemv_ptrs, {"eps"},
                       {"HAS_BIAS": False, "BLOCK_N": 16, "BLOCK_K": 1024, "EVEN": True, "PRE": 2, "HAS_RES": True}, 8))
+        for pre, res, tile in ((0, False, (16, 64, 64)), (1, True, (32, 32, 64)), (2, False, (64, 64, 32))):
+            cases.append((f"rows {dtype} pre={pre} res={res} tile={tile}", triton_gemv.rows, gemv_ptrs, {"eps"},
+                          {"HAS_BIAS": pre == 0, "BLOCK_M": tile[0], "BLOCK_N": tile[1], "BLOCK_K": tile[2],
+                           "PRE": pre, "HAS_RES": res, "IEEE": dtype == f32}, 4))
         for norm, slots in ((True, False), (False, True)):
             cases.append((f"rope_write {dtype} norm={norm} slots={slots}", triton_rope.rope_write,
                           {"QKV": dtype, "QW": dtype, "KW": dtype, "COS": dtype, "SIN": dtype, "KC": dtype,

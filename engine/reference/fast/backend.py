@@ -146,10 +146,14 @@ class FastPath:
         if self._slots:
             return
         # The one place the tune runs: before the compile trace and the captures read its choices.
-        say("timing the target's one-row products: cuBLAS against the GEMV kernel's tilings")
-        self.target.model.tune_gemv()
-        picked = self.target.model.gemv.picked
-        say(f"one-row products on the GEMV kernel: {', '.join(f'{n}x{k}' for n, k in sorted(picked)) or 'none'}")
+        say("timing the target's one-row and few-row products: cuBLAS against the GEMV kernels' tilings")
+        gemv = self.target.model.gemv
+        self.target.model.tune_gemv(rows=self.target.buckets)
+        say(f"one-row products on the GEMV kernel: {', '.join(f'{n}x{k}' for n, k in sorted(gemv.picked)) or 'none'}")
+        if gemv.measured_rows:
+            counts = sorted({m for m, _, _ in gemv.picked_rows})
+            say(f"few-row products on the kernel: {len(gemv.picked_rows)} of {len(gemv.measured_rows)} "
+                f"(rows, shape) pairs, at rows {counts or 'none'}")
         if self.want_compile:
             say("compiling the decoder layer (torch.compile, once for every layer) and the drafter block")
             self.target.compile()

@@ -56,6 +56,32 @@ CONFIGS = (Config(4, 512, 4, 2), Config(4, 1024, 4, 2), Config(8, 512, 4, 2), Co
            Config(16, 256, 4, 2), Config(16, 512, 4, 2), Config(16, 1024, 8, 2))
 
 
+@dataclass(frozen=True)
+class RowsConfig:
+    """A tiling of the few-row kernel (triton_gemv.rows): a program's rows, outputs and inputs a step."""
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+
+
+# Few-row products: 2..ROWS_MAX rows (a one-session verify's query buckets, the drafter's block).
+ROWS_MAX = 128
+# Tiles tried for m rows, each at a program of 16 rows and of the power of two that covers m (at
+# most 64). Few, because each is a Triton compile at warm-up per fold combination. On an H200
+# cuBLAS ran float32 products of 8-65 rows by 256 inputs at 6-8 us (bench/results/
+# h200-small-gemm-f32.json), where a one-row GEMV took 2.5.
+ROWS_TILES = ((16, 64, 4), (32, 64, 4), (64, 32, 4))
+
+
+def rows_configs(m: int) -> tuple[RowsConfig, ...]:
+    """The tilings the tune tries for m rows."""
+    cover = 16
+    while cover < min(m, 64):
+        cover *= 2
+    return tuple(RowsConfig(bm, bn, bk, w) for bm in sorted({16, cover}) for bn, bk, w in ROWS_TILES)
+
+
 # What a product may fold in before it (Gemv's `pre`): the op's code in the kernel (PRE).
 _SILU, _RMS = 1, 2
 
@@ -104,6 +130,42 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
     return out
 
 
+def launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], config: RowsConfig,
+                pre: int = 0, residual: Optional[torch.Tensor] = None, norm: Optional[torch.Tensor] = None,
+                eps: float = 0.0) -> torch.Tensor:
+    """x [m, K] (or [m, 2K] with _SILU) @ weight[N, K]^T (+ bias) (+ residual [m, N]) -> [m, N]
+    in x's dtype, on the few-row kernel with this tiling; pre as `launch`'s."""
+    from ddtree.engine.reference.fast.triton_gemv import rows
+
+    n, k = weight.shape
+    m = x.shape[0]
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (-(-n // config.block_n), -(-m // config.block_m))
+    rows[grid](x, weight, bias if bias is not None else x, out,
+               residual.contiguous() if residual is not None else x, norm if norm is not None else x,
+               m, n, k, x.stride(0), weight.stride(0), float(eps), HAS_BIAS=bias is not None,
+               BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRE=pre,
+               HAS_RES=residual is not None, IEEE=x.dtype == torch.float32 or x.device.type == "cpu",
+               num_warps=config.warps, num_stages=2)
+    return out
+
+
+@torch.library.custom_op("ddtree::gemm_rows", mutates_args=())
+def _gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+               norm: Optional[torch.Tensor], eps: float, pre: int, block_m: int, block_n: int, block_k: int,
+               warps: int) -> torch.Tensor:
+    return launch_rows(x, weight, bias, RowsConfig(block_m, block_n, block_k, warps), pre, residual, norm, eps)
+
+
+@_gemm_rows.register_fake
+def _(x, weight, bias, residual, norm, eps, pre, block_m, block_n, block_k, warps):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
 @torch.library.custom_op("ddtree::gemv", mutates_args=())
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
           norm: Optional[torch.Tensor], eps: float, pre: int, block_n: int, block_k: int, warps: int,
@@ -147,18 +209,27 @@ class Gemv:
     def __init__(self) -> None:
         self.picked: dict[tuple[int, int], Config] = {}
         self.measured: dict[tuple[int, int], dict[str, float]] = {}
+        # Few-row products, keyed (rows, N, K): filled by tune_rows, like `picked`.
+        self.picked_rows: dict[tuple[int, int, int], RowsConfig] = {}
+        self.measured_rows: dict[tuple[int, int, int], dict[str, float]] = {}
+        # True: tune_rows measures the few-row kernel. Off until an H200 run has measured it against
+        # cuBLAS and its CUDA tests have passed (bench/gpu_rows.sh); bench scripts turn it on.
+        self.rows = False
         self.enabled = True  # False: F.linear runs every product and tune measures nothing (benchmarks)
         # False: norm, activation and residual run as torch ops around every product, one row (the
         # kernel) or many (row_ops) (benchmarks).
         self.folds = True
 
-    def takes(self, x: torch.Tensor, weight: torch.Tensor, pre=None) -> Config | None:
-        """The tiling this product runs with, or None for torch ops (`plain`). Only tune fills
-        `picked`, and only on CUDA (tests fill it by hand under Triton's interpreter). Of the
-        activations only silu folds into the kernel."""
-        if not (self.enabled and self.picked and x.dim() == 2 and x.shape[0] == 1):
+    def takes(self, x: torch.Tensor, weight: torch.Tensor, pre=None) -> Config | RowsConfig | None:
+        """The tiling this product runs with: a Config (one row, the GEMV kernel), a RowsConfig
+        (2..ROWS_MAX rows, the few-row kernel), or None for torch ops (`plain`). Only the tunes
+        fill `picked` and `picked_rows`, and only on CUDA (tests fill them by hand under Triton's
+        interpreter). Of the activations only silu folds into the kernels."""
+        if not (self.enabled and (self.picked or self.picked_rows) and x.dim() == 2):
             return None
-        config = self.picked.get((int(weight.shape[0]), int(weight.shape[1])))
+        shape = (int(weight.shape[0]), int(weight.shape[1]))
+        rows = int(x.shape[0])
+        config = self.picked.get(shape) if rows == 1 else self.picked_rows.get((rows, *shape))
         return config if config is not None and _foldable(pre) else None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pre=None,
@@ -174,6 +245,9 @@ class Gemv:
             out = self(_before(x, pre), weight, bias)
             return out if residual is None else residual + out
         code, norm, eps = _fold_args(pre)
+        if isinstance(config, RowsConfig):
+            return torch.ops.ddtree.gemm_rows(x, weight, bias, residual, norm, eps, code, config.block_m,
+                                              config.block_n, config.block_k, config.warps)
         return torch.ops.ddtree.gemv(x, weight, bias, residual, norm, eps, code, config.block_n, config.block_k,
                                      config.warps, config.stages)
 
@@ -212,3 +286,40 @@ class Gemv:
             log.info("one-row linear %s (us a product): %s %.2f, best kernel %s %.2f -> %s", key, base,
                      self.measured[key][base], best, self.measured[key][str(best)],
                      "kernel" if key in self.picked else "torch")
+
+    def tune_rows(self, groups: Iterable[list[tuple[torch.Tensor, Optional[torch.Tensor]]]], rows: Iterable[int],
+                  folds: Optional[list] = None) -> None:
+        """`tune` for few-row products: at each row count in `rows` (2..ROWS_MAX; others are
+        skipped), the torch ops against rows_configs(m) of the few-row kernel, over each whole
+        group, keeping the kernel for (m, N, K) where it takes at most _MARGIN of the torch ops'
+        time. The same no-ops as `tune`."""
+        counts = sorted({int(m) for m in rows if 2 <= int(m) <= ROWS_MAX})
+        for i, group in enumerate(groups):
+            weight = group[0][0]
+            shape = (int(weight.shape[0]), int(weight.shape[1]))
+            if (not (self.enabled and self.rows) or weight.device.type != "cuda" or not tree_attention.available()
+                    or torch.cuda.is_current_stream_capturing()):
+                continue
+            pre, residual = folds[i] if folds is not None and folds[i] is not None and self.folds else (None, False)
+            if not _foldable(pre):
+                pre = None
+            code, norm, eps = _fold_args(pre)
+            base = "F.linear" if pre is None and not residual else "torch ops"
+            for m in counts:
+                key = (m, *shape)
+                if key in self.measured_rows:
+                    continue
+                x = torch.randn((m, shape[1] * (2 if pre == "silu" else 1)), device=weight.device, dtype=weight.dtype)
+                res = torch.randn((m, shape[0]), device=weight.device, dtype=weight.dtype) if residual else None
+                times = {base: replay_us(lambda: [plain(x, w, b, pre, res) for w, b in group], weight.device, 1)}
+                configs = rows_configs(m)
+                for config in configs:
+                    times[str(config)] = replay_us(
+                        lambda: [launch_rows(x, w, b, config, code, res, norm, eps) for w, b in group], weight.device, 1)
+                best = min(configs, key=lambda c: times[str(c)])
+                self.measured_rows[key] = {name: round(us / len(group), 2) for name, us in times.items()}
+                if times[str(best)] <= _MARGIN * times[base]:
+                    self.picked_rows[key] = best
+            log.info("few-row linears %s at rows %s (us a product, torch / best kernel): %s", shape, counts,
+                     {m: (self.measured_rows[(m, *shape)][base],
+                          min(v for k, v in self.measured_rows[(m, *shape)].items() if k != base)) for m in counts})

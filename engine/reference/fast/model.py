@@ -658,8 +658,9 @@ class DenseDecoder(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fused_writes = on
 
-    def tune_gemv(self) -> None:
-        """Measure the one-row products of the fused model (Gemv.tune), before graphs or compiles,
+    def tune_gemv(self, rows: tuple[int, ...] = ()) -> None:
+        """Measure the one-row products of the fused model (Gemv.tune), and the few-row ones at
+        these row counts (Gemv.tune_rows: a verify's query buckets), before graphs or compiles,
         each with what DecoderLayer folds into it."""
         first = self.model.layers[0]
         layers = [(layer.self_attn, layer.mlp) for layer in self.model.layers]
@@ -670,6 +671,8 @@ class DenseDecoder(nn.Module):
                   ([(self.lm_head.weight, self.lm_head.bias)], None)]
         groups = [(g, f) for g, f in groups if g]
         self.gemv.tune([g for g, _ in groups], folds=[f for _, f in groups])
+        if any(m > 1 for m in rows):
+            self.gemv.tune_rows([g for g, _ in groups], rows, folds=[f for _, f in groups])
 
     def compile_layers(self) -> None:
         """torch.compile one decoder layer's forward, shared by every layer (regional compilation:

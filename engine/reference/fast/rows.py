@@ -8,6 +8,10 @@ the choice is measured, once per shape, as CUDA graph replays (how the engine ru
 swap is kept only where it wins by a clear margin. bf16/fp16 and the CPU always take F.linear:
 nothing was seen to need it there.
 
+The few-row kernel of fast/gemv.py (triton_gemv.rows) is a third candidate, for up to
+gemv.ROWS_MAX rows: on an H200 cuBLAS took 6-8 us for every float32 product of 8-32 rows by 256
+inputs that bench_small_gemm.py timed, where a one-row GEMV took 2.5.
+
 Only the drafter uses it (fast/draft.py). Its compiled block always has B rows, so a choice never
 adds a torch.compile trace. The target's layers do not: their compiled layer serves every query
 bucket, and a choice per row count would cost one compile per swapped count.
@@ -68,11 +72,20 @@ class RowLinears:
         self.device = device
         self.dtype = dtype
         self.swap: set[tuple[int, int, int]] = set()
-        self.measured: dict[tuple[int, int, int], tuple[float, float]] = {}
+        self.kernel: dict[tuple[int, int, int], object] = {}  # (m, k, n) -> gemv.RowsConfig
+        self.kernels = False  # True: tune tries the few-row kernel too (off for now: see Gemv.rows)
+        # (m, k, n) -> (F.linear us, swapped us or None, best few-row kernel us or None)
+        self.measured: dict[tuple[int, int, int], tuple[float, float | None, float | None]] = {}
 
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.swap and x.dim() == 2 and x.shape[0] <= 16 and (x.shape[0], *module.weight.shape[::-1]) in self.swap:
-            return _swapped(x, module.weight, module.bias)
+        if (self.swap or self.kernel) and x.dim() == 2:
+            key = (x.shape[0], *module.weight.shape[::-1])
+            config = self.kernel.get(key)
+            if config is not None:
+                return torch.ops.ddtree.gemm_rows(x, module.weight, module.bias, None, None, 0.0, 0, config.block_m,
+                                                  config.block_n, config.block_k, config.warps)
+            if key in self.swap:
+                return _swapped(x, module.weight, module.bias)
         return module(x)
 
     def tune(self, linears: Iterable[nn.Linear], rows: Iterable[int]) -> None:
@@ -81,19 +94,34 @@ class RowLinears:
         rows. A no-op off CUDA or outside float32, and inside a capture."""
         if not self.active or torch.cuda.is_current_stream_capturing():
             return
+        from ddtree.engine.reference.fast import gemv, tree_attention
+
+        kernels = self.kernels and tree_attention.available()
         todo: dict[tuple[int, int, int], nn.Linear] = {}
         for lin in linears:
             n, k = (int(d) for d in lin.weight.shape)
             for m in rows:
-                if 2 <= m <= 16 and (m, k, n) not in self.measured:
+                if 2 <= m <= (gemv.ROWS_MAX if kernels else 16) and (m, k, n) not in self.measured:
                     todo.setdefault((m, k, n), lin)
         for (m, k, n), lin in sorted(todo.items(), key=lambda item: item[0]):
             x = torch.randn(m, k, device=self.device, dtype=self.dtype)
             plain = replay_us(lambda: F.linear(x, lin.weight, lin.bias), self.device)
-            swapped = replay_us(lambda: _swapped(x, lin.weight, lin.bias), self.device)
-            self.measured[(m, k, n)] = (round(plain, 2), round(swapped, 2))
-            if swapped <= _MARGIN * plain:
+            swapped = replay_us(lambda: _swapped(x, lin.weight, lin.bias), self.device) if m <= 16 else None
+            best = None
+            if kernels:
+                times = {c: replay_us(lambda c=c: gemv.launch_rows(x, lin.weight, lin.bias, c), self.device)
+                         for c in gemv.rows_configs(m)}
+                best = min(times, key=times.get)
+            kernel = times[best] if best is not None else None
+            self.measured[(m, k, n)] = (round(plain, 2), None if swapped is None else round(swapped, 2),
+                                        None if kernel is None else round(kernel, 2))
+            # The fastest way that beats F.linear by the margin.
+            ways = [(t, way) for t, way in ((swapped, "swap"), (kernel, "kernel")) if t is not None and t <= _MARGIN * plain]
+            if ways and min(ways)[1] == "kernel":
+                self.kernel[(m, k, n)] = best
+            elif ways:
                 self.swap.add((m, k, n))
         if todo:
-            log.info("few-row float32 products (rows, in, out: F.linear us, swapped us): %s; swapped: %s",
-                     {key: self.measured[key] for key in sorted(todo)}, sorted(self.swap))
+            log.info("few-row float32 products (rows, in, out: F.linear us, swapped us, kernel us): %s; "
+                     "swapped: %s; kernel: %s", {key: self.measured[key] for key in sorted(todo)}, sorted(self.swap),
+                     sorted(self.kernel))

@@ -52,3 +52,52 @@ def gemv(X, W, BIAS, Y, RES, NORM, N, K, sw, eps, HAS_BIAS: tl.constexpr, BLOCK_
     if HAS_RES:
         y += tl.load(RES + n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def rows(X, W, BIAS, Y, RES, NORM, M, N, K, sx, sw, eps, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, HAS_RES: tl.constexpr,
+         IEEE: tl.constexpr):
+    """Y[m, n] = sum_k W[n, k] x[m, k] (+ bias[n]) (+ RES[m, n]) for a BLOCK_M x BLOCK_N tile a
+    program: gemv's product for a few rows, each W tile read once for all of them and multiplied
+    with tl.dot (IEEE: in exact float32, as cuBLAS without TF32 does). X's rows are sx apart; Y
+    and RES are contiguous [M, N]. PRE as gemv's, RMSNorm per row (rstd from the whole row)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    n_ok = n < N
+    xrow = m.to(tl.int64) * sx
+    wrow = n.to(tl.int64) * sw
+    if PRE == 2:
+        squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(X + xrow[:, None] + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            squares += v * v
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, 1) / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(X + xrow[:, None] + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if PRE == 1:
+            gate = x.to(tl.float32)
+            up = tl.load(X + xrow[:, None] + K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            x = (gate / (1.0 + tl.exp(-gate)) * up).to(X.dtype.element_ty)
+        elif PRE == 2:
+            x = (x.to(tl.float32) * rstd[:, None]
+                 * tl.load(NORM + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(X.dtype.element_ty)
+        w = tl.load(W + wrow[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    out = m.to(tl.int64)[:, None] * N + n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        acc += tl.load(RES + out, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=ok)

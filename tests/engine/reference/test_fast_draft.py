@@ -76,13 +76,24 @@ def swap_every_linear(fast: FastDrafter, rows=range(1, 17)) -> None:
     fast.linear.swap = {(m, *lin.weight.shape[::-1]) for lin in linears for m in rows}
 
 
+def kernel_for_every_linear(fast: FastDrafter, rows=range(2, 65)) -> None:
+    """Make RowLinears take the few-row kernel (fast/gemv.py) for every shape of 2..64 rows the
+    drafter can meet; on a CPU it never chooses that by itself."""
+    from ddtree.engine.reference.fast.gemv import RowsConfig
+
+    linears = [m for m in fast.drafter.modules() if isinstance(m, torch.nn.Linear)] + [fast.lm_head]
+    fast.linear.kernel = {(m, *lin.weight.shape[::-1]): RowsConfig(16, 16, 32, 4) for lin in linears for m in rows}
+
+
 def _run_pair(target, drafter, feats, *, static: bool, tensor_bonus: bool = False, buckets=(1, 2, 4, 8),
-              attention: str = "auto", swapped: bool = False):
+              attention: str = "auto", swapped: bool = False, kernel: bool = False):
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     mask = drafter.mask_token_id if drafter.mask_token_id is not None else target.config.vocab_size - 1
     fast = FastDrafter(drafter, embed, head, capacity=64, mask_token_id=mask, attention=attention)
     if swapped:
         swap_every_linear(fast)
+    if kernel:
+        kernel_for_every_linear(fast)
     cache = fast.new_cache(append_buckets=buckets if static else None)
     ref = Reference(drafter, embed, head, mask)
     depth = drafter.block_size - 1
@@ -130,6 +141,26 @@ def test_matmul_attention_and_swapped_linears_equal_reference(tiny, static, atte
         assert any(n != k for n, k in taken) and any(n == k for n, k in taken)
     else:
         assert taken == []
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_few_row_kernel_linears_equal_reference(tiny, static, monkeypatch):
+    """Every few-row product of the drafter on the few-row kernel (Triton's interpreter here):
+    the same drafts as the reference, and the kernel really taken, at several row counts."""
+    from ddtree.engine.reference.fast import gemv
+
+    from .test_tree_attention import _runs_here
+
+    if not _runs_here():
+        pytest.skip("needs triton: CUDA, or its interpreter 3.7.1+")
+    seen = []
+    original = gemv.launch_rows
+    monkeypatch.setattr(gemv, "launch_rows", lambda x, w, *a, **k: seen.append(x.shape[0]) or original(x, w, *a, **k))
+    target, drafter, feats = tiny
+    got, want = _run_pair(target, drafter, feats, static=static, kernel=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+    assert len(set(seen)) >= 2
 
 
 def test_a_cpu_drafter_takes_sdpa_and_plain_linears_and_rejects_a_bad_attention(tiny):

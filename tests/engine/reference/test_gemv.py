@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 from ddtree.engine.reference.fast import gemv as gemv_module
-from ddtree.engine.reference.fast.gemv import CONFIGS, Config, Gemv, launch
+from ddtree.engine.reference.fast.gemv import CONFIGS, Config, Gemv, RowsConfig, launch, launch_rows, rows_configs
 
 from .conftest import make_drafter, make_target
 from .test_tree_attention import _runs_here
@@ -109,7 +109,74 @@ def test_what_a_product_folds_in_equals_the_torch_ops(fold, k, config, monkeypat
 def test_tune_measures_nothing_off_cuda():
     gemv = Gemv()
     gemv.tune([[(torch.randn(8, 16), None)]])
-    assert gemv.measured == {} and gemv.picked == {}
+    gemv.tune_rows([[(torch.randn(8, 16), None)]], [2, 17])
+    assert gemv.measured == {} and gemv.picked == {} and gemv.measured_rows == {} and gemv.picked_rows == {}
+
+
+# ---- few rows (a one-session verify, the drafter's block) ----------------------------------
+@pytest.mark.parametrize("m,n,k,config,bias", [
+    (2, 64, 512, RowsConfig(16, 64, 64, 4), False), (17, 48, 256, RowsConfig(32, 32, 64, 4), True),
+    (65, 37, 100, RowsConfig(64, 16, 32, 4), True), (65, 40, 96, RowsConfig(16, 32, 64, 4), False),  # 5 row tiles
+    (3, 5, 33, RowsConfig(16, 16, 32, 4), True)])  # ragged N and K
+def test_rows_kernel_equals_the_product(m, n, k, config, bias):
+    x, w, b = _case(n, k, torch.float32, bias, n + k + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    got = launch_rows(x.to(DEVICE), w.to(DEVICE), None if b is None else b.to(DEVICE), config).cpu()
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-5)
+    # Rows that are a slice of a wider tensor (a block's hidden[1:]) read with their stride.
+    wide = torch.randn(m + 1, k + 7)
+    got = launch_rows(wide[1:, :k].to(DEVICE), w.to(DEVICE), None, config).cpu()
+    assert torch.allclose(got.double(), F.linear(wide[1:, :k].double(), w.double()), atol=1e-5, rtol=1e-5)
+
+
+def test_rows_configs_cover_the_rows_with_at_most_two_row_tiles():
+    assert {c.block_m for c in rows_configs(2)} == {16}
+    assert {c.block_m for c in rows_configs(17)} == {16, 32}
+    assert {c.block_m for c in rows_configs(65)} == {16, 64}
+    assert all(c.block_n * c.block_k <= 64 * 64 for c in rows_configs(128))
+
+
+@pytest.mark.parametrize("fold", ["rms", "silu+residual", "residual"])
+def test_few_row_folds_equal_the_torch_ops(fold, monkeypatch):
+    """The folds of the one-row kernel, per row, on the few-row kernel: an RMSNorm over each row,
+    silu(gate) * up, the residual add, against the torch ops (`plain`), in one launch."""
+    from ddtree.engine.reference.fast.gemv import plain
+    from ddtree.engine.reference.fast.model import RMSNorm
+
+    m, n, k = 9, 40, 96
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(n, k, generator=g) / k ** 0.5, torch.randn(n, generator=g)
+    pre, x = None, torch.randn(m, k, generator=g) * torch.arange(1, m + 1)[:, None]  # rows of other scales
+    if fold == "rms":
+        pre = RMSNorm(k, 1e-6)
+        pre.weight.data = torch.randn(k, generator=g)
+    elif "silu" in fold:
+        pre, x = "silu", torch.randn(m, 2 * k, generator=g)
+    residual = torch.randn(m, n, generator=g) if "residual" in fold else None
+    gemv = Gemv()
+    gemv.picked_rows[(m, n, k)] = RowsConfig(16, 16, 32, 4)
+    want = plain(x, w, b, pre, residual)
+    args = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in (x, w, b, pre, residual)]
+    if isinstance(pre, torch.nn.Module):
+        args[3] = pre.to(DEVICE)
+    codes = []
+    real = gemv_module.launch_rows
+    monkeypatch.setattr(gemv_module, "launch_rows", lambda *a: codes.append((a[4], a[5] is not None)) or real(*a))
+    assert torch.allclose(gemv(*args).cpu(), want, atol=1e-5, rtol=1e-5)
+    assert codes == [({"rms": 2, "silu": 1}.get(fold.split("+")[0], 0), residual is not None)]
+
+
+def test_only_the_tuned_row_counts_take_the_rows_kernel():
+    gemv = Gemv()
+    w = torch.randn(32, 64)
+    gemv.picked_rows[(17, 32, 64)] = RowsConfig(16, 16, 32, 4)
+    assert gemv.takes(torch.randn(17, 64), w) == RowsConfig(16, 16, 32, 4)
+    assert gemv.takes(torch.randn(16, 64), w) is None and gemv.takes(torch.randn(1, 64), w) is None
+    assert gemv.takes(torch.randn(17, 64), w, "gelu") is None
+    gemv.enabled = False
+    assert gemv.takes(torch.randn(17, 64), w) is None
 
 
 @pytest.mark.slow
@@ -135,6 +202,34 @@ def test_static_path_with_one_row_products_on_the_kernel_decodes_the_same(monkey
         want = eager.generate(prompt, gen, SpecParams("ar")).output_ids
         assert fast.generate(prompt, gen, SpecParams("ar")).output_ids == want
     assert set(calls) == shapes
+
+
+@pytest.mark.slow
+def test_static_path_with_few_row_products_on_the_kernel_decodes_the_same(monkeypatch):
+    """Greedy DDTree and DFlash output, token for token: the static path with every product of
+    the target's verify (q/k/v, o, gate/up, down, the head, at every query bucket) on the
+    few-row kernel, against plain AR on the eager path."""
+    model = make_target(32).to(DEVICE)
+    drafter = make_drafter(model, block_size=6, seed=5).to(DEVICE)
+    eager = Engine(model, drafter, backend="fast", max_budget=16, graphs=False)
+    fast = Engine(model, drafter, backend="fast", max_budget=16, attention="triton", graphs=False)
+    fast.target.static = True
+    decoder = fast.target.model
+    layer = decoder.model.layers[0]
+    shapes = {tuple(w.shape) for w in (layer.self_attn.qkv[0], layer.self_attn.o_proj.weight,
+                                       layer.mlp.gate_up[0], layer.mlp.down_proj.weight, decoder.lm_head.weight)}
+    for m in fast.target.buckets[1:]:
+        for shape in shapes:
+            decoder.gemv.picked_rows[(m, *shape)] = RowsConfig(16, 32, 32, 4)
+    rows = []
+    real = gemv_module.launch_rows
+    monkeypatch.setattr(gemv_module, "launch_rows", lambda *a: rows.append(a[0].shape[0]) or real(*a))
+    gen = GenParams(max_new_tokens=10, ignore_eos=True)
+    for prompt in ([7], list(range(3, 25))):
+        want = eager.generate(prompt, gen, SpecParams("ar")).output_ids
+        for spec in (SpecParams("dflash"), SpecParams("ddtree", 16), SpecParams("ddtree", 3)):
+            assert fast.generate(prompt, gen, spec).output_ids == want, spec
+    assert len(set(rows)) >= 2 and max(rows) > 8  # chains and trees of several buckets took it
 
 
 # ---- CUDA: the compiled kernel and the tune ------------------------------------------------
@@ -208,3 +303,64 @@ def test_the_tune_is_told_what_each_layer_folds(monkeypatch):
     assert seen["folds"] == [(first.input_layernorm, False), (None, True), (first.post_attention_layernorm, False),
                              ("silu", True), None]
     assert all(len(g) == len(model.model.layers) for g in seen["groups"][:4])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_rows_tune_and_every_tiling(dtype):
+    """The demo target's shapes at a verify's row counts: the tune measures every tiling over all
+    of a shape's weights, keeps the kernel only where it won, and every tiling computes the
+    product (float32: exactly as float32 should, not TF32's 10-bit inputs)."""
+    from ddtree.engine.reference.fast.gemv import plain
+    from ddtree.engine.reference.fast.model import RMSNorm
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    norm = RMSNorm(256, 1e-6).to("cuda", dtype)
+    shapes = [((768, 256), (norm, False)), ((256, 256), (None, True)), ((256, 768), ("silu", True)), ((4096, 256), None)]
+    groups = [[((torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(dtype), None) for _ in range(4)]
+              for (n, k), _ in shapes]
+    gemv = Gemv()
+    gemv.tune_rows(groups, [2], folds=[f for _, f in shapes])
+    assert gemv.measured_rows == {}  # off by default until measured (Gemv.rows)
+    gemv.rows = True
+    gemv.tune_rows(groups, [1, 2, 17, 65, 300], folds=[f for _, f in shapes])
+    assert {m for m, _, _ in gemv.measured_rows} == {2, 17, 65}
+    for key, times in gemv.measured_rows.items():
+        base = next(v for name, v in times.items() if not name.startswith("RowsConfig"))
+        assert len(times) == 1 + len(rows_configs(key[0])) and all(us > 0 for us in times.values())
+        assert key not in gemv.picked_rows or times[str(gemv.picked_rows[key])] <= base
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for group, ((n, k), fold) in zip(groups, shapes):
+        w = group[0][0]
+        pre, res = fold if fold is not None else (None, False)
+        for m in (2, 17, 65):
+            x = torch.randn(m, 2 * k if pre == "silu" else k, device="cuda", generator=g).to(dtype)
+            residual = torch.randn(m, n, device="cuda", generator=g).to(dtype) if res else None
+            want = plain(x.double(), w.double(), None, pre.double() if pre is norm else pre,
+                         None if residual is None else residual.double())
+            for config in rows_configs(m):
+                probe = Gemv()
+                probe.picked_rows[(m, n, k)] = config
+                got = probe(x, w, None, pre, residual).double()
+                assert ((got - want).norm() / want.norm()).item() < tol, ((m, n, k), config)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_with_the_few_row_kernel_tuned_in_equal_ar():
+    """The engine with the few-row kernel's tunes on (the target's verify buckets, the drafter's
+    block, head and appends), graphs captured, in float32: DFlash and DDTree output equal AR's
+    token for token, and the transformers path's."""
+    from .test_cuda_fast import _compare, _tiny_prompts
+
+    model = make_target(43).to("cuda")
+    drafter = make_drafter(model, block_size=8, seed=6)
+    ref = Engine(model, drafter, backend="transformers", max_budget=64)
+    fast = Engine(model, drafter, backend="fast", max_budget=64)
+    fast.target.model.gemv.rows = True
+    fast.impl.drafts.linear.kernels = True
+    fast.warmup(budgets=(16, 64))
+    assert fast.graphs and fast.target.model.gemv.measured_rows
+    specs = [SpecParams("ar"), SpecParams("dflash"), SpecParams("ddtree", 16), SpecParams("ddtree", 64)]
+    assert _compare(ref, fast, _tiny_prompts(), GenParams(max_new_tokens=24, ignore_eos=True), specs) > 0

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The few-row kernel (fast/gemv.py's rows, off by default) on a GPU box in one call: the demo
+# pair's round profiled with and without it, the demo's tok/s with and without it side by side,
+# then its CUDA tests. Writes under $OUT. Not yet run: no GPU was lent when it was written.
+#   bash bench/gpu_rows.sh
+# If the kernel pays and the tests pass, turn Gemv.rows and RowLinears.kernels on by default.
+set -u
+OUT=${OUT:-$PWD/gpu-rows-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+rm -rf /tmp/site  # a warm machine keeps the last install, and pip --target does not replace it
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/tmp/install.log 2>&1 \
+    || { cat /tmp/install.log; exit 1; }
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+profile() {
+    tag=$1; limit=$2; shift 2
+    (cd bench && timeout "$limit" python3 profile_round.py --device cuda --pair demo --budgets 16,32,64 --rounds 40 \
+        --top 70 --out "$OUT/prof-demo-$tag.json" "$@") 2>&1 | grep -v "profiler_st\|Loading weights" > "$OUT/prof-demo-$tag.txt"
+    grep "^\[demo" "$OUT/prof-demo-$tag.txt" | tail -7
+}
+profile cublas 120
+profile rows 140 --rows
+timeout 150 python3 bench/bench_fast.py --device cuda --shapes "" --demo-backends fast,fast-rows --demo-prompts 8 \
+    --out "$OUT/demo-fast.json" 2>&1 | grep -v "Loading weights" > "$OUT/demo-fast.txt"
+tail -4 "$OUT/demo-fast.txt" | cut -c1-400
+timeout 170 python3 -m pytest -q -p no:cacheprovider -m cuda tests/engine/reference/test_gemv.py \
+    tests/engine/reference/test_cuda_rows.py tests/engine/reference/test_cuda_fast.py > "$OUT/cuda-tests.txt" 2>&1
+tail -15 "$OUT/cuda-tests.txt"
