@@ -329,10 +329,7 @@ def draft_block(engine: Engine, ids: torch.Tensor, span: int) -> torch.Tensor:
     n = b * block
     for i, layer in enumerate(drafts.drafter.layers):
         attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = attn.q_norm(attn.q_proj(h).view(n, heads, d))
-        k = attn.k_norm(attn.k_proj(h).view(n, kvh, d))
-        v = attn.v_proj(h).view(n, kvh, d)
+        q, k, v = drafts.qkv(layer, layer.input_layernorm(x))
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         keys, values = pool.dk[i], pool.dv[i]
         keys[slot_rows, :, positions] = k.view(b, block, kvh, d)
@@ -345,8 +342,8 @@ def draft_block(engine: Engine, ids: torch.Tensor, span: int) -> torch.Tensor:
             out = F.scaled_dot_product_attention(folded, keys[:b, :, :span], values[:b, :, :span],
                                                  attn_mask=visible, scale=drafts.scaling)
             out = out.view(b, kvh, g, block, d).permute(0, 3, 1, 2, 4).reshape(n, heads * d)
-        x = x + attn.o_proj(out)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + drafts.linear(attn.o_proj, out)
+        x = x + drafts.mlp(layer, layer.post_attention_layernorm(x))
     return drafts.drafter.norm(x).view(b, block, -1)
 
 

@@ -28,10 +28,18 @@ around a float32 softmax (the target's "matmul" kernel, model.py): the fused SDP
 the few block queries a handful of thread blocks for the whole buffer (128 us a layer for the
 demo drafter in float32 on an H200, against about 10 for the GEMMs).
 
+Each layer's q/k/v projections run as one product, and so do gate/up, as the target's do
+(model._fuse_linears: the drafter's own weights become views of the joined one); the context
+step's k/v is a slice of the q/k/v weight. On an H200 every few-row float32 product cost 4-7 us
+in a demo round (bench/RESULTS.md), so the three products saved a layer count.
+
 The linears go through fast/rows.RowLinears, which measures at capture time whether a few-row
 float32 product runs faster with its operands swapped. The batched drafter of pooled rounds
-(fast/batch.py) keeps SDPA and plain linears: its b sessions' rows give the kernels enough blocks,
-though that was not measured.
+(fast/batch.py) keeps SDPA, and its products go through the same RowLinears, which take F.linear
+at row counts the tune never measured. At one session (16 rows) an H200 profile of that batched round
+showed 8 float32 GEMMs of 40 us each on cuBLAS's 32x128 tiles (bench/RESULTS.md), likely the two
+layers' q, k, v and o at 16 rows, which bench_small_gemm timed at 31-52 us: the joined q/k/v is
+one wider product (16 x 256 x 512 took 3.3 us there), and o takes the tune's choice.
 """
 
 from __future__ import annotations
@@ -47,10 +55,38 @@ from ddtree.engine.reference.drafter import DFlashDrafter, rope_inv_freq
 from ddtree.engine.reference.errors import BadParams
 from ddtree.engine.reference.fast.graphs import record_graph, warming_up
 from ddtree.engine.reference.fast import tree_attention as fused
-from ddtree.engine.reference.fast.model import choose_attention, eager_kernel, matmul_attention
+from ddtree.engine.reference.fast.model import _fuse_linears, choose_attention, eager_kernel, matmul_attention
 from ddtree.engine.reference.fast.rows import RowLinears
 
 _WARMUP_RUNS = 3  # side-stream runs before a capture, as torch's CUDA graph notes advise
+
+
+class Joined:
+    """A product standing for several linears joined along their outputs (or a slice of such):
+    weight, bias and a call, all RowLinears asks of a module."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class LayerJoins:
+    qkv: Joined      # [q; k; v] for the block's rows
+    kv: Joined       # its [k; v] rows, for the context step's
+    gate_up: Joined  # [gate; up]
+    split: tuple[int, int, int]  # q, k, v widths
+
+
+def join_layer(layer: nn.Module) -> LayerJoins:
+    """One layer's joined products; its q/k/v and gate/up weights become views of them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    widths = tuple(int(lin.weight.shape[0]) for lin in (attn.q_proj, attn.k_proj, attn.v_proj))
+    weight, bias = _fuse_linears((attn.q_proj, attn.k_proj, attn.v_proj))
+    kv = Joined(weight[widths[0]:], None if bias is None else bias[widths[0]:])
+    return LayerJoins(Joined(weight, bias), kv, Joined(*_fuse_linears((mlp.gate_proj, mlp.up_proj))), widths)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -181,6 +217,8 @@ class FastDrafter:
         self.attention = choose_attention(attention, self.device, self.head_dim)
         self.eager_attention = eager_kernel(self.attention, self.device)
         self.linear = RowLinears(self.device, self.dtype)
+        with torch.no_grad():
+            self.joins = {id(layer): join_layer(layer) for layer in drafter.layers}
         self._pool = None  # one CUDA graph memory pool for every capture of this drafter
         self._compiled_block = None  # set by compile()
 
@@ -247,12 +285,12 @@ class FastDrafter:
         """Measure the few-row linears at the row counts a round uses (RowLinears.tune): the
         block's at B rows, the head's at B-1, the context step's at each append bucket."""
         layers = self.drafter.layers
-        block = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                                 layer.self_attn.v_proj, layer.self_attn.o_proj,
-                                                 layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+        joins = [self.joins[id(layer)] for layer in layers]
+        block = [m for layer, j in zip(layers, joins)
+                 for m in (j.qkv, layer.self_attn.o_proj, j.gate_up, layer.mlp.down_proj)]
         self.linear.tune(block, [self.block_size])
         self.linear.tune([self.lm_head], [self.block_size - 1])
-        context = [self.drafter.fc] + [m for layer in layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        context = [self.drafter.fc] + [j.kv for j in joins]
         self.linear.tune(context, append_buckets)
 
     def _record(self, fn):
@@ -303,11 +341,27 @@ class FastDrafter:
 
     def _context_kv(self, layer: nn.Module, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """One layer's keys (k_norm, RoPE) and values [n, kv_heads, d] of projected features [n, H]."""
-        attn = layer.self_attn
+        joins = self.joins[id(layer)]
         n = ctx.shape[0]
-        k = attn.k_norm(self.linear(attn.k_proj, ctx).view(n, self.num_kv_heads, self.head_dim))
-        v = self.linear(attn.v_proj, ctx).view(n, self.num_kv_heads, self.head_dim)
-        return _apply_rope(k, cos, sin), v
+        k, v = self.linear(joins.kv, ctx).split(joins.split[1:], dim=-1)
+        k = layer.self_attn.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
+        return _apply_rope(k, cos, sin), v.reshape(n, self.num_kv_heads, self.head_dim)
+
+    def qkv(self, layer: nn.Module, h: torch.Tensor):
+        """A layer's normed queries and keys (before RoPE) and values, [n, heads, d] each, of its
+        normed input h [n, H], in one product."""
+        joins, attn = self.joins[id(layer)], layer.self_attn
+        n = h.shape[0]
+        q, k, v = self.linear(joins.qkv, h).split(joins.split, dim=-1)
+        q = attn.q_norm(q.reshape(n, self.num_heads, self.head_dim))
+        k = attn.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
+        return q, k, v.reshape(n, self.num_kv_heads, self.head_dim)
+
+    def mlp(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP of its normed input x [n, H], gate and up in one product."""
+        mlp = layer.mlp
+        gate, up = self.linear(self.joins[id(layer)].gate_up, x).chunk(2, dim=-1)
+        return self.linear(mlp.down_proj, mlp.act(gate) * up)
 
     def _project(self, feats: torch.Tensor, positions: torch.Tensor):
         ctx = self.drafter.hidden_norm(self.linear(self.drafter.fc, feats.to(self.dtype)))
@@ -456,10 +510,7 @@ class FastDrafter:
         cos, sin = self._rope(positions, x.dtype)
         for i, layer in enumerate(self.drafter.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_norm(self.linear(attn.q_proj, h).view(b, self.num_heads, self.head_dim))
-            k = attn.k_norm(self.linear(attn.k_proj, h).view(b, self.num_kv_heads, self.head_dim))
-            v = self.linear(attn.v_proj, h).view(b, self.num_kv_heads, self.head_dim)
+            q, k, v = self.qkv(layer, layer.input_layernorm(x))
             q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
             keys, values = cache.keys[i], cache.values[i]
             if isinstance(rows, slice):
@@ -470,7 +521,7 @@ class FastDrafter:
                 keys.index_copy_(1, rows, k.transpose(0, 1))
                 values.index_copy_(1, rows, v.transpose(0, 1))
             x = x + self.linear(attn.o_proj, self._attend(q, keys, values, mask, length))
-            x = x + layer.mlp(layer.post_attention_layernorm(x), self.linear)
+            x = x + self.mlp(layer, layer.post_attention_layernorm(x))
         return self.drafter.norm(x)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

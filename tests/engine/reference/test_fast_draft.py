@@ -261,3 +261,31 @@ def test_cuda_graphs_equal_eager(dtype):
         got = fast.draft(bonus_t, start, pending, graphed, 7)
         torch.testing.assert_close(got, want, **tol)
         assert int(graphed.length_t) == graphed.seq_length() == start
+
+
+def test_a_layer_runs_four_products_in_the_block_and_one_in_the_context_step(tiny):
+    """q/k/v joined and gate/up joined (the drafter's weights become views of the joined ones):
+    a block forward makes 4 products a layer plus the head, a context step fc plus 1 a layer,
+    and the drafter's own modules still compute what they did."""
+    from ddtree.engine.reference.fast.rows import RowLinears
+
+    target, _, feats = tiny
+    drafter = make_drafter(target, block_size=8, layers=3, seed=11)
+    x = torch.randn(5, drafter.config.hidden_size)
+    attn, mlp = drafter.layers[1].self_attn, drafter.layers[1].mlp
+    before = [lin(x) for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)]
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    fast = FastDrafter(drafter, embed, head, capacity=64, mask_token_id=drafter.config.vocab_size - 1)
+    for lin, want in zip((attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj), before):
+        torch.testing.assert_close(lin(x), want)
+    joins = fast.joins[id(drafter.layers[1])]
+    assert attn.k_proj.weight.data_ptr() == joins.kv.weight.data_ptr()  # views, not copies
+    calls = []
+    real = RowLinears.__call__
+    fast.linear = type("Counting", (RowLinears,), {
+        "__call__": lambda self, module, rows: calls.append(tuple(module.weight.shape)) or real(self, module, rows)})(
+        fast.device, fast.dtype)
+    cache = fast.new_cache()
+    fast.draft(3, 11, feats[:11], cache, drafter.block_size - 1)
+    layers = drafter.config.num_hidden_layers
+    assert len(calls) == (1 + layers) + (4 * layers + 1)
