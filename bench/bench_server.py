@@ -401,6 +401,8 @@ def main() -> int:
                    help="--grid: the server's --stream-interval, tokens per streamed chunk (default theirs, 1)")
     p.add_argument("--chunked-prefill-size", type=int, default=None,
                    help="--grid: the server's --chunked-prefill-size (default theirs)")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="--grid: the servers' --max-prefill-tokens (default theirs, 16384)")
     p.add_argument("--enable-mixed-chunk", action="store_true",
                    help="--grid: the server's --enable-mixed-chunk (a joining prompt's chunks ride in the round)")
     p.add_argument("--grid", action="store_true",
@@ -461,6 +463,8 @@ def main() -> int:
                 interval += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
             if args.enable_mixed_chunk:
                 interval.append("--enable-mixed-chunk")
+            if args.max_prefill_tokens:
+                interval += ["--max-prefill-tokens", str(args.max_prefill_tokens)]
             return server_flags(model, draft, max_running, args.threads, batch=True, device=args.device,
                                 backend=args.backend, dtype=args.dtype, context_window=args.context_window,
                                 kv_pool_gb=args.kv_pool_gb, capture_budgets=tuple(args.budget_list)) + interval

@@ -41,6 +41,7 @@ def server_argv(args: argparse.Namespace) -> list[str]:
                         engine_loop=getattr(args, "engine_loop", None),
                         chunked_prefill_size=getattr(args, "chunked_prefill_size", None),
                         stream_interval=getattr(args, "stream_interval", None),
+                        max_prefill_tokens=getattr(args, "max_prefill_tokens", None),
                         enable_mixed_chunk=bool(getattr(args, "enable_mixed_chunk", False)))
 
 

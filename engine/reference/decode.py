@@ -102,6 +102,15 @@ class Session:
         self._prefill_features = []
         self._free_caches()
 
+    def next_prefill_tokens(self) -> int:
+        """Prompt tokens this session's next step prefills: its next chunk, or the rest of its
+        prompt (0 once prefilled)."""
+        if self._bonus is not None or self.done:
+            return 0
+        left = len(self.prompt_ids) - self._prefilled_rows
+        chunk = self.engine.prefill_chunk
+        return min(left, chunk) if self.chunked_prefill and chunk > 0 else left
+
     @property
     def chunked_prefill(self) -> bool:
         """Whether this session's prefill runs in chunks, one a step: its prompt is longer than

@@ -63,6 +63,7 @@ class EngineFacts:
     graphs: bool
     prefill_chunk: int
     mixed_chunk: bool = False
+    max_prefill_tokens: int = 0
 
     @classmethod
     def of(cls, engine: Any) -> "EngineFacts":
@@ -71,7 +72,8 @@ class EngineFacts:
                    vocab_size=engine.vocab_size, device=str(engine.device),
                    backend=engine.backend, backend_reason=engine.backend_reason, attention=engine.attention,
                    graphs=bool(engine.graphs),
-                   prefill_chunk=engine.prefill_chunk, mixed_chunk=bool(engine.mixed_chunk))
+                   prefill_chunk=engine.prefill_chunk, mixed_chunk=bool(engine.mixed_chunk),
+                   max_prefill_tokens=int(getattr(engine, "max_prefill_tokens", 0)))
 
 
 # -- the engine process ------------------------------------------------------------------------

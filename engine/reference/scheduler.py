@@ -504,6 +504,7 @@ class Scheduler:
             self._published()
             with self._cond:
                 turn = list(self._running)
+            turn, held = self._cap_prefills(turn)
             before = [len(a.session.output_ids) for a in turn] if self._trace_file is not None else []
             if self.batch and len(turn) > 1:
                 self._advance_batch(turn)
@@ -516,10 +517,10 @@ class Scheduler:
             seconds = time.perf_counter() - started
             self.stats.add_turn(seconds, self._engine_s)
             if self._trace_file is not None:
-                self._trace(started, seconds, len(admit), turn, before)
+                self._trace(started, seconds, len(admit), turn, before, held)
 
     def _trace(self, started: float, seconds: float, admitted: int, turn: list[_Active],
-               before: list[int]) -> None:
+               before: list[int], held: int = 0) -> None:
         """One JSON line for this turn: what bench/turn_trace.py needs to tell which turns make
         the inter-token and first-token tails (a stream's gap is the turns between its tokens).
         A write that fails (a full disk) ends the trace, not the serving."""
@@ -529,7 +530,7 @@ class Scheduler:
             "how": self._how, "note": getattr(self.engine, "turn_note", "") if self._how == "together" else "",
             "admitted": admitted, "new": sum(1 for n in before if n == 0),
             "running": sum(1 for n in before if n > 0), "firsts": sum(1 for b, a in zip(before, after) if b == 0 < a),
-            "tokens": sum(after) - sum(before)}) + "\n"
+            "tokens": sum(after) - sum(before), "held": held}) + "\n"
         try:
             self._trace_file.write(line)
         except (OSError, ValueError) as exc:
@@ -586,6 +587,28 @@ class Scheduler:
                              aborted=True)
                 return
         self._publish(active)
+
+    def _cap_prefills(self, turn: list[_Active]) -> tuple[list[_Active], int]:
+        """The turn less the new requests whose prefill would take it past the engine's
+        max_prefill_tokens (the server's --max-prefill-tokens, as SGLang's), and how many those
+        are: they wait a turn, keeping their place, so a burst of joiners prefills over several
+        turns and no running stream's gap holds all of it. The first new request always goes."""
+        cap = getattr(self.engine, "max_prefill_tokens", 0)
+        if cap <= 0:
+            return turn, 0
+        kept, held, tokens = [], 0, 0
+        for active in turn:
+            session = active.session
+            if session.output_ids or session.done or active.ticket.cancelled:
+                kept.append(active)
+                continue
+            n = session.next_prefill_tokens()
+            if tokens and tokens + n > cap:
+                held += 1
+                continue
+            tokens += n
+            kept.append(active)
+        return kept, held
 
     def _advance_batch(self, turn: list[_Active]) -> None:
         live, fresh = [], []

@@ -168,6 +168,7 @@ def build_app(api: Api) -> Starlette:
             "batch": config.batch, "engine_loop": api.engine_loop,
             "chunked_prefill_size": engine.prefill_chunk or -1,
             "enable_mixed_chunk": engine.mixed_chunk,
+            "max_prefill_tokens": engine.max_prefill_tokens,
             "stream_interval": config.stream_interval,
             "kv_pool": snap.pool,
             "chat_template": "model" if api.has_chat_template else "fallback",
@@ -520,6 +521,7 @@ def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
     # A target with recurrent layers prefills whole (Session.chunked_prefill), and says so.
     engine.prefill_chunk = 0 if engine.hybrid_reason else max(0, args.chunked_prefill_size)
     engine.mixed_chunk = bool(args.enable_mixed_chunk) and engine.prefill_chunk > 0
+    engine.max_prefill_tokens = args.max_prefill_tokens
     if args.block_size is not None and args.block_size != engine.block_size:
         # A shorter block drafts fewer positions per round (SGLang's --speculative-dflash-block-size);
         # the drafter has no causal mask inside a block, so any length up to the trained one works.
@@ -549,6 +551,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
         raise BadRequest(f"--chunked-prefill-size must be -1 (prefill whole) or a positive number of tokens, "
                          f"got {args.chunked_prefill_size}")
+    if args.max_prefill_tokens < 1:
+        raise BadRequest(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
     if args.stream_interval < 1:
         raise BadRequest(f"--stream-interval must be at least 1, got {args.stream_interval}")
     if args.trace_turns is not None:

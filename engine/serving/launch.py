@@ -201,7 +201,7 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
                  batch: bool | None = None, context_window: int | None = None,
                  kv_pool_gb: float | None = None, engine_loop: str | None = None,
                  chunked_prefill_size: int | None = None, stream_interval: int | None = None,
-                 enable_mixed_chunk: bool | None = False) -> list[str]:
+                 enable_mixed_chunk: bool | None = False, max_prefill_tokens: int | None = None) -> list[str]:
     """The builtin server's command line. Options left None are not passed (the server's default
     applies); model None is the server's demo pair."""
     argv = [python or sys.executable, "-m", BUILTIN_MODULE]
@@ -219,7 +219,7 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
                         ("--max-queued-requests", max_queued_requests), ("--threads", threads),
                         ("--context-window", context_window), ("--kv-pool-gb", kv_pool_gb),
                         ("--engine-loop", engine_loop), ("--chunked-prefill-size", chunked_prefill_size),
-                        ("--stream-interval", stream_interval)):
+                        ("--stream-interval", stream_interval), ("--max-prefill-tokens", max_prefill_tokens)):
         if value is not None:
             argv += [flag, str(value)]
     if batch is not None:
@@ -242,6 +242,8 @@ def _bounded(text: str, low: int, high: int | None = None, what: str = "") -> in
 
 #: The builtin server's --chunked-prefill-size.
 DEFAULT_PREFILL_CHUNK = 2048
+#: The builtin server's --max-prefill-tokens (SGLang's default).
+DEFAULT_MAX_PREFILL_TOKENS = 16384
 
 
 def prefill_chunk(text: str) -> int:
@@ -338,6 +340,12 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                         help=f"prompt tokens one prefill step takes at most: a longer prompt prefills a chunk a round, "
                              f"so running streams keep their inter-token latency; -1 prefills whole "
                              f"(default: {DEFAULT_PREFILL_CHUNK}, as SGLang's flag of that name)")
+    parser.add_argument("--max-prefill-tokens", type=positive if passthrough else int,
+                        default=default(DEFAULT_MAX_PREFILL_TOKENS),
+                        help="prompt tokens the scheduler prefills in one turn at most: new requests past it wait a "
+                             "turn (the first always goes), so a burst of joiners prefills over several turns and "
+                             f"no running stream waits for all of it at once (default: {DEFAULT_MAX_PREFILL_TOKENS}, "
+                             "as SGLang's flag of that name)")
     parser.add_argument("--enable-mixed-chunk", action="store_true", default=default(False),
                         help="fast backend with a KV pool: while requests run, joining prompts' prefills ride in "
                              "their round's forward, up to four a round, 128 to 512 tokens in all (at most "

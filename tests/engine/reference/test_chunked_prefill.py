@@ -65,11 +65,14 @@ def test_a_long_prompt_takes_a_step_per_chunk_before_its_first_token(pair, backe
     _, chunked = engines(pair, backend)
     sess = chunked.start(list(range(1, 11)), GenParams(max_new_tokens=4), SpecParams("ddtree", 4))
     assert sess.chunked_prefill
+    assert sess.next_prefill_tokens() == CHUNK  # what a scheduler's prefill cap counts
     assert [sess.step(), sess.step()] == [[], []] and sess.output_ids == []
+    assert sess.next_prefill_tokens() == 2
     first = sess.step()  # rows 9 and 10, then the first token
     assert len(first) == 1 and sess.output_ids == first and not sess.chunked_prefill
+    assert sess.next_prefill_tokens() == 0
     short = chunked.start([1, 2, 3], GenParams(max_new_tokens=4), SpecParams("ar"))
-    assert not short.chunked_prefill and len(short.step()) == 1
+    assert not short.chunked_prefill and short.next_prefill_tokens() == 3 and len(short.step()) == 1
 
 
 @pytest.mark.parametrize("backend,pooled", [("transformers", False), ("fast", False), ("fast", True)])

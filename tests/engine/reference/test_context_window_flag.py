@@ -30,3 +30,16 @@ def test_serve_passes_the_window_to_the_server():
     args = parser.parse_args(["serve", "--context-window", "2048"])
     argv = serve.server_argv(args)
     assert argv[argv.index("--context-window") + 1] == "2048"
+
+
+def test_the_server_refuses_a_prefill_cap_below_one_and_serve_passes_it_on(capsys):
+    """--max-prefill-tokens (the scheduler's per-turn prefill cap) sits beside --context-window."""
+    from ddtree.console import cli
+    from ddtree.console.commands import serve
+
+    assert server.main(["--max-prefill-tokens", "0"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("--max-prefill-tokens must be at least 1, got 0" in line for line in err)
+    parser, _ = cli.build_parser("serve")
+    argv = serve.server_argv(parser.parse_args(["serve", "--max-prefill-tokens", "2048"]))
+    assert argv[argv.index("--max-prefill-tokens") + 1] == "2048"

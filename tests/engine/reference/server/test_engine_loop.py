@@ -36,7 +36,7 @@ def test_engine_process_serves_the_single_process_tokens_and_dies_with_the_serve
     try:
         info = httpx.get(threaded.url + "/server_info").json()
         assert info["engine_loop"] == "thread" and info["chunked_prefill_size"] == -1
-        assert info["enable_mixed_chunk"] is False
+        assert info["enable_mixed_chunk"] is False and info["max_prefill_tokens"] == 16384
         assert psutil.Process(threaded.proc.pid).children() == []
         want = greedy_outputs(threaded.url)
         drained = sigterm_mid_stream(threaded)
@@ -47,12 +47,12 @@ def test_engine_process_serves_the_single_process_tokens_and_dies_with_the_serve
     # and so are tokens sent 4 or more at a time, and new and running requests stepped in one
     # call (--enable-mixed-chunk; on this backend the prefills still run apart).
     srv = start(tiny_pair, tmp_path / "process.log", "--chunked-prefill-size", "3", "--stream-interval", "4",
-                "--enable-mixed-chunk")
+                "--enable-mixed-chunk", "--max-prefill-tokens", "5")
     try:
         info = httpx.get(srv.url + "/server_info").json()
         assert info["engine_loop"] == "process" and info["backend"] == "transformers"
         assert info["chunked_prefill_size"] == 3 and info["stream_interval"] == 4
-        assert info["enable_mixed_chunk"] is True
+        assert info["enable_mixed_chunk"] is True and info["max_prefill_tokens"] == 5
         engines = psutil.Process(srv.proc.pid).children()
         assert [p.cmdline()[1:3] for p in engines] == [["-m", "ddtree.engine.reference.engine_loop"]]
         assert greedy_outputs(srv.url) == want

@@ -54,6 +54,10 @@ class FakeSession:
             self.engine.after_step(self)
         return new
 
+    def next_prefill_tokens(self):
+        """The double's prompt is `tag` tokens long, prefilled in its first step."""
+        return 0 if self.output_ids or self.done else self.tag
+
     def close(self):
         self.closed = True
         self.engine.open_sessions.discard(self)
@@ -295,6 +299,46 @@ def test_batched_turns_step_all_running_sessions_at_once():
     assert engine.batches[0] == [1, 2, 3]
     assert all(len(b) <= 3 for b in engine.batches) and any(4 in b for b in engine.batches)
     assert not engine.open_sessions
+
+
+@pytest.mark.parametrize("batch", [True, False])
+def test_a_prefill_token_cap_spreads_a_burst_of_joiners_over_turns(tmp_path, batch):
+    """With max_prefill_tokens 10, joiners of 4, 5, 6 and 12 prompt tokens (the double's tag) admitted
+    in one turn prefill 4+5, then 6, then 12 (over the cap, but the first new one always goes):
+    the ones held keep their place, the trace counts them, and every output is what it is
+    without a cap."""
+    engine = BatchingEngine()
+    engine.max_prefill_tokens = 10
+    engine.gate = threading.Event()
+    trace = tmp_path / "turns.jsonl"
+    sched = Scheduler(engine, max_running=4, max_queued=4, batch=batch, trace_turns=str(trace))
+    queues = [collect(sched, tag, 6)[1] for tag in (4, 5, 6, 12)]
+    sched.start()
+    engine.gate.set()
+    try:
+        outs = [[i for u in drain(q) for i in u.new_ids] for q in queues]
+    finally:
+        sched.stop(timeout=5)
+    assert outs == [[tag * 1000 + i for i in range(6)] for tag in (4, 5, 6, 12)]
+    turns = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [(t["new"], t["held"]) for t in turns[:3]] == [(2, 2), (1, 1), (1, 0)]
+    firsts = [i for i, t in enumerate(turns) if t["firsts"]]
+    assert firsts == [0, 1, 2]
+    if batch:
+        assert engine.batches[0] == [4, 5]  # the held ones were not in the first prefill
+
+
+def test_no_cap_when_the_engine_has_none():
+    engine = BatchingEngine()
+    sched = Scheduler(engine, max_running=4, max_queued=4, batch=True)
+    queues = [collect(sched, tag, 2)[1] for tag in (400, 500)]
+    sched.start()
+    try:
+        for q in queues:
+            drain(q)
+    finally:
+        sched.stop(timeout=5)
+    assert engine.batches[0] == [400, 500]
 
 
 def test_the_turn_trace_accounts_for_every_token_and_request(tmp_path):
