@@ -68,12 +68,16 @@ def summary(turns: list[dict]) -> dict:
         "idle_pct": 100 * (1 - sum(t["s"] for t in turns) / span) if (span := _span(turns)) > 0 else None,
         "first_tokens": sum(t["firsts"] for t in turns),
         "tokens": sum(t["tokens"] for t in turns),
+        # Turns that held joiners back under the server's --max-prefill-tokens (traces from
+        # before that flag have no "held").
+        "held_turns": sum(1 for t in turns if t.get("held")),
     }
 
 
 def show(label: str, s: dict) -> None:
     idle = f", the engine idle {s['idle_pct']:.1f}% of the time" if s["idle_pct"] is not None else ""
-    print(f"{label}: {s['turns']} turns, {s['tokens']} tokens, {s['first_tokens']} first tokens{idle}")
+    held = f", {s['held_turns']} holding joiners back (--max-prefill-tokens)" if s["held_turns"] else ""
+    print(f"{label}: {s['turns']} turns, {s['tokens']} tokens, {s['first_tokens']} first tokens{idle}{held}")
     for how, k in s["kinds"].items():
         print(f"  {how:14s} {k['count']:6d} turns  p50 {k['p50_ms']:7.2f} ms  p99 {k['p99_ms']:7.2f} ms")
     if s["gaps"]:
