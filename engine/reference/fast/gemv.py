@@ -228,8 +228,14 @@ class Gemv:
         if not (self.enabled and (self.picked or self.picked_rows) and x.dim() == 2):
             return None
         shape = (int(weight.shape[0]), int(weight.shape[1]))
-        rows = int(x.shape[0])
-        config = self.picked.get(shape) if rows == 1 else self.picked_rows.get((rows, *shape))
+        # Compare, not int(): inside a compile trace int() would pin the row count, one compiled
+        # layer per query bucket where the many-row buckets share one.
+        if x.shape[0] == 1:
+            config = self.picked.get(shape)
+        elif self.picked_rows:
+            config = self.picked_rows.get((int(x.shape[0]), *shape))
+        else:
+            return None
         return config if config is not None and _foldable(pre) else None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pre=None,
@@ -305,9 +311,10 @@ class Gemv:
                 pre = None
             code, norm, eps = _fold_args(pre)
             base = "F.linear" if pre is None and not residual else "torch ops"
+            done = {}
             for m in counts:
                 key = (m, *shape)
-                if key in self.measured_rows:
+                if key in self.measured_rows:  # a group of the same shape measured it (as `tune`)
                     continue
                 x = torch.randn((m, shape[1] * (2 if pre == "silu" else 1)), device=weight.device, dtype=weight.dtype)
                 res = torch.randn((m, shape[0]), device=weight.device, dtype=weight.dtype) if residual else None
@@ -320,6 +327,6 @@ class Gemv:
                 self.measured_rows[key] = {name: round(us / len(group), 2) for name, us in times.items()}
                 if times[str(best)] <= _MARGIN * times[base]:
                     self.picked_rows[key] = best
-            log.info("few-row linears %s at rows %s (us a product, torch / best kernel): %s", shape, counts,
-                     {m: (self.measured_rows[(m, *shape)][base],
-                          min(v for k, v in self.measured_rows[(m, *shape)].items() if k != base)) for m in counts})
+                done[m] = (self.measured_rows[key][base], self.measured_rows[key][str(best)])
+            if done:
+                log.info("few-row linears %s (rows: us a product, %s / best kernel): %s", shape, base, done)

@@ -82,6 +82,7 @@ def kernel_for_every_linear(fast: FastDrafter, rows=range(2, 65)) -> None:
     from ddtree.engine.reference.fast.gemv import RowsConfig
 
     linears = [m for m in fast.drafter.modules() if isinstance(m, torch.nn.Linear)] + [fast.lm_head]
+    linears += [j for joins in fast.joins.values() for j in (joins.qkv, joins.kv, joins.gate_up)]
     fast.linear.kernel = {(m, *lin.weight.shape[::-1]): RowsConfig(16, 16, 32, 4) for lin in linears for m in rows}
 
 
@@ -148,19 +149,26 @@ def test_few_row_kernel_linears_equal_reference(tiny, static, monkeypatch):
     """Every few-row product of the drafter on the few-row kernel (Triton's interpreter here):
     the same drafts as the reference, and the kernel really taken, at several row counts."""
     from ddtree.engine.reference.fast import gemv
+    from ddtree.engine.reference.fast import tree_attention
 
     from .test_tree_attention import _runs_here
 
-    if not _runs_here():
-        pytest.skip("needs triton: CUDA, or its interpreter 3.7.1+")
+    if not (_runs_here() and tree_attention.interpreting()):  # the fixture's tensors are on the CPU
+        pytest.skip("needs Triton's interpreter 3.7.1+ (test_cuda_rows.py has the CUDA side)")
     seen = []
     original = gemv.launch_rows
-    monkeypatch.setattr(gemv, "launch_rows", lambda x, w, *a, **k: seen.append(x.shape[0]) or original(x, w, *a, **k))
+    monkeypatch.setattr(gemv, "launch_rows",
+                        lambda x, w, *a, **k: seen.append((x.shape[0], tuple(w.shape))) or original(x, w, *a, **k))
     target, drafter, feats = tiny
     got, want = _run_pair(target, drafter, feats, static=static, kernel=True)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **TOL)
-    assert len(set(seen)) >= 2
+    assert len({m for m, _ in seen}) >= 2
+    attn, mlp = drafter.layers[0].self_attn, drafter.layers[0].mlp
+    width = attn.q_proj.weight.shape[1]
+    joined = {(sum(lin.weight.shape[0] for lin in (attn.q_proj, attn.k_proj, attn.v_proj)), width),
+              (mlp.gate_proj.weight.shape[0] + mlp.up_proj.weight.shape[0], width)}
+    assert joined <= {shape for _, shape in seen}  # the joined products took it too
 
 
 def test_a_cpu_drafter_takes_sdpa_and_plain_linears_and_rejects_a_bad_attention(tiny):

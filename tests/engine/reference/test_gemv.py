@@ -364,3 +364,21 @@ def test_cuda_graphs_with_the_few_row_kernel_tuned_in_equal_ar():
     assert fast.graphs and fast.target.model.gemv.measured_rows
     specs = [SpecParams("ar"), SpecParams("dflash"), SpecParams("ddtree", 16), SpecParams("ddtree", 64)]
     assert _compare(ref, fast, _tiny_prompts(), GenParams(max_new_tokens=24, ignore_eos=True), specs) > 0
+
+
+def test_many_row_counts_share_one_compiled_graph_while_no_few_row_shape_is_picked():
+    """The compiled decoder layer serves every query bucket past one row with one graph: `takes`
+    must not read the row count as an int (a guard per count) unless the few-row kernel was
+    picked for some shape."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    gemv = Gemv()
+    gemv.picked[(32, 64)] = Config(8, 32, 4, 2)  # a one-row pick, as on a GPU
+    w = torch.randn(32, 64)
+    counter = CompileCounter()
+    fn = torch.compile(lambda x: gemv(x, w), backend=counter, dynamic=None)
+    for m in (2, 3, 5, 9, 17, 33):
+        fn(torch.randn(m, 64))
+    assert counter.frame_count <= 2  # the first count, then one dynamic graph for the rest
+    torch._dynamo.reset()
