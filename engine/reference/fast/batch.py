@@ -329,7 +329,7 @@ def draft_block(engine: Engine, ids: torch.Tensor, span: int) -> torch.Tensor:
     n = b * block
     for i, layer in enumerate(drafts.drafter.layers):
         attn = layer.self_attn
-        q, k, v = drafts.qkv(layer, layer.input_layernorm(x))
+        q, k, v = drafts.qkv(i, layer.input_layernorm(x))
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         keys, values = pool.dk[i], pool.dv[i]
         keys[slot_rows, :, positions] = k.view(b, block, kvh, d)
@@ -343,7 +343,7 @@ def draft_block(engine: Engine, ids: torch.Tensor, span: int) -> torch.Tensor:
                                                  attn_mask=visible, scale=drafts.scaling)
             out = out.view(b, kvh, g, block, d).permute(0, 3, 1, 2, 4).reshape(n, heads * d)
         x = x + drafts.linear(attn.o_proj, out)
-        x = x + drafts.mlp(layer, layer.post_attention_layernorm(x))
+        x = x + drafts.mlp(i, layer.post_attention_layernorm(x))
     return drafts.drafter.norm(x).view(b, block, -1)
 
 
@@ -385,7 +385,7 @@ def append_context(engine: Engine, feats: torch.Tensor, count: torch.Tensor,
     ctx, cos, sin = drafts._project(feats.reshape(b * widest, -1), positions.reshape(-1))
     kvh, d = drafts.num_kv_heads, drafts.head_dim
     for i, layer in enumerate(drafts.drafter.layers):
-        k, v = drafts._context_kv(layer, ctx, cos, sin)
+        k, v = drafts._context_kv(i, ctx, cos, sin)
         pool.dk[i][slot_rows, :, rows] = k.view(b, widest, kvh, d)
         pool.dv[i][slot_rows, :, rows] = v.view(b, widest, kvh, d)
     pool.dlengths.index_add_(0, slots, count)

@@ -218,7 +218,7 @@ class FastDrafter:
         self.eager_attention = eager_kernel(self.attention, self.device)
         self.linear = RowLinears(self.device, self.dtype)
         with torch.no_grad():
-            self.joins = {id(layer): join_layer(layer) for layer in drafter.layers}
+            self.joins = [join_layer(layer) for layer in drafter.layers]  # by layer index
         self._pool = None  # one CUDA graph memory pool for every capture of this drafter
         self._compiled_block = None  # set by compile()
 
@@ -285,7 +285,7 @@ class FastDrafter:
         """Measure the few-row linears at the row counts a round uses (RowLinears.tune): the
         block's at B rows, the head's at B-1, the context step's at each append bucket."""
         layers = self.drafter.layers
-        joins = [self.joins[id(layer)] for layer in layers]
+        joins = self.joins
         block = [m for layer, j in zip(layers, joins)
                  for m in (j.qkv, layer.self_attn.o_proj, j.gate_up, layer.mlp.down_proj)]
         self.linear.tune(block, [self.block_size])
@@ -339,28 +339,28 @@ class FastDrafter:
         return (static is not None and pending.data_ptr() == static.feats.data_ptr()
                 and pending.shape[0] <= static.feats.shape[0] and pending.is_contiguous())
 
-    def _context_kv(self, layer: nn.Module, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """One layer's keys (k_norm, RoPE) and values [n, kv_heads, d] of projected features [n, H]."""
-        joins = self.joins[id(layer)]
+    def _context_kv(self, i: int, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Layer i's keys (k_norm, RoPE) and values [n, kv_heads, d] of projected features [n, H]."""
+        layer, joins = self.drafter.layers[i], self.joins[i]
         n = ctx.shape[0]
         k, v = self.linear(joins.kv, ctx).split(joins.split[1:], dim=-1)
         k = layer.self_attn.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
         return _apply_rope(k, cos, sin), v.reshape(n, self.num_kv_heads, self.head_dim)
 
-    def qkv(self, layer: nn.Module, h: torch.Tensor):
-        """A layer's normed queries and keys (before RoPE) and values, [n, heads, d] each, of its
+    def qkv(self, i: int, h: torch.Tensor):
+        """Layer i's normed queries and keys (before RoPE) and values, [n, heads, d] each, of its
         normed input h [n, H], in one product."""
-        joins, attn = self.joins[id(layer)], layer.self_attn
+        joins, attn = self.joins[i], self.drafter.layers[i].self_attn
         n = h.shape[0]
         q, k, v = self.linear(joins.qkv, h).split(joins.split, dim=-1)
         q = attn.q_norm(q.reshape(n, self.num_heads, self.head_dim))
         k = attn.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
         return q, k, v.reshape(n, self.num_kv_heads, self.head_dim)
 
-    def mlp(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The layer's MLP of its normed input x [n, H], gate and up in one product."""
-        mlp = layer.mlp
-        gate, up = self.linear(self.joins[id(layer)].gate_up, x).chunk(2, dim=-1)
+    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's MLP of its normed input x [n, H], gate and up in one product."""
+        mlp = self.drafter.layers[i].mlp
+        gate, up = self.linear(self.joins[i].gate_up, x).chunk(2, dim=-1)
         return self.linear(mlp.down_proj, mlp.act(gate) * up)
 
     def _project(self, feats: torch.Tensor, positions: torch.Tensor):
@@ -373,7 +373,7 @@ class FastDrafter:
         positions = torch.arange(start, start + p, device=self.device)
         ctx, cos, sin = self._project(pending, positions)
         for i, layer in enumerate(self.drafter.layers):
-            k, v = self._context_kv(layer, ctx, cos, sin)
+            k, v = self._context_kv(i, ctx, cos, sin)
             cache.keys[i, :, start:start + p] = k.transpose(0, 1)
             cache.values[i, :, start:start + p] = v.transpose(0, 1)
         cache.length_t.fill_(start + p)
@@ -385,7 +385,7 @@ class FastDrafter:
         index = positions.clamp(max=cache.rows - 1)
         ctx, cos, sin = self._project(static.feats[:bucket], positions)
         for i, layer in enumerate(self.drafter.layers):
-            k, v = self._context_kv(layer, ctx, cos, sin)
+            k, v = self._context_kv(i, ctx, cos, sin)
             cache.keys[i].index_copy_(1, index, k.transpose(0, 1))
             cache.values[i].index_copy_(1, index, v.transpose(0, 1))
         cache.length_t.add_(static.count)
@@ -510,7 +510,7 @@ class FastDrafter:
         cos, sin = self._rope(positions, x.dtype)
         for i, layer in enumerate(self.drafter.layers):
             attn = layer.self_attn
-            q, k, v = self.qkv(layer, layer.input_layernorm(x))
+            q, k, v = self.qkv(i, layer.input_layernorm(x))
             q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
             keys, values = cache.keys[i], cache.values[i]
             if isinstance(rows, slice):
@@ -521,7 +521,7 @@ class FastDrafter:
                 keys.index_copy_(1, rows, k.transpose(0, 1))
                 values.index_copy_(1, rows, v.transpose(0, 1))
             x = x + self.linear(attn.o_proj, self._attend(q, keys, values, mask, length))
-            x = x + self.mlp(layer, layer.post_attention_layernorm(x))
+            x = x + self.mlp(i, layer.post_attention_layernorm(x))
         return self.drafter.norm(x)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -82,7 +82,7 @@ def kernel_for_every_linear(fast: FastDrafter, rows=range(2, 65)) -> None:
     from ddtree.engine.reference.fast.gemv import RowsConfig
 
     linears = [m for m in fast.drafter.modules() if isinstance(m, torch.nn.Linear)] + [fast.lm_head]
-    linears += [j for joins in fast.joins.values() for j in (joins.qkv, joins.kv, joins.gate_up)]
+    linears += [j for joins in fast.joins for j in (joins.qkv, joins.kv, joins.gate_up)]
     fast.linear.kernel = {(m, *lin.weight.shape[::-1]): RowsConfig(16, 16, 32, 4) for lin in linears for m in rows}
 
 
@@ -286,7 +286,7 @@ def test_a_layer_runs_four_products_in_the_block_and_one_in_the_context_step(tin
     fast = FastDrafter(drafter, embed, head, capacity=64, mask_token_id=drafter.config.vocab_size - 1)
     for lin, want in zip((attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj), before):
         torch.testing.assert_close(lin(x), want)
-    joins = fast.joins[id(drafter.layers[1])]
+    joins = fast.joins[1]
     assert attn.k_proj.weight.data_ptr() == joins.kv.weight.data_ptr()  # views, not copies
     calls = []
     real = RowLinears.__call__
