@@ -31,7 +31,8 @@ demo drafter in float32 on an H200, against about 10 for the GEMMs).
 Each layer's q/k/v projections run as one product, and so do gate/up, as the target's do
 (model._fuse_linears: the drafter's own weights become views of the joined one); the context
 step's k/v is a slice of the q/k/v weight. On an H200 every few-row float32 product cost 4-7 us
-in a demo round (bench/RESULTS.md), so the three products saved a layer count.
+in a demo round (bench/RESULTS.md), so the products this saves (three a layer in the block, one
+in the context step) count.
 
 The linears go through fast/rows.RowLinears, which measures at capture time whether a few-row
 float32 product runs faster with its operands swapped. The batched drafter of pooled rounds
