@@ -179,12 +179,11 @@ def test_only_the_tuned_row_counts_take_the_rows_kernel():
     assert gemv.takes(torch.randn(17, 64), w) is None
 
 
-@pytest.mark.slow
-def test_static_path_with_one_row_products_on_the_kernel_decodes_the_same(monkeypatch):
-    """Greedy AR output, token for token: the static path with every one-row product of the target
-    (q/k/v, o, gate/up, down, the head) on the kernel, against the eager path without it."""
-    model = make_target(31).to(DEVICE)
-    drafter = make_drafter(model, block_size=6, seed=4).to(DEVICE)
+def _static_and_eager(target_seed: int, drafter_seed: int):
+    """(the eager fast engine, the static one on the triton kernel, the weight shapes of the
+    target's products: q/k/v, o, gate/up, down, the head) on one tiny pair."""
+    model = make_target(target_seed).to(DEVICE)
+    drafter = make_drafter(model, block_size=6, seed=drafter_seed).to(DEVICE)
     eager = Engine(model, drafter, backend="fast", max_budget=16, graphs=False)
     fast = Engine(model, drafter, backend="fast", max_budget=16, attention="triton", graphs=False)
     fast.target.static = True
@@ -192,6 +191,15 @@ def test_static_path_with_one_row_products_on_the_kernel_decodes_the_same(monkey
     layer = decoder.model.layers[0]
     shapes = {tuple(w.shape) for w in (layer.self_attn.qkv[0], layer.self_attn.o_proj.weight,
                                        layer.mlp.gate_up[0], layer.mlp.down_proj.weight, decoder.lm_head.weight)}
+    return eager, fast, shapes
+
+
+@pytest.mark.slow
+def test_static_path_with_one_row_products_on_the_kernel_decodes_the_same(monkeypatch):
+    """Greedy AR output, token for token: the static path with every one-row product of the target
+    (q/k/v, o, gate/up, down, the head) on the kernel, against the eager path without it."""
+    eager, fast, shapes = _static_and_eager(31, 4)
+    decoder = fast.target.model
     for shape in shapes:
         decoder.gemv.picked[shape] = Config(4, 32, 4, 2)
     calls = []
@@ -209,15 +217,8 @@ def test_static_path_with_few_row_products_on_the_kernel_decodes_the_same(monkey
     """Greedy DDTree and DFlash output, token for token: the static path with every product of
     the target's verify (q/k/v, o, gate/up, down, the head, at every query bucket) on the
     few-row kernel, against plain AR on the eager path."""
-    model = make_target(32).to(DEVICE)
-    drafter = make_drafter(model, block_size=6, seed=5).to(DEVICE)
-    eager = Engine(model, drafter, backend="fast", max_budget=16, graphs=False)
-    fast = Engine(model, drafter, backend="fast", max_budget=16, attention="triton", graphs=False)
-    fast.target.static = True
+    eager, fast, shapes = _static_and_eager(32, 5)
     decoder = fast.target.model
-    layer = decoder.model.layers[0]
-    shapes = {tuple(w.shape) for w in (layer.self_attn.qkv[0], layer.self_attn.o_proj.weight,
-                                       layer.mlp.gate_up[0], layer.mlp.down_proj.weight, decoder.lm_head.weight)}
     for m in fast.target.buckets[1:]:
         for shape in shapes:
             decoder.gemv.picked_rows[(m, *shape)] = RowsConfig(16, 32, 32, 4)
