@@ -69,8 +69,9 @@ class RowsConfig:
 ROWS_MAX = 128
 # Tiles tried for m rows, each at a program of 16 rows and of the power of two that covers m (at
 # most 64). Few, because each is a Triton compile at warm-up per fold combination. On an H200
-# cuBLAS ran float32 products of 8-65 rows by 256 inputs at 6-8 us (bench/results/
-# h200-small-gemm-f32.json), where a one-row GEMV took 2.5.
+# cuBLAS ran most float32 products of 8-32 rows by 256 inputs at 6-8 us, some at 31-52
+# (bench/results/h200-small-gemm-f32.json), and a demo verify's 65-row ones at 4-7 (bench/
+# RESULTS.md), where a one-row GEMV took 2-2.5.
 ROWS_TILES = ((16, 64, 4), (32, 64, 4), (64, 32, 4))
 
 

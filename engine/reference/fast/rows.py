@@ -9,8 +9,9 @@ swap is kept only where it wins by a clear margin. bf16/fp16 and the CPU always 
 nothing was seen to need it there.
 
 The few-row kernel of fast/gemv.py (triton_gemv.rows) is a third candidate, for up to
-gemv.ROWS_MAX rows: on an H200 cuBLAS took 6-8 us for every float32 product of 8-32 rows by 256
-inputs that bench_small_gemm.py timed, where a one-row GEMV took 2.5.
+gemv.ROWS_MAX rows: on an H200 cuBLAS took 6-8 us for most float32 products of 8-32 rows by 256
+inputs that bench_small_gemm.py timed (3-4 for a few, 31-52 for others), where a one-row GEMV
+took 2.5.
 
 Only the drafter uses it (fast/draft.py). Its compiled block always has B rows, so a choice never
 adds a torch.compile trace. The target's layers do not: their compiled layer serves every query
