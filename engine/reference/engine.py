@@ -32,7 +32,7 @@ from ddtree.engine.reference.loading import (
     resolve_model_dir,
     resolve_mask_token_id,
 )
-from ddtree.engine.reference.params import GenParams, GenResult, SpecParams
+from ddtree.engine.reference.params import GenParams, GenResult, SpecParams, within_prefill_cap
 from ddtree.engine.reference.target import Target, hybrid_reason
 
 __all__ = ["Engine", "GenParams", "SpecParams", "Session", "GenResult"]
@@ -115,6 +115,9 @@ class Engine:
         #: What the last step_many did with new sessions beside a graphed round, for the
         #: scheduler's turn trace: "" (nothing of note), "riders RxW" or "burst" (fast/batch.py).
         self.turn_note = ""
+        #: New sessions the last step_many left for a later turn under max_prefill_tokens (the
+        #: scheduler adds them to its trace's "held" where it left the cap to the engine).
+        self.turn_held = 0
         # Recurrent (linear-attention, Mamba) layers: such a target decodes with ar only; start()
         # refuses dflash and ddtree (arch.speculative_refusal says why).
         self.hybrid_reason = hybrid_reason(model.config)
@@ -293,13 +296,14 @@ class Engine:
         Returns each session's newly committed tokens, as `Session.step()` would; a session that
         is done gets [], one not yet prefilled gets its prefill (with mixed_chunk on the pooled
         fast backend, beside a graphed round: some of them get their next chunk inside that round
-        and the others [], untouched; fast/ride.py). Outputs equal stepping the sessions one by
+        and the others [], untouched; fast/ride.py). Past max_prefill_tokens a new session also
+        gets [], untouched, and waits (turn_held counts them). Outputs equal stepping the sessions one by
         one (at temperature 0 token for token; seeded sampling draws the same). If the batched
         round raises, no session in it has changed, the riding ones included; the prefills before
         it have happened, each complete.
         """
         sessions = list(sessions)
-        self.turn_note = ""
+        self.turn_note, self.turn_held = "", 0
         # Checked here once for every backend below: batch.step_many and fast/batch.step_many
         # trust their caller for it.
         if len({id(s) for s in sessions}) != len(sessions):
@@ -311,11 +315,25 @@ class Engine:
             from ddtree.engine.reference.fast.batch import step_many as fast_step_many
 
             return fast_step_many(self, sessions)
+        # What prefills beside the round here is each new session's whole next step: cap it
+        # (the pooled fast backend caps what does not ride, in its own step_many).
+        held = self.held_by_prefill_cap(sessions)
+        stepped = [s for s in sessions if id(s) not in held]
         if self.hybrid_reason or self.backend == "fast":
             # A recurrent state cannot be padded or stacked the way KV rows are, and a fast
             # engine without a pool (pool_slots=0) has a cache per session: one by one.
-            return [s.step() for s in sessions]
-        return step_many(self, sessions)
+            results = iter([s.step() for s in stepped])
+        else:
+            results = iter(step_many(self, stepped))
+        self.turn_held = len(held)
+        return [[] if id(s) in held else next(results) for s in sessions]
+
+    def held_by_prefill_cap(self, sessions: list[Session]) -> set[int]:
+        """ids of the new sessions among these that max_prefill_tokens leaves for a later turn
+        (params.within_prefill_cap: in order, the first always goes)."""
+        new = [s for s in sessions if not s.done and s._bonus is None]
+        go = within_prefill_cap([s.next_prefill_tokens() for s in new], self.max_prefill_tokens)
+        return {id(s) for s, ok in zip(new, go) if not ok}
 
     def generate(self, input_ids: list[int], gen: GenParams | None = None,
                  spec: SpecParams | None = None) -> GenResult:

@@ -67,6 +67,19 @@ class SpecParams:
 TIMING_KEYS = ("prefill", "draft", "tree", "verify", "commit")
 
 
+def within_prefill_cap(counts: list[int], cap: int) -> list[bool]:
+    """Which of a turn's new requests prefill now, in order, given each one's next prefill
+    tokens: as many as fit in `cap` tokens (0: no cap), the first always, a later one that fits
+    going ahead of an earlier one that does not (the server's --max-prefill-tokens, as SGLang's).
+    The scheduler and the engine's batched step both apply it: one rule, whoever prefills."""
+    go, tokens = [], 0
+    for n in counts:
+        fits = cap <= 0 or not tokens or tokens + n <= cap
+        go.append(fits)
+        tokens += n if fits else 0
+    return go
+
+
 def accept_histogram(accept_lengths: list[int], block_size: int) -> list[int]:
     """Counts of tau = 1..max(block_size, longest seen); entry i is tau = i + 1."""
     counts = Counter(accept_lengths)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 from ddtree.engine.errors import EngineError
+from ddtree.engine.reference.params import within_prefill_cap
 
 log = logging.getLogger(__name__)
 
@@ -514,6 +515,8 @@ class Scheduler:
                     self._advance(active)
                     self._published()
             self._published()
+            if self._how == "together":  # the engine capped this turn's prefills (_cap_prefills)
+                held += getattr(self.engine, "turn_held", 0)
             seconds = time.perf_counter() - started
             self.stats.add_turn(seconds, self._engine_s)
             if self._trace_file is not None:
@@ -592,23 +595,25 @@ class Scheduler:
         """The turn less the new requests whose prefill would take it past the engine's
         max_prefill_tokens (the server's --max-prefill-tokens, as SGLang's), and how many those
         are: they wait a turn, keeping their place, so a burst of joiners prefills over several
-        turns and no running stream's gap holds all of it. The first new request always goes."""
+        turns and no running stream's gap holds all of it. The first new request always goes.
+        A turn that goes to the engine whole with mixed chunks (_advance_batch) is left to it:
+        only the engine knows how much of each joiner rides in the round (a chunk) and what
+        prefills on its own, and it caps the latter itself (Engine.step_many)."""
         cap = getattr(self.engine, "max_prefill_tokens", 0)
         if cap <= 0:
             return turn, 0
-        kept, held, tokens = [], 0, 0
-        for active in turn:
-            session = active.session
-            if session.output_ids or session.done or active.ticket.cancelled:
-                kept.append(active)
-                continue
-            n = session.next_prefill_tokens()
-            if tokens and tokens + n > cap:
-                held += 1
-                continue
-            tokens += n
-            kept.append(active)
-        return kept, held
+        new = [a for a in turn if not (a.session.output_ids or a.session.done or a.ticket.cancelled)]
+        if self._together(turn, new):
+            return turn, 0
+        go = dict(zip(map(id, new), within_prefill_cap([a.session.next_prefill_tokens() for a in new], cap)))
+        kept = [a for a in turn if go.get(id(a), True)]
+        return kept, len(turn) - len(kept)
+
+    def _together(self, turn: list[_Active], new: list[_Active]) -> bool:
+        """Whether _advance_batch steps this turn's new and running requests in one engine call."""
+        live = len(turn) - len(new) - sum(1 for a in turn if a.session.done or a.ticket.cancelled)
+        return (self.batch and len(turn) > 1 and bool(new) and live > 1
+                and getattr(self.engine, "mixed_chunk", False))
 
     def _advance_batch(self, turn: list[_Active]) -> None:
         live, fresh = [], []
@@ -619,7 +624,7 @@ class Scheduler:
                 fresh.append(active)  # not prefilled yet (a prefill always commits a token)
             else:
                 live.append(active)
-        if fresh and len(live) > 1 and getattr(self.engine, "mixed_chunk", False):
+        if self._together(turn, fresh):
             self._how = "together"
             self._step_together(fresh + live, len(live))
             return

@@ -344,7 +344,9 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                         default=default(DEFAULT_MAX_PREFILL_TOKENS),
                         help="prompt tokens the scheduler prefills in one turn at most: new requests past it wait a "
                              "turn (the first always goes), so a burst of joiners prefills over several turns and "
-                             f"no running stream waits for all of it at once (default: {DEFAULT_MAX_PREFILL_TOKENS}, "
+                             "no running stream waits for all of it at once; with --enable-mixed-chunk it bounds "
+                             "the riders of a round too "
+                             f"(default: {DEFAULT_MAX_PREFILL_TOKENS}, "
                              "as SGLang's flag of that name)")
     parser.add_argument("--enable-mixed-chunk", action="store_true", default=default(False),
                         help="fast backend with a KV pool: while requests run, joining prompts' prefills ride in "

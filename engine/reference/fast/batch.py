@@ -90,6 +90,10 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         if kind is not None and new:
             riders = _riders(engine, members, [sessions[i] for i in new], kind)
     if riders is None:
+        # What prefills on its own is capped (a rider's chunk is bounded by its shape instead).
+        held = engine.held_by_prefill_cap([sessions[i] for i in new])
+        engine.turn_held = len(held)
+        new = [i for i in new if id(sessions[i]) not in held]
         for i, tokens in zip(new, _prefill(engine, [sessions[i] for i in new])):
             out[i] = tokens
     # else the riders' chunks are this turn's prefill work; the other new sessions wait a turn

@@ -14,7 +14,9 @@ With engine.mixed_chunk (the server's --enable-mixed-chunk) and a prefill chunk 
 prompt tokens of new sessions into that round, first come first served (those whose prompt is
 part in already first). The riders form R rows of W tokens each (padded), R x W at most the
 round's allowance: its own rows (b x q) rounded down to a power of two, between 2 x RIDE_MIN and
-RIDE_MAX, so a ridden round costs at most about two plain ones. The shapes a round takes: one
+RIDE_MAX, so a ridden round costs at most about two plain ones, and at most the server's
+--max-prefill-tokens (engine.max_prefill_tokens; the joiners that prefill on their own instead
+are capped by fast/batch.step_many). The shapes a round takes: one
 rider of RIDE_MIN tokens; one of the whole allowance, for a long prompt; and, when several new
 sessions wait, allowance / RIDE_MIN rows of RIDE_MIN tokens (each W also at most C). Rows
 without a rider write into a rider's slot past its chunk, rows no one reads (not into its
@@ -99,6 +101,9 @@ def shapes(engine: Engine, rows: int) -> list[tuple[int, int]]:
         allowance *= 2
     base = min(RIDE_MIN, engine.prefill_chunk)
     out = [(1, base), (1, min(allowance, engine.prefill_chunk)), (allowance // RIDE_MIN, base)]
+    cap = engine.max_prefill_tokens  # a turn's prompt tokens, riders' included
+    if cap > 0:
+        out = [(n, w) for n, w in out if n * w <= cap] or [(1, min(base, cap))]
     return sorted(set(out))
 
 

@@ -349,3 +349,88 @@ def test_riders_of_every_shape_decode_as_serial(pair, spec, monkeypatch):
     if spec.algorithm == "ddtree":  # its wide rounds take lone riders of 8 and four rows
         assert (1, 8, 1) in seen and any(rows == 4 > n for rows, _, n in seen)
     assert chunked.pool_usage()["free_slots"] == 4
+
+
+@pytest.mark.parametrize("backend,pooled", [("transformers", False), ("fast", False), ("fast", True)])
+def test_step_many_leaves_new_sessions_past_the_prefill_cap_for_a_later_turn(pair, backend, pooled):
+    """With max_prefill_tokens, the new sessions whose next prefill step would take the call past
+    the cap get [] and are untouched (the first always goes; one that fits may go ahead);
+    turn_held counts them, and every output is still the serial one."""
+    from ddtree.engine.reference.params import within_prefill_cap
+
+    whole, capped = engines(pair, backend, **({"pool_slots": 4} if pooled else {}))
+    if pooled:
+        capped.impl.batch_static = True
+    capped.max_prefill_tokens = 6  # one chunk of 4 and at most 2 tokens more
+    gen = GenParams(max_new_tokens=8, ignore_eos=True)
+    jobs = [(p, SPECS[i % len(SPECS)]) for i, p in enumerate(prompts(3, 10) + [[5, 6], list(range(2, 16))])]
+    want = [whole.generate(p, gen, s).output_ids for p, s in jobs]
+    active, out, nxt, held = [], {}, 0, 0
+    while active or nxt < len(jobs):
+        while nxt < len(jobs) and len(active) < 4:
+            active.append((nxt, capped.start(jobs[nxt][0], gen, jobs[nxt][1])))
+            nxt += 1
+        new = [s for _, s in active if s._bonus is None]
+        go = within_prefill_cap([s.next_prefill_tokens() for s in new], 6)
+        before = [s._prefilled_rows for s in new]
+        results = dict(zip(map(id, (s for _, s in active)), capped.step_many([s for _, s in active])))
+        assert capped.turn_held == go.count(False)
+        for s, ok, rows in zip(new, go, before):
+            if not ok:
+                assert results[id(s)] == [] and s._prefilled_rows == rows and not s.output_ids
+        held += go.count(False)
+        _collect_done(active, out)
+    assert [out[j] for j in range(len(jobs))] == want
+    assert held  # the cap held some back
+
+
+def test_with_mixed_chunks_joiners_ride_together_under_a_cap_their_whole_chunks_pass(pair, monkeypatch):
+    """Riders take a slice of each joiner's next chunk, so a cap that two whole chunks pass still
+    lets several ride in one round (their shapes stay within it), where a scheduler counting
+    whole chunks would let one a turn. Every output is still the serial one."""
+    from ddtree.engine.reference.fast import ride
+
+    monkeypatch.setattr(ride, "RIDE_MIN", 2)
+    monkeypatch.setattr(ride, "RIDE_MAX", 8)
+    whole, capped = engines(pair, "fast", pool_slots=4)
+    capped.prefill_chunk, capped.max_prefill_tokens = 8, 8
+    capped.impl.batch_static = True
+    capped.mixed_chunk = True
+    assert all(n * w <= 8 for n, w in ride.shapes(capped, 10**6))
+    seen = []
+    real_stage = ride.stage
+    monkeypatch.setattr(ride, "stage", lambda e, rider, riders: (
+        seen.append((rider.rows * rider.chunk, [min(8, len(s.prompt_ids) - s._prefilled_rows) for s in riders]))
+        or real_stage(e, rider, riders)))
+    gen = GenParams(max_new_tokens=9, ignore_eos=True)
+    rng = random.Random(5)
+    jobs = [[rng.randrange(64) for _ in range(rng.randrange(9, 24))] for _ in range(12)]
+    spec = SpecParams("ddtree", 4)
+    want = [whole.generate(p, gen, spec).output_ids for p in jobs]
+    active, started, nxt = [], [], 0
+    while active or nxt < len(jobs):
+        while nxt < len(jobs) and len(active) < 4:
+            active.append(capped.start(jobs[nxt], gen, spec))
+            started.append(active[-1])
+            nxt += 1
+        capped.step_many(active)
+        for s in [s for s in active if s.done]:
+            s.close()
+            active.remove(s)
+    assert [s.output_ids for s in started] == want
+    assert all(tokens <= 8 for tokens, _ in seen)
+    assert any(len(chunks) > 1 and sum(chunks) > 8 for _, chunks in seen)
+
+
+def test_rider_shapes_stay_within_the_prefill_cap(pair):
+    from ddtree.engine.reference.fast import ride
+
+    _, engine = engines(pair, "fast", pool_slots=2)
+    engine.prefill_chunk = 2048
+    assert ride.shapes(engine, 10**6) == [(1, 128), (1, 512), (4, 128)]
+    engine.max_prefill_tokens = 512
+    assert ride.shapes(engine, 10**6) == [(1, 128), (1, 512), (4, 128)]
+    engine.max_prefill_tokens = 300
+    assert ride.shapes(engine, 10**6) == [(1, 128)]
+    engine.max_prefill_tokens = 64  # below the narrowest rider: one rider as wide as the cap
+    assert ride.shapes(engine, 10**6) == [(1, 64)]

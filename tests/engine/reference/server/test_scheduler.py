@@ -328,6 +328,69 @@ def test_a_prefill_token_cap_spreads_a_burst_of_joiners_over_turns(tmp_path, bat
         assert engine.batches[0] == [4, 5]  # the held ones were not in the first prefill
 
 
+def test_within_prefill_cap():
+    from ddtree.engine.reference.params import within_prefill_cap
+
+    assert within_prefill_cap([4, 5, 6, 12], 10) == [True, True, False, False]
+    assert within_prefill_cap([12, 4], 10) == [True, False]  # the first always goes
+    assert within_prefill_cap([6, 7, 3], 10) == [True, False, True]  # a later one that fits goes ahead
+    assert within_prefill_cap([6, 7, 3], 0) == [True, True, True]  # 0: no cap
+
+
+class CappingEngine(BatchingEngine):
+    """BatchingEngine with mixed chunks: step_many leaves the new sessions past its own cap
+    untouched (as the fast engine does with what cannot ride) and counts them in turn_held."""
+
+    mixed_chunk = True
+
+    def __init__(self, cap):
+        super().__init__()
+        self.engine_cap, self.turn_held = cap, 0
+
+    def step_many(self, sessions):
+        from ddtree.engine.reference.params import within_prefill_cap
+
+        new = [s for s in sessions if not s.output_ids]
+        go = within_prefill_cap([s.next_prefill_tokens() for s in new], self.engine_cap)
+        held = {id(s) for s, ok in zip(new, go) if not ok}
+        self.turn_held = len(held)
+        out = super().step_many([s for s in sessions if id(s) not in held])
+        results = iter(out)
+        return [[] if id(s) in held else next(results) for s in sessions]
+
+
+def test_with_mixed_chunks_the_engine_caps_a_turn_that_steps_joiners_with_the_round(tmp_path):
+    """A turn that steps new and running requests in one engine call (mixed chunks) is not capped
+    by the scheduler, which cannot tell what of a joiner rides (a chunk) from what prefills on
+    its own: every joiner goes to the engine, which caps the latter, and the trace's "held"
+    counts what the engine held."""
+    engine = CappingEngine(cap=15)  # what the engine takes of joiners is not what the scheduler sees
+    engine.max_prefill_tokens = 10
+    trace = tmp_path / "turns.jsonl"
+    sched = Scheduler(engine, max_running=6, max_queued=6, batch=True, trace_turns=str(trace))
+    inside, submitted = threading.Event(), threading.Event()
+    # The joiners arrive while the first turn (the two prefills) runs, so the next turn admits
+    # all four beside two running requests, whatever the machine's timing.
+    engine.after_step = lambda session: session.tag == 1 and (inside.set() or submitted.wait(30))
+    running = [collect(sched, tag, 12)[1] for tag in (1, 2)]
+    sched.start()
+    try:
+        assert inside.wait(30)
+        joiners = [collect(sched, tag, 4)[1] for tag in (4, 5, 6, 12)]
+        submitted.set()
+        outs = [[i for u in drain(q) for i in u.new_ids] for q in joiners]
+        for q in running:
+            drain(q)
+    finally:
+        sched.stop(timeout=5)
+    assert outs == [[tag * 1000 + i for i in range(4)] for tag in (4, 5, 6, 12)]
+    joined = [b for b in engine.batches if 1 in b and 4 in b]
+    assert joined and joined[0] == [1, 2, 4, 5, 6]  # every joiner reached the engine; it held 12
+    turns = [json.loads(line) for line in trace.read_text().splitlines()]
+    together = [t for t in turns if t["how"] == "together"]
+    assert together and together[0]["new"] == 4 and together[0]["held"] == 1
+
+
 def test_no_cap_when_the_engine_has_none():
     engine = BatchingEngine()
     sched = Scheduler(engine, max_running=4, max_queued=4, batch=True)
