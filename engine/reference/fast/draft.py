@@ -82,12 +82,41 @@ class LayerJoins:
 
 
 def join_layer(layer: nn.Module) -> LayerJoins:
-    """One layer's joined products; its q/k/v and gate/up weights become views of them."""
+    """One layer's joined products; its q/k/v and gate/up weights become views of them. A layer
+    joined before, whose weights are still those views, gets the same joins back: a second fast
+    engine on the same drafter would otherwise join copies, and the first keep its own, twice
+    the memory of these weights."""
     attn, mlp = layer.self_attn, layer.mlp
-    widths = tuple(int(lin.weight.shape[0]) for lin in (attn.q_proj, attn.k_proj, attn.v_proj))
-    weight, bias = _fuse_linears((attn.q_proj, attn.k_proj, attn.v_proj))
+    qkv, gate_up = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+    known = getattr(layer, "_fast_joins", None)
+    if known is not None and _views_of(known.qkv, qkv) and _views_of(known.gate_up, gate_up):
+        return known
+    widths = tuple(int(lin.weight.shape[0]) for lin in qkv)
+    weight, bias = _fuse_linears(qkv)
     kv = Joined(weight[widths[0]:], None if bias is None else bias[widths[0]:])
-    return LayerJoins(Joined(weight, bias), kv, Joined(*_fuse_linears((mlp.gate_proj, mlp.up_proj))), widths)
+    layer._fast_joins = LayerJoins(Joined(weight, bias), kv, Joined(*_fuse_linears(gate_up)), widths)
+    return layer._fast_joins
+
+
+def _views_of(joined: Joined, linears) -> bool:
+    """Whether these linears' weights and biases are, in order, the rows of the joined ones (not
+    so once a module.to() or a load has replaced them)."""
+    for whole, parts in ((joined.weight, [lin.weight for lin in linears]),
+                         (joined.bias, [lin.bias for lin in linears])):
+        if whole is None:
+            if any(p is not None for p in parts):
+                return False
+            continue
+        at = whole.storage_offset()
+        for part in parts:
+            if (part is None or part.dtype != whole.dtype or part.device != whole.device
+                    or part.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
+                    or part.storage_offset() != at):
+                return False
+            at += part.numel()
+        if at != whole.storage_offset() + whole.numel():
+            return False
+    return True
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

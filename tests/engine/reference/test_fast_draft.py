@@ -297,3 +297,26 @@ def test_a_layer_runs_four_products_in_the_block_and_one_in_the_context_step(tin
     fast.draft(3, 11, feats[:11], cache, drafter.block_size - 1)
     layers = drafter.config.num_hidden_layers
     assert len(calls) == (1 + layers) + (4 * layers + 1)
+
+
+def test_two_fast_drafters_on_one_drafter_share_its_joined_weights(tiny):
+    """A second fast drafter (a second engine on the same drafter object) reuses the first's
+    joined products, whose views the drafter's weights are, rather than joining copies; after a
+    module.to() the views are gone and it joins afresh."""
+    target, _, _ = tiny
+    drafter = make_drafter(target, block_size=8, layers=2, seed=12)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    mask = drafter.config.vocab_size - 1
+    first = FastDrafter(drafter, embed, head, capacity=64, mask_token_id=mask)
+    second = FastDrafter(drafter, embed, head, capacity=64, mask_token_id=mask)
+    for a, b, layer in zip(first.joins, second.joins, drafter.layers):
+        assert a is b
+        assert layer.self_attn.q_proj.weight.data_ptr() == b.qkv.weight.data_ptr()
+        assert layer.mlp.up_proj.weight.data_ptr() == b.gate_up.weight.data_ptr() + \
+            layer.mlp.gate_proj.weight.numel() * b.gate_up.weight.element_size()
+    drafter.to(torch.float64)
+    third = FastDrafter(drafter, embed.to(torch.float64), head.to(torch.float64), capacity=64, mask_token_id=mask)
+    assert third.joins[0] is not first.joins[0] and third.joins[0].qkv.weight.dtype == torch.float64
+    attn = drafter.layers[0].self_attn
+    assert attn.v_proj.weight.data_ptr() == third.joins[0].kv.weight.data_ptr() + \
+        attn.k_proj.weight.numel() * 8
