@@ -385,6 +385,11 @@ def main() -> int:
                    help="with --grid, prompts per cell are at least this many times the concurrency: more "
                         "waves weigh the first cohort's prefill and the last one's tail less (default: 2)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--output-len-ratio", type=float, default=1.0,
+                   help="--grid: each request's output length drawn from [max(1, int(N * ratio)), N] for "
+                        "--max-new-tokens N, the same on both sides (sglang.bench_serving's "
+                        "--random-range-ratio; default 1: every request N tokens, so a closed loop's waves "
+                        "end in step)")
     p.add_argument("--context", type=int, default=256,
                    help="context tokens per request in the batching and verify-grid timings")
     p.add_argument("--repeats", type=int, default=15)
@@ -435,6 +440,8 @@ def main() -> int:
         p.error(f"--engine-loops takes process and/or thread, got {','.join(args.engine_loops) or 'nothing'}")
     if args.waves < 1:
         p.error(f"--waves must be at least 1, got {args.waves}")
+    if not 0.0 <= args.output_len_ratio <= 1.0:
+        p.error(f"--output-len-ratio must be between 0 and 1, got {args.output_len_ratio}")
     clock_start = time.perf_counter()
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-server-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)

@@ -3,10 +3,11 @@
 For each concurrency and each algorithm (ar, dflash, ddtree@budget for each budget):
 - through ONE builtin server, batching on, with the project's sweep client
   (engine/serving/bench.py `run_point`): output tok/s, TTFT p50/p99, ITL p50/p99 and tau;
-- in process, the same prompts and max_new_tokens driven by the loop the server's scheduler runs
-  (`drive`): up to `concurrency` sessions, new ones admitted at the next turn as others finish,
-  fresh sessions prefilled together with `Engine.step_many` and the running ones stepped together
-  with it; the same figures from the same percentile code.
+- in process, the same prompts and max_new_tokens (each prompt's own with --output-len-ratio)
+  driven by the loop the server's scheduler runs (`drive`): up to `concurrency` sessions, new
+  ones admitted at the next turn as others finish, fresh sessions prefilled together with
+  `Engine.step_many` and the running ones stepped together with it; the same figures from the
+  same percentile code.
 Then server / in-process per cell, AR aggregate throughput at 16 (or the largest) over 1, the
 concurrency at which each DDTree budget stops beating AR, and the issue's three targets.
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -69,9 +70,13 @@ def prompts_for(args, concurrency: int):
     ones (a disjoint slice of the same dataset)."""
     from ddtree.engine.serving.prompts import load_prompts
 
+    from ddtree.engine.serving.prompts import spread_output_lengths
+
     prompts = load_prompts(args.dataset, cell_prompts(args, concurrency), seed=0)
     warm = load_prompts(args.dataset, min(concurrency, 4), seed=0, offset=1000)
-    return prompts, warm
+    ratio = getattr(args, "output_len_ratio", 1.0)
+    return (spread_output_lengths(prompts, args.max_new_tokens, ratio),
+            spread_output_lengths(warm, args.max_new_tokens, ratio, seed=1))
 
 
 POINT_KEYS = ("requests_ok", "requests_failed", "output_tokens", "duration_s", "output_tok_s", "ttft_p50",
@@ -166,8 +171,9 @@ def server_grid(args, url: str, specs, concurrencies: list[int], clock: Clock, s
     # Every prompt prefilled once, unmeasured: on CUDA the first forward at a new sequence length
     # pays for kernel selection, which would land on whichever cell came first.
     every = prompts_for(args, max(concurrencies))
-    run_point(url, every[0] + every[1], BenchConfig(concurrency=max(concurrencies), max_new_tokens=2,
-                                                    speculative={"algorithm": "ar"}))
+    short = [replace(p, max_new_tokens=None) for p in every[0] + every[1]]  # 2 tokens each
+    run_point(url, short, BenchConfig(concurrency=max(concurrencies), max_new_tokens=2,
+                                      speculative={"algorithm": "ar"}))
     for i, c in enumerate(concurrencies):
         # The algorithm order rotates with the concurrency, so drift in machine load is spread.
         for name, spec in specs[i % len(specs):] + specs[:i % len(specs)]:
@@ -185,14 +191,16 @@ def server_grid(args, url: str, specs, concurrencies: list[int], clock: Clock, s
 # -- the in-process side -------------------------------------------------------------------------
 
 
-def drive(engine, prompts: list[list[int]], gen, spec, concurrency: int) -> dict:
+def drive(engine, prompts: list[list[int]], gen, spec, concurrency: int,
+          lengths: list[int | None] | None = None) -> dict:
     """The server scheduler's loop without HTTP: each turn admits waiting prompts up to
     `concurrency` running sessions, prefills the fresh ones together, then steps the others
     together (`Engine.step_many`; one session alone steps by itself, as the scheduler does; with
     --enable-mixed-chunk, fresh and running ones in one call, as the scheduler does then). A
     prompt arrives when an earlier session finishes (the sweep client's closed loop), so TTFT
     counts the wait for the next turn as it does through the server. ITL splits a round's gap
-    over the tokens it brought, as the client does."""
+    over the tokens it brought, as the client does. lengths: each prompt's own max_new_tokens,
+    where it sets one (Prompt.max_new_tokens), else gen's."""
     from ddtree.engine.serving.bench import percentile
 
     waiting = deque(range(len(prompts)))
@@ -240,7 +248,9 @@ def drive(engine, prompts: list[list[int]], gen, spec, concurrency: int) -> dict
         while waiting and arrivals and len(running) < concurrency:
             i = waiting.popleft()
             arrived[i] = arrivals.popleft()
-            running.append((i, timed(engine.start, prompts[i], gen, spec)))
+            own = lengths[i] if lengths else None
+            asked = replace(gen, max_new_tokens=own) if own else gen
+            running.append((i, timed(engine.start, prompts[i], asked, spec)))
         fresh = [(i, s) for i, s in running if not s.output_ids]
         live = [(i, s) for i, s in running if s.output_ids and not s.done]
         if fresh and len(live) > 1 and getattr(engine, "mixed_chunk", False):
@@ -320,6 +330,7 @@ def inprocess_grid(args, engine, specs, concurrencies: list[int], server_cells: 
         prompts, warm = prompts_for(args, c)
         ids = [list(encode(p.text)) for p in prompts]
         warm_ids = [list(encode(p.text)) for p in warm]
+        lengths, warm_lengths = [p.max_new_tokens for p in prompts], [p.max_new_tokens for p in warm]
         for name, spec_dict in specs[i % len(specs):] + specs[:i % len(specs)]:
             if (measured is not None and (c, name) not in measured) or clock.spent(INPROCESS_SHARE):
                 cells.append({"concurrency": c, "algorithm": name,
@@ -328,10 +339,10 @@ def inprocess_grid(args, engine, specs, concurrencies: list[int], server_cells: 
                 continue
             spec = SpecParams(spec_dict["algorithm"], spec_dict.get("budget", SpecParams().budget))
             running = running_cap(engine, c)
-            drive(engine, warm_ids, gen, spec, min(running, len(warm_ids)))
+            drive(engine, warm_ids, gen, spec, min(running, len(warm_ids)), warm_lengths)
             t0 = time.perf_counter()
             cell = {"concurrency": c, "algorithm": name, "prompts": len(ids), "running_cap": running,
-                    **drive(engine, ids, gen, spec, running), "wall_s": round(time.perf_counter() - t0, 2)}
+                    **drive(engine, ids, gen, spec, running, lengths), "wall_s": round(time.perf_counter() - t0, 2)}
             cells.append(cell)
             save()
             print(f"  in-process c={c:3d} {name:10s} {line(cell)}", flush=True)

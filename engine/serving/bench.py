@@ -305,7 +305,8 @@ async def _request_generate(session: aiohttp.ClientSession, url: str, prompt: Pr
                             result: RequestResult) -> None:
     body: dict[str, Any] = {
         "text": prompt.text,
-        "sampling_params": {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+        "sampling_params": {"max_new_tokens": prompt.max_new_tokens or cfg.max_new_tokens,
+                            "temperature": cfg.temperature,
                             "top_p": cfg.top_p},
         "stream": True,
     }
@@ -342,7 +343,7 @@ async def _request_generate(session: aiohttp.ClientSession, url: str, prompt: Pr
 async def _request_openai(session: aiohttp.ClientSession, url: str, prompt: Prompt, cfg: BenchConfig,
                           result: RequestResult) -> None:
     chat = prompt.messages is not None
-    body: dict[str, Any] = {"model": cfg.model or "default", "max_tokens": cfg.max_new_tokens,
+    body: dict[str, Any] = {"model": cfg.model or "default", "max_tokens": prompt.max_new_tokens or cfg.max_new_tokens,
                             "temperature": cfg.temperature, "top_p": cfg.top_p, "stream": True,
                             "stream_options": {"include_usage": True}}
     if chat:

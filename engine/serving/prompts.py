@@ -31,10 +31,12 @@ class DatasetError(EngineError):
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: `text` always (chat flattened), `messages` when the source was chat."""
+    """One prompt: `text` always (chat flattened), `messages` when the source was chat, and the
+    output tokens it asks for where it sets its own (None: the point's max_new_tokens)."""
 
     text: str
     messages: tuple[tuple[str, str], ...] | None = None
+    max_new_tokens: int | None = None
 
     def chat(self) -> list[dict]:
         if self.messages is not None:
@@ -141,3 +143,20 @@ def load_prompts(name: str, count: int, *, seed: int = 0, offset: int = 0) -> li
     order = list(range(len(prompts)))
     random.Random(seed).shuffle(order)
     return [prompts[order[(offset + i) % len(order)]] for i in range(count)]
+
+
+def spread_output_lengths(prompts: list[Prompt], max_new_tokens: int, ratio: float, *,
+                          seed: int = 0) -> list[Prompt]:
+    """The prompts, each asking for an output length drawn uniformly from
+    [max(1, int(max_new_tokens * ratio)), max_new_tokens], as sglang.bench_serving's
+    --random-range-ratio draws its random dataset's (ratio 1: every prompt the full length, as
+    given). With one length for all, a closed loop's requests finish in step, and every wave
+    ends in a burst of joiners; spread lengths keep the joins apart, as real traffic does.
+    The same seed gives the same lengths, so two sides of a comparison serve the same work."""
+    if not 0.0 <= ratio <= 1.0:
+        raise DatasetError(f"the output length ratio must be between 0 and 1, got {ratio}")
+    if ratio == 1.0:
+        return list(prompts)
+    rng = random.Random(seed)
+    low = max(1, int(max_new_tokens * ratio))
+    return [Prompt(p.text, p.messages, rng.randint(low, max_new_tokens)) for p in prompts]

@@ -83,3 +83,30 @@ def test_prompt_sets(tmp_path, prompts_file):
         with pytest.raises(DatasetError) as info:
             load_prompts(name, 1)
         assert needle in str(info.value) and info.value.exit_code == 2
+
+
+def test_spread_output_lengths_draws_as_bench_serving_and_repeats_with_its_seed():
+    from ddtree.engine.serving.prompts import DatasetError, spread_output_lengths
+
+    prompts = [Prompt(f"p{i}") for i in range(400)]
+    assert spread_output_lengths(prompts, 64, 1.0) == prompts  # every prompt the point's length
+    spread = spread_output_lengths(prompts, 64, 0.25)
+    lengths = [p.max_new_tokens for p in spread]
+    assert min(lengths) == 16 and max(lengths) == 64 and len(set(lengths)) == 49
+    assert [p.text for p in spread] == [p.text for p in prompts]
+    assert spread_output_lengths(prompts, 64, 0.25) == spread
+    assert spread_output_lengths(prompts, 64, 0.25, seed=1) != spread
+    assert {p.max_new_tokens for p in spread_output_lengths(prompts, 3, 0.0)} == {1, 2, 3}
+    with pytest.raises(DatasetError, match="between 0 and 1"):
+        spread_output_lengths(prompts, 64, 1.5)
+
+
+@pytest.mark.parametrize("api", ["generate", "openai"])
+def test_a_prompts_own_output_length_is_what_the_client_asks_for(server, api):
+    """Prompt.max_new_tokens (--output-len-ratio's lengths) goes in the request in place of the
+    point's max_new_tokens; a prompt without one asks for the point's."""
+    asked = [Prompt(PROMPTS[0].text, max_new_tokens=n) for n in (1, 3, 2)] + [PROMPTS[1]]
+    result = run_point(server.url, asked, BenchConfig(concurrency=2, max_new_tokens=5, api=api,
+                                                      speculative={"algorithm": "ar"} if api == "generate" else None))
+    assert [r.completion_tokens for r in result.requests] == [1, 3, 2, 5]
+    assert {r.finish_reason for r in result.requests} == {"length"}
