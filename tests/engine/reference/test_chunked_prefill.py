@@ -50,6 +50,22 @@ def _collect_done(active: list, out: dict) -> None:
             active.remove(item)
 
 
+def serve(engine: Engine, jobs: list[list[int]], gen: GenParams, spec: SpecParams, running: int = 4) -> list:
+    """Every job through step_many, up to `running` sessions at once, each new one joining as
+    another finishes; the sessions, in job order (closed)."""
+    active, started, nxt = [], [], 0
+    while active or nxt < len(jobs):
+        while nxt < len(jobs) and len(active) < running:
+            active.append(engine.start(jobs[nxt], gen, spec))
+            started.append(active[-1])
+            nxt += 1
+        engine.step_many(active)
+        for s in [s for s in active if s.done]:
+            s.close()
+            active.remove(s)
+    return started
+
+
 @pytest.mark.parametrize("backend", ["transformers", "fast"])
 def test_chunked_prefill_decodes_the_whole_prefills_tokens(pair, backend):
     whole, chunked = engines(pair, backend)
@@ -332,16 +348,7 @@ def test_riders_of_every_shape_decode_as_serial(pair, spec, monkeypatch):
     rng = random.Random(11)
     jobs = [[rng.randrange(64) for _ in range(rng.randrange(1, 24))] for _ in range(16)]
     want = [whole.generate(p, gen, spec) for p in jobs]
-    active, started, nxt = [], [], 0
-    while active or nxt < len(jobs):
-        while nxt < len(jobs) and len(active) < 4:
-            active.append(chunked.start(jobs[nxt], gen, spec))
-            started.append(active[-1])
-            nxt += 1
-        chunked.step_many(active)
-        for s in [s for s in active if s.done]:
-            s.close()
-            active.remove(s)
+    started = serve(chunked, jobs, gen, spec)
     assert [s.output_ids for s in started] == [w.output_ids for w in want]
     # The drafts saw each rider's own prompt features (a wrong row drafts worse, losslessly).
     assert [s.accept_lengths for s in started] == [w.accept_lengths for w in want]
@@ -407,16 +414,7 @@ def test_with_mixed_chunks_joiners_ride_together_under_a_cap_their_whole_chunks_
     jobs = [[rng.randrange(64) for _ in range(rng.randrange(9, 24))] for _ in range(12)]
     spec = SpecParams("ddtree", 4)
     want = [whole.generate(p, gen, spec).output_ids for p in jobs]
-    active, started, nxt = [], [], 0
-    while active or nxt < len(jobs):
-        while nxt < len(jobs) and len(active) < 4:
-            active.append(capped.start(jobs[nxt], gen, spec))
-            started.append(active[-1])
-            nxt += 1
-        capped.step_many(active)
-        for s in [s for s in active if s.done]:
-            s.close()
-            active.remove(s)
+    started = serve(capped, jobs, gen, spec)
     assert [s.output_ids for s in started] == want
     assert all(tokens <= 8 for tokens, _ in seen)
     assert any(len(chunks) > 1 and sum(chunks) > 8 for _, chunks in seen)
