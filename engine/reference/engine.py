@@ -106,8 +106,10 @@ class Engine:
         #: Prompt tokens a prefill step takes at most (0: the whole prompt in one step); the
         #: server's --chunked-prefill-size. A target with recurrent layers always prefills whole.
         self.prefill_chunk = 0
-        #: Prompt tokens the server's scheduler prefills in one turn at most (0: no cap); the
-        #: server's --max-prefill-tokens. New requests past it wait a turn; the first always goes.
+        #: Prompt tokens one turn prefills at most (0: no cap); the server's --max-prefill-tokens.
+        #: New requests past it wait a turn, the first always going: the scheduler holds them,
+        #: or step_many (for a turn the scheduler hands it whole), which also keeps riders'
+        #: shapes within it (fast/ride.py).
         self.max_prefill_tokens = 0
         #: Whether a new session's prefill chunk may ride in the running sessions' round (the
         #: server's --enable-mixed-chunk; fast/ride.py: the pooled fast backend only).

@@ -381,6 +381,9 @@ class Scheduler:
         self.trace_turns = trace_turns
         self._trace_file = None  # open while the loop runs, on the engine thread
         self._how = ""  # how this turn stepped its requests, for the trace
+        # Whether this turn goes to the engine whole, new and running requests together, which
+        # then caps its prefills; and how many new ones the engine held back under the cap.
+        self._engine_caps, self._engine_held = False, 0
 
     @classmethod
     def for_server(cls, engine: Any, config: Any, *, thread: EngineThread | None,
@@ -506,6 +509,7 @@ class Scheduler:
             with self._cond:
                 turn = list(self._running)
             turn, held = self._cap_prefills(turn)
+            self._engine_held = 0
             before = [len(a.session.output_ids) for a in turn] if self._trace_file is not None else []
             if self.batch and len(turn) > 1:
                 self._advance_batch(turn)
@@ -515,8 +519,7 @@ class Scheduler:
                     self._advance(active)
                     self._published()
             self._published()
-            if self._how == "together":  # the engine capped this turn's prefills (_cap_prefills)
-                held += getattr(self.engine, "turn_held", 0)
+            held += self._engine_held
             seconds = time.perf_counter() - started
             self.stats.add_turn(seconds, self._engine_s)
             if self._trace_file is not None:
@@ -528,10 +531,12 @@ class Scheduler:
         the inter-token and first-token tails (a stream's gap is the turns between its tokens).
         A write that fails (a full disk) ends the trace, not the serving."""
         after = [len(a.session.output_ids) for a in turn]
+        # "new": the new requests this turn stepped or handed to the engine, less any the
+        # prefill cap held back (those are "held", wherever the cap was applied).
         line = json.dumps({
             "turn": self.turns, "t": round(started, 6), "s": round(seconds, 6), "engine_s": round(self._engine_s, 6),
             "how": self._how, "note": getattr(self.engine, "turn_note", "") if self._how == "together" else "",
-            "admitted": admitted, "new": sum(1 for n in before if n == 0),
+            "admitted": admitted, "new": sum(1 for n in before if n == 0) - self._engine_held,
             "running": sum(1 for n in before if n > 0), "firsts": sum(1 for b, a in zip(before, after) if b == 0 < a),
             "tokens": sum(after) - sum(before), "held": held}) + "\n"
         try:
@@ -598,12 +603,12 @@ class Scheduler:
         turns and no running stream's gap holds all of it. The first new request always goes.
         A turn that goes to the engine whole with mixed chunks (_advance_batch) is left to it:
         only the engine knows how much of each joiner rides in the round (a chunk) and what
-        prefills on its own, and it caps the latter itself (Engine.step_many)."""
-        cap = getattr(self.engine, "max_prefill_tokens", 0)
-        if cap <= 0:
-            return turn, 0
+        prefills on its own, and it caps the latter itself (Engine.step_many). Decides here,
+        once a turn, whether the turn goes together (self._engine_caps)."""
         new = [a for a in turn if not (a.session.output_ids or a.session.done or a.ticket.cancelled)]
-        if self._together(turn, new):
+        self._engine_caps = self._together(turn, new)
+        cap = getattr(self.engine, "max_prefill_tokens", 0)
+        if cap <= 0 or self._engine_caps:
             return turn, 0
         go = dict(zip(map(id, new), within_prefill_cap([a.session.next_prefill_tokens() for a in new], cap)))
         kept = [a for a in turn if go.get(id(a), True)]
@@ -624,7 +629,7 @@ class Scheduler:
                 fresh.append(active)  # not prefilled yet (a prefill always commits a token)
             else:
                 live.append(active)
-        if self._together(turn, fresh):
+        if self._engine_caps:  # decided with the cap, in _cap_prefills
             self._how = "together"
             self._step_together(fresh + live, len(live))
             return
@@ -635,7 +640,7 @@ class Scheduler:
         # prefill (fast/batch.py), not in the gap to its second token.
         if fresh:
             try:
-                self._engine(self.engine.step_many, [a.session for a in fresh])
+                self._step_many(fresh)
             except Exception as exc:  # boundary: find the culprit by prefilling each alone
                 log.warning("batched prefill failed (%s: %s); prefilling one by one", type(exc).__name__, exc)
                 for active in fresh:
@@ -658,17 +663,32 @@ class Scheduler:
         """These requests in one engine call, `live` of them running. With mixed chunks on, new
         requests come too: the fast engine then folds new requests' chunks into the running
         round's forward (up to four) and holds the other new ones back a turn (fast/ride.py), so
-        running streams never wait for a prefill of its own."""
+        running streams never wait for a prefill of its own. With a prefill cap the engine caps
+        what of the new requests prefills on its own; stepping them one by one after a failure,
+        this caps them itself."""
         try:
-            self._engine(self.engine.step_many, [a.session for a in turn])
+            self._step_many(turn)
         except Exception as exc:  # boundary: find the culprit by stepping each request alone
             log.warning("batched round failed (%s: %s); stepping the requests one by one", type(exc).__name__, exc)
+            fresh = [a for a in turn if not a.session.output_ids and not a.session.done]
+            go = within_prefill_cap([a.session.next_prefill_tokens() for a in fresh],
+                                    getattr(self.engine, "max_prefill_tokens", 0))
+            held = {id(a) for a, ok in zip(fresh, go) if not ok}
+            self._engine_held += len(held)
             for active in turn:
-                self._advance(active)
+                if id(active) not in held:
+                    self._advance(active)
             return
         self.stats.add_batch(live)
         for active in turn:
             self._publish(active)
+
+    def _step_many(self, batch: list[_Active]) -> None:
+        """engine.step_many over these requests; where the scheduler left the prefill cap to the
+        engine this turn, what it held back counts in the turn's "held"."""
+        self._engine(self.engine.step_many, [a.session for a in batch])
+        if self._engine_caps:
+            self._engine_held += getattr(self.engine, "turn_held", 0)
 
     def _publish(self, active: _Active) -> None:
         """Send the tokens and rounds committed since the last update; retire a finished session."""

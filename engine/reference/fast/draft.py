@@ -45,6 +45,7 @@ one wider product (16 x 256 x 512 took 3.3 us there), and o takes the tune's cho
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -88,14 +89,21 @@ def join_layer(layer: nn.Module) -> LayerJoins:
     the memory of these weights."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv, gate_up = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
-    known = getattr(layer, "_fast_joins", None)
+    ref = _JOINS.get(layer)
+    known = ref() if ref is not None else None
     if known is not None and _views_of(known.qkv, qkv) and _views_of(known.gate_up, gate_up):
         return known
     widths = tuple(int(lin.weight.shape[0]) for lin in qkv)
     weight, bias = _fuse_linears(qkv)
     kv = Joined(weight[widths[0]:], None if bias is None else bias[widths[0]:])
-    layer._fast_joins = LayerJoins(Joined(weight, bias), kv, Joined(*_fuse_linears(gate_up)), widths)
-    return layer._fast_joins
+    joins = LayerJoins(Joined(weight, bias), kv, Joined(*_fuse_linears(gate_up)), widths)
+    _JOINS[layer] = weakref.ref(joins)
+    return joins
+
+
+# Each drafter layer's joins, while a fast drafter holds them: weak both ways, so joins a
+# module.to() has left stale are not kept alive by the layer, and nothing rides on the module.
+_JOINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _views_of(joined: Joined, linears) -> bool:

@@ -102,8 +102,9 @@ def shapes(engine: Engine, rows: int) -> list[tuple[int, int]]:
     base = min(RIDE_MIN, engine.prefill_chunk)
     out = [(1, base), (1, min(allowance, engine.prefill_chunk)), (allowance // RIDE_MIN, base)]
     cap = engine.max_prefill_tokens  # a turn's prompt tokens, riders' included
-    if cap > 0:
-        out = [(n, w) for n, w in out if n * w <= cap] or [(1, min(base, cap))]
+    if cap > 0:  # a lone rider narrows to the cap; several become as many as it holds
+        out = [(1, min(w, cap)) if n == 1 else (min(n, cap // w), w) for n, w in out]
+        out = [(n, w) for n, w in out if n >= 1]
     return sorted(set(out))
 
 

@@ -392,9 +392,12 @@ def test_step_many_leaves_new_sessions_past_the_prefill_cap_for_a_later_turn(pai
 
 
 def test_with_mixed_chunks_joiners_ride_together_under_a_cap_their_whole_chunks_pass(pair, monkeypatch):
-    """Riders take a slice of each joiner's next chunk, so a cap that two whole chunks pass still
-    lets several ride in one round (their shapes stay within it), where a scheduler counting
-    whole chunks would let one a turn. Every output is still the serial one."""
+    """Through the scheduler: riders take a slice of each joiner's next chunk (8 tokens here), so
+    under a cap of 8, which two whole chunks pass, both joiners still ride in one round of two
+    running streams (rows of 2 tokens). A scheduler counting whole chunks held all but one
+    joiner a turn. Every output is still the serial one."""
+    import threading
+
     from ddtree.engine.reference.fast import ride
 
     monkeypatch.setattr(ride, "RIDE_MIN", 2)
@@ -403,21 +406,49 @@ def test_with_mixed_chunks_joiners_ride_together_under_a_cap_their_whole_chunks_
     capped.prefill_chunk, capped.max_prefill_tokens = 8, 8
     capped.impl.batch_static = True
     capped.mixed_chunk = True
-    assert all(n * w <= 8 for n, w in ride.shapes(capped, 10**6))
     seen = []
     real_stage = ride.stage
     monkeypatch.setattr(ride, "stage", lambda e, rider, riders: (
-        seen.append((rider.rows * rider.chunk, [min(8, len(s.prompt_ids) - s._prefilled_rows) for s in riders]))
-        or real_stage(e, rider, riders)))
+        seen.append(len(riders)) or real_stage(e, rider, riders)))
+    # The joiners arrive while the first turn (the two streams' prefills) runs, so the next
+    # turn has them all beside two running streams, whatever the machine's timing.
+    inside, submitted = threading.Event(), threading.Event()
+    real_step_many = capped.step_many
+
+    def gated(sessions):
+        if not submitted.is_set():
+            inside.set()
+            submitted.wait(60)
+        return real_step_many(sessions)
+    monkeypatch.setattr(capped, "step_many", gated)
     gen = GenParams(max_new_tokens=9, ignore_eos=True)
-    rng = random.Random(5)
-    jobs = [[rng.randrange(64) for _ in range(rng.randrange(9, 24))] for _ in range(12)]
-    spec = SpecParams("ddtree", 4)
-    want = [whole.generate(p, gen, spec).output_ids for p in jobs]
-    started = serve(capped, jobs, gen, spec)
-    assert [s.output_ids for s in started] == want
-    assert all(tokens <= 8 for tokens, _ in seen)
-    assert any(len(chunks) > 1 and sum(chunks) > 8 for _, chunks in seen)
+    jobs = [[3, 4, 5], [6, 7]] + [list(range(k, k + 12)) for k in (1, 20)]
+    spec = SpecParams("ddtree", 4)  # rounds of 2 x 5 rows: riders of 1 x 8 or up to 4 x 2 tokens
+    want = [whole.generate(p, GenParams(max_new_tokens=30 if i < 2 else 9, ignore_eos=True), spec).output_ids
+            for i, p in enumerate(jobs)]
+    sched = Scheduler(capped, max_running=5, max_queued=5, batch=True)
+    queues = [queue.Queue() for _ in jobs]
+    for q, p in zip(queues[:2], jobs[:2]):
+        sched.submit(p, GenParams(max_new_tokens=30, ignore_eos=True), spec, q.put)
+    sched.start()
+    try:
+        assert inside.wait(60)
+        for q, p in zip(queues[2:], jobs[2:]):
+            sched.submit(p, gen, spec, q.put)
+        submitted.set()
+        outs = []
+        for q in queues:
+            ids = []
+            while True:
+                u = q.get(timeout=120)
+                ids += u.new_ids
+                if u.done:
+                    break
+            outs.append(ids)
+    finally:
+        sched.stop(timeout=30)
+    assert outs == want
+    assert max(seen) == 2  # two joiners rode one round, under a cap their whole chunks pass
 
 
 def test_rider_shapes_stay_within_the_prefill_cap(pair):
@@ -428,7 +459,9 @@ def test_rider_shapes_stay_within_the_prefill_cap(pair):
     assert ride.shapes(engine, 10**6) == [(1, 128), (1, 512), (4, 128)]
     engine.max_prefill_tokens = 512
     assert ride.shapes(engine, 10**6) == [(1, 128), (1, 512), (4, 128)]
-    engine.max_prefill_tokens = 300
-    assert ride.shapes(engine, 10**6) == [(1, 128)]
+    engine.max_prefill_tokens = 300  # a lone rider as wide as the cap; two rows of 128
+    assert ride.shapes(engine, 10**6) == [(1, 128), (1, 300), (2, 128)]
+    engine.max_prefill_tokens = 200
+    assert ride.shapes(engine, 10**6) == [(1, 128), (1, 200)]
     engine.max_prefill_tokens = 64  # below the narrowest rider: one rider as wide as the cap
     assert ride.shapes(engine, 10**6) == [(1, 64)]

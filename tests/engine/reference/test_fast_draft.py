@@ -320,3 +320,11 @@ def test_two_fast_drafters_on_one_drafter_share_its_joined_weights(tiny):
     attn = drafter.layers[0].self_attn
     assert attn.v_proj.weight.data_ptr() == third.joins[0].kv.weight.data_ptr() + \
         attn.k_proj.weight.numel() * 8
+    # Nothing but the fast drafters keeps joins alive: none rides on the drafter's modules.
+    import gc
+    import weakref
+
+    gone = weakref.ref(third.joins[1])
+    del first, second, third
+    gc.collect()
+    assert gone() is None

@@ -388,7 +388,43 @@ def test_with_mixed_chunks_the_engine_caps_a_turn_that_steps_joiners_with_the_ro
     assert joined and joined[0] == [1, 2, 4, 5, 6]  # every joiner reached the engine; it held 12
     turns = [json.loads(line) for line in trace.read_text().splitlines()]
     together = [t for t in turns if t["how"] == "together"]
-    assert together and together[0]["new"] == 4 and together[0]["held"] == 1
+    assert together and together[0]["new"] == 3 and together[0]["held"] == 1
+
+
+class FailingTogetherEngine(CappingEngine):
+    """A CappingEngine whose calls with new and running requests together always raise."""
+
+    def step_many(self, sessions):
+        if any(s.output_ids for s in sessions) and any(not s.output_ids for s in sessions):
+            self.turn_held = 99  # what a failed call left behind must not count
+            raise RuntimeError("batched round failed")
+        return super().step_many(sessions)
+
+
+def test_a_failed_together_turn_steps_its_requests_alone_within_the_cap(tmp_path):
+    """When the engine call of a together turn raises, the scheduler steps each request alone,
+    and then it caps the new ones itself: 4 and 5 prefill (9 of 10 tokens), 6 and 12 wait."""
+    engine = FailingTogetherEngine(cap=100)
+    engine.max_prefill_tokens = 10
+    trace = tmp_path / "turns.jsonl"
+    sched = Scheduler(engine, max_running=6, max_queued=6, batch=True, trace_turns=str(trace))
+    inside, submitted = threading.Event(), threading.Event()
+    engine.after_step = lambda session: session.tag == 1 and (inside.set() or submitted.wait(30))
+    running = [collect(sched, tag, 12)[1] for tag in (1, 2)]
+    sched.start()
+    try:
+        assert inside.wait(30)
+        joiners = [collect(sched, tag, 4)[1] for tag in (4, 5, 6, 12)]
+        submitted.set()
+        outs = [[i for u in drain(q) for i in u.new_ids] for q in joiners]
+        for q in running:
+            drain(q)
+    finally:
+        sched.stop(timeout=5)
+    assert outs == [[tag * 1000 + i for i in range(4)] for tag in (4, 5, 6, 12)]
+    turns = [json.loads(line) for line in trace.read_text().splitlines()]
+    together = [t for t in turns if t["how"] == "together"]
+    assert (together[0]["new"], together[0]["held"], together[0]["firsts"]) == (2, 2, 2)
 
 
 def test_no_cap_when_the_engine_has_none():
