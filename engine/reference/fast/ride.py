@@ -62,6 +62,7 @@ import torch
 
 from ddtree.engine.reference.fast.batch import batch_plan
 from ddtree.engine.reference.fast.model import BatchPlan, MixedPlan
+from ddtree.engine.reference.params import within_prefill_cap
 
 if TYPE_CHECKING:
     from ddtree.engine.reference.decode import Session
@@ -154,17 +155,32 @@ def pick(engine: Engine, new: list[Session], rows: int,
 def burst(engine: Engine, new: list[Session], options: list[tuple[int, int]]) -> bool:
     """Whether these new sessions are a burst: several, and riding would take more than
     BURST_ROUNDS times the turns that prefilling alone takes to give the last of them its first
-    token. Alone, each prompt takes a chunk a turn, all at once; riding, the round's widest
-    shape bounds the tokens a round, and one rider row a session. A lone prompt always rides,
-    however long: a long prompt is what riding spares the running streams from."""
+    token. Alone, each prompt takes a chunk a turn, as many at once as max_prefill_tokens lets
+    (turns_alone); riding, the round's widest shape bounds the tokens a round, and one rider row
+    a session. A lone prompt always rides, however long: a long prompt is what riding spares the
+    running streams from."""
     rests = [max(0, len(s.prompt_ids) - s._prefilled_rows) for s in new]
     if len(rests) < 2:
         return False
-    alone = max(-(-rest // engine.prefill_chunk) for rest in rests)
+    alone = turns_alone(rests, engine.prefill_chunk, engine.max_prefill_tokens)
     lone = max(width for count, width in options if count == 1)
     riding = max(-(-sum(rests) // max(count * width for count, width in options)),
                  *(-(-rest // lone) for rest in rests))
     return riding > BURST_ROUNDS * alone
+
+
+def turns_alone(rests: list[int], chunk: int, cap: int) -> int:
+    """Turns until prompts with these many tokens left are all prefilled on their own: a chunk
+    of each a turn, those within the cap (params.within_prefill_cap) going each turn."""
+    rests, turns = list(rests), 0
+    while any(rests):
+        live = [i for i, rest in enumerate(rests) if rest]
+        go = within_prefill_cap([min(rests[i], chunk) for i in live], cap)
+        for i, ok in zip(live, go):
+            if ok:
+                rests[i] -= min(rests[i], chunk)
+        turns += 1
+    return turns
 
 
 def spare(engine: Engine, riders: list[Session], width: int) -> Session | None:

@@ -451,6 +451,18 @@ def test_with_mixed_chunks_joiners_ride_together_under_a_cap_their_whole_chunks_
     assert max(seen) == 2  # two joiners rode one round, under a cap their whole chunks pass
 
 
+def test_turns_alone_follows_the_prefill_cap():
+    """What ride.burst weighs riding against: the turns prefilling alone takes, a chunk of each
+    prompt a turn, as many as the cap lets through (the first always)."""
+    from ddtree.engine.reference.fast.ride import turns_alone
+
+    assert turns_alone([300, 50, 120], 128, 0) == 3  # no cap: the longest prompt's chunks
+    assert turns_alone([300, 50, 120], 128, 256) == 3  # 128+50, then 128+120 (50 is done), then 44
+    assert turns_alone([100, 100, 100, 100], 128, 150) == 4  # one a turn
+    assert turns_alone([100, 100, 100, 100], 128, 10) == 4  # over the cap, the first still goes
+    assert turns_alone([], 128, 10) == 0
+
+
 def test_rider_shapes_stay_within_the_prefill_cap(pair):
     from ddtree.engine.reference.fast import ride
 
