@@ -384,6 +384,7 @@ class Scheduler:
         # Whether this turn goes to the engine whole, new and running requests together, which
         # then caps its prefills; and how many new ones the engine held back under the cap.
         self._engine_caps, self._engine_held = False, 0
+        self._note = ""  # what the engine said of a together turn that succeeded (its turn_note)
 
     @classmethod
     def for_server(cls, engine: Any, config: Any, *, thread: EngineThread | None,
@@ -509,7 +510,7 @@ class Scheduler:
             with self._cond:
                 turn = list(self._running)
             turn, held = self._cap_prefills(turn)
-            self._engine_held = 0
+            self._engine_held, self._note = 0, ""
             before = [len(a.session.output_ids) for a in turn] if self._trace_file is not None else []
             if self.batch and len(turn) > 1:
                 self._advance_batch(turn)
@@ -535,7 +536,7 @@ class Scheduler:
         # prefill cap held back (those are "held", wherever the cap was applied).
         line = json.dumps({
             "turn": self.turns, "t": round(started, 6), "s": round(seconds, 6), "engine_s": round(self._engine_s, 6),
-            "how": self._how, "note": getattr(self.engine, "turn_note", "") if self._how == "together" else "",
+            "how": self._how, "note": self._note,
             "admitted": admitted, "new": sum(1 for n in before if n == 0) - self._engine_held,
             "running": sum(1 for n in before if n > 0), "firsts": sum(1 for b, a in zip(before, after) if b == 0 < a),
             "tokens": sum(after) - sum(before), "held": held}) + "\n"
@@ -665,15 +666,19 @@ class Scheduler:
         round's forward (up to four) and holds the other new ones back a turn (fast/ride.py), so
         running streams never wait for a prefill of its own. With a prefill cap the engine caps
         what of the new requests prefills on its own; stepping them one by one after a failure,
-        this caps them itself."""
+        this caps them itself (and holds them all when the failed call prefilled some: a
+        failing round leaves the prefills before it done)."""
+        fresh = [a for a in turn if not (a.session.output_ids or a.session.done or a.ticket.cancelled)]
+        before = [a.session.next_prefill_tokens() for a in fresh]
         try:
             self._step_many(turn)
         except Exception as exc:  # boundary: find the culprit by stepping each request alone
             log.warning("batched round failed (%s: %s); stepping the requests one by one", type(exc).__name__, exc)
-            fresh = [a for a in turn if not a.session.output_ids and not a.session.done]
-            go = within_prefill_cap([a.session.next_prefill_tokens() for a in fresh],
-                                    getattr(self.engine, "max_prefill_tokens", 0))
-            held = {id(a) for a, ok in zip(fresh, go) if not ok}
+            if any(a.session.next_prefill_tokens() != n for a, n in zip(fresh, before)):
+                go = [False] * len(fresh)
+            else:
+                go = within_prefill_cap(before, getattr(self.engine, "max_prefill_tokens", 0))
+            held = {id(a) for a, ok in zip(fresh, go) if not ok and not a.session.output_ids}
             self._engine_held += len(held)
             for active in turn:
                 if id(active) not in held:
@@ -689,6 +694,7 @@ class Scheduler:
         self._engine(self.engine.step_many, [a.session for a in batch])
         if self._engine_caps:
             self._engine_held += getattr(self.engine, "turn_held", 0)
+            self._note = getattr(self.engine, "turn_note", "")
 
     def _publish(self, active: _Active) -> None:
         """Send the tokens and rounds committed since the last update; retire a finished session."""

@@ -14,11 +14,13 @@ With engine.mixed_chunk (the server's --enable-mixed-chunk) and a prefill chunk 
 prompt tokens of new sessions into that round, first come first served (those whose prompt is
 part in already first). The riders form R rows of W tokens each (padded), R x W at most the
 round's allowance: its own rows (b x q) rounded down to a power of two, between 2 x RIDE_MIN and
-RIDE_MAX, so a ridden round costs at most about two plain ones, and at most the server's
---max-prefill-tokens (engine.max_prefill_tokens; the joiners that prefill on their own instead
-are capped by fast/batch.step_many). The shapes a round takes: one
+RIDE_MAX, so a ridden round costs at most about two plain ones. The shapes a round takes: one
 rider of RIDE_MIN tokens; one of the whole allowance, for a long prompt; and, when several new
-sessions wait, allowance / RIDE_MIN rows of RIDE_MIN tokens (each W also at most C). Rows
+sessions wait, allowance / RIDE_MIN rows of RIDE_MIN tokens (each W also at most C). With the
+server's --max-prefill-tokens (engine.max_prefill_tokens) every shape stays within it: a lone
+rider narrows to it, several become as many rows as it holds (fewer than four, or none), and
+below RIDE_MIN one rider as wide as the cap is all; the joiners that prefill on their own
+instead are capped by fast/batch.step_many. Rows
 without a rider write into a rider's slot past its chunk, rows no one reads (not into its
 chunk's rows: two GEMM rows of the same tokens need not round alike, and which write landed would
 be a race). The turn's other new sessions wait. So while requests run, prefill
@@ -28,10 +30,12 @@ as without riders. A turn with no graphed round (fewer than two running sessions
 kinds) prefills as before. So does a burst: several prompts whose riding would take more than
 BURST_ROUNDS times the turns that prefilling alone takes, as a cohort of short prompts does
 when it finds few streams running (small rounds take two riders). Prefilled together, all of
-them in that turn, they cost the running streams one gap; riding, the last of them would wait
-for many rounds. SGLang leans the same way with mixed chunks: a step prefills waiting prompts up
-to its --chunked-prefill-size tokens, the running decodes mixed in (here a burst takes every
-waiting prompt at once, in forwards of at most 4096 padded tokens, fast/prefill.py).
+them in that turn (or, under the cap, in as few turns as it allows), they cost the running
+streams one gap (or a few); riding, the last of them would wait for many rounds. SGLang leans
+the same way with mixed chunks: a step prefills waiting prompts up to its
+--chunked-prefill-size tokens, the running decodes mixed in (here a burst takes every waiting
+prompt the cap lets through at once, in forwards of at most 4096 padded tokens,
+fast/prefill.py).
 
 Measured on an H200 (bench/RESULTS.md), 1.7B shape, concurrency 16: a first version that let the
 new sessions of one turn prefill together in a forward of their own, and rode only a lone
@@ -162,18 +166,25 @@ def burst(engine: Engine, new: list[Session], options: list[tuple[int, int]]) ->
     rests = [max(0, len(s.prompt_ids) - s._prefilled_rows) for s in new]
     if len(rests) < 2:
         return False
-    alone = turns_alone(rests, engine.prefill_chunk, engine.max_prefill_tokens)
     lone = max(width for count, width in options if count == 1)
     riding = max(-(-sum(rests) // max(count * width for count, width in options)),
                  *(-(-rest // lone) for rest in rests))
+    # Counting stops where the answer is known: at riding / BURST_ROUNDS turns alone, no burst.
+    alone = turns_alone(rests, engine.prefill_chunk, engine.max_prefill_tokens, most=-(-riding // BURST_ROUNDS))
     return riding > BURST_ROUNDS * alone
 
 
-def turns_alone(rests: list[int], chunk: int, cap: int) -> int:
+def turns_alone(rests: list[int], chunk: int, cap: int, most: int | None = None) -> int:
     """Turns until prompts with these many tokens left are all prefilled on their own: a chunk
-    of each a turn, those within the cap (params.within_prefill_cap) going each turn."""
+    of each a turn (chunk <= 0: the whole prompt), those within the cap
+    (params.within_prefill_cap) going each turn; counted up to `most` at most."""
+    if chunk <= 0:
+        chunk = max(rests, default=1)
+    if cap <= 0 or sum(min(rest, chunk) for rest in rests) <= cap:  # the cap never binds
+        turns = max((-(-rest // chunk) for rest in rests), default=0)
+        return turns if most is None else min(turns, most)
     rests, turns = list(rests), 0
-    while any(rests):
+    while any(rests) and (most is None or turns < most):
         live = [i for i, rest in enumerate(rests) if rest]
         go = within_prefill_cap([min(rests[i], chunk) for i in live], cap)
         for i, ok in zip(live, go):

@@ -461,6 +461,8 @@ def test_turns_alone_follows_the_prefill_cap():
     assert turns_alone([100, 100, 100, 100], 128, 150) == 4  # one a turn
     assert turns_alone([100, 100, 100, 100], 128, 10) == 4  # over the cap, the first still goes
     assert turns_alone([], 128, 10) == 0
+    assert turns_alone([100, 100, 100, 100], 128, 150, most=2) == 2  # counting stops there
+    assert turns_alone([300, 50], 0, 0) == 1  # no chunk: each prompt whole
 
 
 def test_rider_shapes_stay_within_the_prefill_cap(pair):

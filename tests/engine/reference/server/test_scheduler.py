@@ -396,7 +396,7 @@ class FailingTogetherEngine(CappingEngine):
 
     def step_many(self, sessions):
         if any(s.output_ids for s in sessions) and any(not s.output_ids for s in sessions):
-            self.turn_held = 99  # what a failed call left behind must not count
+            self.turn_held, self.turn_note = 99, "riders 2x8"  # what a failed call left must not count
             raise RuntimeError("batched round failed")
         return super().step_many(sessions)
 
@@ -424,7 +424,7 @@ def test_a_failed_together_turn_steps_its_requests_alone_within_the_cap(tmp_path
     assert outs == [[tag * 1000 + i for i in range(4)] for tag in (4, 5, 6, 12)]
     turns = [json.loads(line) for line in trace.read_text().splitlines()]
     together = [t for t in turns if t["how"] == "together"]
-    assert (together[0]["new"], together[0]["held"], together[0]["firsts"]) == (2, 2, 2)
+    assert (together[0]["new"], together[0]["held"], together[0]["firsts"], together[0]["note"]) == (2, 2, 2, "")
 
 
 def test_no_cap_when_the_engine_has_none():
