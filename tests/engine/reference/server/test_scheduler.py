@@ -359,12 +359,9 @@ class CappingEngine(BatchingEngine):
         return [[] if id(s) in held else next(results) for s in sessions]
 
 
-def test_with_mixed_chunks_the_engine_caps_a_turn_that_steps_joiners_with_the_round(tmp_path):
-    """A turn that steps new and running requests in one engine call (mixed chunks) is not capped
-    by the scheduler, which cannot tell what of a joiner rides (a chunk) from what prefills on
-    its own: every joiner goes to the engine, which caps the latter, and the trace's "held"
-    counts what the engine held."""
-    engine = CappingEngine(cap=15)  # what the engine takes of joiners is not what the scheduler sees
+def joiners_beside_two_streams(engine, tmp_path) -> list[dict]:
+    """Joiners of 4, 5, 6 and 12 prompt tokens (the double's tag) beside two running requests
+    with mixed chunks and max_prefill_tokens 10; checks every output and returns the trace."""
     engine.max_prefill_tokens = 10
     trace = tmp_path / "turns.jsonl"
     sched = Scheduler(engine, max_running=6, max_queued=6, batch=True, trace_turns=str(trace))
@@ -384,9 +381,18 @@ def test_with_mixed_chunks_the_engine_caps_a_turn_that_steps_joiners_with_the_ro
     finally:
         sched.stop(timeout=5)
     assert outs == [[tag * 1000 + i for i in range(4)] for tag in (4, 5, 6, 12)]
+    return [json.loads(line) for line in trace.read_text().splitlines()]
+
+
+def test_with_mixed_chunks_the_engine_caps_a_turn_that_steps_joiners_with_the_round(tmp_path):
+    """A turn that steps new and running requests in one engine call (mixed chunks) is not capped
+    by the scheduler, which cannot tell what of a joiner rides (a chunk) from what prefills on
+    its own: every joiner goes to the engine, which caps the latter, and the trace's "held"
+    counts what the engine held."""
+    engine = CappingEngine(cap=15)  # what the engine takes of joiners is not what the scheduler sees
+    turns = joiners_beside_two_streams(engine, tmp_path)
     joined = [b for b in engine.batches if 1 in b and 4 in b]
     assert joined and joined[0] == [1, 2, 4, 5, 6]  # every joiner reached the engine; it held 12
-    turns = [json.loads(line) for line in trace.read_text().splitlines()]
     together = [t for t in turns if t["how"] == "together"]
     assert together and together[0]["new"] == 3 and together[0]["held"] == 1
 
@@ -405,24 +411,7 @@ def test_a_failed_together_turn_steps_its_requests_alone_within_the_cap(tmp_path
     """When the engine call of a together turn raises, the scheduler steps each request alone,
     and then it caps the new ones itself: 4 and 5 prefill (9 of 10 tokens), 6 and 12 wait."""
     engine = FailingTogetherEngine(cap=100)
-    engine.max_prefill_tokens = 10
-    trace = tmp_path / "turns.jsonl"
-    sched = Scheduler(engine, max_running=6, max_queued=6, batch=True, trace_turns=str(trace))
-    inside, submitted = threading.Event(), threading.Event()
-    engine.after_step = lambda session: session.tag == 1 and (inside.set() or submitted.wait(30))
-    running = [collect(sched, tag, 12)[1] for tag in (1, 2)]
-    sched.start()
-    try:
-        assert inside.wait(30)
-        joiners = [collect(sched, tag, 4)[1] for tag in (4, 5, 6, 12)]
-        submitted.set()
-        outs = [[i for u in drain(q) for i in u.new_ids] for q in joiners]
-        for q in running:
-            drain(q)
-    finally:
-        sched.stop(timeout=5)
-    assert outs == [[tag * 1000 + i for i in range(4)] for tag in (4, 5, 6, 12)]
-    turns = [json.loads(line) for line in trace.read_text().splitlines()]
+    turns = joiners_beside_two_streams(engine, tmp_path)
     together = [t for t in turns if t["how"] == "together"]
     assert (together[0]["new"], together[0]["held"], together[0]["firsts"], together[0]["note"]) == (2, 2, 2, "")
 
