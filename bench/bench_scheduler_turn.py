@@ -7,8 +7,12 @@ HTTP process. This runs the real `Scheduler` (and the real `_Outbox` over a sock
 a forked reader) over --sessions requests whose rounds commit one token and cost nothing else, and
 reports the CPU time of this process per turn: the scheduler's own cost, with no model and no HTTP.
 
+With --engine-ms X each round first waits X ms with the GIL released, as a GPU round waits for its
+walks, and the table adds the wall time per turn beyond that wait: the part of the scheduler's work
+that the round does not hide (the outbox's sender thread runs during the wait).
+
     .venv/bin/python bench/bench_scheduler_turn.py [--sessions 64] [--turns 300] [--repeats 5]
-        [--baseline REV] [--out FILE.json]
+        [--engine-ms X] [--baseline REV] [--out FILE.json]
 
 Each measurement runs in a fresh subprocess; with --baseline REV the same measurement also runs
 against a git worktree of REV (bench_http_side's baseline_tree), interleaved A B A B, and the table
@@ -56,14 +60,20 @@ class _Session:
 class _Engine:
     block_size = 4
 
+    def __init__(self, wait_s: float = 0.0) -> None:
+        self.wait_s = wait_s
+
     def start(self, ids, gen, spec) -> _Session:
         return _Session(gen.max_new_tokens)
 
     def step_many(self, sessions) -> list[list[int]]:
+        if self.wait_s:
+            # A GPU round's wait for its walks, with the GIL released (fast/batch_graph.py _replay).
+            time.sleep(self.wait_s)
         return [s.step() for s in sessions]
 
 
-def measure(sessions: int, turns: int, outbox: bool) -> dict:
+def measure(sessions: int, turns: int, outbox: bool, engine_ms: float = 0.0) -> dict:
     """One run in this process: CPU and wall seconds per turn."""
     from multiprocessing.connection import Connection
 
@@ -86,7 +96,7 @@ def measure(sessions: int, turns: int, outbox: bool) -> dict:
                 os._exit(0)
         b.close()
         sender = _Outbox(Connection(a.detach()))
-    sched = Scheduler(_Engine(), max_running=sessions, max_queued=0, batch=True,
+    sched = Scheduler(_Engine(engine_ms / 1000), max_running=sessions, max_queued=0, batch=True,
                       on_publish=sender.flush if sender else None)
     finished = threading.Semaphore(0)
     tickets: dict[int, object] = {}
@@ -107,14 +117,17 @@ def measure(sessions: int, turns: int, outbox: bool) -> dict:
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     sched.stop()
     if reader:
+        if hasattr(sender, "drain"):  # this tree's outbox sends on a thread of its own
+            sender.drain(10.0)
         sender.conn.close()
         os.waitpid(reader, 0)
-    return {"cpu_us_per_turn": cpu / turns * 1e6, "wall_us_per_turn": wall / turns * 1e6}
+    return {"cpu_us_per_turn": cpu / turns * 1e6, "wall_us_per_turn": wall / turns * 1e6,
+            "exposed_us_per_turn": wall / turns * 1e6 - engine_ms * 1000}
 
 
 def child_run(args: argparse.Namespace, env: dict | None, outbox: bool) -> dict:
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--sessions", str(args.sessions),
-            "--turns", str(args.turns)] + (["--outbox"] if outbox else [])
+            "--turns", str(args.turns), "--engine-ms", str(args.engine_ms)] + (["--outbox"] if outbox else [])
     done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
     if done.returncode:
         raise RuntimeError(f"a measurement failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -126,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sessions", type=int, default=64, help="running requests, one batched round a turn (default: 64)")
     p.add_argument("--turns", type=int, default=300, help="turns per measurement (default: 300)")
     p.add_argument("--repeats", type=int, default=5, help="measurements per side and mode (default: 5)")
+    p.add_argument("--engine-ms", type=float, default=0.0,
+                   help="each round waits this long with the GIL released, as a GPU round waits for its "
+                        "walks; then the table also gives the wall time per turn beyond that wait (default: 0)")
     p.add_argument("--baseline", metavar="REV", help="also measure the scheduler of a git worktree of REV")
     p.add_argument("--out", metavar="FILE.json", help="write every measurement and the medians here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -134,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.sessions, args.turns, args.repeats) < 1:
         p.error("--sessions, --turns and --repeats must be >= 1")
     if args.child:
-        print(json.dumps(measure(args.sessions, args.turns, args.outbox)))
+        print(json.dumps(measure(args.sessions, args.turns, args.outbox, args.engine_ms)))
         return 0
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
     print(f"machine: {os.cpu_count()} cpus, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
@@ -152,21 +168,37 @@ def main(argv: list[str] | None = None) -> int:
                     point = dict(child_run(args, env, outbox), side=label, outbox=outbox, repeat=r)
                     points.append(point)
                     print(f"  {r} {label:>20} {'outbox' if outbox else 'scheduler only':>15}: "
-                          f"{point['cpu_us_per_turn']:7.0f} us CPU per turn", flush=True)
+                          f"{point['cpu_us_per_turn']:7.0f} us CPU per turn"
+                          + (f", {point['exposed_us_per_turn']:7.0f} us of wall beyond the round's wait"
+                             if args.engine_ms else ""), flush=True)
     rows = []
     for outbox in (False, True):
         first = None
         for label, _ in sides:
-            mine = [q["cpu_us_per_turn"] for q in points if q["side"] == label and q["outbox"] == outbox]
-            med = statistics.median(mine)
+            mine = [q for q in points if q["side"] == label and q["outbox"] == outbox]
+            cpu = [q["cpu_us_per_turn"] for q in mine]
+            med = statistics.median(cpu)
             first = first or med
-            rows.append({"side": label, "outbox": outbox, "cpu_us_per_turn": med, "min": min(mine),
-                         "max": max(mine), "ratio": med / first})
-    print(f"\n{args.sessions} requests, {args.turns} turns, medians of {args.repeats}; CPU us per turn")
-    print(f"{'side':>22} {'what':>15} {'median':>8} {'min-max':>13} {'/ this tree':>12}")
+            rows.append({"side": label, "outbox": outbox, "cpu_us_per_turn": med, "min": min(cpu),
+                         "max": max(cpu), "ratio": med / first,
+                         "exposed_us_per_turn": statistics.median(q["exposed_us_per_turn"] for q in mine)})
+    print(f"\n{args.sessions} requests, {args.turns} turns, medians of {args.repeats}; CPU us per turn"
+          + (f"; exposed: wall us per turn beyond the round's {args.engine_ms:g} ms wait" if args.engine_ms else ""))
+    print(f"{'side':>22} {'what':>15} {'median':>8} {'min-max':>13} {'/ this tree':>12}"
+          + (f" {'exposed':>8}" if args.engine_ms else ""))
     for row in rows:
         print(f"{row['side']:>22} {'+ outbox' if row['outbox'] else 'scheduler only':>15} {row['cpu_us_per_turn']:8.0f} "
-              f"{row['min']:6.0f}-{row['max']:<6.0f} {row['ratio']:12.3f}")
+              f"{row['min']:6.0f}-{row['max']:<6.0f} {row['ratio']:12.3f}"
+              + (f" {row['exposed_us_per_turn']:8.0f}" if args.engine_ms else ""))
+    if args.engine_ms:
+        # The outbox's own exposed cost, each repeat's outbox run less its scheduler-only run:
+        # pairs taken close in time, so the machine's drift between repeats cancels.
+        print("the outbox's exposed us per turn (paired with the same repeat's scheduler-only run):")
+        for label, _ in sides:
+            by = {(q["repeat"], q["outbox"]): q["exposed_us_per_turn"] for q in points if q["side"] == label}
+            diffs = [by[r, True] - by[r, False] for r in range(args.repeats)]
+            print(f"{label:>22} median {statistics.median(diffs):6.0f}  ({min(diffs):.0f} to {max(diffs):.0f})")
+            rows.append({"side": label, "outbox_exposed_us_paired": statistics.median(diffs), "diffs": diffs})
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "points": points, "summary": rows}, indent=2))
     return 0

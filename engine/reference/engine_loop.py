@@ -12,11 +12,12 @@ messages:
                     | ("submit", tid, input_ids, gen, spec, hold) | ("cancel", tid, reason)
                     | ("snapshot", qid) | ("stop", timeout_s)
     engine -> HTTP: ("ready", facts, config) | ("failed", exit_code, message)     (once, at start)
-                    | ("updates", [(tid, submitted_turn, Update fields), ...])    (one per turn)
+                    | ("updates", [(tid, submitted_turn, Update fields), ...])    (a turn's, or more)
                     | ("snapshot", qid, Snapshot) | ("stopped",)
 
-A turn's updates go in one message, sent on the engine thread when the turn ends, so a batched
-round over 64 requests costs one pickle and one write, not 64. Nothing here imports torch.
+A turn's updates go in one message, so a batched round over 64 requests costs one pickle and one
+write, not 64; a thread of the engine process sends it while the next round runs (_Outbox).
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import importlib
 import itertools
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -91,32 +93,74 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 class _Outbox:
-    """The engine side of the socket: the updates gathered since the last flush, sent as one message."""
+    """The engine side of the socket. The updates gathered since the last flush leave as one
+    message, pickled and written by a thread of their own, so that work overlaps the next turn:
+    a GPU round waits for its walks on an event with the GIL released (fast/batch_graph.py
+    `_replay`), and this thread runs then. On the engine's thread a turn only appends its
+    updates and queues them. Messages leave in the order they were queued; turns whose updates
+    queue up while a send is in flight go out together, in one message."""
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
-        self._send_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._items: list[tuple[int, int, tuple]] = []
+        self._items: list[tuple[int, int, Update]] = []
+        # A C queue: putting costs the engine's thread far less than a Condition's notify.
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="engine-outbox", daemon=True).start()
 
     def put(self, tid: int, ticket: Ticket, update: Update) -> None:
-        # As a plain tuple: pickle handles those in C, a named tuple through copyreg in Python
-        # (64 updates: about 10 us against 140, on the engine's thread, every turn).
         with self._lock:
-            self._items.append((tid, ticket.submitted_turn, tuple(update)))
+            self._items.append((tid, ticket.submitted_turn, update))
 
     def flush(self) -> None:
         with self._lock:
-            items, self._items = self._items, []
-        if items:
-            self.send(("updates", items))
+            self._queue_items()
 
     def send(self, message: tuple) -> None:
-        with self._send_lock:
+        """Queue a message behind every update put before it."""
+        with self._lock:
+            self._queue_items()
+            self._queue.put(message)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far has been written, or has failed to be (the HTTP
+        side is gone); False if that took longer than timeout."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
+
+    def _queue_items(self) -> None:
+        if self._items:
+            self._queue.put(("updates", self._items))
+            self._items = []
+
+    def _run(self) -> None:
+        next_up = None
+        while True:
+            message, next_up = (next_up if next_up is not None else self._queue.get()), None
+            if isinstance(message, threading.Event):  # a drain's mark: all before it has gone
+                message.set()
+                continue
+            if message[0] == "updates":
+                items = list(message[1])
+                while next_up is None:  # the turns queued meanwhile go in the same message
+                    try:
+                        more = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if isinstance(more, tuple) and more[0] == "updates":
+                        items += more[1]
+                    else:
+                        next_up = more
+                # As plain tuples: pickle handles those in C, a named tuple through copyreg in
+                # Python (64 updates: about 10 us against 140).
+                message = ("updates", [(tid, turn, tuple(update)) for tid, turn, update in items])
             try:
                 self.conn.send(message)
             except (BrokenPipeError, EOFError, OSError):
                 pass  # the HTTP side is gone; the socket's read end tells the loop to stop
+            except Exception:  # boundary: one message that cannot be pickled must not stop the rest
+                log.exception("sending %s to the HTTP process failed", message[0])
 
 
 def host(conn: Any, engine: Any, config: Any, thread: EngineThread) -> None:
@@ -136,6 +180,7 @@ def host(conn: Any, engine: Any, config: Any, thread: EngineThread) -> None:
         # held and the server exits with the reason rather than hanging its requests.
         if not looping.cancelled() and looping.exception() is not None:
             outbox.send(("dead", scheduler.failure))
+            outbox.drain(10.0)
             os._exit(1)
 
     scheduler.start().add_done_callback(loop_ended)
@@ -163,8 +208,8 @@ def host(conn: Any, engine: Any, config: Any, thread: EngineThread) -> None:
             outbox.send(("snapshot", message[1], scheduler.snapshot(time.perf_counter())))
         elif kind == "stop":
             scheduler.stop(message[1])
-            outbox.flush()
             outbox.send(("stopped",))
+            outbox.drain(10.0)
             return
 
 
