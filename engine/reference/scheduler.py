@@ -385,6 +385,9 @@ class Scheduler:
         # then caps its prefills; and how many new ones the engine held back under the cap.
         self._engine_caps, self._engine_held = False, 0
         self._note = ""  # what the engine said of a together turn that succeeded (its turn_note)
+        # Tokens published but not yet in the counters: booked once per publish point, not once
+        # per request (a lock and a deque entry each, 64 a turn at c=64), and before any end.
+        self._unbooked = 0
 
     @classmethod
     def for_server(cls, engine: Any, config: Any, *, thread: EngineThread | None,
@@ -555,8 +558,14 @@ class Scheduler:
             self._engine_s += time.perf_counter() - t0
 
     def _published(self) -> None:
+        self._book_tokens()
         if self._on_publish is not None:
             self._on_publish()
+
+    def _book_tokens(self) -> None:
+        if self._unbooked:
+            self.stats.add_tokens(self._unbooked, time.perf_counter())
+            self._unbooked = 0
 
     def _admit(self, ticket: Ticket) -> None:
         if ticket.cancelled:
@@ -685,8 +694,9 @@ class Scheduler:
                     self._advance(active)
             return
         self.stats.add_batch(live)
+        now = time.perf_counter()
         for active in turn:
-            self._publish(active)
+            self._publish(active, now)
 
     def _step_many(self, batch: list[_Active]) -> None:
         """engine.step_many over these requests; where the scheduler left the prefill cap to the
@@ -696,20 +706,20 @@ class Scheduler:
             self._engine_held += getattr(self.engine, "turn_held", 0)
             self._note = getattr(self.engine, "turn_note", "")
 
-    def _publish(self, active: _Active) -> None:
-        """Send the tokens and rounds committed since the last update; retire a finished session."""
+    def _publish(self, active: _Active, now: float | None = None) -> None:
+        """Send the tokens and rounds committed since the last update; retire a finished session.
+        now: when the engine call that committed them returned (one clock read for a batch)."""
         session = active.session
         ids = session.output_ids
         accepts = session.accept_lengths
-        now = time.perf_counter()
+        now = time.perf_counter() if now is None else now
         spec = active.ticket.spec
         # Plain decoding has no verify rounds, as in SGLang without a speculative algorithm:
         # counting its steps would pull the acceptance gauges and counters towards 1.
         if len(accepts) > active.rounds_counted and spec.algorithm != "ar":
             self.stats.add_rounds(accepts[active.rounds_counted:],
                                   proposed_per_round(spec.algorithm, spec.budget, self.engine.block_size))
-        if len(ids) > active.counted:
-            self.stats.add_tokens(len(ids) - active.counted, now)
+        self._unbooked += len(ids) - active.counted
         active.counted, active.rounds_counted = len(ids), len(accepts)
         # Held back until enough tokens gather: every update costs the HTTP side a chunk (decode,
         # JSON, a socket write), which at high token rates is what caps the server.
@@ -740,6 +750,7 @@ class Scheduler:
         if ticket.finished:
             return
         ticket.finished = True
+        self._book_tokens()  # a request's tokens are in the counters before its end is seen
         e2e = (update.at or time.perf_counter()) - ticket.submitted_at if not aborted else None
         self.stats.add_request(len(ticket.input_ids), aborted=aborted, e2e_s=e2e)
         self._send(ticket, update)

@@ -581,6 +581,39 @@ def test_stream_interval_gathers_tokens_but_sends_the_first_and_the_end_at_once(
     assert sched.stats.generation_tokens_total == 20
 
 
+@pytest.mark.parametrize("batch", [False, True])
+def test_the_counters_hold_every_token_sent_whenever_updates_leave_and_before_an_end(batch):
+    """Tokens are booked once per publish point, not once per request and turn: whenever a turn's
+    updates leave (on_publish), the counters hold every token sent so far, and a request's own
+    tokens are in them before its final update is sent."""
+    engine = BatchingEngine() if batch else FakeEngine()
+    sent, at_publish, at_end = [0], [], []
+    sched = Scheduler(engine, max_running=3, max_queued=2, batch=batch,
+                      on_publish=lambda: at_publish.append((sched.stats.generation_tokens_total, sent[0])))
+    queues = []
+
+    def sink(q):
+        def put(update):  # on the engine thread, as every sink
+            sent[0] += len(update.new_ids)
+            if update.done:
+                at_end.append((sched.stats.generation_tokens_total, sent[0]))
+            q.put(update)
+        return put
+
+    for tag, n in ((1, 9), (2, 4), (3, 13)):
+        queues.append(queue.Queue())
+        sched.submit([tag], Gen(n), Spec(), sink(queues[-1]))
+    sched.start()
+    try:
+        for q in queues:
+            drain(q)
+    finally:
+        sched.stop(timeout=5)
+    assert at_publish and all(booked == total for booked, total in at_publish)
+    assert len(at_end) == 3 and all(booked >= total for booked, total in at_end)
+    assert sched.stats.generation_tokens_total == 26
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_stream_interval_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="stream_interval"):
@@ -603,8 +636,9 @@ def test_a_ticket_that_may_not_hold_gets_every_round_at_once():
 
 
 def test_tokens_held_for_the_interval_are_counted_when_the_request_is_cancelled():
-    """The counters see every committed token and round at once, so a request dropped while its
-    tokens wait for the interval still counts them (as with an interval of 1)."""
+    """The counters see every committed token and round by the end of its turn, not when it is
+    sent, so a request dropped while its tokens wait for the interval still counts them (as with
+    an interval of 1)."""
     engine = FakeEngine()
     sched = Scheduler(engine, max_running=2, stream_interval=100)
     tickets = []
