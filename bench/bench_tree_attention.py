@@ -18,6 +18,15 @@ splits planned for the cache (what a large cache used before _per_split gave sho
 fitted count), planned for the cache's own rows (the rule before tree_attention._PLAN_ROWS,
 which starved short contexts in small caches), and planned with min_blocks 2 (more splits, a
 longer merge).
+
+With --batch B > 1 each case is a batched round's attention over the KV pool (fast/batch.py): B
+rows, each over its own slot at the same context, the tilings fitted on one row. "matmul" then
+runs row by row, only to check the output, and is not timed; the row reports instead the
+bandwidth the kernel reached, the context's K/V bytes over its time (a batched AR round on the
+1.7B shape spends about a quarter of its GPU time here, bench/RESULTS.md).
+
+    python bench/bench_tree_attention.py --shapes 1.7b,8b --nodes 1,17 --contexts 512,1024 \
+        --batch 16 --sweep --variants --out tree-attention-b16.json
 """
 
 from __future__ import annotations
@@ -64,7 +73,8 @@ def sweep_configs(rows_per_kv: int, dtype) -> list:
     return [Config(m, n, w, st, mb) for m, n, w, st in grid if m <= top for mb in (2, 8)]
 
 
-def case(shape: str, n: int, context: int, rows: int, sweep: bool = False, variants: bool = False) -> dict:
+def case(shape: str, n: int, context: int, rows: int, sweep: bool = False, variants: bool = False,
+         batch: int = 1) -> dict:
     import torch
 
     from ddtree.engine.reference.fast import tree_attention as fused
@@ -75,46 +85,54 @@ def case(shape: str, n: int, context: int, rows: int, sweep: bool = False, varia
     dtype = getattr(torch, dtype)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=dev).manual_seed(n + context)
-    q = torch.randn(n, kvh * g, d, device=dev, dtype=dtype, generator=gen)
-    keys = torch.randn(1, kvh, rows, d, device=dev, dtype=dtype, generator=gen)
-    values = torch.randn(1, kvh, rows, d, device=dev, dtype=dtype, generator=gen)
-    lengths = torch.tensor([context], device=dev)
-    tree = (torch.rand(1, n, n, device=dev, generator=gen) < 0.3) | torch.eye(n, dtype=torch.bool, device=dev)
+    q = torch.randn(batch * n, kvh * g, d, device=dev, dtype=dtype, generator=gen)
+    keys = torch.randn(batch, kvh, rows, d, device=dev, dtype=dtype, generator=gen)
+    values = torch.randn(batch, kvh, rows, d, device=dev, dtype=dtype, generator=gen)
+    lengths = torch.full((batch,), context, device=dev)
+    tree = (torch.rand(batch, n, n, device=dev, generator=gen) < 0.3) | torch.eye(n, dtype=torch.bool, device=dev)
     span = kv_bucket(rows, context + n)
     cols = torch.arange(span, device=dev) - context
-    seen = (cols < 0)[None, :] | (((cols >= 0) & (cols < n))[None, :] & tree[0].index_select(1, cols.clamp(0, n - 1)))
-    mask = fold_mask(seen, g, torch.float32)[0]
     scale = d ** -0.5
     out = {}
 
-    def matmul():
-        qf = q.view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
-        o = matmul_attention(qf, keys[0, :, :span], values[0, :, :span], scale, mask)
+    def matmul_row(r: int):
+        seen = (cols < 0)[None, :] | (((cols >= 0) & (cols < n))[None, :] & tree[r].index_select(1, cols.clamp(0, n - 1)))
+        mask = fold_mask(seen, g, torch.float32)[0]
+        qf = q[r * n:(r + 1) * n].view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
+        o = matmul_attention(qf, keys[r, :, :span], values[r, :, :span], scale, mask)
         return o.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, kvh * g * d)
 
-    def triton():
-        return fused.tree_attention(q, keys, values, lengths, tree, scale, rows).view(n, kvh * g * d)
+    def matmul():
+        return matmul_row(0)
 
-    want = matmul().float()
+    def triton():
+        return fused.tree_attention(q, keys, values, lengths, tree, scale, rows).view(batch * n, kvh * g * d)
+
+    want = torch.cat([matmul_row(r) for r in range(batch)]).float()
     got = triton().float()
     out["rel_diff"] = round(((got - want).norm() / want.norm()).item(), 7)
-    out["matmul_us"] = round(_graph_us(matmul), 2)
     out["triton_us"] = round(_graph_us(triton), 2)
-    out["speedup"] = round(out["matmul_us"] / out["triton_us"], 2)
+    if batch == 1:
+        out["matmul_us"] = round(_graph_us(matmul), 2)
+        out["speedup"] = round(out["matmul_us"] / out["triton_us"], 2)
+    else:
+        out["matmul_us"] = out["speedup"] = None
+    # What the kernel must read at least: every row's context K and V, once.
+    out["gb_per_s"] = round(batch * kvh * (context + n) * d * 2 * keys.element_size() / (out["triton_us"] * 1e3), 1)
     if variants:
-        import dataclasses
-
         base = fused.default_config(g * n, dtype)
         row_blocks = -(-g * n // base.block_m)
-        planned = fused.plan_splits(kvh, row_blocks, rows, torch.device(dev), base.block_n, base.min_blocks)
+        pairs = batch * kvh
+        planned = fused.plan_splits(pairs, row_blocks, rows, torch.device(dev), base.block_n, base.min_blocks)
         own = max(1, min(planned, -(-rows // base.block_n // base.min_blocks)))
-        more = fused.plan_splits(kvh, row_blocks, rows, torch.device(dev), base.block_n, 2)
+        more = fused.plan_splits(pairs, row_blocks, rows, torch.device(dev), base.block_n, 2)
         out["splits"] = {"default": None, "all planned": planned, "cache rows": own, "min 2 blocks": more}
         out["variants_us"] = {}
         for name, splits in out["splits"].items():
             def tiled(splits=splits):
                 return fused.launch(q, keys, values, lengths, tree, scale, rows, base, splits)
-            torch.testing.assert_close(tiled().float().view(n, -1), got.view(n, -1), rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(tiled().float().view(batch * n, -1), got.view(batch * n, -1),
+                                       rtol=2e-2, atol=2e-2)
             out["variants_us"][name] = round(_graph_us(tiled), 2)
     if sweep:
         tried = []
@@ -143,17 +161,23 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time every tiling of a grid per case")
     p.add_argument("--variants", action="store_true",
                    help="also time the default tiling with the merge kernel, more blocks a split, the old split rule")
+    p.add_argument("--batch", type=int, default=1,
+                   help="rows of a batched round, each over its own pool slot (default: 1, one session)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
+    if args.batch < 1:
+        p.error("--batch must be >= 1")
     import torch
 
-    result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "rows": args.rows, "cases": []}
-    print(f"{'shape':6s} {'n':>4s} {'context':>7s} {'matmul us':>10s} {'triton us':>10s} {'x':>6s} {'rel diff':>9s}")
+    result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+              "rows": args.rows, "batch": args.batch, "cases": []}
+    print(f"batch {args.batch}; GB/s: the context's K/V bytes over the kernel's time")
+    print(f"{'shape':6s} {'n':>4s} {'context':>7s} {'matmul us':>10s} {'triton us':>10s} {'x':>6s} {'GB/s':>7s} {'rel diff':>9s}")
     for shape in args.shapes:
         for context in args.contexts:
             for n in args.nodes:
                 row = {"shape": shape, "n": n, "context": context,
-                       **case(shape, n, context, args.rows, args.sweep, args.variants)}
+                       **case(shape, n, context, args.rows, args.sweep, args.variants, args.batch)}
                 result["cases"].append(row)
                 best = ""
                 if args.sweep:
@@ -163,8 +187,10 @@ def main(argv=None) -> int:
                 if args.variants:
                     best += "  " + ", ".join(f"{k} {v:.2f}" for k, v in row["variants_us"].items())
                     best += " (splits " + ", ".join(f"{v}" for v in row["splits"].values() if v) + ")"
-                print(f"{shape:6s} {n:4d} {context:7d} {row['matmul_us']:10.2f} {row['triton_us']:10.2f} "
-                      f"{row['speedup']:6.2f} {row['rel_diff']:9.2e}{best}", flush=True)
+                timed = (f"{row['matmul_us']:10.2f} {row['triton_us']:10.2f} {row['speedup']:6.2f}"
+                         if row["matmul_us"] is not None else f"{'-':>10s} {row['triton_us']:10.2f} {'-':>6s}")
+                print(f"{shape:6s} {n:4d} {context:7d} {timed} {row['gb_per_s']:7.1f} {row['rel_diff']:9.2e}{best}",
+                      flush=True)
                 if args.out:
                     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
