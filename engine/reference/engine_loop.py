@@ -98,7 +98,12 @@ class _Outbox:
     a GPU round waits for its walks on an event with the GIL released (fast/batch_graph.py
     `_replay`), and this thread runs then. On the engine's thread a turn only appends its
     updates and queues them. Messages leave in the order they were queued; turns whose updates
-    queue up while a send is in flight go out together, in one message."""
+    queue up while a send is in flight go out together, in one message. At most MAX_QUEUED
+    messages wait: past that the engine's thread waits too, as it did on a full socket when it
+    wrote itself, so an HTTP side that falls behind slows the rounds rather than the backlog
+    growing without bound."""
+
+    MAX_QUEUED = 64
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
@@ -106,6 +111,7 @@ class _Outbox:
         self._items: list[tuple[int, int, Update]] = []
         # A C queue: putting costs the engine's thread far less than a Condition's notify.
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._room = threading.Semaphore(self.MAX_QUEUED)
         threading.Thread(target=self._run, name="engine-outbox", daemon=True).start()
 
     def put(self, tid: int, ticket: Ticket, update: Update) -> None:
@@ -120,7 +126,7 @@ class _Outbox:
         """Queue a message behind every update put before it."""
         with self._lock:
             self._queue_items()
-            self._queue.put(message)
+            self._enqueue(message)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far has been written, or has failed to be (the HTTP
@@ -131,36 +137,63 @@ class _Outbox:
 
     def _queue_items(self) -> None:
         if self._items:
-            self._queue.put(("updates", self._items))
+            self._enqueue(("updates", self._items))
             self._items = []
+
+    def _enqueue(self, message: tuple) -> None:
+        self._room.acquire()
+        self._queue.put(message)
+
+    def _take(self, block: bool = True) -> Any:
+        message = self._queue.get(block)
+        if isinstance(message, tuple):
+            self._room.release()
+        return message
 
     def _run(self) -> None:
         next_up = None
         while True:
-            message, next_up = (next_up if next_up is not None else self._queue.get()), None
+            message, next_up = (next_up if next_up is not None else self._take()), None
             if isinstance(message, threading.Event):  # a drain's mark: all before it has gone
                 message.set()
                 continue
-            if message[0] == "updates":
-                items = list(message[1])
-                while next_up is None:  # the turns queued meanwhile go in the same message
-                    try:
-                        more = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if isinstance(more, tuple) and more[0] == "updates":
-                        items += more[1]
-                    else:
-                        next_up = more
-                # As plain tuples: pickle handles those in C, a named tuple through copyreg in
-                # Python (64 updates: about 10 us against 140).
-                message = ("updates", [(tid, turn, tuple(update)) for tid, turn, update in items])
-            try:
-                self.conn.send(message)
-            except (BrokenPipeError, EOFError, OSError):
-                pass  # the HTTP side is gone; the socket's read end tells the loop to stop
-            except Exception:  # boundary: one message that cannot be pickled must not stop the rest
-                log.exception("sending %s to the HTTP process failed", message[0])
+            if message[0] != "updates":
+                self._write(message)
+                continue
+            items = list(message[1])
+            while next_up is None:  # the turns queued meanwhile go in the same message
+                try:
+                    more = self._take(block=False)
+                except queue.Empty:
+                    break
+                if isinstance(more, tuple) and more[0] == "updates":
+                    items += more[1]
+                else:
+                    next_up = more
+            # As plain tuples: pickle handles those in C, a named tuple through copyreg in
+            # Python (64 updates: about 10 us against 140).
+            rows = [(tid, turn, tuple(update)) for tid, turn, update in items]
+            if self._write(("updates", rows)) is None:
+                # One update that cannot be pickled (an error carrying something odd) must not
+                # lose the others: they go one by one, and it ends its request with the reason.
+                for tid, turn, fields in rows:
+                    if self._write(("updates", [(tid, turn, fields)])) is None:
+                        why = EngineError(f"an update could not be sent to the HTTP process "
+                                          f"({type(fields[5]).__name__} in it cannot be pickled)")
+                        abort = Update(done=True, finish_reason="abort", error=why)
+                        self._write(("updates", [(tid, turn, tuple(abort))]))
+
+    def _write(self, message: tuple) -> bool | None:
+        """Send one message: True if it went, False if the HTTP side is gone (the socket's read
+        end then tells the loop to stop), None if it cannot be pickled (logged)."""
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, EOFError, OSError):
+            return False
+        except Exception:  # boundary: a message that cannot be pickled must not stop the rest
+            log.exception("sending %s to the HTTP process failed", message[0])
+            return None
+        return True
 
 
 def host(conn: Any, engine: Any, config: Any, thread: EngineThread) -> None:
@@ -323,8 +356,8 @@ class RemoteScheduler:
             if self._stopping or self._failure is not None:
                 raise ShuttingDown(self._failure or "the server is shutting down")
             # The engine's scheduler holds no more than this side has sent and not seen finish,
-            # so it never refuses what this side lets through; this side refuses at most one
-            # turn early (a final update still on its way).
+            # so it never refuses what this side lets through; this side may refuse a little
+            # early (final updates still on their way, at most the engine outbox's queue).
             if len(self._tickets) >= self.max_running + self.max_queued:
                 raise QueueFull(
                     f"{len(self._tickets)} requests held ({self.max_running} running, the rest queued)",

@@ -388,6 +388,7 @@ class Scheduler:
         # Tokens published but not yet in the counters: booked once per publish point, not once
         # per request (a lock and a deque entry each, 64 a turn at c=64), and before any end.
         self._unbooked = 0
+        self._loop_ident: int | None = None  # the thread the loop runs on, once it runs
 
     @classmethod
     def for_server(cls, engine: Any, config: Any, *, thread: EngineThread | None,
@@ -476,6 +477,7 @@ class Scheduler:
 
     # -- engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
+        self._loop_ident = threading.get_ident()
         self._trace_file = None
         if self.trace_turns:
             try:
@@ -750,7 +752,8 @@ class Scheduler:
         if ticket.finished:
             return
         ticket.finished = True
-        self._book_tokens()  # a request's tokens are in the counters before its end is seen
+        if threading.get_ident() == self._loop_ident:  # stop() may finish tickets from another thread
+            self._book_tokens()  # a request's tokens are in the counters before its end is seen
         e2e = (update.at or time.perf_counter()) - ticket.submitted_at if not aborted else None
         self.stats.add_request(len(ticket.input_ids), aborted=aborted, e2e_s=e2e)
         self._send(ticket, update)

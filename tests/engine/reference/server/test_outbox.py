@@ -12,12 +12,17 @@ from multiprocessing.connection import Connection
 import pytest
 
 from ddtree.engine.reference.engine_loop import _Outbox
+from ddtree.engine.errors import EngineError
 from ddtree.engine.reference.scheduler import Ticket, Update
 
 
 @pytest.fixture
 def ends():
     ours, theirs = socket.socketpair()
+    # Small buffers whatever the host's defaults, so an 8 MiB message never fits: its send
+    # waits for the reader, which the tests below rely on.
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     outbox = _Outbox(Connection(ours.detach()))
     reader = Connection(theirs.detach())
     yield outbox, reader
@@ -91,3 +96,54 @@ def test_drain_waits_for_a_send_in_flight_and_reports_a_timeout(ends):
     assert outbox.drain(30)
     t.join(30)
     assert got and got[0][1] == 0
+
+
+class OddError(EngineError):
+    """An engine error carrying something pickle refuses."""
+
+    def __init__(self) -> None:
+        super().__init__("odd")
+        self.hook = lambda: None
+
+
+def test_an_update_that_cannot_be_pickled_ends_its_request_and_loses_no_other(ends, caplog):
+    outbox, reader = ends
+    big = ("snapshot", 0, b"x" * (8 << 20))
+    outbox.send(big)  # holds the sender, so the two turns below leave as one message
+    outbox.put(1, ticket(1), Update((5,), (1,), 1, done=True, finish_reason="length"))
+    outbox.flush()
+    outbox.put(2, ticket(1), Update(done=True, finish_reason="abort", error=OddError()))
+    outbox.put(3, ticket(1), Update((6,), (1,), 1))
+    outbox.send(("stopped",))
+    with caplog.at_level(logging.ERROR, logger="ddtree.engine.reference.engine_loop"):
+        assert reader.recv() == big
+        got = []
+        while not got or got[-1] != ("stopped",):
+            got.append(reader.recv())
+        assert outbox.drain(30)
+    items = [item for m in got[:-1] for item in m[1]]
+    assert [(tid, fields[3], fields[4]) for tid, _, fields in items] == [
+        (1, True, "length"), (2, True, "abort"), (3, False, None)]
+    assert "could not be sent" in str(items[1][2][5]) and "OddError" in str(items[1][2][5])
+    assert any("sending updates" in r.getMessage() for r in caplog.records)
+
+
+def test_the_queue_holds_at_most_max_queued_messages_then_the_engine_waits(ends):
+    outbox, reader = ends
+    outbox.send(("snapshot", 0, b"x" * (8 << 20)))  # nobody reads yet: the sender waits on it
+    for _ in range(3000):  # until the sender has taken it (a poll; nothing asserted on time)
+        if outbox._queue.qsize() == 0:
+            break
+        threading.Event().wait(0.01)
+    assert outbox._queue.qsize() == 0
+    for turn in range(_Outbox.MAX_QUEUED):  # fills the queue, none of them waits
+        outbox.put(turn, ticket(turn), Update((turn,), (), 0))
+        outbox.flush()
+    assert not outbox._room.acquire(blocking=False)  # the next flush would wait for the sender
+    assert reader.recv()[1] == 0
+    outbox.send(("stopped",))
+    got = []
+    while not got or got[-1] != ("stopped",):
+        got.append(reader.recv())
+    assert [item[0] for m in got[:-1] for item in m[1]] == list(range(_Outbox.MAX_QUEUED))
+    assert outbox.drain(30) and outbox._room.acquire(blocking=False)  # the room came back
