@@ -32,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, AsyncIterator
 
@@ -90,10 +91,23 @@ class _EventStream(StreamingResponse):
 
 # A request body at most this large: a 40k-token prompt as input_ids is about 300 kB of JSON.
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# A body up to this size (about 1k tokens of prompt) is parsed, and its prompt tokenized, on the
+# event loop: for a short request a hop to a worker thread (a wake-up and GIL hand-offs) costs
+# more than the work. Larger ones go to a thread, so a long prompt never stalls /health or the
+# streams.
+INLINE_BODY_BYTES = 4 * 1024
 
 
-async def _json_body(request: Request) -> dict:
-    """The request's JSON object, parsed off the event loop; 413 past MAX_BODY_BYTES, read or declared."""
+async def _off_loop(size: int, fn: Any, *args: Any) -> Any:
+    """fn(*args) on a worker thread when its input is larger than INLINE_BODY_BYTES, else here."""
+    if size <= INLINE_BODY_BYTES:
+        return fn(*args)
+    return await run_in_threadpool(fn, *args)
+
+
+async def _json_body(request: Request) -> tuple[dict, int]:
+    """The request's JSON object and its size in bytes, parsed off the event loop when large;
+    413 past MAX_BODY_BYTES, read or declared."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise HTTPException(413, f"request body of {int(declared)} bytes exceeds {MAX_BODY_BYTES}")
@@ -103,10 +117,10 @@ async def _json_body(request: Request) -> dict:
         if size > MAX_BODY_BYTES:
             raise HTTPException(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
         chunks.append(chunk)
-    body = await run_in_threadpool(_parse_json, b"".join(chunks))
+    body = await _off_loop(size, _parse_json, b"".join(chunks))
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    return body
+    return body, size
 
 
 def _parse_json(raw: bytes):
@@ -201,8 +215,9 @@ def build_app(api: Api) -> Starlette:
             "max_model_len": api.engine.context_window}]})
 
     async def generate(request: Request) -> Response:
-        # Parsing tokenizes the prompt: a thread, so a long one never stalls /health or streams.
-        req = await run_in_threadpool(api.parse_generate, await _json_body(request))
+        # Parsing tokenizes the prompt: a long one on a thread (_off_loop).
+        body, size = await _json_body(request)
+        req = await _off_loop(size, api.parse_generate, body)
         run = api.submit(req)
         if not req.stream:
             await _collect(run, request)
@@ -227,8 +242,8 @@ def build_app(api: Api) -> Starlette:
         return await _openai(request, chat=True)
 
     async def _openai(request: Request, *, chat: bool) -> Response:
-        body = await _json_body(request)
-        req = await run_in_threadpool(api.parse_openai, body, chat=chat)
+        body, size = await _json_body(request)
+        req = await _off_loop(size, partial(api.parse_openai, chat=chat), body)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         model = body.get("model") or api.config.served_model_name
         rid = ("chatcmpl-" if chat else "cmpl-") + req.rid
