@@ -94,6 +94,15 @@ def drain(q, timeout=5.0):
             return updates
 
 
+def run_all(sched, queues) -> list[list]:
+    """Start the loop, wait for each queue's final update, stop; each queue's updates."""
+    sched.start()
+    try:
+        return [drain(q) for q in queues]
+    finally:
+        sched.stop(timeout=5)
+
+
 @pytest.fixture
 def engine_and_sched():
     engine = FakeEngine()
@@ -420,12 +429,7 @@ def test_no_cap_when_the_engine_has_none():
     engine = BatchingEngine()
     sched = Scheduler(engine, max_running=4, max_queued=4, batch=True)
     queues = [collect(sched, tag, 2)[1] for tag in (400, 500)]
-    sched.start()
-    try:
-        for q in queues:
-            drain(q)
-    finally:
-        sched.stop(timeout=5)
+    run_all(sched, queues)
     assert engine.batches[0] == [400, 500]
 
 
@@ -434,12 +438,7 @@ def test_the_turn_trace_accounts_for_every_token_and_request(tmp_path):
     trace = tmp_path / "turns.jsonl"
     sched = Scheduler(engine, max_running=3, max_queued=4, batch=True, trace_turns=str(trace))
     queues = [collect(sched, tag, n)[1] for tag, n in ((1, 10), (2, 4), (3, 4), (4, 4))]
-    sched.start()
-    try:
-        for q in queues:
-            drain(q)
-    finally:
-        sched.stop(timeout=5)
+    run_all(sched, queues)
     turns = [json.loads(line) for line in trace.read_text().splitlines()]
     assert [t["turn"] for t in turns] == list(range(1, len(turns) + 1))
     assert sum(t["tokens"] for t in turns) == 22 and sum(t["firsts"] for t in turns) == 4
@@ -603,12 +602,7 @@ def test_the_counters_hold_every_token_sent_whenever_updates_leave_and_before_an
     for tag, n in ((1, 9), (2, 4), (3, 13)):
         queues.append(queue.Queue())
         sched.submit([tag], Gen(n), Spec(), sink(queues[-1]))
-    sched.start()
-    try:
-        for q in queues:
-            drain(q)
-    finally:
-        sched.stop(timeout=5)
+    run_all(sched, queues)
     assert at_publish and all(booked == total for booked, total in at_publish)
     assert len(at_end) == 3 and all(booked >= total for booked, total in at_end)
     assert sched.stats.generation_tokens_total == 26
