@@ -83,3 +83,37 @@ def test_dflash_acceptance_on_held_out_prompts_beats_random_weights(engine):
     # An untrained drafter accepts almost nothing (tau ~1.0); the shipped one measured 1.74 on these
     # four prompts (2.63 over the benchmark's twelve).
     assert sum(taus) / len(taus) >= 1.4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["transformers", "fast"])
+def test_decoding_accepts_what_the_trained_drafter_predicts_under_teacher_forcing(engine, backend):
+    """The drafter runs as it was trained: each DFlash round accepts exactly the run that
+    training's teacher-forced forward (train_demo.drafter_forward, every anchor of the finished
+    sequence at once) predicts at that round's anchor. A drafter fed the wrong context (an
+    off-by-one feature row, a stale cache) still decodes losslessly, since the target checks every
+    draft, but accepts less; this catches it. The last round may accept less than the forward
+    predicts: the engine drafts no further than the tokens still wanted."""
+    from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
+    from ddtree.engine.reference.train_demo import accept_lengths, drafter_forward
+
+    decoder = engine if backend == "transformers" else Engine.load(*demo_paths(), device="cpu", backend=backend)
+    block = engine.block_size
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()][:3]
+    for row in rows:
+        ids = engine.tokenizer.encode(row["prompt"], add_special_tokens=False)
+        run = decoder.generate(ids, GenParams(max_new_tokens=48), SpecParams(algorithm="dflash"))
+        seq = torch.tensor([ids + run.output_ids])
+        anchors = torch.arange(len(ids) - 1, seq.shape[1] - 1)[None]  # the bonus token of each block
+        logits = drafter_forward(engine.drafter, engine.target.model, seq, anchors, engine.drafter.mask_token_id,
+                                 block, torch.device("cpu"), torch.float32)
+        padded = torch.cat([seq, torch.full((1, block), -1)], dim=1)
+        labels = padded[0, anchors[0, :, None] + torch.arange(block)][None]
+        predicted = accept_lengths(logits, labels)[0].tolist()
+        # The prefill commits the first token; each round then anchors where the last one ended.
+        rounds, at = [], 1
+        while at < len(predicted):
+            rounds.append(predicted[at])
+            at += predicted[at]
+        assert run.accept_lengths[:-1] == rounds[:-1], row["id"]
+        assert len(run.accept_lengths) == len(rounds) and run.accept_lengths[-1] <= rounds[-1]
