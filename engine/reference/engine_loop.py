@@ -16,7 +16,8 @@ messages:
                     | ("snapshot", qid, Snapshot) | ("stopped",)
 
 A turn's updates go in one message, so a batched round over 64 requests costs one pickle and one
-write, not 64; a thread of the engine process sends it while the next round runs (_Outbox).
+write, not 64; with the engine on a GPU, a thread of the engine process sends it while the next
+round runs (_Outbox).
 Nothing here imports torch.
 """
 
@@ -94,25 +95,30 @@ def die_with_parent(parent_pid: int) -> None:
 
 class _Outbox:
     """The engine side of the socket. The updates gathered since the last flush leave as one
-    message, pickled and written by a thread of their own, so that work overlaps the next turn:
-    a GPU round waits for its walks on an event with the GIL released (fast/batch_graph.py
-    `_replay`), and this thread runs then. On the engine's thread a turn only appends its
-    updates and queues them. Messages leave in the order they were queued; turns whose updates
-    queue up while a send is in flight go out together, in one message. At most MAX_QUEUED
-    messages wait: past that the engine's thread waits too, as it did on a full socket when it
-    wrote itself, so an HTTP side that falls behind slows the rounds rather than the backlog
-    growing without bound."""
+    message; messages leave in the order they were queued.
+
+    threaded (an engine on a GPU): a thread of their own pickles and writes them, so that work
+    overlaps the next turn: a GPU round waits for its walks on an event with the GIL released
+    (fast/batch_graph.py `_replay`), and this thread runs then. On the engine's thread a turn only
+    appends its updates and queues them; turns whose updates queue up while a send is in flight go
+    out together, in one message. At most MAX_QUEUED messages wait: past that the engine's thread
+    waits too, as it did on a full socket when it wrote itself, so an HTTP side that falls behind
+    slows the rounds rather than the backlog growing without bound.
+    Not threaded (an engine on the CPU): the caller writes, as the round is the CPU's own work and
+    a second thread only competes for it (measured: 5-10% longer AR steps on this 2-core box)."""
 
     MAX_QUEUED = 64
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, threaded: bool = True) -> None:
         self.conn = conn
+        self.threaded = threaded
         self._lock = threading.Lock()
         self._items: list[tuple[int, int, Update]] = []
         # A C queue: putting costs the engine's thread far less than a Condition's notify.
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._room = threading.Semaphore(self.MAX_QUEUED)
-        threading.Thread(target=self._run, name="engine-outbox", daemon=True).start()
+        if threaded:
+            threading.Thread(target=self._run, name="engine-outbox", daemon=True).start()
 
     def put(self, tid: int, ticket: Ticket, update: Update) -> None:
         with self._lock:
@@ -131,6 +137,8 @@ class _Outbox:
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far has been written, or has failed to be (the HTTP
         side is gone); False if that took longer than timeout."""
+        if not self.threaded:
+            return True  # written by the callers themselves
         done = threading.Event()
         self._queue.put(done)
         return done.wait(timeout)
@@ -141,6 +149,9 @@ class _Outbox:
             self._items = []
 
     def _enqueue(self, message: tuple) -> None:
+        if not self.threaded:
+            self._deliver(message)  # under self._lock, so writers take turns
+            return
         self._room.acquire()
         self._queue.put(message)
 
@@ -157,31 +168,36 @@ class _Outbox:
             if isinstance(message, threading.Event):  # a drain's mark: all before it has gone
                 message.set()
                 continue
-            if message[0] != "updates":
-                self._write(message)
-                continue
-            items = list(message[1])
-            while next_up is None:  # the turns queued meanwhile go in the same message
-                try:
-                    more = self._take(block=False)
-                except queue.Empty:
-                    break
-                if isinstance(more, tuple) and more[0] == "updates":
-                    items += more[1]
-                else:
-                    next_up = more
-            # As plain tuples: pickle handles those in C, a named tuple through copyreg in
-            # Python (64 updates: about 10 us against 140).
-            rows = [(tid, turn, tuple(update)) for tid, turn, update in items]
-            if self._write(("updates", rows)) is None:
-                # One update that cannot be pickled (an error carrying something odd) must not
-                # lose the others: they go one by one, and it ends its request with the reason.
-                for tid, turn, fields in rows:
-                    if self._write(("updates", [(tid, turn, fields)])) is None:
-                        why = EngineError(f"an update could not be sent to the HTTP process "
-                                          f"({type(fields[5]).__name__} in it cannot be pickled)")
-                        abort = Update(done=True, finish_reason="abort", error=why)
-                        self._write(("updates", [(tid, turn, tuple(abort))]))
+            if message[0] == "updates":
+                items = list(message[1])
+                while next_up is None:  # the turns queued meanwhile go in the same message
+                    try:
+                        more = self._take(block=False)
+                    except queue.Empty:
+                        break
+                    if isinstance(more, tuple) and more[0] == "updates":
+                        items += more[1]
+                    else:
+                        next_up = more
+                message = ("updates", items)
+            self._deliver(message)
+
+    def _deliver(self, message: tuple) -> None:
+        if message[0] != "updates":
+            self._write(message)
+            return
+        # As plain tuples: pickle handles those in C, a named tuple through copyreg in Python
+        # (64 updates: about 10 us against 140).
+        rows = [(tid, turn, tuple(update)) for tid, turn, update in message[1]]
+        if self._write(("updates", rows)) is None:
+            # One update that cannot be pickled (an error carrying something odd) must not lose
+            # the others: they go one by one, and it ends its request with the reason.
+            for tid, turn, fields in rows:
+                if self._write(("updates", [(tid, turn, fields)])) is None:
+                    why = EngineError(f"an update could not be sent to the HTTP process "
+                                      f"({type(fields[5]).__name__} in it cannot be pickled)")
+                    abort = Update(done=True, finish_reason="abort", error=why)
+                    self._write(("updates", [(tid, turn, tuple(abort))]))
 
     def _write(self, message: tuple) -> bool | None:
         """Send one message: True if it went, False if the HTTP side is gone (the socket's read
@@ -199,7 +215,9 @@ class _Outbox:
 def host(conn: Any, engine: Any, config: Any, thread: EngineThread) -> None:
     """Run `engine`'s rounds for the requests that arrive on `conn`, until "stop" or until the
     HTTP process goes away. Call after the engine is loaded and warmed up, on `thread`."""
-    outbox = _Outbox(conn)
+    # A GPU round waits with the GIL released, and a sender thread then hides the writes; a CPU
+    # round is the CPU's own work, which a second thread would only compete for.
+    outbox = _Outbox(conn, threaded=str(getattr(engine, "device", "cpu")).startswith("cuda"))
     scheduler = Scheduler.for_server(engine, config, thread=thread, on_publish=outbox.flush)
     tickets: dict[int, Ticket] = {}
 

@@ -1,4 +1,4 @@
-"""The engine process's outbox (engine_loop._Outbox): its sender thread keeps the order things were
+"""The engine process's outbox (engine_loop._Outbox): its sender thread (an engine on a GPU) keeps the order things were
 queued in, sends turns that queued up behind a slow send as one message, and goes on after a
 message it cannot pickle. A real socket pair; the test reads the HTTP process's end."""
 
@@ -147,3 +147,27 @@ def test_the_queue_holds_at_most_max_queued_messages_then_the_engine_waits(ends)
         got.append(reader.recv())
     assert [item[0] for m in got[:-1] for item in m[1]] == list(range(_Outbox.MAX_QUEUED))
     assert outbox.drain(30) and outbox._room.acquire(blocking=False)  # the room came back
+
+
+def test_without_a_thread_the_caller_writes_in_order_and_an_odd_update_ends_only_its_request(caplog):
+    """An engine on the CPU: flush and send write at once, on the caller's thread, with the same
+    fallback for an update that cannot be pickled."""
+    ours, theirs = socket.socketpair()
+    outbox, reader = _Outbox(Connection(ours.detach()), threaded=False), Connection(theirs.detach())
+    try:
+        outbox.put(1, ticket(1), Update((5,), (1,), 1))
+        outbox.flush()
+        assert reader.poll(0) and reader.recv() == ("updates", [(1, 1, tuple(Update((5,), (1,), 1)))])
+        outbox.put(2, ticket(2), Update(done=True, finish_reason="abort", error=OddError()))
+        outbox.put(3, ticket(2), Update((6,), (1,), 1))
+        with caplog.at_level(logging.ERROR, logger="ddtree.engine.reference.engine_loop"):
+            outbox.send(("stopped",))
+        assert outbox.drain(0)
+        got = []
+        while not got or got[-1] != ("stopped",):
+            got.append(reader.recv())
+        items = [item for m in got[:-1] for item in m[1]]
+        assert [(tid, fields[3], fields[4]) for tid, _, fields in items] == [(2, True, "abort"), (3, False, None)]
+    finally:
+        outbox.conn.close()
+        reader.close()
