@@ -9,10 +9,11 @@ of REV, alternated repeat by repeat): a server on the pair (the tests' tiny rand
 --model/--draft; --threads 1), sequential non-streaming AR requests of a 55-token prompt asking
 for 1 token and for --tokens tokens, medians over --requests each; then the same through
 `Engine.generate` in a fresh process. Reported: the server's and in-process ms for both lengths,
-the fixed cost (server less in process at 1 token), ms per further token on each side, and the
-engine's seconds per scheduler turn and the turn's own (ddtree:engine_seconds_total and
-ddtree:scheduler_turn_seconds_total over ddtree:scheduler_turns_total): what the engine process
-spends inside the engine's calls and around them.
+the fixed cost (server less in process at 1 token), ms per further token on each side, and, over
+the longer requests only (each one's prefill turn among its turns), the engine's seconds per
+scheduler turn and the turn's own (the differences of ddtree:engine_seconds_total and
+ddtree:scheduler_turn_seconds_total over ddtree:scheduler_turns_total, read from /metrics before
+and after): what the engine process spends inside the engine's calls and around them.
 """
 
 from __future__ import annotations
@@ -51,22 +52,24 @@ def server_side(model: str, draft: str, tokens: int, requests: int, log: Path) -
     srv = ServerProcess([*SERVER, "--model", model, "--draft", draft, "--port", "0", "--threads", "1", "--batch"], log)
     try:
         wait_ready(srv.url, timeout_s=120)
-        out = {}
+        out, counters = {}, []
+        names = ("ddtree:scheduler_turns_total", "ddtree:engine_seconds_total", "ddtree:scheduler_turn_seconds_total")
         with httpx.Client(timeout=120) as c:
             for _ in range(20):
                 c.post(srv.url + "/generate", json=request(1)).raise_for_status()
             for n in (1, tokens):
+                if n == tokens:
+                    counters.append([metric(c.get(srv.url + "/metrics").text, name) for name in names])
                 times = []
                 for _ in range(requests):
                     t0 = time.perf_counter()
                     c.post(srv.url + "/generate", json=request(n)).raise_for_status()
                     times.append(time.perf_counter() - t0)
                 out[n] = statistics.median(times) * 1e3
-            text = c.get(srv.url + "/metrics").text
-        turns = metric(text, "ddtree:scheduler_turns_total")
-        return {"ms_1": out[1], "ms_n": out[tokens],
-                "engine_ms_per_turn": 1e3 * metric(text, "ddtree:engine_seconds_total") / turns,
-                "turn_ms": 1e3 * metric(text, "ddtree:scheduler_turn_seconds_total") / turns}
+            counters.append([metric(c.get(srv.url + "/metrics").text, name) for name in names])
+        turns, engine_s, turn_s = (after - before for before, after in zip(*counters))
+        return {"ms_1": out[1], "ms_n": out[tokens], "engine_ms_per_turn": 1e3 * engine_s / turns,
+                "turn_ms": 1e3 * turn_s / turns}
     finally:
         srv.stop(30)
 
@@ -93,9 +96,15 @@ def inprocess_side(model: str, draft: str, tokens: int, requests: int) -> dict:
 
 
 def child(args: argparse.Namespace) -> int:
-    log = Path(tempfile.mkdtemp()) / "server.log"
-    row = {"server": server_side(args.model, args.draft, args.tokens, args.requests, log),
-           "in_process": inprocess_side(args.model, args.draft, args.tokens, args.requests)}
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "server.log"
+        try:
+            server = server_side(args.model, args.draft, args.tokens, args.requests, log)
+        except Exception:
+            if log.exists():  # the server's own account, before its folder goes
+                print(log.read_text(errors="replace")[-2000:], file=sys.stderr)
+            raise
+    row = {"server": server, "in_process": inprocess_side(args.model, args.draft, args.tokens, args.requests)}
     print(json.dumps(row))
     return 0
 
@@ -135,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             for label, env in sides:
                 argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", args.model,
                         "--draft", args.draft, "--tokens", str(args.tokens), "--requests", str(args.requests)]
-                done = subprocess.run(argv, capture_output=True, text=True, timeout=1800,
+                # No timeout here: killing the child would leave its server running (a session of
+                # its own); the child's own calls all have one.
+                done = subprocess.run(argv, capture_output=True, text=True,
                                       env={**os.environ, "OMP_NUM_THREADS": "1", **env})
                 if done.returncode:
                     print(done.stderr[-2000:], file=sys.stderr)

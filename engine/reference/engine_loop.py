@@ -194,8 +194,7 @@ class _Outbox:
             # the others: they go one by one, and it ends its request with the reason.
             for tid, turn, fields in rows:
                 if self._write(("updates", [(tid, turn, fields)])) is None:
-                    why = EngineError(f"an update could not be sent to the HTTP process "
-                                      f"({type(fields[5]).__name__} in it cannot be pickled)")
+                    why = EngineError("this request's update could not be pickled for the HTTP process")
                     abort = Update(done=True, finish_reason="abort", error=why)
                     self._write(("updates", [(tid, turn, tuple(abort))]))
 
@@ -430,10 +429,17 @@ class RemoteScheduler:
         return True
 
     def _read(self) -> None:
+        alive = False
         while True:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):
+                break
+            except Exception as exc:  # a message that does not unpickle: which tickets it held is lost
+                log.exception("a message from the engine process could not be read")
+                self._failure = self._failure or (f"a message from the engine process could not be read "
+                                                  f"({type(exc).__name__}: {exc})")
+                alive = True
                 break
             kind = message[0]
             if kind == "updates":
@@ -444,7 +450,7 @@ class RemoteScheduler:
                 self._failure = message[1]
             elif kind == "stopped":
                 break
-        self._ended()
+        self._ended(wait=not alive)
 
     def _deliver(self, items: list[tuple[int, int, tuple]]) -> None:
         for tid, turn, fields in items:
@@ -473,12 +479,14 @@ class RemoteScheduler:
         local = self.stats.view(time.perf_counter())
         _settle(future, replace(snapshot, stats=replace(snapshot.stats, ttft=local.ttft, itl=local.itl)))
 
-    def _ended(self) -> None:
-        """The engine process is gone (stopped, or died): fail whatever it still held."""
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+    def _ended(self, wait: bool = True) -> None:
+        """The engine process is gone (stopped, or died), or sent what this side cannot read
+        (wait=False: it still runs, until the server's stop ends it): fail whatever it still held."""
+        if wait:
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
         with self._lock:
             if not self._stopping:
                 self._failure = self._failure or f"the engine process exited (exit code {self.process.returncode})"

@@ -243,7 +243,8 @@ def build_app(api: Api) -> Starlette:
 
     async def _openai(request: Request, *, chat: bool) -> Response:
         body, size = await _json_body(request)
-        req = await _off_loop(size, partial(api.parse_openai, chat=chat), body)
+        # A chat template renders on a thread whatever the body's size: its cost need not follow it.
+        req = await _off_loop(MAX_BODY_BYTES if chat else size, partial(api.parse_openai, chat=chat), body)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         model = body.get("model") or api.config.served_model_name
         rid = ("chatcmpl-" if chat else "cmpl-") + req.rid

@@ -126,3 +126,36 @@ def test_an_engine_that_exits_without_a_word_is_reported_with_its_exit_code(pair
     engine.close()
     assert "exit code -9" in str(got.get(timeout=30).error)
     assert failures.wait() == ["the engine process exited (exit code -9)"]
+
+
+class Picky(EngineError):
+    """Pickles, but unpickling calls __init__ with one of its two arguments."""
+
+    def __init__(self, message, extra):
+        super().__init__(message)
+
+
+class Running(Exited):
+    """A process that has not exited: the engine still runs after sending what cannot be read."""
+
+    returncode = None
+
+    def wait(self, timeout=None):
+        raise AssertionError("nothing should wait for an engine that is still running")
+
+
+def test_a_message_that_cannot_be_read_fails_what_was_held_and_the_server_at_once():
+    ours, theirs = socket.socketpair()
+    failures = Failures()
+    sched = RemoteScheduler(Running(), Connection(ours.detach()), max_running=1, max_queued=1,
+                            on_failure=failures.append)
+    sched.start()
+    engine = Connection(theirs.detach())
+    try:
+        _, got = submit(sched)
+        engine.send(("updates", [(0, 0, tuple(Update(done=True, finish_reason="abort", error=Picky("odd", 1))))]))
+        final = got.get(timeout=30)
+        assert final.done and "could not be read" in str(final.error)
+        assert len(failures.wait()) == 1 and "TypeError" in failures[0]
+    finally:
+        engine.close()
