@@ -243,8 +243,9 @@ def build_app(api: Api) -> Starlette:
 
     async def _openai(request: Request, *, chat: bool) -> Response:
         body, size = await _json_body(request)
+        parse = partial(api.parse_openai, body, chat=chat)
         # A chat template renders on a thread whatever the body's size: its cost need not follow it.
-        req = await _off_loop(MAX_BODY_BYTES if chat else size, partial(api.parse_openai, chat=chat), body)
+        req = await (run_in_threadpool(parse) if chat else _off_loop(size, parse))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         model = body.get("model") or api.config.served_model_name
         rid = ("chatcmpl-" if chat else "cmpl-") + req.rid
