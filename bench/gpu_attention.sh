@@ -9,12 +9,7 @@
 set -u
 OUT=${OUT:-$PWD/gpu-attention-out}; mkdir -p "$OUT"
 B=${B:-16}
-export PYTHONUNBUFFERED=1
-rm -rf /tmp/site  # a warm machine keeps the last install, and pip --target does not replace it
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/tmp/install.log 2>&1 \
-    || { cat /tmp/install.log; exit 1; }
-export PYTHONPATH=/tmp/site
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+. "$(dirname "$0")/gpu_site.sh"  # installs the checkout to /tmp/site
 timeout 280 python3 bench/bench_tree_attention.py --shapes 1.7b,8b --nodes 1,17 --contexts 512,1024 --batch "$B" \
     --sweep --variants --out "$OUT/attention-b$B.json" > "$OUT/attention-b$B.txt" 2>&1
 tail -12 "$OUT/attention-b$B.txt" | cut -c1-300

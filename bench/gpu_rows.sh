@@ -6,12 +6,7 @@
 # If the kernel pays and the tests pass, turn Gemv.rows and RowLinears.kernels on by default.
 set -u
 OUT=${OUT:-$PWD/gpu-rows-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-rm -rf /tmp/site  # a warm machine keeps the last install, and pip --target does not replace it
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/tmp/install.log 2>&1 \
-    || { cat /tmp/install.log; exit 1; }
-export PYTHONPATH=/tmp/site
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+. "$(dirname "$0")/gpu_site.sh"  # installs the checkout to /tmp/site
 profile() {
     tag=$1; limit=$2; shift 2
     (cd bench && timeout "$limit" python3 profile_round.py --device cuda --pair demo --budgets 16,32,64 --rounds 40 \

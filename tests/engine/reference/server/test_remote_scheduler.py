@@ -46,14 +46,19 @@ class Failures(list):
         return list(self)
 
 
-@pytest.fixture
-def pair():
+def connect(process) -> tuple[RemoteScheduler, Connection, Failures]:
+    """A started RemoteScheduler on `process`, the engine's end of its socket, and its failures."""
     ours, theirs = socket.socketpair()
     failures = Failures()
-    sched = RemoteScheduler(Exited(), Connection(ours.detach()), max_running=1, max_queued=1,
+    sched = RemoteScheduler(process, Connection(ours.detach()), max_running=1, max_queued=1,
                             on_failure=failures.append)
     sched.start()
-    engine = Connection(theirs.detach())
+    return sched, Connection(theirs.detach()), failures
+
+
+@pytest.fixture
+def pair():
+    sched, engine, failures = connect(Exited())
     yield sched, engine, failures
     engine.close()
 
@@ -145,12 +150,7 @@ class Running(Exited):
 
 
 def test_a_message_that_cannot_be_read_fails_what_was_held_and_the_server_at_once():
-    ours, theirs = socket.socketpair()
-    failures = Failures()
-    sched = RemoteScheduler(Running(), Connection(ours.detach()), max_running=1, max_queued=1,
-                            on_failure=failures.append)
-    sched.start()
-    engine = Connection(theirs.detach())
+    sched, engine, failures = connect(Running())
     try:
         _, got = submit(sched)
         engine.send(("updates", [(0, 0, tuple(Update(done=True, finish_reason="abort", error=Picky("odd", 1))))]))
