@@ -267,10 +267,9 @@ class SweepsPane(Vertical):
             return
         self._in_view = (run_id, key)
         if index is not None:
-            table = self.query_one("#points", RowTable)
-            # Two finished points above it for context, what is to come below. After the refresh:
-            # the table's virtual size grows with the rows just set.
-            self.call_after_refresh(table.scroll_row_to_top, max(0, index - 2))
+            # Two finished points above it for context, what is to come below. Made now, before the
+            # layout of the rows just set: the table finishes a scroll that layout cut short.
+            self.query_one("#points", RowTable).scroll_row_to_top(max(0, index - 2))
 
     def sentinel_report(self):
         """The run's points against earlier runs of its fingerprint, once their history is read."""

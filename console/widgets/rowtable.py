@@ -138,6 +138,7 @@ class RowTable(ScrollView, can_focus=True):
         self._look: tuple | None = None
         self._now: tuple | None = None
         self._top_row: int | None = None  # scroll_row_to_top's row, until the cursor moves
+        self._top_short: int | None = None  # where that scroll stopped short of the row (clamped)
 
     # -- data ------------------------------------------------------------------------------------
     def set_columns(self, *labels: str) -> None:
@@ -201,6 +202,7 @@ class RowTable(ScrollView, can_focus=True):
             self._strips.clear()
         if size != self.virtual_size:
             self.virtual_size = size
+            self._range_changed()
         return changed
 
     def _forget_row(self, index: int) -> None:
@@ -234,15 +236,38 @@ class RowTable(ScrollView, can_focus=True):
             self.post_message(self.RowHighlighted(self, new, key))
 
     def scroll_row_to_top(self, index: int) -> None:
-        """Show row `index` first, and again after each resize until the cursor moves. The table's
-        height follows its rows and the widgets around it, so a scroll made before the last layout
-        is clamped to the height before it (a loaded machine left a snapshot one row off)."""
+        """Show row `index` first, and again after each resize until the cursor moves. A scroll
+        made before the last layout is clamped to the range before it: the table's height follows
+        the widgets around it (a Resize), while rows arriving or a horizontal scrollbar taking a
+        line change the range without one (a loaded machine left the Sweeps snapshot one row short
+        for good). So a scroll that stopped short tries again on those too, until it lands or
+        something else scrolls the table."""
         self._top_row = index
-        self.scroll_to(y=index, animate=False, force=True, immediate=True)
+        self._scroll_top()
+
+    def _scroll_top(self) -> None:
+        assert self._top_row is not None
+        self.scroll_to(y=self._top_row, animate=False, force=True, immediate=True)
+        y = self.scroll_offset.y
+        self._top_short = y if y < self._top_row else None
+
+    def _range_changed(self) -> None:
+        # Only where the short scroll left it: a user who scrolled since keeps their place.
+        if self._top_row is not None and self._top_short is not None and self.scroll_offset.y == self._top_short:
+            self._scroll_top()
 
     def on_resize(self, event: events.Resize) -> None:
         if self._top_row is not None:
-            self.scroll_to(y=self._top_row, animate=False, force=True, immediate=True)
+            self._scroll_top()
+
+    def watch_show_horizontal_scrollbar(self) -> None:
+        self._range_changed()  # set in the layout, with the range it leaves
+
+    def watch_show_vertical_scrollbar(self, shown: bool) -> None:
+        # Textual moves the thumb only on scrolls while the bar shows: one made before (a short
+        # scroll's retry, rows set and scrolled before the layout) left it at the top.
+        if shown:
+            self.vertical_scrollbar.position = self.scroll_y
 
     def _scroll_to_cursor(self) -> None:
         self._top_row = None

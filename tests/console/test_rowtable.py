@@ -137,3 +137,66 @@ async def test_a_row_scrolled_to_the_top_stays_there_when_the_table_gets_shorter
         await pilot.pause()
         await pilot.pause()
         assert table.scroll_offset.y == 0
+
+
+class FixedTableApp(TableApp):
+    """A table whose height does not follow its rows (as Sweeps' points table, 1fr): rows arriving
+    or a scrollbar coming change its scroll range without a Resize."""
+
+    def __init__(self, width: int = 60, height: int = 8) -> None:
+        super().__init__()
+        self.table_size = width, height
+
+    def on_mount(self) -> None:
+        table = self.query_one(RowTable)
+        table.styles.width, table.styles.height = self.table_size
+
+
+def wide_rows(n: int) -> list[tuple[str, tuple]]:
+    return [(str(i), (str(i), f"run-{i}", "x" * 30)) for i in range(n)]
+
+
+async def test_a_row_scrolled_to_the_top_before_the_rows_arrive_is_shown_once_they_do():
+    app = FixedTableApp()
+    async with app.run_test(size=(60, 12)) as pilot:
+        table = app.query_one(RowTable)
+        await pilot.pause()
+        table.scroll_row_to_top(7)
+        assert table.scroll_offset.y == 0  # nothing to scroll yet
+        table.set_rows(rows(14))
+        await pilot.pause()
+        assert table.size.height == 8 and not table.show_horizontal_scrollbar
+        assert table.scroll_offset.y == 7 and "run-7" in line(table, 1)
+        assert table.vertical_scrollbar.position == 7
+
+
+async def test_a_row_scrolled_to_the_top_before_a_horizontal_scrollbar_comes_is_shown_once_it_has():
+    """Sweeps at 80x24 on a loaded box: the rows are set and the scroll made before the layout
+    that adds the horizontal scrollbar, so the scroll stops one row short (the scrollbar's line is
+    not counted yet); the table's size does not change, so no Resize put it right."""
+    app = FixedTableApp(width=40, height=9)  # as at 80x24: a scrollbar line, the header, 7 rows
+    async with app.run_test(size=(60, 12)) as pilot:
+        table = app.query_one(RowTable)
+        await pilot.pause()
+        table.set_rows(wide_rows(14))
+        table.scroll_row_to_top(7)
+        assert table.scroll_offset.y == 6 and not table.show_horizontal_scrollbar  # clamped short
+        await pilot.pause()
+        await pilot.pause()
+        assert table.show_horizontal_scrollbar
+        assert table.scroll_offset.y == 7 and "run-7" in line(table, 1)
+        assert table.vertical_scrollbar.position == 7  # the thumb too, though the bar came after the scroll
+
+
+async def test_a_short_scroll_to_the_top_row_leaves_a_user_who_scrolled_since_alone():
+    app = FixedTableApp()
+    async with app.run_test(size=(60, 12)) as pilot:
+        table = app.query_one(RowTable)
+        table.set_rows(rows(10))
+        await pilot.pause()
+        table.scroll_row_to_top(7)
+        assert table.scroll_offset.y == 3  # 11 lines in 8: clamped
+        table.scroll_to(y=1, animate=False)  # the user scrolls (wheel, scrollbar)
+        table.set_rows(rows(14))
+        await pilot.pause()
+        assert table.scroll_offset.y == 1
