@@ -114,10 +114,10 @@ class _Outbox:
         self.threaded = threaded
         self._lock = threading.Lock()
         self._items: list[tuple[int, int, Update]] = []
-        # A C queue: putting costs the engine's thread far less than a Condition's notify.
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._room = threading.Semaphore(self.MAX_QUEUED)
         if threaded:
+            # A C queue: putting costs the engine's thread far less than a Condition's notify.
+            self._queue: queue.SimpleQueue = queue.SimpleQueue()
+            self._room = threading.Semaphore(self.MAX_QUEUED)
             threading.Thread(target=self._run, name="engine-outbox", daemon=True).start()
 
     def put(self, tid: int, ticket: Ticket, update: Update) -> None:
