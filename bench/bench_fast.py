@@ -269,7 +269,8 @@ def _graph_counts(engine) -> dict:
 
 
 def bench_demo(args) -> dict:
-    """The demo pair in float32 on both backends: tok/s (median over prompts) and tau, vs AR."""
+    """The demo pair on each backend, float32 unless the label says bf16: tok/s (median over prompts)
+    and tau, vs AR."""
     import torch
 
     from ddtree.engine.demo import demo_paths
@@ -281,13 +282,15 @@ def bench_demo(args) -> dict:
     gen = GenParams(max_new_tokens=args.demo_new_tokens, ignore_eos=True)
     out = {}
     for label in args.demo_backends:
-        backend = label.removesuffix("-rows")
+        # A label is a backend, then "-rows" for the few-row kernel, then "-bf16" for bfloat16.
+        backend, _, rest = label.partition("-")
+        dtype = torch.bfloat16 if rest.endswith("bf16") else torch.float32
         torch._dynamo.reset()
         # One session at a time here: one slot's graphs, in a window the prompts fit.
-        engine = Engine.load(target_dir, draft_dir, device=args.device, dtype=torch.float32, backend=backend,
+        engine = Engine.load(target_dir, draft_dir, device=args.device, dtype=dtype, backend=backend,
                              max_budget=max(args.demo_budgets), slots=1, context_window=args.demo_window,
                              attention=args.attention)
-        if label.endswith("-rows") and backend == "fast":  # the few-row kernel, before the tunes
+        if rest.startswith("rows") and backend == "fast":  # the few-row kernel, before the tunes
             engine.target.model.gemv.rows = True
             engine.impl.drafts.linear.kernels = True
         engine.warmup(progress=lambda msg: print(f"[demo {backend}] {msg}", flush=True),
@@ -321,6 +324,7 @@ def bench_demo(args) -> dict:
         best = max((n for n in rows if n.startswith("ddtree")), key=lambda n: rows[n]["tok_s"])
         split = round_ms(engine, prompts[0], args.demo_budgets, args.repeats * 4) if backend == "fast" else {}
         out[label] = {"rows": rows, "best_ddtree": best, "round_ms": split, "attention": engine.attention,
+                      "dtype": str(dtype).removeprefix("torch."),
                         "ddtree_x_ar": rows[best]["x_ar"],
                         "ddtree_x_dflash": round(rows[best]["tok_s"] / rows["dflash"]["tok_s"], 3),
                         "graphs": engine.graphs,
@@ -346,7 +350,8 @@ def main(argv=None) -> int:
     p.add_argument("--demo-budgets", default="8,16,32,64", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--demo-window", type=int, default=1024, help="the demo engine's context window")
     p.add_argument("--demo-backends", default="transformers,fast", type=lambda s: [x for x in s.split(",") if x],
-                   help="transformers, fast, and fast-rows (fast with the few-row kernel tuned in)")
+                   help="transformers, fast, fast-rows (fast with the few-row kernel tuned in); a -bf16 "
+                        "suffix runs it in bfloat16, else float32 (fast-bf16, fast-rows-bf16)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="measure the fast path with CUDA graphs only (by default also with torch.compile'd layers)")
     p.add_argument("--serving-window", type=int, default=8192,
