@@ -282,7 +282,7 @@ def bench_demo(args) -> dict:
     gen = GenParams(max_new_tokens=args.demo_new_tokens, ignore_eos=True)
     out = {}
     for label in args.demo_backends:
-        # A label is a backend, then "-rows" for the few-row kernel, then "-bf16" for bfloat16.
+        # A label is a backend, then "-cublas" for cuBLAS alone (no few-row kernel), then "-bf16".
         backend, _, rest = label.partition("-")
         dtype = torch.bfloat16 if rest.endswith("bf16") else torch.float32
         torch._dynamo.reset()
@@ -290,9 +290,9 @@ def bench_demo(args) -> dict:
         engine = Engine.load(target_dir, draft_dir, device=args.device, dtype=dtype, backend=backend,
                              max_budget=max(args.demo_budgets), slots=1, context_window=args.demo_window,
                              attention=args.attention)
-        if rest.startswith("rows") and backend == "fast":  # the few-row kernel, before the tunes
-            engine.target.model.gemv.rows = True
-            engine.impl.drafts.linear.kernels = True
+        if rest.startswith("cublas") and backend == "fast":  # before the tunes
+            engine.target.model.gemv.rows = False
+            engine.impl.drafts.linear.kernels = False
         engine.warmup(progress=lambda msg: print(f"[demo {backend}] {msg}", flush=True),
                       budgets=tuple(args.demo_budgets))
         lines = (REPO / "assets" / "prompts" / "code.jsonl").read_text().splitlines()
@@ -350,8 +350,8 @@ def main(argv=None) -> int:
     p.add_argument("--demo-budgets", default="8,16,32,64", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--demo-window", type=int, default=1024, help="the demo engine's context window")
     p.add_argument("--demo-backends", default="transformers,fast", type=lambda s: [x for x in s.split(",") if x],
-                   help="transformers, fast, fast-rows (fast with the few-row kernel tuned in); a -bf16 "
-                        "suffix runs it in bfloat16, else float32 (fast-bf16, fast-rows-bf16)")
+                   help="transformers, fast, fast-cublas (fast without the few-row kernel); a -bf16 "
+                        "suffix runs it in bfloat16, else float32 (fast-bf16, fast-cublas-bf16)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="measure the fast path with CUDA graphs only (by default also with torch.compile'd layers)")
     p.add_argument("--serving-window", type=int, default=8192,

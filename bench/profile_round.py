@@ -50,10 +50,10 @@ def load(args):
                         pool_slots=pool)
         prompt = torch.randint(0, model.config.vocab_size, (512,), generator=torch.Generator().manual_seed(1)).tolist()
     engine.target.model.gemv.folds = not args.no_folds
-    if args.rows:  # before the warm-up's tunes
-        engine.target.model.gemv.rows = True
+    if args.no_rows:  # before the warm-up's tunes
+        engine.target.model.gemv.rows = False
         if engine.impl.drafts is not None:
-            engine.impl.drafts.linear.kernels = True
+            engine.impl.drafts.linear.kernels = False
     engine.warmup(progress=lambda msg: print(f"[{args.pair}] {msg}", flush=True), budgets=budgets)
     return engine, prompt
 
@@ -154,9 +154,9 @@ def main(argv=None) -> int:
                         "needs a pool")
     p.add_argument("--no-folds", action="store_true",
                    help="norms, silu and residual adds as torch ops around every product (no GEMV folds, no row_ops)")
-    p.add_argument("--rows", action="store_true",
-                   help="let the warm-up's tunes pick the few-row kernel (fast/gemv.py's rows) for 2..128-row "
-                        "products where it beats cuBLAS; off by default until measured on a GPU")
+    p.add_argument("--no-rows", action="store_true",
+                   help="cuBLAS for every 2..128-row product: the warm-up's tunes do not try the few-row "
+                        "kernel (fast/gemv.py's rows), which they pick by default where it beats cuBLAS")
     p.add_argument("--out")
     args = p.parse_args(argv)
     with torch.inference_mode():
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
         specs += [(f"ddtree-{b}", SpecParams("ddtree", b)) for b in args.budgets]
         result = {"pair": args.pair, "device": args.device, "attention": engine.attention, "batch": args.batch,
                   "pool_slots": args.pool_slots, "one_graph": args.one_graph, "folds": not args.no_folds,
-                  "rows_kernel": args.rows, "rows": {}}
+                  "rows_kernel": not args.no_rows, "rows": {}}
         gemv, drafts = engine.target.model.gemv, engine.impl.drafts
         result["few_row_tune"] = {"target": {str(k): v for k, v in sorted(gemv.measured_rows.items())},
                                   "target_picked": {str(k): str(v) for k, v in sorted(gemv.picked_rows.items())},

@@ -213,9 +213,10 @@ class Gemv:
         # Few-row products, keyed (rows, N, K): filled by tune_rows, like `picked`.
         self.picked_rows: dict[tuple[int, int, int], RowsConfig] = {}
         self.measured_rows: dict[tuple[int, int, int], dict[str, float]] = {}
-        # True: tune_rows measures the few-row kernel. Off until an H200 run has measured it against
-        # cuBLAS and its CUDA tests have passed (bench/gpu_rows.sh); bench scripts turn it on.
-        self.rows = False
+        # True: tune_rows measures the few-row kernel, and picks it where it beats cuBLAS. On an
+        # H200 it took a demo DDTree-32 round from 0.942 to 0.930 ms and DFlash's from 1.00 to
+        # 0.94, and its CUDA tests pass (bench/RESULTS.md); False is cuBLAS alone (benchmarks).
+        self.rows = True
         self.enabled = True  # False: F.linear runs every product and tune measures nothing (benchmarks)
         # False: norm, activation and residual run as torch ops around every product, one row (the
         # kernel) or many (row_ops) (benchmarks).

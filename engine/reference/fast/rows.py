@@ -74,7 +74,7 @@ class RowLinears:
         self.dtype = dtype
         self.swap: set[tuple[int, int, int]] = set()
         self.kernel: dict[tuple[int, int, int], object] = {}  # (m, k, n) -> gemv.RowsConfig
-        self.kernels = False  # True: tune tries the few-row kernel too (off for now: see Gemv.rows)
+        self.kernels = True  # tune tries the few-row kernel too (Gemv.rows says why); False: cuBLAS alone
         # (m, k, n) -> (F.linear us, swapped us or None, best few-row kernel us or None)
         self.measured: dict[tuple[int, int, int], tuple[float, float | None, float | None]] = {}
 

@@ -20,7 +20,7 @@ def test_tune_measures_few_row_float32_shapes_and_every_choice_computes_the_line
     linears = [torch.nn.Linear(k, n, bias=bias).to(device) for k, n, bias in
                ((256, 128, False), (256, 256, False), (768, 256, True), (256, 4096, False))]
     rows = RowLinears(device, torch.float32)
-    rows.kernels = True  # off by default until measured (Gemv.rows says why)
+    assert rows.kernels  # the default (Gemv.rows says why)
     rows.tune(linears, [1, 2, 8, 16, 17])
     # Up to 16 rows the swap is tried, and the few-row kernel (fast/gemv.py) up to gemv.ROWS_MAX.
     assert set(rows.measured) == {(m, lin.in_features, lin.out_features) for lin in linears for m in (2, 8, 16, 17)}

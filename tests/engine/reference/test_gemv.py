@@ -322,8 +322,9 @@ def test_cuda_rows_tune_and_every_tiling(dtype):
     groups = [[((torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(dtype), None) for _ in range(4)]
               for (n, k), _ in shapes]
     gemv = Gemv()
+    gemv.rows = False  # cuBLAS alone: the tune measures nothing
     gemv.tune_rows(groups, [2], folds=[f for _, f in shapes])
-    assert gemv.measured_rows == {}  # off by default until measured (Gemv.rows)
+    assert gemv.measured_rows == {}
     gemv.rows = True
     gemv.tune_rows(groups, [1, 2, 17, 65, 300], folds=[f for _, f in shapes])
     assert {m for m, _, _ in gemv.measured_rows} == {2, 17, 65}
@@ -359,8 +360,7 @@ def test_cuda_graphs_with_the_few_row_kernel_tuned_in_equal_ar():
     drafter = make_drafter(model, block_size=8, seed=6)
     ref = Engine(model, drafter, backend="transformers", max_budget=64)
     fast = Engine(model, drafter, backend="fast", max_budget=64)
-    fast.target.model.gemv.rows = True
-    fast.impl.drafts.linear.kernels = True
+    assert fast.target.model.gemv.rows and fast.impl.drafts.linear.kernels  # the default
     fast.warmup(budgets=(16, 64))
     assert fast.graphs and fast.target.model.gemv.measured_rows
     specs = [SpecParams("ar"), SpecParams("dflash"), SpecParams("ddtree", 16), SpecParams("ddtree", 64)]
