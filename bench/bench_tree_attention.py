@@ -120,7 +120,7 @@ def case(shape: str, n: int, context: int, rows: int, sweep: bool = False, varia
     # What the kernel must read at least: every row's context K and V, once.
     out["gb_per_s"] = round(batch * kvh * (context + n) * d * 2 * keys.element_size() / (out["triton_us"] * 1e3), 1)
     if variants:
-        base = fused.default_config(g * n, dtype)
+        base = fused.default_config(g * n, dtype, batch * kvh)
         row_blocks = -(-g * n // base.block_m)
         pairs = batch * kvh
         planned = fused.plan_splits(pairs, row_blocks, rows, torch.device(dev), base.block_n, base.min_blocks)

@@ -2,10 +2,10 @@
 # The tree-attention kernel's tilings at a batched round's shapes, on a GPU box in one call: a
 # 1.7B AR round at b=16 spent about a quarter of its GPU time in attend_split (bench/RESULTS.md,
 # "Row ops and the batched draft head"), with tilings fitted on one row. Writes under $OUT.
-# Not yet run: no GPU was lent when it was written.
+
 #   bash bench/gpu_attention.sh            # b=16; B=64 bash bench/gpu_attention.sh for another batch
-# If a tiling beats the default by much at b=16, give default_config (fast/tree_attention.py) a
-# rule for many rows, and check it with the pool's CUDA tests (PART=tests bash bench/gpu_pool.sh).
+# Its first run (b=16) gave default_config (fast/tree_attention.py) its batched rule; B=4 or 8 would
+# say where that rule should start (BATCHED_PAIRS). Check changes with PART=tests bash bench/gpu_pool.sh.
 set -u
 OUT=${OUT:-$PWD/gpu-attention-out}; mkdir -p "$OUT"
 B=${B:-16}

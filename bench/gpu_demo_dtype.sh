@@ -14,6 +14,6 @@ for B in 4 8; do
         --sweep --variants --out "$OUT/attention-b$B.json" > "$OUT/attention-b$B.txt" 2>&1
     tail -4 "$OUT/attention-b$B.txt" | cut -c1-200
 done
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m cuda tests/engine/reference/test_cuda_fast.py \
+timeout 100 python3 -m pytest -q -p no:cacheprovider -m cuda tests/engine/reference/test_cuda_fast.py \
     -k "demo_pair or bf16" > "$OUT/cuda-tests.txt" 2>&1
 tail -8 "$OUT/cuda-tests.txt"

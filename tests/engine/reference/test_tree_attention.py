@@ -103,6 +103,19 @@ def test_bf16_within_bf16_rounding():
     _check(*_case(2, 2, 2, 9, 200, 32, torch.bfloat16, "random", seed=3))
 
 
+@pytest.mark.parametrize("n", [1, 9])
+def test_bf16_batched_tiling_within_bf16_rounding(n, monkeypatch):
+    """A batch of BATCHED_PAIRS (batch row, kv head) pairs takes the batched tiling: 32-row key
+    blocks, a 16-row query block for few rows and 64 for many. Checked here on a small batch by
+    lowering the threshold."""
+    assert fused.default_config(2, torch.bfloat16, fused.BATCHED_PAIRS).block_n == 32
+    assert fused.default_config(2, torch.bfloat16, fused.BATCHED_PAIRS - 1).block_n == 128
+    monkeypatch.setattr(fused, "BATCHED_PAIRS", 4)
+    config = fused.default_config(2 * n, torch.bfloat16, 4)
+    assert (config.block_m, config.block_n, config.stages) == (16 if n == 1 else 64, 32, 3)
+    _check(*_case(2, 2, 2, n, 200, 32, torch.bfloat16, "random", seed=5))
+
+
 def test_lengths_at_the_edges():
     """An empty context (the new rows see only each other) and a context that fills the buffer."""
     _check(*_case(2, 2, 1, 5, 133, 16, torch.float32, "random", seed=4, lengths=[0, 128]))
