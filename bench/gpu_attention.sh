@@ -2,7 +2,6 @@
 # The tree-attention kernel's tilings at a batched round's shapes, on a GPU box in one call: a
 # 1.7B AR round at b=16 spent about a quarter of its GPU time in attend_split (bench/RESULTS.md,
 # "Row ops and the batched draft head"), with tilings fitted on one row. Writes under $OUT.
-
 #   bash bench/gpu_attention.sh            # b=16; B=64 bash bench/gpu_attention.sh for another batch
 # Its first run (b=16) gave default_config (fast/tree_attention.py) its batched rule; B=4 or 8 would
 # say where that rule should start (BATCHED_PAIRS). Check changes with PART=tests bash bench/gpu_pool.sh.
