@@ -3,8 +3,8 @@
 # 1.7B AR round at b=16 spent about a quarter of its GPU time in attend_split (bench/RESULTS.md,
 # "Row ops and the batched draft head"), with tilings fitted on one row. Writes under $OUT.
 #   bash bench/gpu_attention.sh            # b=16; B=64 bash bench/gpu_attention.sh for another batch
-# Its first run (b=16) gave default_config (fast/tree_attention.py) its batched rule; B=4 or 8 would
-# say where that rule should start (BATCHED_PAIRS). Check changes with PART=tests bash bench/gpu_pool.sh.
+# Its runs at b=4, 8 and 16 gave default_config (fast/tree_attention.py) its batched rule, from
+# BATCHED_PAIRS (b=2 unmeasured). Check changes with PART=tests bash bench/gpu_pool.sh.
 set -u
 OUT=${OUT:-$PWD/gpu-attention-out}; mkdir -p "$OUT"
 B=${B:-16}

@@ -38,9 +38,10 @@ from ddtree.engine.reference.errors import BadParams
 
 MERGE_ROWS = 16    # query rows a program of the merge kernel combines
 _MAX_SPLITS = 64
-# From this many (batch row, kv head) pairs a launch takes default_config's batched tiling: 16
-# rows of 8 kv heads, where it was measured. Below, the one-row fit (b=4 and 8 unmeasured).
-BATCHED_PAIRS = 128
+# From this many (batch row, kv head) pairs a launch takes default_config's batched tiling: 4
+# rows of 8 kv heads. Measured at b=4, 8 and 16 (it won at each); b=1 keeps the one-row fit, which
+# beat it there; b=2 was not measured.
+BATCHED_PAIRS = 32
 # The cache the default tiling was fitted on (8256 rows, an 8k window and its slack), where
 # min_blocks=8 gives an AR step 9 splits. A smaller cache plans its splits for these rows:
 # planned on its own, a 1,664-row cache gave an AR step 2 splits (16 programs for the whole GPU),
@@ -110,9 +111,9 @@ def default_config(rows_per_kv: int, dtype: torch.dtype, pairs: int = 1) -> Conf
     over the 24 cases of an H200 sweep of one batch row (bench_tree_attention.py --sweep: Qwen3-8B
     and 1.7B attention in bf16, the demo target's in float32, 1 to 257 nodes, 1k and 4k contexts;
     bench/RESULTS.md). A batched round of BATCHED_PAIRS pairs or more takes shorter key blocks
-    and a deeper pipeline: at b=16 (128 pairs) it came within 0.5% of the sweep's best in all 8
-    bf16 cases (1.7B and 8B, 1 and 17 nodes, 512 and 1k contexts), 16-37% faster than the one-row
-    rule."""
+    and a deeper pipeline: at b=16 it came within 0.5% of the sweep's best in all 8 bf16 cases
+    (1.7B and 8B, 1 and 17 nodes, 512 and 1k contexts), 16-37% faster than the one-row rule; at
+    b=4 and 8, within 8% of the best, 16-25% faster (the 8B shape at 17 nodes, b=4, did not run)."""
     if dtype == torch.float32:  # exact float32 products run on the FMA units: small tiles
         return Config(block_m=16 if rows_per_kv <= 256 else 32, block_n=64, warps=4, stages=2, min_blocks=8)
     if pairs >= BATCHED_PAIRS:
