@@ -31,6 +31,10 @@ def load(args):
     from ddtree.engine.reference.engine import Engine
 
     budgets = tuple(args.budgets)
+    if args.one_row_attention:  # before any graph is captured: the tiling is chosen at launch
+        from ddtree.engine.reference.fast import tree_attention
+
+        tree_attention.BATCHED_PAIRS = sys.maxsize
     pool = args.pool_slots or (args.batch if args.batch > 1 else 0)
     if args.pair == "demo":
         from ddtree.engine.demo import demo_paths
@@ -157,6 +161,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-rows", action="store_true",
                    help="cuBLAS for every 2..128-row product: the warm-up's tunes do not try the few-row "
                         "kernel (fast/gemv.py's rows), which they pick by default where it beats cuBLAS")
+    p.add_argument("--one-row-attention", action="store_true",
+                   help="tree attention keeps its one-row tiling at every batch (the rule before its batched one)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     with torch.inference_mode():
@@ -165,7 +171,7 @@ def main(argv=None) -> int:
         specs += [(f"ddtree-{b}", SpecParams("ddtree", b)) for b in args.budgets]
         result = {"pair": args.pair, "device": args.device, "attention": engine.attention, "batch": args.batch,
                   "pool_slots": args.pool_slots, "one_graph": args.one_graph, "folds": not args.no_folds,
-                  "rows_kernel": not args.no_rows, "rows": {}}
+                  "rows_kernel": not args.no_rows, "one_row_attention": args.one_row_attention, "rows": {}}
         gemv, drafts = engine.target.model.gemv, engine.impl.drafts
         result["few_row_tune"] = {"target": {str(k): v for k, v in sorted(gemv.measured_rows.items())},
                                   "target_picked": {str(k): str(v) for k, v in sorted(gemv.picked_rows.items())},
