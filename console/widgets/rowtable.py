@@ -24,6 +24,7 @@ from textual.geometry import Region, Size, Spacing
 from textual.message import Message
 from textual.reactive import reactive
 from textual.scroll_view import ScrollView
+from textual.scrollbar import ScrollDown, ScrollTo, ScrollUp
 from textual.strip import Strip
 
 from ddtree.console.fmt import printable
@@ -171,6 +172,8 @@ class RowTable(ScrollView, can_focus=True):
         same_keys = len(rows) == len(old_rows) and all(a[0] == b[0] for a, b in zip(rows, old_rows))
         self._rows = rows
         self._index = {key: n for n, (key, _) in enumerate(rows)}
+        if old_rows and not any(key in self._index for key, _ in old_rows):
+            self._forget_top()  # other rows (another run): the row to show first was the old rows'
         widths_changed = self._reset_widths()
         if same_keys and not widths_changed:
             changed = [n for n, (new, old) in enumerate(zip(rows, old_rows)) if new[1] != old[1]]
@@ -236,7 +239,8 @@ class RowTable(ScrollView, can_focus=True):
             self.post_message(self.RowHighlighted(self, new, key))
 
     def scroll_row_to_top(self, index: int) -> None:
-        """Show row `index` first, and again after each resize until the cursor moves. A scroll
+        """Show row `index` first, and again after each resize, until the cursor moves, the user
+        scrolls, or the rows are replaced by others. A scroll
         made before the last layout is clamped to the range before it: the table's height follows
         the widgets around it (a Resize), while rows arriving or a horizontal scrollbar taking a
         line change the range without one (a loaded machine left the Sweeps snapshot one row short
@@ -256,6 +260,25 @@ class RowTable(ScrollView, can_focus=True):
         if self._top_row is not None and self._top_short is not None and self.scroll_offset.y == self._top_short:
             self._scroll_top()
 
+    def _forget_top(self) -> None:
+        self._top_row = self._top_short = None
+
+    # The user scrolled (wheel, scrollbar): their place wins over the row to show first.
+    def on_mouse_scroll_up(self, event: events.MouseScrollUp) -> None:
+        self._forget_top()
+
+    def on_mouse_scroll_down(self, event: events.MouseScrollDown) -> None:
+        self._forget_top()
+
+    def on_scroll_up(self, message: ScrollUp) -> None:
+        self._forget_top()
+
+    def on_scroll_down(self, message: ScrollDown) -> None:
+        self._forget_top()
+
+    def on_scroll_to(self, message: ScrollTo) -> None:
+        self._forget_top()
+
     def on_resize(self, event: events.Resize) -> None:
         if self._top_row is not None:
             self._scroll_top()
@@ -270,7 +293,7 @@ class RowTable(ScrollView, can_focus=True):
             self.vertical_scrollbar.position = self.scroll_y
 
     def _scroll_to_cursor(self) -> None:
-        self._top_row = None
+        self._forget_top()
         self.scroll_to_region(Region(0, self.cursor_row + 1, 1, 1), animate=False, spacing=Spacing(top=1),
                               force=True, immediate=True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from rich.text import Text
 from textual.app import App, ComposeResult
+from textual.scrollbar import ScrollTo
 
 from ddtree.console.widgets.rowtable import RowTable
 
@@ -200,3 +201,42 @@ async def test_a_short_scroll_to_the_top_row_leaves_a_user_who_scrolled_since_al
         table.set_rows(rows(14))
         await pilot.pause()
         assert table.scroll_offset.y == 1
+
+
+def keyed(prefix: str, n: int) -> list[tuple[str, tuple]]:
+    return [(f"{prefix}{i}", (str(i), f"{prefix}-{i}", "done")) for i in range(n)]
+
+
+async def test_a_short_scroll_is_forgotten_when_other_rows_replace_the_table():
+    """Sweeps switching runs: the old run's rows, then none, then the new run's. The new run
+    opens at its top, not at the row the old run was to show first."""
+    app = FixedTableApp()
+    async with app.run_test(size=(60, 12)) as pilot:
+        table = app.query_one(RowTable)
+        table.set_rows(keyed("a", 14))
+        await pilot.pause()
+        table.scroll_row_to_top(10)
+        assert table.scroll_offset.y == 7  # 15 lines in 8: short
+        table.set_rows([])
+        await pilot.pause()
+        table.set_rows(keyed("b", 30))
+        await pilot.pause()
+        assert table.scroll_offset.y == 0
+
+
+async def test_a_short_scroll_is_forgotten_once_the_user_scrolls_even_back_to_where_it_stopped():
+    app = FixedTableApp()
+    async with app.run_test(size=(60, 12)) as pilot:
+        table = app.query_one(RowTable)
+        table.set_rows(rows(10))
+        await pilot.pause()
+        table.scroll_row_to_top(7)
+        assert table.scroll_offset.y == 3
+        table.post_message(ScrollTo(y=0, animate=False))  # the user drags the scrollbar up
+        await pilot.pause()
+        table.post_message(ScrollTo(y=3, animate=False))  # and back down to the end
+        await pilot.pause()
+        assert table.scroll_offset.y == 3
+        table.set_rows(rows(14))
+        await pilot.pause()
+        assert table.scroll_offset.y == 3
