@@ -268,6 +268,20 @@ def _graph_counts(engine) -> dict:
             "slot_rows": cache.rows}
 
 
+DEMO_SUFFIXES = {"transformers": ("", "bf16"), "fast": ("", "cublas", "bf16", "cublas-bf16")}
+
+
+def parse_demo_backend(label: str) -> tuple[str, str]:
+    """A --demo-backends label -> (backend, suffix): a backend, then "-cublas" for cuBLAS alone
+    (fast only: no few-row kernel), then "-bf16" for bfloat16. Anything else is an error, so a
+    typo never runs the wrong side of an A/B."""
+    backend, _, rest = label.partition("-")
+    if rest not in DEMO_SUFFIXES.get(backend, ()):
+        known = ", ".join(f"{b}-{s}" if s else b for b, suffixes in DEMO_SUFFIXES.items() for s in suffixes)
+        raise argparse.ArgumentTypeError(f"unknown demo backend {label!r}; one of {known}")
+    return backend, rest
+
+
 def bench_demo(args) -> dict:
     """The demo pair on each backend, float32 unless the label says bf16: tok/s (median over prompts)
     and tau, vs AR."""
@@ -282,18 +296,18 @@ def bench_demo(args) -> dict:
     gen = GenParams(max_new_tokens=args.demo_new_tokens, ignore_eos=True)
     out = {}
     for label in args.demo_backends:
-        # A label is a backend, then "-cublas" for cuBLAS alone (no few-row kernel), then "-bf16".
-        backend, _, rest = label.partition("-")
+        backend, rest = parse_demo_backend(label)
         dtype = torch.bfloat16 if rest.endswith("bf16") else torch.float32
         torch._dynamo.reset()
         # One session at a time here: one slot's graphs, in a window the prompts fit.
         engine = Engine.load(target_dir, draft_dir, device=args.device, dtype=dtype, backend=backend,
                              max_budget=max(args.demo_budgets), slots=1, context_window=args.demo_window,
                              attention=args.attention)
-        if rest.startswith("cublas") and backend == "fast":  # before the tunes
+        if rest.startswith("cublas"):  # before the tunes
             engine.target.model.gemv.rows = False
-            engine.impl.drafts.linear.kernels = False
-        engine.warmup(progress=lambda msg: print(f"[demo {backend}] {msg}", flush=True),
+            if engine.impl.drafts is not None:
+                engine.impl.drafts.linear.kernels = False
+        engine.warmup(progress=lambda msg, label=label: print(f"[demo {label}] {msg}", flush=True),
                       budgets=tuple(args.demo_budgets))
         lines = (REPO / "assets" / "prompts" / "code.jsonl").read_text().splitlines()
         rows = [json.loads(line) for line in lines if line.strip()][:args.demo_prompts + 1]
@@ -349,7 +363,8 @@ def main(argv=None) -> int:
     p.add_argument("--demo-new-tokens", type=int, default=96)
     p.add_argument("--demo-budgets", default="8,16,32,64", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--demo-window", type=int, default=1024, help="the demo engine's context window")
-    p.add_argument("--demo-backends", default="transformers,fast", type=lambda s: [x for x in s.split(",") if x],
+    p.add_argument("--demo-backends", default="transformers,fast",
+                   type=lambda s: [x for x in s.split(",") if x and parse_demo_backend(x)],
                    help="transformers, fast, fast-cublas (fast without the few-row kernel); a -bf16 "
                         "suffix runs it in bfloat16, else float32 (fast-bf16, fast-cublas-bf16)")
     p.add_argument("--no-compile", dest="compile", action="store_false",

@@ -10,17 +10,17 @@ set -u
 OUT=${OUT:-$PWD/gpu-attention-out}; mkdir -p "$OUT"
 B=${B:-16}
 . "$(dirname "$0")/gpu_site.sh"  # installs the checkout to /tmp/site
-timeout 280 python3 bench/bench_tree_attention.py --shapes 1.7b,8b --nodes 1,17 --contexts 512,1024 --batch "$B" \
+timeout 200 python3 bench/bench_tree_attention.py --shapes 1.7b,8b --nodes 1,17 --contexts 512,1024 --batch "$B" \
     --sweep --variants --out "$OUT/attention-b$B.json" > "$OUT/attention-b$B.txt" 2>&1
 tail -12 "$OUT/attention-b$B.txt" | cut -c1-300
-timeout 120 python3 bench/bench_tree_attention.py --shapes demo --nodes 1,33 --contexts 512 --batch "$B" \
+timeout 60 python3 bench/bench_tree_attention.py --shapes demo --nodes 1,33 --contexts 512 --batch "$B" \
     --sweep --variants --out "$OUT/attention-demo-b$B.json" > "$OUT/attention-demo-b$B.txt" 2>&1
 tail -4 "$OUT/attention-demo-b$B.txt" | cut -c1-300
 # A batched round end to end, the batched tiling against the one-row one (ATTENTION_AB=0 skips it).
 if [ "${ATTENTION_AB:-1}" = 1 ]; then
     for tag in batched one-row; do
         flag=""; [ "$tag" = one-row ] && flag=--one-row-attention
-        (cd bench && timeout 150 python3 profile_round.py --device cuda --pair 1.7b --batch "$B" --budgets 16 \
+        (cd bench && timeout 130 python3 profile_round.py --device cuda --pair 1.7b --batch "$B" --budgets 16 \
             --rounds 40 --top 30 $flag --out "$OUT/prof-1.7b-b$B-$tag.json") 2>&1 \
             | grep -v "profiler_st\|Loading weights" > "$OUT/prof-1.7b-b$B-$tag.txt"
         grep "^\[1.7b" "$OUT/prof-1.7b-b$B-$tag.txt" | tail -3

@@ -40,8 +40,10 @@ MERGE_ROWS = 16    # query rows a program of the merge kernel combines
 _MAX_SPLITS = 64
 # From this many (batch row, kv head) pairs a launch takes default_config's batched tiling: 4
 # rows of 8 kv heads. Measured at b=4, 8 and 16 (it won at each); b=1 keeps the one-row fit, which
-# beat it there; b=2 was not measured.
+# beat it there; b=2 was not measured. Only up to BATCHED_ROWS query rows per kv head (17 nodes of
+# 4 query heads a kv head), as measured: on one row the same tiling lost at 65 nodes and more.
 BATCHED_PAIRS = 32
+BATCHED_ROWS = 68
 # The cache the default tiling was fitted on (8256 rows, an 8k window and its slack), where
 # min_blocks=8 gives an AR step 9 splits. A smaller cache plans its splits for these rows:
 # planned on its own, a 1,664-row cache gave an AR step 2 splits (16 programs for the whole GPU),
@@ -110,13 +112,15 @@ def default_config(rows_per_kv: int, dtype: torch.dtype, pairs: int = 1) -> Conf
     head) pairs: the rule that came within 8% of the best tiling (geometric mean, 25% at worst)
     over the 24 cases of an H200 sweep of one batch row (bench_tree_attention.py --sweep: Qwen3-8B
     and 1.7B attention in bf16, the demo target's in float32, 1 to 257 nodes, 1k and 4k contexts;
-    bench/RESULTS.md). A batched round of BATCHED_PAIRS pairs or more takes shorter key blocks
-    and a deeper pipeline: at b=16 it came within 0.5% of the sweep's best in all 8 bf16 cases
+    bench/RESULTS.md). A batched round of BATCHED_PAIRS pairs or more, of up to BATCHED_ROWS rows
+    (an AR step, a DFlash block, a DDTree-16 tree at Qwen3-8B's 4 query heads a kv head), takes
+    shorter key blocks and a deeper pipeline: at b=16 it came within 0.5% of the sweep's best in all 8 bf16 cases
     (1.7B and 8B, 1 and 17 nodes, 512 and 1k contexts), 16-37% faster than the one-row rule; at
-    b=4 and 8, within 8% of the best, 16-25% faster (the 8B shape at 17 nodes, b=4, did not run)."""
+    b=4 and 8, within 8% of the best, 16-25% faster (the 8B shape at 17 nodes, b=4, did not run).
+    Contexts past 1k were not measured."""
     if dtype == torch.float32:  # exact float32 products run on the FMA units: small tiles
         return Config(block_m=16 if rows_per_kv <= 256 else 32, block_n=64, warps=4, stages=2, min_blocks=8)
-    if pairs >= BATCHED_PAIRS:
+    if pairs >= BATCHED_PAIRS and rows_per_kv <= BATCHED_ROWS:
         return Config(block_m=16 if rows_per_kv <= 16 else 64, block_n=32, warps=4, stages=3, min_blocks=8)
     block_m = 16 if rows_per_kv <= 16 else 32 if rows_per_kv <= 128 else 64
     return Config(block_m=block_m, block_n=128, warps=4, stages=2, min_blocks=8)

@@ -110,6 +110,7 @@ def test_bf16_batched_tiling_within_bf16_rounding(n, monkeypatch):
     lowering the threshold."""
     assert fused.default_config(2, torch.bfloat16, fused.BATCHED_PAIRS).block_n == 32
     assert fused.default_config(2, torch.bfloat16, fused.BATCHED_PAIRS - 1).block_n == 128
+    assert fused.default_config(fused.BATCHED_ROWS + 1, torch.bfloat16, fused.BATCHED_PAIRS).block_n == 128
     monkeypatch.setattr(fused, "BATCHED_PAIRS", 4)
     config = fused.default_config(2 * n, torch.bfloat16, 4)
     assert (config.block_m, config.block_n, config.stages) == (16 if n == 1 else 64, 32, 3)
