@@ -189,15 +189,21 @@ async def test_a_row_scrolled_to_the_top_before_a_horizontal_scrollbar_comes_is_
         assert table.vertical_scrollbar.position == 7  # the thumb too, though the bar came after the scroll
 
 
+async def scrolled_short(app: FixedTableApp, pilot) -> RowTable:
+    """Row 7 asked to show first in a table of 10 rows (11 lines in 8): the scroll stops at 3."""
+    table = app.query_one(RowTable)
+    table.set_rows(rows(10))
+    await pilot.pause()
+    table.scroll_row_to_top(7)
+    assert table.scroll_offset.y == 3
+    return table
+
+
 async def test_a_short_scroll_to_the_top_row_leaves_a_user_who_scrolled_since_alone():
     app = FixedTableApp()
     async with app.run_test(size=(60, 12)) as pilot:
-        table = app.query_one(RowTable)
-        table.set_rows(rows(10))
-        await pilot.pause()
-        table.scroll_row_to_top(7)
-        assert table.scroll_offset.y == 3  # 11 lines in 8: clamped
-        table.scroll_to(y=1, animate=False)  # the user scrolls (wheel, scrollbar)
+        table = await scrolled_short(app, pilot)
+        table.scroll_to(y=1, animate=False)  # somewhere else than where the short scroll stopped
         table.set_rows(rows(14))
         await pilot.pause()
         assert table.scroll_offset.y == 1
@@ -227,11 +233,7 @@ async def test_a_short_scroll_is_forgotten_when_other_rows_replace_the_table():
 async def test_a_short_scroll_is_forgotten_once_the_user_scrolls_even_back_to_where_it_stopped():
     app = FixedTableApp()
     async with app.run_test(size=(60, 12)) as pilot:
-        table = app.query_one(RowTable)
-        table.set_rows(rows(10))
-        await pilot.pause()
-        table.scroll_row_to_top(7)
-        assert table.scroll_offset.y == 3
+        table = await scrolled_short(app, pilot)
         table.post_message(ScrollTo(y=0, animate=False))  # the user drags the scrollbar up
         await pilot.pause()
         table.post_message(ScrollTo(y=3, animate=False))  # and back down to the end
