@@ -240,12 +240,12 @@ class RowTable(ScrollView, can_focus=True):
 
     def scroll_row_to_top(self, index: int) -> None:
         """Show row `index` first, and again after each resize, until the cursor moves, the user
-        scrolls, or the rows are replaced by others. A scroll
-        made before the last layout is clamped to the range before it: the table's height follows
-        the widgets around it (a Resize), while rows arriving or a horizontal scrollbar taking a
-        line change the range without one (a loaded machine left the Sweeps snapshot one row short
-        for good). So a scroll that stopped short tries again on those too, until it lands or
-        something else scrolls the table."""
+        scrolls, or the rows are replaced by others. A scroll made before the last layout is
+        clamped to the range before it: the table's height follows the widgets around it (a
+        Resize), while rows arriving or a horizontal scrollbar taking a line change the range
+        without one (a loaded machine left the Sweeps snapshot one row short for good). So a
+        scroll that stopped short tries again on those too, until it lands or something else
+        scrolls the table."""
         self._top_row = index
         self._scroll_top()
 

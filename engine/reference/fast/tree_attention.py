@@ -114,10 +114,10 @@ def default_config(rows_per_kv: int, dtype: torch.dtype, pairs: int = 1) -> Conf
     and 1.7B attention in bf16, the demo target's in float32, 1 to 257 nodes, 1k and 4k contexts;
     bench/RESULTS.md). A batched round of BATCHED_PAIRS pairs or more, of up to BATCHED_ROWS rows
     (an AR step, a DFlash block, a DDTree-16 tree at Qwen3-8B's 4 query heads a kv head), takes
-    shorter key blocks and a deeper pipeline: at b=16 it came within 0.5% of the sweep's best in all 8 bf16 cases
-    (1.7B and 8B, 1 and 17 nodes, 512 and 1k contexts), 16-37% faster than the one-row rule; at
-    b=4 and 8, within 8% of the best, 16-25% faster (the 8B shape at 17 nodes, b=4, did not run).
-    Contexts past 1k were not measured."""
+    shorter key blocks and a deeper pipeline: at b=16 it came within 0.5% of the sweep's best in
+    all 8 bf16 cases (1.7B and 8B, 1 and 17 nodes, 512 and 1k contexts), 16-37% faster than the
+    one-row rule; at b=4 and 8, within 8% of the best, 16-25% faster (the 8B shape at 17 nodes,
+    b=4, did not run). Contexts past 1k were not measured."""
     if dtype == torch.float32:  # exact float32 products run on the FMA units: small tiles
         return Config(block_m=16 if rows_per_kv <= 256 else 32, block_n=64, warps=4, stages=2, min_blocks=8)
     if pairs >= BATCHED_PAIRS and rows_per_kv <= BATCHED_ROWS:
