@@ -48,12 +48,14 @@ class _GpuWatch:
         from ddtree.engine.machine.hw import nvml
         from ddtree.engine.machine.sampler import Sampler, SamplerConfig
 
+        # Before the sampler starts: its first sample may come before this thread runs again, and
+        # means() counts samples from t0 on (a loaded CI box left it none).
+        self.t0 = time.time()
         session = nvml()
         if session.start() is None and session.count > 0:
             self.db = open_db(self.ctx.db_path)  # the sampler's thread writes through its own connection
             writer = TelemetryWriter(self.db, labels={"job_id": self.ctx.job_id, "point_id": self.point_id})
             self.thread = Sampler(SamplerConfig(rate_hz=2.0), session=session).start(self.stop_event, sink=writer)
-        self.t0 = time.time()
         return self
 
     def __exit__(self, *exc) -> None:
