@@ -82,6 +82,17 @@ def builtin_refusal(config: Any, algorithm: str, budget: int | None = None) -> s
     return None if reason is None else speculative_refusal(reason, algorithm)
 
 
+def drafter_as_target(config: Any) -> str | None:
+    """The refusal line when a target's config is a DFlash drafter's, else None. A drafter has no
+    embedding or head of its own, so as a target it would load with those weights missing."""
+    if config is None:
+        return None
+    architectures = _get(config, "architectures") or ()
+    if _get(config, "dflash_config") is None and not any("DFlash" in str(a) for a in architectures):
+        return None
+    return "the model is a DFlash drafter, not a target: pass it as the drafter (--draft) and its target as --model"
+
+
 def read_config(model: str | Path | None) -> dict | None:
     """A target's config.json as a dict, without network: a local directory, or a hub id already
     in the local Hugging Face cache. None when it cannot be read here (the engine checks again

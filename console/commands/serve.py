@@ -13,7 +13,7 @@ import os
 import sys
 
 from ddtree.console.commands import UsageError
-from ddtree.engine.arch import SPECULATIVE_HINT, builtin_refusal, read_config
+from ddtree.engine.arch import SPECULATIVE_HINT, builtin_refusal, drafter_as_target, read_config
 from ddtree.engine.serving.launch import add_builtin_options, builtin_argv
 
 
@@ -58,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("uvicorn") is None:
         raise ServeError("the builtin engine is not installed in this Python",
                          hint="pip install 'ddtree-console[engine]'")
+    misplaced = drafter_as_target(read_config(args.model))
+    if misplaced is not None:
+        raise ServeError(f"{args.model}: {misplaced}")
     why = refusal(args)
     if why is not None:
         raise ServeError(why, hint=SPECULATIVE_HINT)

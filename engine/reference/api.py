@@ -66,8 +66,10 @@ class ServerConfig:
             raise BadRequest(f"unknown algorithm {self.algorithm!r}", hint="one of ar, dflash, ddtree")
         if self.budget < 0:
             raise BadRequest("budget must be >= 0")
-        if self.max_running < 1 or self.max_queued < 0:
-            raise BadRequest("max running requests must be >= 1 and max queued requests >= 0")
+        if self.max_running < 1:
+            raise BadRequest(f"--max-running-requests must be at least 1, got {self.max_running}")
+        if self.max_queued < 0:
+            raise BadRequest(f"--max-queued-requests must be at least 0, got {self.max_queued}")
         if self.stream_interval < 1:
             raise BadRequest(f"stream interval must be >= 1, got {self.stream_interval}")
 

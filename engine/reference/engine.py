@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddtree.engine.arch import SPECULATIVE_HINT, is_speculative, read_config, speculative_refusal
+from ddtree.engine.arch import (SPECULATIVE_HINT, drafter_as_target, is_speculative, read_config,
+                               speculative_refusal)
 from ddtree.engine.reference.backends import BACKENDS, TransformersPath
 from ddtree.engine.reference.batch import step_many
 from ddtree.engine.reference.decode import Session
@@ -222,6 +223,9 @@ class Engine:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise BadParams("device cuda requested but CUDA is not available", "use --device cpu")
         target_dir = resolve_model_dir(model)
+        misplaced = drafter_as_target(read_config(target_dir))
+        if misplaced:
+            raise BadParams(f"{model}: {misplaced}")
         torch_dtype = resolve_dtype(dtype, device, demo=is_demo_pair(target_dir))
         if draft is not None and algorithm is not None and is_speculative(algorithm, budget):
             reason = hybrid_reason(read_config(target_dir))

@@ -399,7 +399,9 @@ def warm_up(engine: Engine, config: ServerConfig, progress=print_progress) -> No
     drafts = config.algorithm == "ddtree" or engine.draft_name is not None
     budgets = set(config.capture_budgets) | ({config.budget} if drafts and config.budget > 0 else set())
     engine.warmup(progress=progress, budgets=tuple(sorted(budgets)))
-    ids = list(engine.tokenizer.encode("def main():\n    ")) or list(engine.eos_token_ids or [0])
+    # A target without a tokenizer serves token ids (input_ids) only: warm up on its EOS ids.
+    text = engine.tokenizer.encode("def main():\n    ") if engine.tokenizer is not None else []
+    ids = list(text) or list(engine.eos_token_ids or [0])
     gen = GenParams(max_new_tokens=8, temperature=0.0)
     spec = SpecParams(algorithm=config.algorithm, budget=config.budget)
     kinds = {(config.algorithm, config.budget if config.algorithm == "ddtree" else 0): spec}
@@ -565,6 +567,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise BadRequest(f"--kv-pool-gb must be a positive number, got {args.kv_pool_gb}")
     if args.max_running_requests < 1:
         raise BadRequest(f"--max-running-requests must be at least 1, got {args.max_running_requests}")
+    if args.max_queued_requests < 0:
+        raise BadRequest(f"--max-queued-requests must be at least 0, got {args.max_queued_requests}")
     if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
         raise BadRequest(f"--chunked-prefill-size must be -1 (prefill whole) or a positive number of tokens, "
                          f"got {args.chunked_prefill_size}")

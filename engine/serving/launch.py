@@ -264,6 +264,14 @@ def positive(text: str) -> int:
     return _bounded(text, 1)
 
 
+def model_ref(text: str) -> str:
+    """An argparse type: a model directory or hub id, not empty (an empty one would quietly mean
+    the demo pair)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a local directory or a hub repo id, got an empty string")
+    return text
+
+
 def device_name(text: str) -> str:
     """An argparse type: cpu, cuda or cuda:N, checked before the server starts, so a typo is one
     line and not torch's traceback from inside the server."""
@@ -300,8 +308,8 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
 
     number = non_negative if passthrough else int
     budget = "the server's" if default_budget is None else str(default_budget)
-    parser.add_argument("--model", help="target model: a local directory or a hub repo id (default: the demo pair)")
-    parser.add_argument("--draft", help="DFlash drafter: a local directory or a hub repo id (default: the demo "
+    parser.add_argument("--model", type=model_ref, help="target model: a local directory or a hub repo id (default: the demo pair)")
+    parser.add_argument("--draft", type=model_ref, help="DFlash drafter: a local directory or a hub repo id (default: the demo "
                                         "drafter when --model is not given; none otherwise, which allows only ar)")
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="ddtree",
                         help="default algorithm; requests may override it (default: ddtree)")
@@ -318,12 +326,12 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
     parser.add_argument("--host", default=HOST, help=f"address to bind (default: {HOST})")
     parser.add_argument("--port", type=port_number if passthrough else int, default=0,
                         help="port (default: 0, a free port printed on stdout)")
-    parser.add_argument("--max-running-requests", type=int, default=default(DEFAULT_MAX_RUNNING),
+    parser.add_argument("--max-running-requests", type=positive if passthrough else int, default=default(DEFAULT_MAX_RUNNING),
                         help=f"requests decoded at once, batched round by round (default: {DEFAULT_MAX_RUNNING}; "
                              "the fast backend holds a KV pool slot for each)")
-    parser.add_argument("--max-queued-requests", type=int, default=default(64),
+    parser.add_argument("--max-queued-requests", type=number, default=default(64),
                         help="requests waiting beyond those; past this the server answers 503 (default: 64)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=positive if passthrough else int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is often faster on a busy small machine)")
     parser.add_argument("--context-window", type=number, default=None,
                         help="tokens one request may hold, prompt and output (default: the model's; the fast "

@@ -79,6 +79,21 @@ def test_mismatched_drafter_is_refused(pair, tmp_path):
         Engine.load(target_dir, tmp_path / "d")
 
 
+def test_a_drafter_given_as_the_target_is_refused_before_any_weight_loads(pair):
+    _, drafter_dir, _ = pair
+    with pytest.raises(BadParams, match="is a DFlash drafter, not a target"):
+        Engine.load(drafter_dir)
+
+
+def test_a_target_without_a_tokenizer_loads_and_serves_token_ids(pair, tmp_path):
+    _, drafter_dir, model = pair
+    model.save_pretrained(tmp_path / "bare")
+    engine = Engine.load(tmp_path / "bare", drafter_dir)
+    assert engine.tokenizer is None
+    out = engine.generate([1, 2, 3], GenParams(max_new_tokens=4, ignore_eos=True), SpecParams("ddtree", 4))
+    assert len(out.output_ids) == 4
+
+
 def test_missing_paths_and_bad_options(tmp_path):
     with pytest.raises(ModelLoadError, match="not found"):
         Engine.load(tmp_path / "nope")

@@ -101,12 +101,39 @@ def test_warm_up_generates_once_per_kind_a_request_may_ask_for_where_graphs_run(
         assert ran == [("warmup", (16, 64)), ("ddtree", 16)] and not watched
 
 
-@pytest.mark.parametrize("argv", [["--budget", "-1"], ["--port", "70000"], ["--algorithm", "medusa"],
-                                  ["--backend", "bogus"]])
-def test_serve_rejects_bad_arguments(argv, capsys):
+def test_serve_refuses_a_drafter_given_as_the_target_in_one_line():
+    from ddtree.engine.demo import demo_paths
+
+    _, drafter = demo_paths()
+    out = subprocess.run([*CLI, "serve", "--model", str(drafter)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "is a DFlash drafter, not a target" in out.stderr
+
+
+def test_warm_up_without_a_tokenizer_generates_from_the_eos_ids():
+    """A target folder without tokenizer files serves input_ids only; the warm-up must not need one."""
+    from types import SimpleNamespace
+
+    from ddtree.engine.reference.api import ServerConfig
+    from ddtree.engine.reference.server import warm_up
+
+    prompts = []
+    engine = SimpleNamespace(graphs=False, draft_name=None, eos_token_ids=[7], tokenizer=None,
+                             warmup=lambda progress=None, budgets=(): None,
+                             generate=lambda ids, gen, spec: prompts.append(ids))
+    warm_up(engine, ServerConfig(algorithm="ar", budget=0, served_model_name="t", model_path="t", draft_path=None))
+    assert prompts == [[7]]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--budget", "-1"], "--budget"), (["--port", "70000"], "--port"), (["--algorithm", "medusa"], "--algorithm"),
+    (["--backend", "bogus"], "--backend"), (["--max-queued-requests", "-1"], "--max-queued-requests: must be >= 0"),
+    (["--max-running-requests", "0"], "--max-running-requests: must be >= 1"), (["--threads", "0"], "--threads"),
+    (["--model", ""], "--model: must name"), (["--draft", " "], "--draft: must name")])
+def test_serve_rejects_bad_arguments_naming_the_flag(argv, says, capsys):
     with pytest.raises(SystemExit) as info:
         parse(*argv)
-    assert info.value.code == 2
+    assert info.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_serve_help_documents_the_options():
