@@ -52,7 +52,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def collect(args: argparse.Namespace) -> tuple[GpuView, HostInfo | None]:
-    if args.from_file:
+    if args.from_file is not None:
+        if not args.from_file.strip():
+            raise HwInputError("--from needs a file name, got an empty one", "write one with `ddtree-console hw --json`")
         try:
             data = json.loads(Path(args.from_file).read_text())
         except OSError as exc:

@@ -90,3 +90,26 @@ def test_bad_from_file(tmp_path):
     assert run_hw(["--from", str(tmp_path / "missing.json")])[0] == 2
     bad.write_text("[1, 2]")
     assert run_hw(["--from", str(bad)])[0] == 2
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda d: d.update(gpus=[{"index": 0}]), "the link matrix is not 1 x 1 for 1 GPU"),
+    (lambda d: d.update(links=d["links"][:-1]), "the link matrix is not 8 x 8 for 8 GPUs"),
+    (lambda d: d["links"][0].__setitem__(1, 5), "the link matrix holds something other than link names"),
+    (lambda d: d.clear(), "no 'gpus' and 'links' lists"),
+    (lambda d: d["gpus"][2].update(memory_used="62 GiB"), "memory_used is '62 GiB'"),
+    (lambda d: d["host"]["disks"][0].update(free=None), "free is None"),
+    (lambda d: d["host"].update(load_avg=[1.0]), "load_avg is [1.0]"),
+])
+def test_malformed_report_is_one_line_exit_2(report, edit, words):
+    """A report `hw --json` did not write (edited by hand, cut short) is refused before any table."""
+    _, _, path = report
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    assert run_hw(["--from", str(path)]) == (2, f"error: {path} is not a hw report ({words})")
+
+
+def test_empty_from_path_is_refused_not_the_live_machine():
+    rc, out = run_hw(["--from", ""])
+    assert rc == 2 and out.startswith("error: --from needs a file name")
