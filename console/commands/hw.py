@@ -15,8 +15,9 @@ import json
 import sys
 from pathlib import Path
 
+from ddtree.console.disks import disk_figures
 from ddtree.engine.errors import EngineError
-from ddtree.engine.machine.host import HostInfo, host_info
+from ddtree.engine.machine.host import DiskInfo, HostInfo, host_info
 from ddtree.engine.machine.hw import LINK_MEANING, GpuInfo, GpuView, format_cpulist, gpu_view
 from ddtree.engine.machine.placement import Placement, suggest
 from ddtree.engine.machine.preflight import estimate_vram
@@ -221,8 +222,13 @@ def _host(host: HostInfo) -> list[str]:
     out += ["", "Disks"]
     out += _table(["Role", "Path", "Mount", "FS", "Free GB", "Total GB", "Used"],
                   [[d.role, d.path, d.mount or "?", d.fstype or "?", f"{d.free / 1e9:.1f}", f"{d.total / 1e9:.1f}",
-                    f"{100 * d.used / d.total:.0f}%" if d.total else "?"] for d in host.disks])
+                    _used_pct(d)] for d in host.disks])
     return out
+
+
+def _used_pct(d: DiskInfo) -> str:
+    pct = disk_figures(d.total, d.used, d.free).used_pct
+    return "?" if pct is None else f"{pct}%"
 
 
 def _placements(tp: int, placements: list[Placement]) -> list[str]:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ddtree.console.commands import hw as hw_cmd
-from ddtree.engine.machine.host import host_info, numa_nodes
+from ddtree.engine.machine.host import DiskInfo, host_info, numa_nodes
 from ddtree.engine.machine.hw import Nvml
 from ddtree.engine.machine.placement import suggest
 
@@ -113,3 +113,13 @@ def test_malformed_report_is_one_line_exit_2(report, edit, words):
 def test_empty_from_path_is_refused_not_the_live_machine():
     rc, out = run_hw(["--from", ""])
     assert rc == 2 and out.startswith("error: --from needs a file name")
+
+
+def test_disk_used_is_df_use_percent(report):
+    """df's Use% is used / (used + available): ext4's root reserve (here 5 of 100) is not space a user
+    can fill, so 50 used reads 53%, not 50% of the size; the overview's disk lines say the same."""
+    view, host, _ = report
+    host.disks = [DiskInfo(role="data", path="/d", mount="/", fstype="ext4", total=100 * 10**9, used=50 * 10**9,
+                           free=45 * 10**9)]
+    row = hw_cmd.render(view, host).splitlines()[-1]
+    assert row.split() == ["data", "/d", "/", "ext4", "45.0", "100.0", "53%"]
