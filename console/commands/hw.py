@@ -20,7 +20,7 @@ from ddtree.engine.errors import EngineError
 from ddtree.engine.machine.host import DiskInfo, HostInfo, host_info
 from ddtree.engine.machine.hw import LINK_MEANING, GpuInfo, GpuView, format_cpulist, gpu_view
 from ddtree.engine.machine.placement import Placement, suggest
-from ddtree.engine.machine.preflight import estimate_vram
+from ddtree.engine.machine.preflight import MAX_TP, estimate_vram
 from ddtree.store.db import data_dir
 from ddtree.engine.units import plural
 
@@ -83,8 +83,9 @@ def _count(n: int) -> str:
 
 def fit(args: argparse.Namespace, view: GpuView | None) -> int:
     tp = 1 if args.tp is None else args.tp
-    if tp < 1:
-        raise HwInputError(f"--tp must be >= 1, got {tp}")
+    if not 1 <= tp <= MAX_TP:
+        # before the list of tp GPU sizes below is built
+        raise HwInputError(f"--tp must be 1..{MAX_TP}, got {tp}")
     if args.gpu_mem_gb is not None:
         if not 0 < args.gpu_mem_gb < 1e6:
             raise HwInputError(f"--gpu-mem-gb must be a positive number, got {args.gpu_mem_gb}")
@@ -119,6 +120,7 @@ def fit(args: argparse.Namespace, view: GpuView | None) -> int:
                  f"({est.mem_fraction:.2f} x {_size(est.gpu_total_bytes)})")
     lines.append(f"  {'fits' if est.fits else 'does NOT fit'}; room for {est.max_tokens:,} KV tokens "
                  f"(context x concurrency) at tp {tp}")
+    lines += [f"  note: {note}" for note in est.notes]
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
