@@ -123,3 +123,15 @@ def test_disk_used_is_df_use_percent(report):
                            free=45 * 10**9)]
     row = hw_cmd.render(view, host).splitlines()[-1]
     assert row.split() == ["data", "/d", "/", "ext4", "45.0", "100.0", "53%"]
+
+
+def test_tp_on_a_machine_without_gpu_is_a_note(tmp_path):
+    """--help says --tp adds suggestions: with no GPU the view still prints and says there is none to place on."""
+    path = tmp_path / "nogpu.json"
+    path.write_text(json.dumps({"gpus": [], "links": [], "reason": "no NVIDIA driver"}))
+    rc, out = run_hw(["--from", str(path), "--tp", "2"])
+    assert rc == 0 and out.splitlines() == ["GPUs: none (no NVIDIA driver)", "", "Placement for TP 2: no GPU to place on"]
+    rc, out = run_hw(["--from", str(path), "--tp", "2", "--json"])
+    assert rc == 0 and json.loads(out)["placement"] == {"tp": 2, "suggestions": [], "note": "no GPU to place on"}
+    rc, out = run_hw(["--from", str(path), "--tp", "0"])
+    assert rc == 2 and "must be a positive integer" in out
