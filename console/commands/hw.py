@@ -2,7 +2,8 @@
 
 `--json` prints what the table shows as one JSON object (the GPU view plus a `host` key), which
 `--from FILE` reads back, so a report recorded on one machine can be viewed (and placed) on another.
-`--tp N` adds the best GPU sets for tensor-parallel size N and how to pin a server next to them.
+`--tp N` adds the best GPU sets for tensor-parallel size N and how to pin a server next to them (on a
+machine without a GPU, a note that there is none to place on).
 `--fit MODEL_DIR` prints instead a VRAM estimate for serving that local model at tp N (default 1):
 weights from its safetensors headers (+ `--draft DIR`), KV cache per token from its config.json times
 `--context` x `--concurrency`, against the memory of this machine's first N GPUs (or `--gpu-mem-gb`).
@@ -15,15 +16,17 @@ import json
 import sys
 from pathlib import Path
 
+from ddtree.console.disks import disk_figures
 from ddtree.engine.errors import EngineError
-from ddtree.engine.machine.host import HostInfo, host_info
+from ddtree.engine.machine.host import DiskInfo, HostInfo, host_info
 from ddtree.engine.machine.hw import LINK_MEANING, GpuInfo, GpuView, format_cpulist, gpu_view
-from ddtree.engine.machine.placement import Placement, suggest
-from ddtree.engine.machine.preflight import estimate_vram
+from ddtree.engine.machine.placement import Placement, check_tp, suggest
+from ddtree.engine.machine.preflight import MAX_TP, estimate_vram
 from ddtree.store.db import data_dir
 from ddtree.engine.units import plural
 
 GIB = 1024**3
+NO_GPU_NOTE = "no GPU to place on"
 
 
 class HwInputError(EngineError):
@@ -36,7 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                           "NVLink, processes), the GPU-to-GPU link matrix, NUMA nodes, CPU, memory "
                                           "and the disks that hold the HF cache and the data folder.")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--tp", type=int, metavar="N", help="also suggest GPU sets for tensor-parallel size N (with --fit: the tp to estimate at, default 1)")
+    p.add_argument("--tp", type=int, metavar="N", help="also suggest GPU sets for tensor-parallel size N, or note that there is no GPU to place on "
+                        "(with --fit: the tp to estimate at, default 1)")
     p.add_argument("--from", dest="from_file", metavar="FILE", help="show a report saved with --json instead")
     fit = p.add_argument_group("VRAM fit estimate",
                                "weights from the safetensors headers plus the KV cache from config.json "
@@ -52,7 +56,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def collect(args: argparse.Namespace) -> tuple[GpuView, HostInfo | None]:
-    if args.from_file:
+    if args.from_file is not None:
+        if not args.from_file.strip():
+            raise HwInputError("--from needs a file name, got an empty one", "write one with `ddtree-console hw --json`")
         try:
             data = json.loads(Path(args.from_file).read_text())
         except OSError as exc:
@@ -80,8 +86,9 @@ def _count(n: int) -> str:
 
 def fit(args: argparse.Namespace, view: GpuView | None) -> int:
     tp = 1 if args.tp is None else args.tp
-    if tp < 1:
-        raise HwInputError(f"--tp must be >= 1, got {tp}")
+    if not 1 <= tp <= MAX_TP:
+        # before the list of tp GPU sizes below is built
+        raise HwInputError(f"--tp must be 1..{MAX_TP}, got {tp}")
     if args.gpu_mem_gb is not None:
         if not 0 < args.gpu_mem_gb < 1e6:
             raise HwInputError(f"--gpu-mem-gb must be a positive number, got {args.gpu_mem_gb}")
@@ -116,6 +123,7 @@ def fit(args: argparse.Namespace, view: GpuView | None) -> int:
                  f"({est.mem_fraction:.2f} x {_size(est.gpu_total_bytes)})")
     lines.append(f"  {'fits' if est.fits else 'does NOT fit'}; room for {est.max_tokens:,} KV tokens "
                  f"(context x concurrency) at tp {tp}")
+    lines += [f"  note: {note}" for note in est.notes]
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
@@ -130,13 +138,17 @@ def run(args: argparse.Namespace) -> int:
     view, host = collect(args)
     placements: list[Placement] = []
     if args.tp is not None:
-        numa = host.numa if host else None
-        placements = suggest(view.gpus, view.links, args.tp, numa=numa, limit=3)
+        check_tp(args.tp)
+        # no GPU is what the machine view already says, not a mistake in the command: the view still prints
+        if view.gpus:
+            placements = suggest(view.gpus, view.links, args.tp, numa=host.numa if host else None, limit=3)
     if args.json:
         out = view.to_dict()
         out["host"] = host.to_dict() if host else None
         if args.tp is not None:
             out["placement"] = {"tp": args.tp, "suggestions": [p.to_dict() for p in placements]}
+            if not view.gpus:
+                out["placement"]["note"] = NO_GPU_NOTE
         json.dump(out, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
@@ -219,8 +231,13 @@ def _host(host: HostInfo) -> list[str]:
     out += ["", "Disks"]
     out += _table(["Role", "Path", "Mount", "FS", "Free GB", "Total GB", "Used"],
                   [[d.role, d.path, d.mount or "?", d.fstype or "?", f"{d.free / 1e9:.1f}", f"{d.total / 1e9:.1f}",
-                    f"{100 * d.used / d.total:.0f}%" if d.total else "?"] for d in host.disks])
+                    _used_pct(d)] for d in host.disks])
     return out
+
+
+def _used_pct(d: DiskInfo) -> str:
+    pct = disk_figures(d.total, d.used, d.free).used_pct
+    return "?" if pct is None else f"{pct}%"
 
 
 def _placements(tp: int, placements: list[Placement]) -> list[str]:
@@ -253,6 +270,8 @@ def render(view: GpuView, host: HostInfo | None, placements: list[Placement] | N
         lines.append(f"GPUs: none ({view.reason or 'unknown reason'})")
     if placements:
         lines += ["", *_placements(tp or len(placements[0].gpus), placements)]
+    elif tp is not None and not view.gpus:
+        lines += ["", f"Placement for TP {tp}: {NO_GPU_NOTE}"]
     if host is not None:
         lines += ["", *_host(host)]
     return "\n".join(lines) + "\n"

@@ -116,6 +116,12 @@ class DownloadSpec:
         for glob in (*self.include, *self.exclude):
             if not isinstance(glob, str) or not glob.strip() or _BAD_GLOB.search(glob):
                 raise DownloadInputError(f"bad glob: {glob!r}", "a pattern relative to the repo root, e.g. '*.safetensors'")
+        # "" is a slip, not "here" or "the cache": refused so that every use of these reads None alone as unset
+        for name, flag in (("local_dir", "--local-dir"), ("cache_dir", "cache_dir")):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise DownloadInputError(f"{flag} needs a folder name, got {value!r}",
+                                         "leave it out to download into the HF cache")
         if self.repo_type not in ("model", "dataset", "space"):
             raise DownloadInputError(f"unknown repo type {self.repo_type!r}", "model, dataset or space")
         if self.reserve_bytes is not None and (not isinstance(self.reserve_bytes, int) or self.reserve_bytes < 0):
@@ -324,7 +330,7 @@ class DownloadPlan:
 def _repo_folder(spec: DownloadSpec) -> Path:
     from huggingface_hub import constants
 
-    cache = Path(spec.cache_dir or constants.HF_HUB_CACHE).expanduser()
+    cache = Path(spec.cache_dir if spec.cache_dir is not None else constants.HF_HUB_CACHE).expanduser()
     return cache / f"{spec.repo_type}s--{spec.repo_id.replace('/', '--')}"
 
 
@@ -351,7 +357,7 @@ def plan(spec: DownloadSpec, *, usage: DiskUsage = _disk_usage) -> DownloadPlan:
     from huggingface_hub.hf_api import RepoFile
     from huggingface_hub.utils import filter_repo_objects
 
-    target = Path(spec.local_dir).expanduser() if spec.local_dir else _repo_folder(spec)
+    target = Path(spec.local_dir).expanduser() if spec.local_dir is not None else _repo_folder(spec)
     _check_writable(target)
     api = HfApi(endpoint=spec.endpoint)
     try:
@@ -590,7 +596,7 @@ class Download:
         }
 
     def _snapshot_path(self) -> str:
-        if self.plan.spec.local_dir:
+        if self.plan.spec.local_dir is not None:
             return str(Path(self.plan.spec.local_dir).expanduser().resolve())
         return str(_repo_folder(self.plan.spec) / "snapshots" / self.plan.commit)
 
@@ -599,7 +605,7 @@ class Download:
         by repo id and branch name works offline afterwards."""
         spec = self.plan.spec
         revision = spec.revision or "main"
-        if spec.local_dir or re.fullmatch(r"[0-9a-f]{40}", revision):
+        if spec.local_dir is not None or re.fullmatch(r"[0-9a-f]{40}", revision):
             return
         ref = _repo_folder(spec) / "refs" / revision
         ref.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from ddtree.engine.machine.hw import parse_cpulist
+from ddtree.engine.machine.hw import parse_cpulist, report_fields
 
 
 @dataclass
@@ -60,12 +60,14 @@ class HostInfo:
     @classmethod
     def from_dict(cls, data: dict) -> HostInfo:
         data = dict(data)
-        data["numa"] = [NumaNode(**n) for n in data.get("numa", [])]
-        data["disks"] = [DiskInfo(**d) for d in data.get("disks", [])]
+        data["numa"] = [NumaNode(**report_fields(NumaNode, n)) for n in data.get("numa") or []]
+        data["disks"] = [DiskInfo(**report_fields(DiskInfo, d)) for d in data.get("disks") or []]
+        data = report_fields(cls, data)
         if data.get("load_avg") is not None:
+            if len(data["load_avg"]) != 3:
+                raise ValueError(f"load_avg is {data['load_avg']!r:.40}")
             data["load_avg"] = tuple(data["load_avg"])
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**data)
 
 
 def _meminfo_kb(text: str, key: str) -> int | None:

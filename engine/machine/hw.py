@@ -15,11 +15,15 @@ import math
 import os
 import threading
 import time
+import types
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
+
+from ddtree.engine.units import plural
 
 # NVML's common-ancestor levels, named as `nvidia-smi topo -m` names them.
 TOPOLOGY_NAMES = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
@@ -109,10 +113,43 @@ class GpuInfo:
     @classmethod
     def from_dict(cls, data: dict) -> GpuInfo:
         data = dict(data)
-        data["nvlinks"] = [NvLink(**x) for x in data.get("nvlinks", [])]
-        data["processes"] = [GpuProcess(**x) for x in data.get("processes", [])]
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
+        data["nvlinks"] = [NvLink(**report_fields(NvLink, x)) for x in data.get("nvlinks") or []]
+        data["processes"] = [GpuProcess(**report_fields(GpuProcess, x)) for x in data.get("processes") or []]
+        return cls(**report_fields(cls, data))
+
+
+def report_fields(cls: type, data: dict) -> dict:
+    """The fields of dataclass `cls` found in `data` (a report read back from JSON), others dropped.
+
+    ValueError names the first whose value is not of its annotated type: the tables do arithmetic
+    on these values, so a report edited by hand must fail here with a line, not there with a traceback.
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"expected an object for {cls.__name__}, got {data!r:.40}")
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for key, value in data.items():
+        if key in hints:
+            if not _is_a(value, hints[key]):
+                raise ValueError(f"{key} is {value!r:.40}")
+            out[key] = value
+    return out
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_is_a(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint in (int, float):
+        # an int is a fine float (JSON writes 80.0 as 80 from some writers); a bool is no number here
+        return isinstance(value, int if hint is int else (int, float)) and not isinstance(value, bool)
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and all(_is_a(x, args[0]) for x in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_is_a(k, args[0]) and _is_a(v, args[1]) for k, v in value.items())
+    return isinstance(value, hint)
 
 
 @dataclass
@@ -134,9 +171,21 @@ class GpuView:
 
     @classmethod
     def from_dict(cls, data: dict) -> GpuView:
+        """The inverse of `to_dict`; ValueError (or TypeError) for data it did not write.
+
+        `view()` always writes both lists, the link matrix n x n for n GPUs (empty with no GPU),
+        so a missing or ragged one means the data is not a report, not an optional part left out."""
+        gpus, links = data.get("gpus"), data.get("links")
+        if not isinstance(gpus, list) or not isinstance(links, list):
+            raise ValueError("no 'gpus' and 'links' lists")
+        n = len(gpus)
+        if len(links) != n or any(not isinstance(row, list) or len(row) != n for row in links):
+            raise ValueError(f"the link matrix is not {n} x {n} for {plural(n, 'GPU')}")
+        if not all(isinstance(level, str) for row in links for level in row):
+            raise ValueError("the link matrix holds something other than link names")
         return cls(
-            gpus=[GpuInfo.from_dict(g) for g in data.get("gpus", [])],
-            links=[list(row) for row in data.get("links", [])],
+            gpus=[GpuInfo.from_dict(g) for g in gpus],
+            links=[list(row) for row in links],
             driver_version=data.get("driver_version"),
             cuda_driver_version=data.get("cuda_driver_version"),
             reason=data.get("reason"),

@@ -68,11 +68,16 @@ def _score(combo: tuple[int, ...], gpus: dict[int, GpuInfo], links: list[list[st
     return (busy, len(nodes), worst, total, degraded, combo)
 
 
+def check_tp(tp: int) -> None:
+    """Refuse a tensor-parallel size no machine could place."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise PlacementError(f"tensor-parallel size must be a positive integer, got {tp!r}")
+
+
 def suggest(gpus: list[GpuInfo], links: list[list[str]], tp: int, *, numa: list[NumaNode] | None = None,
             limit: int = 3, exclude: tuple[int, ...] = ()) -> list[Placement]:
     """The best `limit` GPU sets of size `tp`, best first."""
-    if not isinstance(tp, int) or tp < 1:
-        raise PlacementError(f"tensor-parallel size must be a positive integer, got {tp!r}")
+    check_tp(tp)
     candidates = [g for g in gpus if g.index not in set(exclude)]
     if not gpus:
         raise PlacementError("no GPU to place on", "ddtree-console hw shows what NVML sees")

@@ -35,6 +35,11 @@ DEFAULT_KV_MIN_FRACTION = 0.10
 # Memory held per GPU by something else before we start: a CUDA context of an idle process is a
 # few hundred MiB, so more than this means another workload.
 BUSY_BYTES = 2 * GiB
+# Bounds for the estimate's inputs: past them a typo, not a plan (no model reads 16M tokens, no
+# server runs a million sequences at once or spans 1024 GPUs with one tp group).
+MAX_CONTEXT = 1 << 24
+MAX_CONCURRENCY = 1 << 20
+MAX_TP = 1024
 
 
 class PreflightError(EngineError):
@@ -301,6 +306,15 @@ class KvLayout:
             return float(self.bytes_per_token)
         return self.bytes_per_token / tp if self.kv_heads >= tp else float(self.bytes_per_token) / self.kv_heads
 
+    def tp_split_problem(self, tp: int) -> str | None:
+        """Why SGLang and vLLM would refuse this tp for these KV heads, or None: each splits the heads
+        evenly over tp (kv_heads % tp == 0) or gives every head the same number of GPUs
+        (tp % kv_heads == 0). MLA's one latent is replicated, which any tp allows."""
+        if self.mla or tp <= 1 or (self.kv_heads % tp == 0 if self.kv_heads >= tp else tp % self.kv_heads == 0):
+            return None
+        return (f"tp {tp} cannot split {self.kv_heads} KV heads evenly (SGLang and vLLM need one to divide the "
+                f"other), so a server refuses this tp; the KV figures assume it could")
+
     def to_dict(self) -> dict:
         return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim, "factor": self.factor,
                 "dtype_bytes": self.dtype_bytes, "mla": self.mla, "bytes_per_token": self.bytes_per_token}
@@ -384,6 +398,12 @@ class VramEstimate:
         per_token = self.kv.per_gpu_per_token(self.tp)
         return max(0, int((self.per_gpu_budget - self.per_gpu_weights) // per_token)) if per_token else 0
 
+    @property
+    def notes(self) -> list[str]:
+        """What makes the figures doubtful for a real server (a tp the engines refuse)."""
+        problem = self.kv.tp_split_problem(self.tp)
+        return [problem] if problem else []
+
     def describe(self) -> str:
         draft = f" + drafter {_gb(self.draft_weights.bytes)}" if self.draft_weights else ""
         return (f"weights {_gb(self.weights.bytes)}{draft} ({self.weights.params / 1e9:.2f} B params) over tp {self.tp} "
@@ -402,7 +422,7 @@ class VramEstimate:
                 "weights_bytes": self.weights_bytes, "kv_bytes": self.kv_bytes,
                 "per_gpu_weights": self.per_gpu_weights, "per_gpu_kv": self.per_gpu_kv,
                 "per_gpu_needed": self.per_gpu_needed, "per_gpu_budget": self.per_gpu_budget,
-                "max_tokens": self.max_tokens, "fits": self.fits}
+                "max_tokens": self.max_tokens, "fits": self.fits, "notes": self.notes}
 
 
 def estimate_vram(model_dir: str | os.PathLike, gpu_total_bytes: Sequence[int], tp: int = 1, *,
@@ -410,13 +430,15 @@ def estimate_vram(model_dir: str | os.PathLike, gpu_total_bytes: Sequence[int], 
                   kv_dtype_bytes: int | None = None, mem_fraction: float = DEFAULT_MEM_FRACTION) -> VramEstimate:
     """Weights (safetensors headers) + KV cache (config) per GPU against the chosen GPUs' memory.
     The drafter's own KV cache is small (a few layers over one block) and is not counted."""
-    if not isinstance(context, int) or context < 1:
-        raise PreflightError(f"context must be >= 1 tokens, got {context!r}")
-    if not isinstance(concurrency, int) or concurrency < 1:
-        raise PreflightError(f"concurrency must be >= 1, got {concurrency!r}")
+    if not isinstance(context, int) or not 1 <= context <= MAX_CONTEXT:
+        raise PreflightError(f"context must be 1..{MAX_CONTEXT:,} tokens, got {context!r}")
+    if not isinstance(concurrency, int) or not 1 <= concurrency <= MAX_CONCURRENCY:
+        raise PreflightError(f"concurrency must be 1..{MAX_CONCURRENCY:,}, got {concurrency!r}")
     if not 0 < mem_fraction <= 1:
         raise PreflightError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
-    if not isinstance(tp, int) or tp < 1 or len(gpu_total_bytes) < tp:
+    if not isinstance(tp, int) or not 1 <= tp <= MAX_TP:
+        raise PreflightError(f"tp must be 1..{MAX_TP}, got {tp!r}")
+    if len(gpu_total_bytes) < tp:
         raise PreflightError(f"tp {tp} needs {tp} GPUs, {len(gpu_total_bytes)} given")
     weights = safetensors_weights(model_dir)
     kv = kv_layout(load_config(model_dir), kv_dtype_bytes=kv_dtype_bytes)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ddtree.console.commands import hw as hw_cmd
-from ddtree.engine.machine.host import host_info, numa_nodes
+from ddtree.engine.machine.host import DiskInfo, host_info, numa_nodes
 from ddtree.engine.machine.hw import Nvml
 from ddtree.engine.machine.placement import suggest
 
@@ -90,3 +90,48 @@ def test_bad_from_file(tmp_path):
     assert run_hw(["--from", str(tmp_path / "missing.json")])[0] == 2
     bad.write_text("[1, 2]")
     assert run_hw(["--from", str(bad)])[0] == 2
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda d: d.update(gpus=[{"index": 0}]), "the link matrix is not 1 x 1 for 1 GPU"),
+    (lambda d: d.update(links=d["links"][:-1]), "the link matrix is not 8 x 8 for 8 GPUs"),
+    (lambda d: d["links"][0].__setitem__(1, 5), "the link matrix holds something other than link names"),
+    (lambda d: d.clear(), "no 'gpus' and 'links' lists"),
+    (lambda d: d["gpus"][2].update(memory_used="62 GiB"), "memory_used is '62 GiB'"),
+    (lambda d: d["host"]["disks"][0].update(free=None), "free is None"),
+    (lambda d: d["host"].update(load_avg=[1.0]), "load_avg is [1.0]"),
+])
+def test_malformed_report_is_one_line_exit_2(report, edit, words):
+    """A report `hw --json` did not write (edited by hand, cut short) is refused before any table."""
+    _, _, path = report
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    assert run_hw(["--from", str(path)]) == (2, f"error: {path} is not a hw report ({words})")
+
+
+def test_empty_from_path_is_refused_not_the_live_machine():
+    rc, out = run_hw(["--from", ""])
+    assert rc == 2 and out.startswith("error: --from needs a file name")
+
+
+def test_disk_used_is_df_use_percent(report):
+    """df's Use% is used / (used + available): ext4's root reserve (here 5 of 100) is not space a user
+    can fill, so 50 used reads 53%, not 50% of the size; the overview's disk lines say the same."""
+    view, host, _ = report
+    host.disks = [DiskInfo(role="data", path="/d", mount="/", fstype="ext4", total=100 * 10**9, used=50 * 10**9,
+                           free=45 * 10**9)]
+    row = hw_cmd.render(view, host).splitlines()[-1]
+    assert row.split() == ["data", "/d", "/", "ext4", "45.0", "100.0", "53%"]
+
+
+def test_tp_on_a_machine_without_gpu_is_a_note(tmp_path):
+    """--help says --tp adds suggestions: with no GPU the view still prints and says there is none to place on."""
+    path = tmp_path / "nogpu.json"
+    path.write_text(json.dumps({"gpus": [], "links": [], "reason": "no NVIDIA driver"}))
+    rc, out = run_hw(["--from", str(path), "--tp", "2"])
+    assert rc == 0 and out.splitlines() == ["GPUs: none (no NVIDIA driver)", "", "Placement for TP 2: no GPU to place on"]
+    rc, out = run_hw(["--from", str(path), "--tp", "2", "--json"])
+    assert rc == 0 and json.loads(out)["placement"] == {"tp": 2, "suggestions": [], "note": "no GPU to place on"}
+    rc, out = run_hw(["--from", str(path), "--tp", "0"])
+    assert rc == 2 and "must be a positive integer" in out

@@ -144,3 +144,31 @@ def test_fit_path_does_not_import_torch(tmp_path):
             f"estimate_vram({str(model)!r}, [10**9]); assert 'torch' not in sys.modules "
             "and 'safetensors' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--context", "99999999999999999999"], "context must be 1..16,777,216 tokens, got 99999999999999999999"),
+    (["--concurrency", "1048577"], "concurrency must be 1..1,048,576, got 1048577"),
+    (["--tp", "99999999999"], "--tp must be 1..1024, got 99999999999"),  # once a MemoryError building the GPU list
+    (["--tp", "0"], "--tp must be 1..1024, got 0"),
+])
+def test_hw_fit_refuses_impossible_sizes(tmp_path, argv, words):
+    model = tiny_model(tmp_path / "m")
+    assert run_hw(["--fit", str(model), "--gpu-mem-gb", "80", *argv]) == (2, f"error: {words}")
+
+
+def test_hw_fit_warns_when_tp_cannot_split_the_kv_heads(tmp_path):
+    """The tiny model has 2 KV heads: tp 2 splits them, tp 4 gives each head two GPUs, tp 3 is what
+    SGLang and vLLM refuse; the estimate still prints (the launch path does not refuse it either)."""
+    model = tiny_model(tmp_path / "m")
+    for tp in ("2", "4"):
+        rc, out = run_hw(["--fit", str(model), "--gpu-mem-gb", "80", "--tp", tp])
+        assert rc == 0 and "note:" not in out
+    rc, out = run_hw(["--fit", str(model), "--gpu-mem-gb", "80", "--tp", "3"])
+    assert rc == 0 and "VRAM fit:" in out
+    assert out.splitlines()[-1].startswith("  note: tp 3 cannot split 2 KV heads evenly")
+    rc, out = run_hw(["--fit", str(model), "--gpu-mem-gb", "80", "--tp", "3", "--json"])
+    notes = json.loads(out)["notes"]
+    assert len(notes) == 1 and notes[0].startswith("tp 3 cannot split 2 KV heads evenly")
+    mla = kv_layout(KIMI_K2)
+    assert mla.tp_split_problem(3) is None  # one latent, replicated on every GPU

@@ -93,6 +93,9 @@ def test_foreground_download(hub, tmp_path, env):
     (["not a repo"], 2, "error: not a Hugging Face repo id: 'not a repo'"),
     (["acme/tiny", "--reserve-gb", "-1"], 2, "argument --reserve-gb"),
     (["acme/tiny", "--max-workers", "0"], 2, "max_workers must be in 1..64"),
+    # an empty folder name is a slip, not "here": the plan and the "done" check once read it two ways
+    (["acme/tiny", "--local-dir", "", "--dry-run"], 2, "error: --local-dir needs a folder name, got ''"),
+    (["acme/tiny", "--local-dir", " ", "--dry-run"], 2, "error: --local-dir needs a folder name, got ' '"),
 ])
 def test_bad_input_is_one_line(hub, env, argv, code, words):
     rc, out, err = run_dl(argv, env)
