@@ -44,10 +44,12 @@ def _seconds(text: str) -> float:
 
 
 def limit(text: str) -> int:
-    """argparse type of --limit: a count of rows, at least 1."""
+    """argparse type of --limit: a count of rows, 1..2**63-1 (SQLite binds it as a 64-bit integer)."""
     value = number(text, "a number of rows")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value > MAX_ID:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_ID}, got {text}")
     return value
 
 

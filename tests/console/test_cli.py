@@ -56,7 +56,8 @@ def test_usage_errors_exit_2(capsys):
              ("nope",): "invalid choice: 'nope'", ("jobs", "cancel", "1", "--grace", "-1"): "--grace",
              ("serve", "--port", "99999"): "ddtree-console serve --help",
              ("export", "1", "--format", "xls"): "invalid choice: 'xls'", ("export",): "RUN_ID",
-             ("jobs", "--limit", "0"): "--limit: must be at least 1", ("runs", "--limit", "-1"): "at least 1"}
+             ("jobs", "--limit", "0"): "--limit: must be at least 1", ("runs", "--limit", "-1"): "at least 1",
+             ("jobs", "--limit", str(2**70)): "--limit: must be at most", ("runs", "--limit", str(2**63)): "at most"}
     for argv, expected in cases.items():
         with pytest.raises(SystemExit) as exit_:
             cli.main(list(argv))
