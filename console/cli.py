@@ -51,6 +51,21 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {one_line(message, None)} (see `{self.prog} --help`)\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        # The innermost subcommand parser returns first and its parents keep its mark, so leftover
+        # arguments are blamed on the command they were given to (`jobs show 1 2` -> its --help).
+        if extras and not hasattr(parsed, "_innermost_parser"):
+            parsed._innermost_parser = self
+        return parsed, extras
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        innermost = vars(parsed).pop("_innermost_parser", self)
+        if extras:
+            innermost.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
 
 def distribution_version() -> str:
     from importlib.metadata import PackageNotFoundError, version

@@ -57,7 +57,12 @@ def test_usage_errors_exit_2(capsys):
              ("serve", "--port", "99999"): "ddtree-console serve --help",
              ("export", "1", "--format", "xls"): "invalid choice: 'xls'", ("export",): "RUN_ID",
              ("jobs", "--limit", "0"): "--limit: must be at least 1", ("runs", "--limit", "-1"): "at least 1",
-             ("jobs", "--limit", str(2**70)): "--limit: must be at most", ("runs", "--limit", str(2**63)): "at most"}
+             ("jobs", "--limit", str(2**70)): "--limit: must be at most", ("runs", "--limit", str(2**63)): "at most",
+             # leftovers are blamed on the command they were given to, not on the top level
+             ("jobs", "show", "1", "2"): "unrecognized arguments: 2 (see `ddtree-console jobs show --help`)",
+             ("runs", "extra"): "(see `ddtree-console runs --help`)",
+             ("jobs", "--bogus"): "(see `ddtree-console jobs --help`)",
+             ("--bogus", "jobs"): "(see `ddtree-console --help`)"}
     for argv, expected in cases.items():
         with pytest.raises(SystemExit) as exit_:
             cli.main(list(argv))
