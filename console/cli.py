@@ -28,7 +28,7 @@ _FALLBACK_HELP = {
     "sweep": "run a benchmark sweep from a recipe",
     "download": "download a model or drafter from the hub",
     "hw": "show GPUs, links, NUMA nodes, CPU, memory and disks",
-    "jobs": "list, cancel and follow jobs",
+    "jobs": "list, show, start, cancel and follow jobs",
     "runs": "list benchmark runs",
     "export": "export a run as csv, json, markdown or a recipe",
 }

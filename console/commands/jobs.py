@@ -1,6 +1,6 @@
 """`ddtree-console jobs`: list, inspect, start, cancel and follow jobs.
 
-    jobs [--json] [--all] [--limit N]
+    jobs [--json] [--limit N | --all]
     jobs show ID [--json]
     jobs cancel ID [--grace S]
     jobs logs ID [--follow] [--process NAME]
@@ -54,20 +54,24 @@ def limit(text: str) -> int:
 
 
 def list_parser(subparsers: argparse._SubParsersAction, name: str, *, help: str, description: str,
-                limit_default: int | None, limit_help: str) -> argparse.ArgumentParser:
-    """The parser of a command that lists rows (`jobs`, `runs`): --json and --limit N, alike in both."""
+                limit_default: int | None, limit_help: str, all_help: str | None = None) -> argparse.ArgumentParser:
+    """The parser of a command that lists rows (`jobs`, `runs`): --json and --limit N, alike in both;
+    with `all_help`, an --all that --limit cannot be given with (one of them would be ignored)."""
     p = subparsers.add_parser(name, help=help, description=description)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--limit", type=limit, default=limit_default, metavar="N", help=limit_help)
+    how_many = p.add_mutually_exclusive_group()
+    how_many.add_argument("--limit", type=limit, default=limit_default, metavar="N", help=limit_help)
+    if all_help:
+        how_many.add_argument("--all", action="store_true", help=all_help)
     return p
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = list_parser(subparsers, "jobs", help="list, cancel and follow jobs (downloads, engines, sweeps)",
+    p = list_parser(subparsers, "jobs", help="list, show, start, cancel and follow jobs (downloads, engines, sweeps)",
                     description="Jobs are rows in the store plus a detached runner process each; they outlive "
                     "this terminal. Without a subcommand, list them (newest first; dead runners are marked lost "
-                    "first).", limit_default=50, limit_help="how many jobs to list (default 50)")
-    p.add_argument("--all", action="store_true", help="list every job (default: the newest 50)")
+                    "first).", limit_default=50, limit_help="how many jobs to list (default 50)",
+                    all_help="list every job (default: the newest 50)")
     sub = p.add_subparsers(dest="jobs_command", metavar="SUBCOMMAND", title="subcommands")
 
     show = sub.add_parser("show", help="one job: spec, result, state history, child processes",
@@ -99,6 +103,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     submit.add_argument("--json", action="store_true", help="print the job as JSON when it returns")
     for nested in (show, cancel, logs, submit):
         nested.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS, help="the SQLite store")
+    # argparse's usage shows the subcommand as required, but plain `jobs` lists. Set only now:
+    # add_subparsers builds the subcommands' prog from the usage.
+    p.usage = ("%(prog)s [-h] [--json] [--limit N | --all] [--db PATH]\n"
+               f"       %(prog)s {{{','.join(sub.choices)}}} ...")
 
 
 def run(args: argparse.Namespace) -> int:

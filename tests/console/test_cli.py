@@ -50,6 +50,17 @@ def test_help_of_every_command(capsys, argv):
             assert command in out
 
 
+def test_jobs_help_says_what_it_does_and_that_the_subcommand_is_optional(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "list, show, start, cancel and follow jobs" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["jobs", "--help"])
+    usage = capsys.readouterr().out.split("\n\n")[0].splitlines()
+    assert usage == ["usage: ddtree-console jobs [-h] [--json] [--limit N | --all] [--db PATH]",
+                     "       ddtree-console jobs {show,cancel,logs,submit} ..."]
+
+
 def test_usage_errors_exit_2(capsys):
     # argparse's own errors follow the house format too: one line `error: ... (hint)`, exit 2.
     cases = {("jobs", "cancel", "x"): "ddtree-console jobs cancel --help", ("jobs", "cancel"): "required: id",
@@ -62,7 +73,8 @@ def test_usage_errors_exit_2(capsys):
              ("jobs", "show", "1", "2"): "unrecognized arguments: 2 (see `ddtree-console jobs show --help`)",
              ("runs", "extra"): "(see `ddtree-console runs --help`)",
              ("jobs", "--bogus"): "(see `ddtree-console jobs --help`)",
-             ("--bogus", "jobs"): "(see `ddtree-console --help`)"}
+             ("--bogus", "jobs"): "(see `ddtree-console --help`)",
+             ("jobs", "--all", "--limit", "2"): "--limit: not allowed with argument --all"}
     for argv, expected in cases.items():
         with pytest.raises(SystemExit) as exit_:
             cli.main(list(argv))
