@@ -248,11 +248,11 @@ def _submit(args: argparse.Namespace) -> int:
         print(json.dumps(job_dict(job), indent=2))
     elif args.detach:
         print(f"job {job_id} started; follow it with `ddtree-console jobs logs {job_id} --follow`")
+    elif job.state == "succeeded":
+        print(f"job {job_id} succeeded")
     else:
-        print(f"job {job_id} {job.state}" + (f" ({fmt.printable(job.error)})" if job.error else ""))
-        if job.state != "succeeded":
-            print(f"error: job {job_id} {job.state}" + (f": {fmt.one_line(job.error, 400)}" if job.error else ""),
-                  file=sys.stderr)
+        print(f"error: job {job_id} {job.state}" + (f": {fmt.one_line(job.error, 400)}" if job.error else ""),
+              file=sys.stderr)
     if args.detach:
         return 0
     return 0 if job.state == "succeeded" else 1

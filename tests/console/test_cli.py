@@ -212,8 +212,12 @@ def test_cancel_from_the_cli(db_path, capsys):
 
 
 def test_foreground_submit_reports_the_outcome(db_path, capsys):
-    code, out, _ = main(capsys, "jobs", "submit", "sleep", "--spec", '{"seconds": 0, "fail": true, "message": "nope"}')
-    assert code == 1 and "failed (RuntimeError: nope)" in out
+    code, out, err = main(capsys, "jobs", "submit", "sleep", "--spec", '{"seconds": 0, "fail": true, "message": "nope"}')
+    # the failure is one line, on stderr only
+    assert code == 1 and out == "" and err.endswith(" failed: RuntimeError: nope\n") and err.count("\n") == 1
+    assert err.startswith("error: job ")
+    code, out, err = main(capsys, "jobs", "submit", "sleep", "--spec", '{"seconds": 0}')
+    assert code == 0 and out.endswith(" succeeded\n") and err == ""
     code, out, _ = main(capsys, "jobs", "submit", "sleep", "--spec", '{"seconds": 0}', "--json")
     assert code == 0 and json.loads(out)["state"] == "succeeded"
 
