@@ -204,18 +204,27 @@ def _logs(args: argparse.Namespace) -> int:
         path = _log_path(db, job, args.process)
         if not args.follow:
             if not path.exists():
-                raise LogUnavailable(f"job {job.id} has no log yet", f"expected at {path}")
+                raise _no_log(job, path)
             _copy(path, 0)
             return 0
         offset = 0
         while True:
-            ended = get_job(db, args.id).terminal
+            job = get_job(db, args.id)
             # Read after checking the state, so lines written just before the end are not lost.
             if path.exists():
                 offset = _copy(path, offset)
-            if ended:
+            elif job.terminal:
+                raise _no_log(job, path)
+            if job.terminal:
                 return 0
             time.sleep(FOLLOW_POLL_S)
+
+
+def _no_log(job: Job, path: Path) -> LogUnavailable:
+    # Only a job that has not ended can still write one; an ended job's log was never written or removed.
+    if job.terminal:
+        return LogUnavailable(f"job {job.id} has no log", f"{job.state}; no file at {path}")
+    return LogUnavailable(f"job {job.id} has no log yet", f"expected at {path}")
 
 
 def _copy(path: Path, offset: int) -> int:

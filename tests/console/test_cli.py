@@ -126,12 +126,16 @@ def test_bad_input_is_one_line_exit_2(db_path, capsys):
         set_state(db, a, "starting")
         set_state(db, a, "running")
         set_state(db, a, "succeeded")
+        os.unlink(get_job(db, a).log_path)
     cases = [
         (["jobs", "cancel", "999"], "error: no job with id 999"),
         (["jobs", "cancel", str(a)], f"error: job {a} already succeeded"),
         (["jobs", "show", "999"], "error: no job with id 999"),
         (["jobs", "logs", "999"], "error: no job with id 999"),
         (["jobs", "logs", str(a), "--process", "server"], f"error: job {a} has no process named 'server'"),
+        # its runner never wrote a log: the same answer with or without --follow, and no "yet"
+        (["jobs", "logs", str(a)], f"error: job {a} has no log (succeeded; no file at "),
+        (["jobs", "logs", str(a), "--follow"], f"error: job {a} has no log (succeeded; no file at "),
         (["jobs", "submit", "nope"], "error: unknown job kind 'nope'"),
         (["jobs", "submit", "sleep", "--spec", "{bad"], "error: --spec is not valid JSON"),
         (["jobs", "submit", "sleep", "--spec", '{"seconds": -1}'], "error: sleep seconds must be"),
