@@ -145,6 +145,8 @@ def _command_in(argv: list[str]) -> str | None:
 def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, ModuleType | _Unavailable]]:
     """The parser; with `only`, just that command's (the others' modules are not imported, which
     keeps every command's start-up free of what the others pull in: the store, numpy, the planner)."""
+    from ddtree.console.commands import nonempty_path
+
     parser = _Parser(
         prog="ddtree-console",
         description=_DESCRIPTION,
@@ -153,7 +155,7 @@ def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {distribution_version()}")
     parser.add_argument(
-        "--db", metavar="PATH", default=None, help="the SQLite store (default: $DDTREE_DB, else under $XDG_DATA_HOME)"
+        "--db", metavar="PATH", type=nonempty_path, default=None, help="the SQLite store (default: $DDTREE_DB, else under $XDG_DATA_HOME)"
     )
     parser.add_argument(
         "--demo", action="store_true",
@@ -169,7 +171,8 @@ def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict
         # a global --db given before it.
         cmd_parser = sub.choices.get(name)
         if cmd_parser is not None and "--db" not in cmd_parser._option_string_actions:
-            cmd_parser.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS, help="the SQLite store")
+            cmd_parser.add_argument("--db", metavar="PATH", type=nonempty_path, default=argparse.SUPPRESS,
+                                    help="the SQLite store")
     return parser, modules
 
 
@@ -181,7 +184,7 @@ def _console_only(argv: list[str]) -> argparse.Namespace | None:
         token = rest.pop(0)
         if token == "--demo":
             demo = True
-        elif token == "--db" and rest and not rest[0].startswith("-"):
+        elif token == "--db" and rest and rest[0] and not rest[0].startswith("-"):
             db = rest.pop(0)
         elif token.startswith("--db=") and len(token) > len("--db="):
             db = token[len("--db="):]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddtree.console.commands import run_id
+from ddtree.console.commands import nonempty_path, run_id
 from ddtree.console.export import FORMATS, export_run, export_text
 from ddtree.store.db import open_db
 
@@ -21,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                           "summary), md (a table of the grid), recipe (TOML that reproduces it).")
     p.add_argument("run_id", type=run_id, metavar="RUN_ID", help="the run (see `ddtree-console runs`)")
     p.add_argument("--format", choices=FORMATS, default="csv", help="output format (default: csv)")
-    p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    p.add_argument("-o", "--output", metavar="FILE", type=nonempty_path, help="write to FILE instead of stdout (- for stdout)")
     p.set_defaults(command_module=__name__)
 
 

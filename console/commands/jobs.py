@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from ddtree.console import fmt
-from ddtree.console.commands import MAX_ID, number
+from ddtree.console.commands import MAX_ID, nonempty_path, number
 from ddtree.console.commands import job_id as _job_id
 from ddtree.jobs import supervisor
 from ddtree.jobs.errors import BadSpec, JobError
@@ -102,7 +102,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     submit.add_argument("--detach", action="store_true", help="return at once; the job outlives this terminal")
     submit.add_argument("--json", action="store_true", help="print the job as JSON when it returns")
     for nested in (show, cancel, logs, submit):
-        nested.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS, help="the SQLite store")
+        nested.add_argument("--db", metavar="PATH", type=nonempty_path, default=argparse.SUPPRESS, help="the SQLite store")
     # argparse's usage shows the subcommand as required, but plain `jobs` lists. Set only now:
     # add_subparsers builds the subcommands' prog from the usage.
     p.usage = ("%(prog)s [-h] [--json] [--limit N | --all] [--db PATH]\n"

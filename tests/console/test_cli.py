@@ -74,7 +74,11 @@ def test_usage_errors_exit_2(capsys):
              ("runs", "extra"): "(see `ddtree-console runs --help`)",
              ("jobs", "--bogus"): "(see `ddtree-console jobs --help`)",
              ("--bogus", "jobs"): "(see `ddtree-console --help`)",
-             ("jobs", "--all", "--limit", "2"): "--limit: not allowed with argument --all"}
+             ("jobs", "--all", "--limit", "2"): "--limit: not allowed with argument --all",
+             # an empty path is a mistake, not "use the default"
+             ("--db=", "jobs"): "--db: expected a path, got an empty string",
+             ("--db", ""): "--db: expected a path, got an empty string",
+             ("jobs", "show", "1", "--db", ""): "(see `ddtree-console jobs show --help`)"}
     for argv, expected in cases.items():
         with pytest.raises(SystemExit) as exit_:
             cli.main(list(argv))
