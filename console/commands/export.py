@@ -12,7 +12,7 @@ import sys
 
 from ddtree.console.commands import nonempty_path, run_id
 from ddtree.console.export import FORMATS, export_run, export_text
-from ddtree.store.db import open_db
+from ddtree.store.db import open_existing
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -26,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with open_db(getattr(args, "db", None)) as db:
+    with open_existing(getattr(args, "db", None)) as db:
         if args.output and args.output != "-":
             export_run(db, args.run_id, args.format, args.output)
         else:

@@ -22,7 +22,7 @@ from ddtree.console.commands import job_id as _job_id
 from ddtree.jobs import supervisor
 from ddtree.jobs.errors import BadSpec, JobError
 from ddtree.jobs.kinds import available_kinds
-from ddtree.store.db import open_db
+from ddtree.store.db import open_db, open_existing, writable
 from ddtree.store.queries import get_job, job_events, job_processes, list_jobs
 from ddtree.store.records import Job
 
@@ -127,8 +127,10 @@ def job_dict(job: Job) -> dict:
 
 
 def _list(args: argparse.Namespace) -> int:
-    supervisor.reconcile(args.db)
-    with open_db(args.db) as db:
+    with open_existing(args.db) as db:
+        # Marking dead runners lost writes; on storage this cannot write, no runner can be writing either.
+        if writable(args.db):
+            supervisor.reconcile(args.db)
         jobs = list_jobs(db, limit=None if args.all else args.limit)
     if args.json:
         print(json.dumps([job_dict(j) for j in jobs], indent=2))
@@ -149,7 +151,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    with open_db(args.db) as db:
+    with open_existing(args.db) as db:
         job = get_job(db, args.id)
         events = job_events(db, args.id)
         procs = job_processes(db, args.id)
@@ -199,7 +201,7 @@ def _log_path(db, job: Job, process: str | None) -> Path:
 
 
 def _logs(args: argparse.Namespace) -> int:
-    with open_db(args.db) as db:
+    with open_existing(args.db) as db:
         job = get_job(db, args.id)
         path = _log_path(db, job, args.process)
         if not args.follow:

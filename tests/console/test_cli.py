@@ -102,6 +102,7 @@ def test_multiline_error_messages_print_on_one_line(capsys, monkeypatch):
 
 
 def test_jobs_list_show_and_json(db_path, capsys):
+    open_db(db_path).close()
     code, out, _ = main(capsys, "jobs")
     assert code == 0 and "no jobs yet" in out
     with open_db(db_path) as db:
@@ -159,14 +160,55 @@ def test_bad_database_paths(tmp_path, capsys):
     assert code == 2 and err.startswith(f"error: {garbage} is not a SQLite database (")
     assert garbage.read_bytes() == before
     (tmp_path / "afile").write_text("")
-    code, _, err = main(capsys, "jobs", "--db", str(tmp_path / "afile" / "x.db"))
+    code, _, err = main(capsys, "jobs", "submit", "sleep", "--db", str(tmp_path / "afile" / "x.db"))
     assert code == 2 and "not a folder" in err
     parent = "/sys" if os.geteuid() == 0 else "/"
-    code, _, err = main(capsys, "runs", "--db", os.path.join(parent, "missing-dir", "x.db"))
+    code, _, err = main(capsys, "jobs", "submit", "sleep", "--db", os.path.join(parent, "missing-dir", "x.db"))
     assert code == 2 and err.startswith("error: cannot create folder") and "--db" in err
 
 
+@pytest.mark.parametrize("argv", [["runs"], ["jobs"], ["jobs", "show", "1"], ["jobs", "logs", "1"], ["export", "1"]])
+def test_read_commands_refuse_a_store_that_is_not_there(tmp_path, capsys, argv):
+    # a typo in --db must not be answered from a new, empty store left behind
+    path = tmp_path / "typo" / "x.db"
+    code, out, err = main(capsys, "--db", str(path), *argv)
+    assert code == 2 and out == ""
+    assert err.startswith(f"error: no store at {path} (") and err.count("\n") == 1
+    assert not (tmp_path / "typo").exists()
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+    """A folder on a read-only tmpfs, with a store holding one run and one job (root only)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(folder)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount to make read-only storage")
+    try:
+        path = folder / "ddtree.db"
+        with open_db(path) as db:
+            insert_row(db, "runs", {"name": "kept", "engine_kind": "builtin", "state": "done", "created_at": 1.0})
+            create_job(db, "sleep", {"seconds": 1.0, "fail": False, "message": ""}, name="nap")
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        yield path
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_read_commands_work_on_read_only_storage(read_only_mount, capsys):
+    code, out, err = main(capsys, "--db", str(read_only_mount), "runs")
+    assert (code, err) == (0, "") and "kept" in out
+    code, out, err = main(capsys, "--db", str(read_only_mount), "jobs")
+    assert (code, err) == (0, "") and "nap" in out
+    code, out, err = main(capsys, "--db", str(read_only_mount), "jobs", "show", "1")
+    assert (code, err) == (0, "") and "nap" in out
+    code, out, err = main(capsys, "--db", str(read_only_mount), "export", "1", "--format", "json")
+    assert (code, err) == (0, "") and json.loads(out)["run"]["name"] == "kept"
+
+
 def test_runs_table_filter_and_json(db_path, capsys):
+    open_db(db_path).close()
     code, out, _ = main(capsys, "runs")
     assert code == 0 and "no runs yet" in out
     with open_db(db_path) as db:
