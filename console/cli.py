@@ -28,7 +28,7 @@ _FALLBACK_HELP = {
     "sweep": "run a benchmark sweep from a recipe",
     "download": "download a model or drafter from the hub",
     "hw": "show GPUs, links, NUMA nodes, CPU, memory and disks",
-    "jobs": "list, cancel and follow jobs",
+    "jobs": "list, show, start, cancel and follow jobs",
     "runs": "list benchmark runs",
     "export": "export a run as csv, json, markdown or a recipe",
 }
@@ -41,6 +41,7 @@ Without a command it opens the terminal console."""
 _EPILOG = """\
 data: the store is a SQLite file at --db, else $DDTREE_DB, else
 $XDG_DATA_HOME/ddtree-console/ddtree.db (~/.local/share/...); logs sit beside it in logs/.
+Commands that only read it (runs, jobs, export) refuse a path where there is no store.
 Run `ddtree-console COMMAND --help` for a command's options."""
 
 
@@ -50,6 +51,21 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {one_line(message, None)} (see `{self.prog} --help`)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        # The innermost subcommand parser returns first and its parents keep its mark, so leftover
+        # arguments are blamed on the command they were given to (`jobs show 1 2` -> its --help).
+        if extras and not hasattr(parsed, "_innermost_parser"):
+            parsed._innermost_parser = self
+        return parsed, extras
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        innermost = vars(parsed).pop("_innermost_parser", self)
+        if extras:
+            innermost.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
 
 
 def distribution_version() -> str:
@@ -130,6 +146,8 @@ def _command_in(argv: list[str]) -> str | None:
 def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, ModuleType | _Unavailable]]:
     """The parser; with `only`, just that command's (the others' modules are not imported, which
     keeps every command's start-up free of what the others pull in: the store, numpy, the planner)."""
+    from ddtree.console.commands import nonempty_path
+
     parser = _Parser(
         prog="ddtree-console",
         description=_DESCRIPTION,
@@ -138,7 +156,7 @@ def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {distribution_version()}")
     parser.add_argument(
-        "--db", metavar="PATH", default=None, help="the SQLite store (default: $DDTREE_DB, else under $XDG_DATA_HOME)"
+        "--db", metavar="PATH", type=nonempty_path, default=None, help="the SQLite store (default: $DDTREE_DB, else under $XDG_DATA_HOME)"
     )
     parser.add_argument(
         "--demo", action="store_true",
@@ -154,7 +172,8 @@ def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict
         # a global --db given before it.
         cmd_parser = sub.choices.get(name)
         if cmd_parser is not None and "--db" not in cmd_parser._option_string_actions:
-            cmd_parser.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS, help="the SQLite store")
+            cmd_parser.add_argument("--db", metavar="PATH", type=nonempty_path, default=argparse.SUPPRESS,
+                                    help="the SQLite store")
     return parser, modules
 
 
@@ -166,7 +185,7 @@ def _console_only(argv: list[str]) -> argparse.Namespace | None:
         token = rest.pop(0)
         if token == "--demo":
             demo = True
-        elif token == "--db" and rest and not rest[0].startswith("-"):
+        elif token == "--db" and rest and rest[0] and not rest[0].startswith("-"):
             db = rest.pop(0)
         elif token.startswith("--db=") and len(token) > len("--db="):
             db = token[len("--db="):]

@@ -124,13 +124,19 @@ def _check_ours(db: Database, path: Path) -> None:
         )
 
 
-def connect(path: Path) -> Database:
-    """A connection with our pragmas, no checks, no migrations (used by `open_db`)."""
-    conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, check_same_thread=False)
-    db = Database(conn)
-    db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-    db.execute("PRAGMA synchronous = NORMAL")
-    db.execute("PRAGMA foreign_keys = ON")
+def connect(path: Path, uri_query: str | None = None) -> Database:
+    """A connection with our pragmas, no checks, no migrations (used by `open_db`). `uri_query`
+    opens the file as a URI with those parameters ("mode=ro")."""
+    target, uri = (f"{path.absolute().as_uri()}?{uri_query}", True) if uri_query else (str(path), False)
+    conn = sqlite3.connect(target, timeout=BUSY_TIMEOUT_S, check_same_thread=False, uri=uri)
+    try:
+        db = Database(conn)
+        db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        db.execute("PRAGMA synchronous = NORMAL")
+        db.execute("PRAGMA foreign_keys = ON")
+    except BaseException:
+        conn.close()  # the caller never gets it to close, and its descriptor would pin the file
+        raise
     return db
 
 
@@ -169,6 +175,61 @@ def open_db(path: str | os.PathLike | None = None) -> Database:
             db.close()
         raise
     return db
+
+
+def open_existing(path: str | os.PathLike | None = None) -> Database:
+    """Open the store for a command that only reads it (runs, jobs, export).
+
+    Unlike `open_db`, a path with no store is refused: a typo in --db or DDTREE_DB must not be
+    answered from a new, empty store left behind. Where the file or its folder cannot be written
+    (read-only storage) it is opened read-only, which needs its schema to be current already.
+    """
+    db_path = resolve_db_path(path)
+    if db_path.is_dir():
+        raise DatabasePathError(f"{db_path} is a folder", "pass the path of a database file with --db or DDTREE_DB")
+    if not db_path.exists():
+        raise DatabasePathError(f"no store at {db_path}",
+                                "check --db and DDTREE_DB; a sweep, a download or `jobs submit` creates it")
+    return open_db(db_path) if writable(db_path) else open_read_only(db_path)
+
+
+def open_read_only(db_path: Path) -> Database:
+    """Open an existing store without writing to it: no WAL switch, no migrations, so its schema
+    must be current already (else DatabasePathError)."""
+    db = None
+    try:
+        try:
+            db = connect(db_path, "mode=ro")
+            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        except sqlite3.OperationalError:
+            # A WAL store needs its -shm file, which read-only storage neither has nor lets us
+            # make; nothing can be writing the file there, so it may be read as immutable.
+            if db is not None:
+                db.close()
+            db = connect(db_path, "immutable=1")
+        _check_ours(db, db_path)
+        _check_not_newer(db, db_path)
+        if migrations.pending(db) or db.execute("PRAGMA user_version").fetchone()[0] != schema_version():
+            raise DatabasePathError(
+                f"{db_path} is read-only and its schema is older than this ddtree-console's",
+                "open it once where it can be written, to upgrade it, or pass another path with --db",
+            )
+        _check_columns(db, db_path)
+    except sqlite3.DatabaseError as exc:
+        if db is not None:
+            db.close()
+        raise _classify(exc, db_path) from None
+    except StoreError:
+        if db is not None:
+            db.close()
+        raise
+    return db
+
+
+def writable(path: str | os.PathLike | None = None) -> bool:
+    """Whether the store file and its folder (where SQLite keeps its -wal and -shm) can be written."""
+    db_path = resolve_db_path(path)
+    return os.access(db_path, os.W_OK) and os.access(db_path.parent, os.W_OK)
 
 
 def schema_version() -> int:

@@ -48,6 +48,7 @@ CASES = [
     ("submit-huge-run", ["jobs", "submit", "sweep", "--spec", '{"run_id": %s}' % HUGE], None, 2, "run_id must be"),
     ("export-no-folder", ["export", "1", "-o", "TMP/nope/x.csv"], None, 2, "does not exist"),
     ("export-to-folder", ["export", "1", "-o", "TMP"], None, 2, "is a folder"),
+    ("export-to-empty", ["export", "1", "-o", ""], None, 2, "-o/--output: expected a path"),
     ("download-local-dir-file", ["download", "org/model", "--local-dir", "TMP/prompts.jsonl"], None, 2,
      "not a directory"),
     # recipes

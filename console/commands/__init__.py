@@ -28,6 +28,13 @@ def number(text: str, expected: str, kind: type = int):
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
 
 
+def nonempty_path(text: str) -> str:
+    """argparse type of a path option (--db, -o): an empty one is refused, not read as "not given"."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return text
+
+
 def row_id(text: str, what: str = "run") -> int:
     """An id of a store row (a run, a job): an integer in 1..2**63-1."""
     value = number(text, f"a {what} id (an integer)")

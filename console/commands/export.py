@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddtree.console.commands import run_id
+from ddtree.console.commands import nonempty_path, run_id
 from ddtree.console.export import FORMATS, export_run, export_text
-from ddtree.store.db import open_db
+from ddtree.store.db import open_existing
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -21,12 +21,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                           "summary), md (a table of the grid), recipe (TOML that reproduces it).")
     p.add_argument("run_id", type=run_id, metavar="RUN_ID", help="the run (see `ddtree-console runs`)")
     p.add_argument("--format", choices=FORMATS, default="csv", help="output format (default: csv)")
-    p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    p.add_argument("-o", "--output", metavar="FILE", type=nonempty_path, help="write to FILE instead of stdout (- for stdout)")
     p.set_defaults(command_module=__name__)
 
 
 def run(args: argparse.Namespace) -> int:
-    with open_db(getattr(args, "db", None)) as db:
+    with open_existing(getattr(args, "db", None)) as db:
         if args.output and args.output != "-":
             export_run(db, args.run_id, args.format, args.output)
         else:

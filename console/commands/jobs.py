@@ -1,6 +1,6 @@
 """`ddtree-console jobs`: list, inspect, start, cancel and follow jobs.
 
-    jobs [--json] [--all] [--limit N]
+    jobs [--json] [--limit N | --all]
     jobs show ID [--json]
     jobs cancel ID [--grace S]
     jobs logs ID [--follow] [--process NAME]
@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 
 from ddtree.console import fmt
-from ddtree.console.commands import MAX_ID, number
+from ddtree.console.commands import MAX_ID, nonempty_path, number
 from ddtree.console.commands import job_id as _job_id
 from ddtree.jobs import supervisor
 from ddtree.jobs.errors import BadSpec, JobError
 from ddtree.jobs.kinds import available_kinds
-from ddtree.store.db import open_db
+from ddtree.store.db import open_db, open_existing, writable
 from ddtree.store.queries import get_job, job_events, job_processes, list_jobs
 from ddtree.store.records import Job
 
@@ -44,28 +44,34 @@ def _seconds(text: str) -> float:
 
 
 def limit(text: str) -> int:
-    """argparse type of --limit: a count of rows, at least 1."""
+    """argparse type of --limit: a count of rows, 1..2**63-1 (SQLite binds it as a 64-bit integer)."""
     value = number(text, "a number of rows")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value > MAX_ID:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_ID}, got {text}")
     return value
 
 
 def list_parser(subparsers: argparse._SubParsersAction, name: str, *, help: str, description: str,
-                limit_default: int | None, limit_help: str) -> argparse.ArgumentParser:
-    """The parser of a command that lists rows (`jobs`, `runs`): --json and --limit N, alike in both."""
+                limit_default: int | None, limit_help: str, all_help: str | None = None) -> argparse.ArgumentParser:
+    """The parser of a command that lists rows (`jobs`, `runs`): --json and --limit N, alike in both;
+    with `all_help`, an --all that --limit cannot be given with (one of them would be ignored)."""
     p = subparsers.add_parser(name, help=help, description=description)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--limit", type=limit, default=limit_default, metavar="N", help=limit_help)
+    how_many = p.add_mutually_exclusive_group()
+    how_many.add_argument("--limit", type=limit, default=limit_default, metavar="N", help=limit_help)
+    if all_help:
+        how_many.add_argument("--all", action="store_true", help=all_help)
     return p
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = list_parser(subparsers, "jobs", help="list, cancel and follow jobs (downloads, engines, sweeps)",
+    p = list_parser(subparsers, "jobs", help="list, show, start, cancel and follow jobs (downloads, engines, sweeps)",
                     description="Jobs are rows in the store plus a detached runner process each; they outlive "
                     "this terminal. Without a subcommand, list them (newest first; dead runners are marked lost "
-                    "first).", limit_default=50, limit_help="how many jobs to list (default 50)")
-    p.add_argument("--all", action="store_true", help="list every job (default: the newest 50)")
+                    "first).", limit_default=50, limit_help="how many jobs to list (default 50)",
+                    all_help="list every job (default: the newest 50)")
     sub = p.add_subparsers(dest="jobs_command", metavar="SUBCOMMAND", title="subcommands")
 
     show = sub.add_parser("show", help="one job: spec, result, state history, child processes",
@@ -96,7 +102,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     submit.add_argument("--detach", action="store_true", help="return at once; the job outlives this terminal")
     submit.add_argument("--json", action="store_true", help="print the job as JSON when it returns")
     for nested in (show, cancel, logs, submit):
-        nested.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS, help="the SQLite store")
+        nested.add_argument("--db", metavar="PATH", type=nonempty_path, default=argparse.SUPPRESS, help="the SQLite store")
+    # argparse's usage shows the subcommand as required, but plain `jobs` lists. Set only now:
+    # add_subparsers builds the subcommands' prog from the usage.
+    p.usage = ("%(prog)s [-h] [--json] [--limit N | --all] [--db PATH]\n"
+               f"       %(prog)s {{{','.join(sub.choices)}}} ...")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,8 +127,10 @@ def job_dict(job: Job) -> dict:
 
 
 def _list(args: argparse.Namespace) -> int:
-    supervisor.reconcile(args.db)
-    with open_db(args.db) as db:
+    with open_existing(args.db) as db:
+        # Marking dead runners lost writes; on storage this cannot write, no runner can be writing either.
+        if writable(args.db):
+            supervisor.reconcile(args.db)
         jobs = list_jobs(db, limit=None if args.all else args.limit)
     if args.json:
         print(json.dumps([job_dict(j) for j in jobs], indent=2))
@@ -139,7 +151,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    with open_db(args.db) as db:
+    with open_existing(args.db) as db:
         job = get_job(db, args.id)
         events = job_events(db, args.id)
         procs = job_processes(db, args.id)
@@ -189,23 +201,32 @@ def _log_path(db, job: Job, process: str | None) -> Path:
 
 
 def _logs(args: argparse.Namespace) -> int:
-    with open_db(args.db) as db:
+    with open_existing(args.db) as db:
         job = get_job(db, args.id)
         path = _log_path(db, job, args.process)
         if not args.follow:
             if not path.exists():
-                raise LogUnavailable(f"job {job.id} has no log yet", f"expected at {path}")
+                raise _no_log(job, path)
             _copy(path, 0)
             return 0
         offset = 0
         while True:
-            ended = get_job(db, args.id).terminal
+            job = get_job(db, args.id)
             # Read after checking the state, so lines written just before the end are not lost.
             if path.exists():
                 offset = _copy(path, offset)
-            if ended:
+            elif job.terminal:
+                raise _no_log(job, path)
+            if job.terminal:
                 return 0
             time.sleep(FOLLOW_POLL_S)
+
+
+def _no_log(job: Job, path: Path) -> LogUnavailable:
+    # Only a job that has not ended can still write one; an ended job's log was never written or removed.
+    if job.terminal:
+        return LogUnavailable(f"job {job.id} has no log", f"{job.state}; no file at {path}")
+    return LogUnavailable(f"job {job.id} has no log yet", f"expected at {path}")
 
 
 def _copy(path: Path, offset: int) -> int:
@@ -238,11 +259,11 @@ def _submit(args: argparse.Namespace) -> int:
         print(json.dumps(job_dict(job), indent=2))
     elif args.detach:
         print(f"job {job_id} started; follow it with `ddtree-console jobs logs {job_id} --follow`")
+    elif job.state == "succeeded":
+        print(f"job {job_id} succeeded")
     else:
-        print(f"job {job_id} {job.state}" + (f" ({fmt.printable(job.error)})" if job.error else ""))
-        if job.state != "succeeded":
-            print(f"error: job {job_id} {job.state}" + (f": {fmt.one_line(job.error, 400)}" if job.error else ""),
-                  file=sys.stderr)
+        print(f"error: job {job_id} {job.state}" + (f": {fmt.one_line(job.error, 400)}" if job.error else ""),
+              file=sys.stderr)
     if args.detach:
         return 0
     return 0 if job.state == "succeeded" else 1

@@ -13,7 +13,7 @@ from ddtree.console import fmt
 from ddtree.console.commands.jobs import list_parser
 from ddtree.console.export import unstable_cv
 from ddtree.store.redact import redact
-from ddtree.store.db import open_db
+from ddtree.store.db import open_existing
 from ddtree.store.queries import list_runs
 from ddtree.store.sweeps import list_points
 from ddtree.store.summary import best_budgets, labelled
@@ -30,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with open_db(args.db) as db:
+    with open_existing(args.db) as db:
         runs = list_runs(db, text=args.filter, limit=args.limit)
         verdicts = {r.id: labelled(best_budgets(list_points(db, r.id), unstable_cv=unstable_cv(r))) for r in runs}
         insight = run_insight(db, runs)

@@ -50,13 +50,35 @@ def test_help_of_every_command(capsys, argv):
             assert command in out
 
 
+def test_jobs_help_says_what_it_does_and_that_the_subcommand_is_optional(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "list, show, start, cancel and follow jobs" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["jobs", "--help"])
+    usage = capsys.readouterr().out.split("\n\n")[0].splitlines()
+    assert usage == ["usage: ddtree-console jobs [-h] [--json] [--limit N | --all] [--db PATH]",
+                     "       ddtree-console jobs {show,cancel,logs,submit} ..."]
+
+
 def test_usage_errors_exit_2(capsys):
     # argparse's own errors follow the house format too: one line `error: ... (hint)`, exit 2.
     cases = {("jobs", "cancel", "x"): "ddtree-console jobs cancel --help", ("jobs", "cancel"): "required: id",
              ("nope",): "invalid choice: 'nope'", ("jobs", "cancel", "1", "--grace", "-1"): "--grace",
              ("serve", "--port", "99999"): "ddtree-console serve --help",
              ("export", "1", "--format", "xls"): "invalid choice: 'xls'", ("export",): "RUN_ID",
-             ("jobs", "--limit", "0"): "--limit: must be at least 1", ("runs", "--limit", "-1"): "at least 1"}
+             ("jobs", "--limit", "0"): "--limit: must be at least 1", ("runs", "--limit", "-1"): "at least 1",
+             ("jobs", "--limit", str(2**70)): "--limit: must be at most", ("runs", "--limit", str(2**63)): "at most",
+             # leftovers are blamed on the command they were given to, not on the top level
+             ("jobs", "show", "1", "2"): "unrecognized arguments: 2 (see `ddtree-console jobs show --help`)",
+             ("runs", "extra"): "(see `ddtree-console runs --help`)",
+             ("jobs", "--bogus"): "(see `ddtree-console jobs --help`)",
+             ("--bogus", "jobs"): "(see `ddtree-console --help`)",
+             ("jobs", "--all", "--limit", "2"): "--limit: not allowed with argument --all",
+             # an empty path is a mistake, not "use the default"
+             ("--db=", "jobs"): "--db: expected a path, got an empty string",
+             ("--db", ""): "--db: expected a path, got an empty string",
+             ("jobs", "show", "1", "--db", ""): "(see `ddtree-console jobs show --help`)"}
     for argv, expected in cases.items():
         with pytest.raises(SystemExit) as exit_:
             cli.main(list(argv))
@@ -80,6 +102,7 @@ def test_multiline_error_messages_print_on_one_line(capsys, monkeypatch):
 
 
 def test_jobs_list_show_and_json(db_path, capsys):
+    open_db(db_path).close()
     code, out, _ = main(capsys, "jobs")
     assert code == 0 and "no jobs yet" in out
     with open_db(db_path) as db:
@@ -108,12 +131,16 @@ def test_bad_input_is_one_line_exit_2(db_path, capsys):
         set_state(db, a, "starting")
         set_state(db, a, "running")
         set_state(db, a, "succeeded")
+        os.unlink(get_job(db, a).log_path)
     cases = [
         (["jobs", "cancel", "999"], "error: no job with id 999"),
         (["jobs", "cancel", str(a)], f"error: job {a} already succeeded"),
         (["jobs", "show", "999"], "error: no job with id 999"),
         (["jobs", "logs", "999"], "error: no job with id 999"),
         (["jobs", "logs", str(a), "--process", "server"], f"error: job {a} has no process named 'server'"),
+        # its runner never wrote a log: the same answer with or without --follow, and no "yet"
+        (["jobs", "logs", str(a)], f"error: job {a} has no log (succeeded; no file at "),
+        (["jobs", "logs", str(a), "--follow"], f"error: job {a} has no log (succeeded; no file at "),
         (["jobs", "submit", "nope"], "error: unknown job kind 'nope'"),
         (["jobs", "submit", "sleep", "--spec", "{bad"], "error: --spec is not valid JSON"),
         (["jobs", "submit", "sleep", "--spec", '{"seconds": -1}'], "error: sleep seconds must be"),
@@ -133,14 +160,55 @@ def test_bad_database_paths(tmp_path, capsys):
     assert code == 2 and err.startswith(f"error: {garbage} is not a SQLite database (")
     assert garbage.read_bytes() == before
     (tmp_path / "afile").write_text("")
-    code, _, err = main(capsys, "jobs", "--db", str(tmp_path / "afile" / "x.db"))
+    code, _, err = main(capsys, "jobs", "submit", "sleep", "--db", str(tmp_path / "afile" / "x.db"))
     assert code == 2 and "not a folder" in err
     parent = "/sys" if os.geteuid() == 0 else "/"
-    code, _, err = main(capsys, "runs", "--db", os.path.join(parent, "missing-dir", "x.db"))
+    code, _, err = main(capsys, "jobs", "submit", "sleep", "--db", os.path.join(parent, "missing-dir", "x.db"))
     assert code == 2 and err.startswith("error: cannot create folder") and "--db" in err
 
 
+@pytest.mark.parametrize("argv", [["runs"], ["jobs"], ["jobs", "show", "1"], ["jobs", "logs", "1"], ["export", "1"]])
+def test_read_commands_refuse_a_store_that_is_not_there(tmp_path, capsys, argv):
+    # a typo in --db must not be answered from a new, empty store left behind
+    path = tmp_path / "typo" / "x.db"
+    code, out, err = main(capsys, "--db", str(path), *argv)
+    assert code == 2 and out == ""
+    assert err.startswith(f"error: no store at {path} (") and err.count("\n") == 1
+    assert not (tmp_path / "typo").exists()
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+    """A folder on a read-only tmpfs, with a store holding one run and one job (root only)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(folder)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount to make read-only storage")
+    try:
+        path = folder / "ddtree.db"
+        with open_db(path) as db:
+            insert_row(db, "runs", {"name": "kept", "engine_kind": "builtin", "state": "done", "created_at": 1.0})
+            create_job(db, "sleep", {"seconds": 1.0, "fail": False, "message": ""}, name="nap")
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        yield path
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_read_commands_work_on_read_only_storage(read_only_mount, capsys):
+    code, out, err = main(capsys, "--db", str(read_only_mount), "runs")
+    assert (code, err) == (0, "") and "kept" in out
+    code, out, err = main(capsys, "--db", str(read_only_mount), "jobs")
+    assert (code, err) == (0, "") and "nap" in out
+    code, out, err = main(capsys, "--db", str(read_only_mount), "jobs", "show", "1")
+    assert (code, err) == (0, "") and "nap" in out
+    code, out, err = main(capsys, "--db", str(read_only_mount), "export", "1", "--format", "json")
+    assert (code, err) == (0, "") and json.loads(out)["run"]["name"] == "kept"
+
+
 def test_runs_table_filter_and_json(db_path, capsys):
+    open_db(db_path).close()
     code, out, _ = main(capsys, "runs")
     assert code == 0 and "no runs yet" in out
     with open_db(db_path) as db:
@@ -194,8 +262,12 @@ def test_cancel_from_the_cli(db_path, capsys):
 
 
 def test_foreground_submit_reports_the_outcome(db_path, capsys):
-    code, out, _ = main(capsys, "jobs", "submit", "sleep", "--spec", '{"seconds": 0, "fail": true, "message": "nope"}')
-    assert code == 1 and "failed (RuntimeError: nope)" in out
+    code, out, err = main(capsys, "jobs", "submit", "sleep", "--spec", '{"seconds": 0, "fail": true, "message": "nope"}')
+    # the failure is one line, on stderr only
+    assert code == 1 and out == "" and err.endswith(" failed: RuntimeError: nope\n") and err.count("\n") == 1
+    assert err.startswith("error: job ")
+    code, out, err = main(capsys, "jobs", "submit", "sleep", "--spec", '{"seconds": 0}')
+    assert code == 0 and out.endswith(" succeeded\n") and err == ""
     code, out, _ = main(capsys, "jobs", "submit", "sleep", "--spec", '{"seconds": 0}', "--json")
     assert code == 0 and json.loads(out)["state"] == "succeeded"
 

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from ddtree.store import data_dir, default_db_path, open_db
-from ddtree.store.db import resolve_db_path
+from ddtree.store.db import open_existing, open_read_only, resolve_db_path, schema_version
 from ddtree.store.errors import CorruptDatabase, DatabasePathError, ForeignDatabase, NotFound
 from ddtree.store.migrations import migrations
 from ddtree.store.queries import get_job, get_run, insert_row, list_runs, update_row
@@ -257,3 +257,40 @@ def test_open_records_the_schema_version(tmp_path):
     db = open_db(tmp_path / "ddtree.db")
     assert db.execute("PRAGMA user_version").fetchone()[0] == schema_version() == len(migrations._migrations)
     db.close()
+
+
+def test_open_existing_refuses_a_missing_store_and_creates_nothing(tmp_path):
+    path = tmp_path / "typo" / "d.db"
+    with pytest.raises(DatabasePathError, match="no store at"):
+        open_existing(path)
+    assert not (tmp_path / "typo").exists()
+    open_db(path).close()
+    with open_existing(path) as db:
+        assert not migrations.pending(db)
+
+
+def test_read_only_open_reads_and_writes_nothing(tmp_path):
+    path = tmp_path / "d.db"
+    with open_db(path) as db:
+        insert_row(db, "runs", {"name": "kept", "created_at": 1.0})
+    before = digest(path)
+    with open_read_only(path) as db:
+        assert [r.name for r in list_runs(db)] == ["kept"]
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            insert_row(db, "runs", {"name": "new", "created_at": 2.0})
+    assert digest(path) == before
+
+
+def test_read_only_open_refuses_a_schema_it_would_have_to_migrate(tmp_path):
+    path = tmp_path / "d.db"
+    open_db(path).close()
+    conn = sqlite3.connect(path)
+    last = migrations._migrations[-1].name
+    conn.execute("DELETE FROM _sqlite_migrations WHERE name = ?", [last])
+    conn.execute(f"PRAGMA user_version = {schema_version() - 1}")
+    conn.commit()
+    conn.close()
+    before = digest(path)
+    with pytest.raises(DatabasePathError, match="is read-only and its schema is older"):
+        open_read_only(path)
+    assert digest(path) == before
