@@ -180,13 +180,16 @@ def open_db(path: str | os.PathLike | None = None) -> Database:
 def open_existing(path: str | os.PathLike | None = None) -> Database:
     """Open the store for a command that only reads it (runs, jobs, export).
 
-    Unlike `open_db`, a path with no store is refused: a typo in --db or DDTREE_DB must not be
-    answered from a new, empty store left behind. Where the file or its folder cannot be written
+    Unlike `open_db`, a path given with no store there is refused: a typo in --db or DDTREE_DB
+    must not be answered from a new, empty store left behind. The default path is created, as
+    `open_db` does, so a fresh install lists no runs rather than an error. Where the file or its folder cannot be written
     (read-only storage) it is opened read-only, which needs its schema to be current already.
     """
     db_path = resolve_db_path(path)
     if db_path.is_dir():
         raise DatabasePathError(f"{db_path} is a folder", "pass the path of a database file with --db or DDTREE_DB")
+    if not db_path.exists() and path is None and not os.environ.get("DDTREE_DB"):
+        return open_db(db_path)  # the default store on a fresh install: no runs yet, not a typo
     if not db_path.exists():
         raise DatabasePathError(f"no store at {db_path}",
                                 "check --db and DDTREE_DB; a sweep, a download or `jobs submit` creates it")

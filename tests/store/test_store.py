@@ -269,6 +269,17 @@ def test_open_existing_refuses_a_missing_store_and_creates_nothing(tmp_path):
         assert not migrations.pending(db)
 
 
+def test_open_existing_creates_the_default_store_on_a_fresh_install(tmp_path, monkeypatch):
+    monkeypatch.delenv("DDTREE_DB", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "home"))
+    with open_existing() as db:
+        assert not migrations.pending(db)
+    assert resolve_db_path(None).is_file()
+    monkeypatch.setenv("DDTREE_DB", str(tmp_path / "typo.db"))
+    with pytest.raises(DatabasePathError, match="no store at"):
+        open_existing()
+
+
 def test_read_only_open_reads_and_writes_nothing(tmp_path):
     path = tmp_path / "d.db"
     with open_db(path) as db:
