@@ -125,26 +125,21 @@ def to_recipe(run_row, points: list[sweeps.Point] | None = None) -> str:
     comment = f"exported from run {run_row.id} ({run_row.name}), {stamp}" + (f" on {host}" if host else "")
     if run_row.recipe_git_rev:
         comment += f"\nrecipe file {run_row.recipe_path} at git {run_row.recipe_git_rev}"
-    comment += "\nevery effective setting is written out, defaults resolved"
+    comment += ("\nevery effective setting is written out, defaults resolved, but for what belongs to this "
+                "machine\n(the demo pair's folders, the interpreter), which the machine that runs it resolves")
     serving = serving_comment(points or [])
     if serving:
         comment += "\n" + serving
-    return recipe_to_toml(resolved(recipe), comment=comment, explicit=True)
+    return recipe_to_toml(resolved(recipe, run_row.name), comment=comment, explicit=True)
 
 
-def resolved(recipe):
-    """The recipe with what it left to defaults made explicit where this machine can say: the demo
-    pair's folders for a builtin engine given no model, the interpreter, the request API."""
-    from ddtree.jobs.plan import demo_pair  # the planner only for this format, not for `runs`
-
-    engine = recipe.engine
-    changes = {"api": engine.request_api}
-    if engine.kind == "builtin" and engine.model is None:
-        target, drafter = demo_pair()
-        changes.update(model=target, draft_model=engine.draft_model or drafter)
-    if engine.python is None:
-        changes["python"] = sys.executable
-    return dataclasses.replace(recipe, engine=dataclasses.replace(engine, **changes))
+def resolved(recipe, name: str | None = None):
+    """The recipe as the run ran it, to reproduce elsewhere: the run's name (--name may have
+    replaced the recipe's) and the request API made explicit. The demo pair's folders and the
+    interpreter stay left out where the recipe left them out: written out, they would name this
+    machine's install, which the bigger machine a recipe is exported for does not have."""
+    engine = dataclasses.replace(recipe.engine, api=recipe.engine.request_api)
+    return dataclasses.replace(recipe, name=name or recipe.name, engine=engine)
 
 
 def _cell(value, fmt: str = ".2f") -> str:
@@ -177,7 +172,8 @@ def to_markdown(run_row, points: list[sweeps.Point]) -> str:
     host = hw.get("host") or {}
     device = (f"{len(gpus)} x {gpus[0].get('name')}" if gpus else (host.get("cpu_model") or "CPU"))
     lines.append(f"- engine: {run_row.engine_kind}, model {run_row.model or 'demo'}, draft {run_row.draft_model or 'demo'}")
-    lines.append(f"- hardware: {device}; state: {run_row.state}; points: {len(points)}")
+    done = sum(p.state in sweeps.FINISHED_POINT_STATES for p in points)
+    lines.append(f"- hardware: {device}; state: {run_row.state}; points: {done} of {len(points)} finished")
     busy = contention.run_busy_note(points)
     if busy:
         lines.append(f"- **warning: {busy}**: other work competed with these points; their figures may be noise "

@@ -4,6 +4,7 @@ ratios with their interval, and the tau labels."""
 
 import argparse
 import json
+import sys
 
 import pytest
 
@@ -99,18 +100,21 @@ def test_exported_recipe_is_explicit_and_plans_again_point_for_point(tmp_path, c
     recipe = parse_recipe(DEMO)
     db_path = tmp_path / "d.db"
     with open_db(db_path) as db:
-        run_id = sweeps.create_run(db, job_id=None, name=recipe.name, recipe=recipe_to_dict(recipe),
+        run_id = sweeps.create_run(db, job_id=None, name="renamed", recipe=recipe_to_dict(recipe),
                                    engine_kind="builtin")
     out = tmp_path / "again.toml"
     assert cli.main(["--db", str(db_path), "export", str(run_id), "--format", "recipe", "-o", str(out)]) == 0
     text = out.read_text()
     capsys.readouterr()
-    # what demo.toml left to defaults is written out: engine kind, device, backend, the demo pair's
-    # folders, the interpreter, the dataset, temperature, repeats, warm-up, seed
-    for key in ('kind = "builtin"', 'device = "cpu"', 'backend = "auto"', "model = ", "draft_model = ",
-                "python = ", 'dataset = ["builtin:code"]', "temperature = [0.0]", "repeats = 2", "warmup = 2",
-                "seed = 0", "interleave = true"):
+    # what demo.toml left to defaults is written out: engine kind, device, backend, the dataset,
+    # temperature, repeats, warm-up, seed; the name is the run's (sweep --name renamed it)
+    for key in ('name = "renamed"', 'kind = "builtin"', 'device = "cpu"', 'backend = "auto"',
+                'dataset = ["builtin:code"]', "temperature = [0.0]", "repeats = 2", "warmup = 2", "seed = 0",
+                "interleave = true"):
         assert key in text, key
+    # but not this machine's install (the demo pair's folders, the interpreter): the recipe is for another
+    for key in ("model = ", "draft_model = ", "python = ", sys.executable):
+        assert key not in text, key
     assert cli.main(["--db", str(db_path), "sweep", str(out), "--dry-run", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     original = make_plan(recipe).to_dict()
@@ -133,3 +137,20 @@ def test_exports_carry_the_recommended_serving_setting(tmp_path, capsys):
     tied = _seed(tmp_path / "t.db", TIED)
     doc = json.loads(_export(tmp_path / "t.db", tied, "json", capsys))
     assert [row["state"] for row in doc["recommended_serving"]] != ["clear"]
+
+
+def test_markdown_says_how_many_points_finished_of_the_plan(tmp_path, capsys):
+    recipe = parse_recipe(RECIPE)
+    plan = make_plan(recipe)
+    db_path = tmp_path / "d.db"
+    with open_db(db_path) as db:
+        run_id = sweeps.create_run(db, job_id=None, name=recipe.name, recipe=recipe_to_dict(recipe),
+                                   engine_kind="builtin", points_total=len(plan.points))
+        rows = [{**p.params(), "point_key": p.key, "idx": p.index, "baseline": p.baseline} for p in plan.points]
+        ids = sweeps.ensure_points(db, run_id, rows)
+        first = plan.points[0]
+        sweeps.record_point(db, ids[first.key], state="done", requests=[],
+                            metrics={"requests_ok": 8, "requests_failed": 0, "output_tokens": 800,
+                                     "duration_s": 8.0, "output_tok_s": 100.0})
+    md = _export(db_path, run_id, "md", capsys)
+    assert f"points: 1 of {len(plan.points)} finished" in md
