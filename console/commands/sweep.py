@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ddtree.console.commands import UsageError, run_id
 from ddtree.console.fmt import printable
-from ddtree.jobs.plan import MAX_POINTS, format_plan
+from ddtree.jobs.plan import HARD_MAX_POINTS, MAX_POINTS, format_plan
 from ddtree.jobs.recipe import load_recipe
 from ddtree.jobs.start import plan_sweep, start_sweep, submit_sweep
 from ddtree.store import sweeps
@@ -58,7 +58,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="with --dry-run: do not run the recipe's sglang/vllm interpreter (no launch commands then)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--yes-large", action="store_true",
-                   help=f"run a grid of more than {MAX_POINTS:,} points (refused without it)")
+                   help=f"run a grid of more than {MAX_POINTS:,} points (refused without it; "
+                        f"more than {HARD_MAX_POINTS:,} is refused even with it)")
     p.add_argument("--name", help="name of the run and its job (default: the recipe's name; a resumed run keeps its own)")
     p.set_defaults(command_module=__name__)
 
