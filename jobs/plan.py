@@ -243,17 +243,21 @@ def _check_local(key: str, value: str | None) -> None:
                                 "give a local model folder that exists, or a hub repo id")
 
 
-def check_plan(plan: Plan) -> None:
-    """Refuse (exit 2) a plan with a prompt set that cannot be found or read, a local model that is
-    not there, or a launch that cannot be built; the first reason is the message."""
-    for name in plan.recipe.sweep.dataset:
-        # A missing or unreadable prompt file is bad input: refuse it here, not as failed points an
-        # hour later (read in full: an empty, binary or half-JSON file fails every point).
-        path = resolve_dataset(name)
+def check_datasets(recipe: Recipe) -> None:
+    """Refuse (DatasetError, exit 2) a prompt set that cannot be found or read. The dry run and a
+    real start both call it: it is bad input in the recipe, not a launch the plan can show."""
+    for name in recipe.sweep.dataset:
+        # Refused here, not as failed points an hour later (read in full: an empty, binary or
+        # half-JSON file fails every point).
         try:
-            read_prompts(path)
+            read_prompts(resolve_dataset(name))
         except DatasetError as exc:
             raise DatasetError(f"sweep.dataset {name!r}: {exc}") from None
+
+
+def check_plan(plan: Plan) -> None:
+    """Refuse (exit 2) a plan with a local model that is not there, or a launch that cannot be
+    built; the first reason is the message. The prompt sets are `check_datasets`'s."""
     bad = [launch for launch in plan.launches if launch.unsupported is not None]
     if bad:
         first = bad[0]

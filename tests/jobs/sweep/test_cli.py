@@ -66,10 +66,11 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path):
 def test_a_missing_prompt_file_is_refused_before_the_store(tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text(f'name = "x"\n[sweep]\ndataset = "{tmp_path / "nope.jsonl"}"\n')
-    plan = cli(tmp_path, "sweep", str(recipe), "--dry-run")
-    assert plan.returncode == 0 and "warning: dataset: prompt file not found" in plan.stdout
-    out = cli(tmp_path, "sweep", str(recipe))
-    assert out.returncode == 2 and out.stderr.startswith("error: prompt file not found"), out.stderr
+    for dry in (("--dry-run", "--no-probe"), ()):
+        out = cli(tmp_path, "sweep", str(recipe), *dry)
+        assert out.returncode == 2, (dry, out.stderr)
+        assert out.stderr == f"error: sweep.dataset '{tmp_path / 'nope.jsonl'}': prompt file not found: " \
+                             f"{tmp_path / 'nope.jsonl'}\n"
     assert not (tmp_path / "d.db").exists()
 
 
