@@ -63,6 +63,10 @@ def _typename(value: Any) -> str:
 #: MAX_BUDGET is the builtin engine's node budget maximum (engine/reference/engine.py
 #: DEFAULT_MAX_BUDGET; not imported, that module loads torch).
 MAX_BUDGET = 1024
+#: The builtin engine refuses a block longer than its drafter's trained one (engine/reference/engine.py,
+#: known only once the drafter is loaded); the DFlash drafters are trained with 16 or fewer, so
+#: this catches a typo at once while leaving room for a drafter trained longer.
+MAX_BLOCK_SIZE = 64
 MAX_NEW_TOKENS = 1 << 20
 MAX_TEMPERATURE = 100.0
 MAX_PROMPTS = 1 << 20  # num_prompts and concurrency: a point sends this many requests at most
@@ -94,8 +98,9 @@ def _want_float(where: str, value: Any, minimum: float = 0.0) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RecipeError(f"{where} must be a number, got {_typename(value)} {value!r}")
     value = float(value)
-    if math.isnan(value) or value < minimum:
-        raise RecipeError(f"{where} must be a number >= {minimum}, got {value}")
+    # inf passes `>= minimum`; as a timeout or a limit it would wait or run forever
+    if not math.isfinite(value) or value < minimum:
+        raise RecipeError(f"{where} must be a finite number >= {minimum:g}, got {value}")
     return value
 
 
@@ -169,7 +174,7 @@ The one engine schema: a recipe's `[engine]` and an `engine` job's spec are both
         if self.budget is not None:
             _want_budget("engine.budget", self.budget)
         if self.block_size is not None:
-            _want_int("engine.block_size", self.block_size, 2)
+            _want_int("engine.block_size", self.block_size, 2, MAX_BLOCK_SIZE)
         if self.draft_window is not None:
             _want_int("engine.draft_window", self.draft_window, 1)
             if self.kind != "sglang":
@@ -379,7 +384,7 @@ def _sweep_from_dict(data: Any) -> SweepSpec:
         kw["baseline"] = _axis("sweep.baseline", kw["baseline"], lambda w, v: _want_str(w, v, BASELINES))
     for key in ("timeout_s", "stop_error_rate", "unstable_spread", "request_rate", "stop_e2e_p99_s"):
         if key in kw:
-            kw[key] = _want_float(f"sweep.{key}", kw[key], 0.0)
+            kw[key] = _want_float(f"sweep.{key}", kw[key], 1.0 if key == "timeout_s" else 0.0)
     for key in ("num_prompts", "max_new_tokens", "warmup", "repeats", "seed"):
         if key in kw:
             _want_int(f"sweep.{key}", kw[key], 0)
