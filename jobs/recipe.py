@@ -104,11 +104,17 @@ def _want_float(where: str, value: Any, minimum: float = 0.0) -> float:
     return value
 
 
-def _want_str(where: str, value: Any, choices: tuple[str, ...] | None = None) -> str:
+def _want_sweep_device(value: Any) -> str:
+    """A recipe's engine.device: an engine job may name one GPU (cuda:N), a sweep may not."""
+    return _want_str("engine.device", value, DEVICES, "a sweep places its GPUs with engine.gpus, not cuda:N")
+
+
+def _want_str(where: str, value: Any, choices: tuple[str, ...] | None = None, why: str = "") -> str:
     if not isinstance(value, str):
         raise RecipeError(f"{where} must be a string, got {_typename(value)} {value!r}")
     if choices is not None and value not in choices:
-        raise RecipeError(f"{where} = {value!r} is not allowed", "allowed: " + ", ".join(choices))
+        hint = "allowed: " + ", ".join(choices) + (f"; {why}" if why else "")
+        raise RecipeError(f"{where} = {value!r} is not allowed", hint)
     if choices is None and not value.strip():
         raise RecipeError(f"{where} must not be empty")
     return value
@@ -277,8 +283,7 @@ class Recipe:
     def __post_init__(self) -> None:
         _want_str("name", self.name)
         engine, sweep = self.engine, self.sweep
-        # A sweep places its servers with engine.gpus / sweep.gpus, so it names no GPU in the device.
-        _want_str("engine.device", engine.device, DEVICES)
+        _want_sweep_device(engine.device)
         algorithms = self.algorithms
         if sweep.budget and "ddtree" not in algorithms:
             raise RecipeError(
@@ -398,7 +403,11 @@ def recipe_from_dict(data: Any) -> Recipe:
     _check_keys(None, data, _TOP_KEYS)
     if "name" not in data:
         raise RecipeError("missing key 'name'", 'add name = "my-sweep" at the top')
-    engine = engine_from_dict(data.get("engine", {}))
+    engine_table = data.get("engine", {})
+    if isinstance(engine_table, dict) and "device" in engine_table:
+        # Before the engine table's own check, which allows the cuda:N a sweep refuses.
+        _want_sweep_device(engine_table["device"])
+    engine = engine_from_dict(engine_table)
     sweep = _sweep_from_dict(data.get("sweep", {}))
     return Recipe(name=_want_str("name", data["name"]), engine=engine, sweep=sweep)
 

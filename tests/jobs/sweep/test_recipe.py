@@ -96,6 +96,8 @@ def test_toml_round_trip_is_equal():
     ('name = "x"\n[engine]\nready_timeout_s = inf', "engine.ready_timeout_s must be a finite number"),
     ('name = "x"\n[engine]\nblock_size = 100000', "engine.block_size must be <= 64, got 100000"),
     ('name = "x"\n[engine]\nblock_size = 1', "engine.block_size must be >= 2"),
+    ('name = "x"\n[engine]\ndevice = "tpu"', "engine.device = 'tpu' is not allowed (allowed: cpu, cuda; a sweep"),
+    ('name = "x"\n[engine]\ndevice = "cuda:1"', "engine.device = 'cuda:1' is not allowed (allowed: cpu, cuda; a sweep"),
     ('name = "x"\n[sweep]\nnum_prompts = 2.5', "sweep.num_prompts must be an integer"),
     ('name = "x"\n[engine]\ngpus = 0', "engine.gpus must be a list"),
     ('name = "x"\n[engine]\nenv = { A = 1 }', "engine.env.A must be a string"),
