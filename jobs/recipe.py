@@ -421,6 +421,9 @@ def parse_recipe(text: str, *, source: str = "recipe") -> Recipe:
 
 
 def load_recipe(path: str | Path) -> Recipe:
+    if isinstance(path, str) and not path.strip():
+        # Path("") is ".", which read as "cannot read recipe .: Is a directory"
+        raise RecipeError("the recipe file name is empty", "e.g. assets/recipes/demo.toml")
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")

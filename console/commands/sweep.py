@@ -69,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     if [args.recipe is not None, args.resume is not None, settle is not None].count(True) != 1:
         raise SweepUsageError("give one of a recipe file, --resume RUN_ID or --settle RUN_ID",
                               "e.g. `ddtree-console sweep assets/recipes/demo.toml`")
+    if args.name is not None and not args.name.strip():
+        raise SweepUsageError("--name is empty", "leave --name out to keep the recipe's (or the run's) name")
     if getattr(args, "no_probe", False) and not args.dry_run:
         raise SweepUsageError("--no-probe applies to --dry-run only", "a sweep needs the probe to build its commands")
     if args.resume is not None:

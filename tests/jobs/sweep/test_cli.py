@@ -62,6 +62,18 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path):
         assert out.stderr.strip().splitlines()[-1].startswith(("error:", "ddtree-console")), out.stderr
 
 
+def test_empty_recipe_and_name_are_refused(tmp_path):
+    demo = str(ROOT / "assets" / "recipes" / "demo.toml")
+    for args, expected in ((("", "--dry-run"), "error: the recipe file name is empty"),
+                           ((demo, "--dry-run", "--name", ""), "error: --name is empty"),
+                           ((demo, "--dry-run", "--name", "  "), "error: --name is empty"),
+                           (("--resume", "1", "--name", ""), "error: --name is empty")):
+        out = cli(tmp_path, "sweep", *args)
+        assert out.returncode == 2 and out.stderr.startswith(expected) and out.stderr.count("\n") == 1, \
+            (args, out.stderr)
+    assert not (tmp_path / "d.db").exists()
+
+
 @pytest.mark.slow
 def test_a_missing_prompt_file_is_refused_before_the_store(tmp_path):
     recipe = tmp_path / "r.toml"
