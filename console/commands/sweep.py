@@ -101,6 +101,7 @@ def _settle_recipe(db_path: Path, run: int):
 
 
 def _resume(args: argparse.Namespace) -> int:
+    from ddtree.jobs.kinds.sweep import nothing_to_resume
     from ddtree.jobs.procs import is_alive
     from ddtree.jobs.supervisor import reconcile
     from ddtree.store.queries import get_job
@@ -120,9 +121,13 @@ def _resume(args: argparse.Namespace) -> int:
         points = sweeps.list_points(db, run.id)
     finally:
         db.close()
-    left = sum(1 for p in points if p.state not in sweeps.FINISHED_POINT_STATES)
-    if points and not left:
-        print(f"run {run.id}: all {len(points)} points are finished; nothing to resume")
+    if nothing_to_resume(points):
+        if args.json:
+            counts = {s: sum(1 for p in points if p.state == s) for s in sweeps.POINT_STATES}
+            print(json.dumps({"job_id": None, "run_id": run.id, "state": None, "points": counts,
+                              "nothing_to_resume": True}))
+        else:
+            print(f"run {run.id}: all {len(points)} points are finished; nothing to resume")
         return 0
     return _start(args, db_path, run.id, args.name or run.name or f"run-{run.id}")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import write_recipe
+from .conftest import finished_run, write_recipe
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -72,6 +72,16 @@ def test_empty_recipe_and_name_are_refused(tmp_path):
         assert out.returncode == 2 and out.stderr.startswith(expected) and out.stderr.count("\n") == 1, \
             (args, out.stderr)
     assert not (tmp_path / "d.db").exists()
+
+
+def test_a_resume_with_nothing_left_answers_json_with_json(tmp_path):
+    run_id, job_id = finished_run(tmp_path / "d.db", done=True)
+    out = cli(tmp_path, "sweep", "--resume", str(run_id), "--json")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert json.loads(out.stdout) == {"job_id": None, "run_id": run_id, "state": None, "nothing_to_resume": True,
+                                      "points": {"pending": 0, "running": 0, "done": 2, "failed": 0, "skipped": 0}}
+    out = cli(tmp_path, "sweep", "--resume", str(run_id))
+    assert out.returncode == 0 and out.stdout == f"run {run_id}: all 2 points are finished; nothing to resume\n"
 
 
 @pytest.mark.slow
