@@ -208,6 +208,9 @@ class Plan:
 #: Grids larger than this are refused unless the operator says so (`sweep --yes-large`): a typo'd
 #: axis (1000 x 100) wrote 100,000 point rows before its first point.
 MAX_POINTS = 10_000
+#: Refused even with --yes-large: the plan is built in memory point by point, so a grid of billions
+#: grew without limit; at even a few seconds a point this many would take days.
+HARD_MAX_POINTS = 100_000
 
 
 def grid_size(recipe: Recipe) -> int:
@@ -218,8 +221,13 @@ def grid_size(recipe: Recipe) -> int:
 
 
 def check_size(recipe: Recipe, *, allow_large: bool = False) -> None:
-    """Refuse (exit 2) a grid over MAX_POINTS points, before it is planned or stored."""
+    """Refuse (exit 2) a grid over MAX_POINTS points (over HARD_MAX_POINTS even when
+    `allow_large`), before it is planned or stored."""
     size = grid_size(recipe)
+    if size > HARD_MAX_POINTS:
+        raise UnsupportedEngine(f"sweep grid has {size:,} points (more than {HARD_MAX_POINTS:,}, "
+                                "the most a sweep may have even with --yes-large)",
+                                "shrink the axes of [sweep], or split it into several recipes")
     if size > MAX_POINTS and not allow_large:
         raise UnsupportedEngine(f"sweep grid has {size:,} points (more than {MAX_POINTS:,})",
                                 "shrink the axes of [sweep], or pass --yes-large to run it anyway")
@@ -235,17 +243,21 @@ def _check_local(key: str, value: str | None) -> None:
                                 "give a local model folder that exists, or a hub repo id")
 
 
-def check_plan(plan: Plan) -> None:
-    """Refuse (exit 2) a plan with a prompt set that cannot be found or read, a local model that is
-    not there, or a launch that cannot be built; the first reason is the message."""
-    for name in plan.recipe.sweep.dataset:
-        # A missing or unreadable prompt file is bad input: refuse it here, not as failed points an
-        # hour later (read in full: an empty, binary or half-JSON file fails every point).
-        path = resolve_dataset(name)
+def check_datasets(recipe: Recipe) -> None:
+    """Refuse (DatasetError, exit 2) a prompt set that cannot be found or read. The dry run and a
+    real start both call it: it is bad input in the recipe, not a launch the plan can show."""
+    for name in recipe.sweep.dataset:
+        # Refused here, not as failed points an hour later (read in full: an empty, binary or
+        # half-JSON file fails every point).
         try:
-            read_prompts(path)
+            read_prompts(resolve_dataset(name))
         except DatasetError as exc:
             raise DatasetError(f"sweep.dataset {name!r}: {exc}") from None
+
+
+def check_plan(plan: Plan) -> None:
+    """Refuse (exit 2) a plan with a local model that is not there, or a launch that cannot be
+    built; the first reason is the message. The prompt sets are `check_datasets`'s."""
     bad = [launch for launch in plan.launches if launch.unsupported is not None]
     if bad:
         first = bad[0]

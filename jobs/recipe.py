@@ -63,6 +63,10 @@ def _typename(value: Any) -> str:
 #: MAX_BUDGET is the builtin engine's node budget maximum (engine/reference/engine.py
 #: DEFAULT_MAX_BUDGET; not imported, that module loads torch).
 MAX_BUDGET = 1024
+#: The builtin engine refuses a block longer than its drafter's trained one (engine/reference/engine.py,
+#: known only once the drafter is loaded); the DFlash drafters are trained with 16 or fewer, so
+#: this catches a typo at once while leaving room for a drafter trained longer.
+MAX_BLOCK_SIZE = 64
 MAX_NEW_TOKENS = 1 << 20
 MAX_TEMPERATURE = 100.0
 MAX_PROMPTS = 1 << 20  # num_prompts and concurrency: a point sends this many requests at most
@@ -94,16 +98,23 @@ def _want_float(where: str, value: Any, minimum: float = 0.0) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RecipeError(f"{where} must be a number, got {_typename(value)} {value!r}")
     value = float(value)
-    if math.isnan(value) or value < minimum:
-        raise RecipeError(f"{where} must be a number >= {minimum}, got {value}")
+    # inf passes `>= minimum`; as a timeout or a limit it would wait or run forever
+    if not math.isfinite(value) or value < minimum:
+        raise RecipeError(f"{where} must be a finite number >= {minimum:g}, got {value}")
     return value
 
 
-def _want_str(where: str, value: Any, choices: tuple[str, ...] | None = None) -> str:
+def _want_sweep_device(value: Any) -> str:
+    """A recipe's engine.device: an engine job may name one GPU (cuda:N), a sweep may not."""
+    return _want_str("engine.device", value, DEVICES, "a sweep places its GPUs with engine.gpus, not cuda:N")
+
+
+def _want_str(where: str, value: Any, choices: tuple[str, ...] | None = None, why: str = "") -> str:
     if not isinstance(value, str):
         raise RecipeError(f"{where} must be a string, got {_typename(value)} {value!r}")
     if choices is not None and value not in choices:
-        raise RecipeError(f"{where} = {value!r} is not allowed", "allowed: " + ", ".join(choices))
+        hint = "allowed: " + ", ".join(choices) + (f"; {why}" if why else "")
+        raise RecipeError(f"{where} = {value!r} is not allowed", hint)
     if choices is None and not value.strip():
         raise RecipeError(f"{where} must not be empty")
     return value
@@ -169,7 +180,7 @@ The one engine schema: a recipe's `[engine]` and an `engine` job's spec are both
         if self.budget is not None:
             _want_budget("engine.budget", self.budget)
         if self.block_size is not None:
-            _want_int("engine.block_size", self.block_size, 2)
+            _want_int("engine.block_size", self.block_size, 2, MAX_BLOCK_SIZE)
         if self.draft_window is not None:
             _want_int("engine.draft_window", self.draft_window, 1)
             if self.kind != "sglang":
@@ -272,8 +283,7 @@ class Recipe:
     def __post_init__(self) -> None:
         _want_str("name", self.name)
         engine, sweep = self.engine, self.sweep
-        # A sweep places its servers with engine.gpus / sweep.gpus, so it names no GPU in the device.
-        _want_str("engine.device", engine.device, DEVICES)
+        _want_sweep_device(engine.device)
         algorithms = self.algorithms
         if sweep.budget and "ddtree" not in algorithms:
             raise RecipeError(
@@ -379,7 +389,7 @@ def _sweep_from_dict(data: Any) -> SweepSpec:
         kw["baseline"] = _axis("sweep.baseline", kw["baseline"], lambda w, v: _want_str(w, v, BASELINES))
     for key in ("timeout_s", "stop_error_rate", "unstable_spread", "request_rate", "stop_e2e_p99_s"):
         if key in kw:
-            kw[key] = _want_float(f"sweep.{key}", kw[key], 0.0)
+            kw[key] = _want_float(f"sweep.{key}", kw[key], 1.0 if key == "timeout_s" else 0.0)
     for key in ("num_prompts", "max_new_tokens", "warmup", "repeats", "seed"):
         if key in kw:
             _want_int(f"sweep.{key}", kw[key], 0)
@@ -393,7 +403,11 @@ def recipe_from_dict(data: Any) -> Recipe:
     _check_keys(None, data, _TOP_KEYS)
     if "name" not in data:
         raise RecipeError("missing key 'name'", 'add name = "my-sweep" at the top')
-    engine = engine_from_dict(data.get("engine", {}))
+    engine_table = data.get("engine", {})
+    if isinstance(engine_table, dict) and "device" in engine_table:
+        # Before the engine table's own check, which allows the cuda:N a sweep refuses.
+        _want_sweep_device(engine_table["device"])
+    engine = engine_from_dict(engine_table)
     sweep = _sweep_from_dict(data.get("sweep", {}))
     return Recipe(name=_want_str("name", data["name"]), engine=engine, sweep=sweep)
 
@@ -407,6 +421,9 @@ def parse_recipe(text: str, *, source: str = "recipe") -> Recipe:
 
 
 def load_recipe(path: str | Path) -> Recipe:
+    if isinstance(path, str) and not path.strip():
+        # Path("") is ".", which read as "cannot read recipe .: Is a directory"
+        raise RecipeError("the recipe file name is empty", "e.g. assets/recipes/demo.toml")
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")

@@ -17,7 +17,7 @@ from ddtree.store.insight import recommend
 
 
 class NothingToSettle(JobError):
-    """Every setting of the run already has a decided recommendation."""
+    """Every setting of the run already has a decided recommendation, or none was measured yet."""
 
     exit_code = 2
 
@@ -28,6 +28,10 @@ def settle_recipe(run_row, points: list) -> Recipe:
         recipe = recipe_from_dict(run_row.recipe)
     except (RecipeError, TypeError) as exc:
         raise JobError(f"run {run_row.id} holds no readable recipe: {exc}") from None
+    if not any(p.state == "done" for p in points):
+        # recommend() has nothing to weigh then, which read as "every recommendation is decided"
+        raise NothingToSettle(f"run {run_row.id} has nothing measured yet",
+                              f"finish it first with `ddtree-console sweep --resume {run_row.id}`")
     open_recs = [rec for rec in recommend(points) if rec.more]
     if not open_recs:
         raise NothingToSettle(f"run {run_row.id} needs no more repeats: every recommendation is decided",

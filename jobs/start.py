@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddtree.jobs.plan import Hardware, Plan, check_plan, check_size, make_plan
+from ddtree.jobs.plan import Hardware, Plan, check_datasets, check_plan, check_size, make_plan
 from ddtree.jobs.recipe import Recipe, recipe_from_dict, recipe_to_dict
 from ddtree.store.db import data_dir, open_db, resolve_db_path
 from ddtree.store.redact import redact, secret_env
@@ -70,8 +70,9 @@ def plan_sweep(recipe: Recipe, *, cache_dir: str | os.PathLike | None = None, al
                detect: Callable[[], Hardware] | None = None) -> PlannedSweep:
     """Paths made absolute, secrets split off, the grid's size checked, and the plan made with this
     machine's hardware (sglang/vllm: placed on its GPUs, the interpreter probed and cached under
-    `cache_dir` unless probe=False). check=False is the dry run: a plan that would be refused is
-    returned to be shown, with its warnings; check=True raises the refusal (exit 2)."""
+    `cache_dir` unless probe=False). check=False is the dry run: a plan whose launches would be
+    refused is returned to be shown, with its warnings; check=True raises the refusal (exit 2). A
+    grid too large or a prompt set that cannot be read is refused either way."""
     from ddtree.jobs.kinds.sweep import check_supported
 
     recipe = absolute_paths(recipe)
@@ -80,6 +81,7 @@ def plan_sweep(recipe: Recipe, *, cache_dir: str | os.PathLike | None = None, al
     secrets = secret_env(recipe_to_dict(recipe))
     recipe = recipe_from_dict(redact(recipe_to_dict(recipe)))
     check_size(recipe, allow_large=allow_large)
+    check_datasets(recipe)
     if check:
         check_supported(recipe)
     # looked up per call, not bound at import, so a stand-in Hardware.detect is seen

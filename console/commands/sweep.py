@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ddtree.console.commands import UsageError, run_id
 from ddtree.console.fmt import printable
-from ddtree.jobs.plan import MAX_POINTS, format_plan
+from ddtree.jobs.plan import HARD_MAX_POINTS, MAX_POINTS, format_plan
 from ddtree.jobs.recipe import load_recipe
 from ddtree.jobs.start import plan_sweep, start_sweep, submit_sweep
 from ddtree.store import sweeps
@@ -58,7 +58,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="with --dry-run: do not run the recipe's sglang/vllm interpreter (no launch commands then)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--yes-large", action="store_true",
-                   help=f"run a grid of more than {MAX_POINTS:,} points (refused without it)")
+                   help=f"run a grid of more than {MAX_POINTS:,} points (refused without it; "
+                        f"more than {HARD_MAX_POINTS:,} is refused even with it)")
     p.add_argument("--name", help="name of the run and its job (default: the recipe's name; a resumed run keeps its own)")
     p.set_defaults(command_module=__name__)
 
@@ -68,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     if [args.recipe is not None, args.resume is not None, settle is not None].count(True) != 1:
         raise SweepUsageError("give one of a recipe file, --resume RUN_ID or --settle RUN_ID",
                               "e.g. `ddtree-console sweep assets/recipes/demo.toml`")
+    if args.name is not None and not args.name.strip():
+        raise SweepUsageError("--name is empty", "leave --name out to keep the recipe's (or the run's) name")
     if getattr(args, "no_probe", False) and not args.dry_run:
         raise SweepUsageError("--no-probe applies to --dry-run only", "a sweep needs the probe to build its commands")
     if args.resume is not None:
@@ -98,6 +101,7 @@ def _settle_recipe(db_path: Path, run: int):
 
 
 def _resume(args: argparse.Namespace) -> int:
+    from ddtree.jobs.kinds.sweep import nothing_to_resume
     from ddtree.jobs.procs import is_alive
     from ddtree.jobs.supervisor import reconcile
     from ddtree.store.queries import get_job
@@ -117,9 +121,13 @@ def _resume(args: argparse.Namespace) -> int:
         points = sweeps.list_points(db, run.id)
     finally:
         db.close()
-    left = sum(1 for p in points if p.state not in sweeps.FINISHED_POINT_STATES)
-    if points and not left:
-        print(f"run {run.id}: all {len(points)} points are finished; nothing to resume")
+    if nothing_to_resume(points):
+        if args.json:
+            counts = {s: sum(1 for p in points if p.state == s) for s in sweeps.POINT_STATES}
+            print(json.dumps({"job_id": None, "run_id": run.id, "state": None, "points": counts,
+                              "nothing_to_resume": True}))
+        else:
+            print(f"run {run.id}: all {len(points)} points are finished; nothing to resume")
         return 0
     return _start(args, db_path, run.id, args.name or run.name or f"run-{run.id}")
 

@@ -195,7 +195,23 @@ def _open_run(ctx, spec: dict) -> tuple[int, Recipe]:
     return run_id, recipe
 
 
+def nothing_to_resume(points: list) -> bool:
+    """A run whose points are all finished (done or skipped): resuming it has nothing to run."""
+    return bool(points) and all(p.state in sweeps.FINISHED_POINT_STATES for p in points)
+
+
 def run(ctx, spec: dict) -> dict:
+    if "run_id" in spec:
+        run_id = sweeps.get_run(ctx.db, spec["run_id"]).id
+        points = sweeps.list_points(ctx.db, run_id)
+        if nothing_to_resume(points):
+            # Leave the run as it is: taking it over would make this job its job_id and mark it
+            # running, for no point measured.
+            message = f"run {run_id}: all {plural(len(points), 'point')} are finished; nothing to resume"
+            ctx.log(message)
+            ctx.progress(done=len(points), total=len(points), message=message)
+            return {"run_id": run_id, "points_total": len(points), "points_done": 0, "points_failed": 0,
+                    "points_skipped": 0, "engine_restarts": 0, "engine_failures": [], "nothing_to_resume": True}
     run_id, recipe = _open_run(ctx, spec)
     ctx.log(f"sweep run {run_id} ({recipe.name!r})")
     try:

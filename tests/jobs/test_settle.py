@@ -52,3 +52,14 @@ def test_sweep_settle_plans_the_follow_up_and_refuses_a_decided_run(tmp_path, ca
     assert cli.main(["--db", str(tmp_path / "c.db"), "sweep", "--settle", str(clear)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: run {clear} needs no more repeats") and err.count("\n") == 1
+
+
+def test_a_run_with_nothing_measured_points_at_resume(tmp_path, capsys):
+    from ddtree.console import cli
+
+    from .sweep.conftest import finished_run
+
+    run_id, _ = finished_run(tmp_path / "d.db", done=False)  # cancelled before its first point ended
+    assert cli.main(["--db", str(tmp_path / "d.db"), "sweep", "--settle", str(run_id)]) == 2
+    assert capsys.readouterr().err == (f"error: run {run_id} has nothing measured yet "
+                                       f"(finish it first with `ddtree-console sweep --resume {run_id}`)\n")

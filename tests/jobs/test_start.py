@@ -65,11 +65,28 @@ def test_a_refused_recipe_writes_nothing(tmp_path, monkeypatch):
     assert not db_path.exists() and fake.calls == []
 
 
-def test_the_dry_run_plan_keeps_what_a_start_refuses(tmp_path):
-    planned = plan_sweep(parse_recipe(recipe_text("/nonexistent/p.jsonl")), check=False)
-    assert any("prompt file not found" in w for w in planned.plan.warnings)
+def test_the_dry_run_plan_is_redacted(prompts):
+    planned = plan_sweep(parse_recipe(recipe_text(str(prompts))), check=False)
     assert dict(planned.recipe.engine.env) == {"HF_TOKEN": "<redacted>"}
     assert planned.secrets == {"HF_TOKEN": "hf_real_value"}
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "prompt file not found"), (b"", "holds no prompts"), (b"{not json\n", "is not JSON"),
+    (b'{"x": 1}\n', "holds no prompt"), (bytes(range(256)), "cannot read"),
+])
+def test_the_dry_run_refuses_a_prompt_set_as_a_start_does(tmp_path, content, expected):
+    path = tmp_path / "p.jsonl"
+    if content is not None:
+        path.write_bytes(content)
+    errors = []
+    for check in (False, True):
+        with pytest.raises(DatasetError) as info:
+            plan_sweep(parse_recipe(recipe_text(str(path))), check=check)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1] and errors[0].startswith(f"sweep.dataset '{path}': ") and expected in errors[0]
+    with pytest.raises(DatasetError, match="no builtin prompt set 'builtin:nope'"):
+        plan_sweep(parse_recipe(recipe_text("builtin:nope")), check=False)
 
 
 def test_git_revision_names_the_commit_and_a_dirty_file(tmp_path):

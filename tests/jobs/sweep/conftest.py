@@ -31,3 +31,28 @@ def write_recipe(path: Path, tiny_pair, prompts_file: Path, **sweep) -> Path:
     lines += [f"{k} = {value(v)}" for k, v in table.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def finished_run(db_path, *, done: bool) -> tuple[int, int]:
+    """A two-point run on the demo pair whose job succeeded, every point done (or, done=False, none
+    measured and the job cancelled); (run id, job id)."""
+    from ddtree.jobs.kinds.sweep import _planned_rows
+    from ddtree.jobs.model import create_job, set_state
+    from ddtree.jobs.plan import make_plan
+    from ddtree.jobs.recipe import parse_recipe, recipe_to_dict
+    from ddtree.store import open_db, sweeps
+
+    recipe = parse_recipe('name = "r"\n[sweep]\nbudget = [4]\nconcurrency = [1, 2]\n')
+    plan = make_plan(recipe)
+    with open_db(db_path) as db:
+        job_id = create_job(db, "sweep", {"run_id": 1}, name="r")
+        for state in ("starting", "running", "succeeded" if done else "cancelled"):
+            set_state(db, job_id, state)
+        run_id = sweeps.create_run(db, job_id=job_id, name="r", recipe=recipe_to_dict(recipe), engine_kind="builtin",
+                                   points_total=len(plan.points))
+        for point_id in sweeps.ensure_points(db, run_id, _planned_rows(plan)).values():
+            if done:
+                sweeps.mark_point(db, point_id, "done")
+        sweeps.finish_run(db, run_id, "succeeded" if done else "cancelled")
+    return run_id, job_id
+

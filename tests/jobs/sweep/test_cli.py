@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import write_recipe
+from .conftest import finished_run, write_recipe
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -62,14 +62,37 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path):
         assert out.stderr.strip().splitlines()[-1].startswith(("error:", "ddtree-console")), out.stderr
 
 
+def test_empty_recipe_and_name_are_refused(tmp_path):
+    demo = str(ROOT / "assets" / "recipes" / "demo.toml")
+    for args, expected in ((("", "--dry-run"), "error: the recipe file name is empty"),
+                           ((demo, "--dry-run", "--name", ""), "error: --name is empty"),
+                           ((demo, "--dry-run", "--name", "  "), "error: --name is empty"),
+                           (("--resume", "1", "--name", ""), "error: --name is empty")):
+        out = cli(tmp_path, "sweep", *args)
+        assert out.returncode == 2 and out.stderr.startswith(expected) and out.stderr.count("\n") == 1, \
+            (args, out.stderr)
+    assert not (tmp_path / "d.db").exists()
+
+
+def test_a_resume_with_nothing_left_answers_json_with_json(tmp_path):
+    run_id, job_id = finished_run(tmp_path / "d.db", done=True)
+    out = cli(tmp_path, "sweep", "--resume", str(run_id), "--json")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert json.loads(out.stdout) == {"job_id": None, "run_id": run_id, "state": None, "nothing_to_resume": True,
+                                      "points": {"pending": 0, "running": 0, "done": 2, "failed": 0, "skipped": 0}}
+    out = cli(tmp_path, "sweep", "--resume", str(run_id))
+    assert out.returncode == 0 and out.stdout == f"run {run_id}: all 2 points are finished; nothing to resume\n"
+
+
 @pytest.mark.slow
 def test_a_missing_prompt_file_is_refused_before_the_store(tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text(f'name = "x"\n[sweep]\ndataset = "{tmp_path / "nope.jsonl"}"\n')
-    plan = cli(tmp_path, "sweep", str(recipe), "--dry-run")
-    assert plan.returncode == 0 and "warning: dataset: prompt file not found" in plan.stdout
-    out = cli(tmp_path, "sweep", str(recipe))
-    assert out.returncode == 2 and out.stderr.startswith("error: prompt file not found"), out.stderr
+    for dry in (("--dry-run", "--no-probe"), ()):
+        out = cli(tmp_path, "sweep", str(recipe), *dry)
+        assert out.returncode == 2, (dry, out.stderr)
+        assert out.stderr == f"error: sweep.dataset '{tmp_path / 'nope.jsonl'}': prompt file not found: " \
+                             f"{tmp_path / 'nope.jsonl'}\n"
     assert not (tmp_path / "d.db").exists()
 
 

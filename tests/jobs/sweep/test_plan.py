@@ -153,3 +153,27 @@ def test_builtin_plan_refuses_speculative_algorithms_on_a_hybrid_target(tmp_path
         plan = make_plan(parse_recipe(_hybrid_recipe(tmp_path, sweep)))
         assert plan.launches[0].unsupported is None and plan.launches[0].argv is not None
         check_plan(plan)
+
+
+def test_a_grid_past_the_hard_cap_is_refused_even_with_yes_large():
+    import pytest
+
+    from ddtree.jobs.plan import HARD_MAX_POINTS, MAX_POINTS, UnsupportedEngine, check_size
+
+    def recipe(budgets: int, concurrencies: int, temperatures: int):
+        return parse_recipe(f'name = "x"\n[sweep]\nbudget = {list(range(budgets))}\n'
+                            f'concurrency = {list(range(1, concurrencies + 1))}\n'
+                            f'temperature = {[t / 10 for t in range(temperatures)]}\n')
+
+    # 2 billion points: counted from the axes' lengths, so this returns at once instead of
+    # building the plan in memory
+    with pytest.raises(UnsupportedEngine) as info:
+        check_size(recipe(1025, 1999, 1000), allow_large=True)
+    assert info.value.exit_code == 2 and "\n" not in str(info.value)
+    assert f"2,048,975,000 points (more than {HARD_MAX_POINTS:,}" in str(info.value)
+    # between the two caps: --yes-large lets it through
+    between = recipe(100, 50, 3)
+    assert MAX_POINTS < 100 * 50 * 3 <= HARD_MAX_POINTS
+    with pytest.raises(UnsupportedEngine):
+        check_size(between)
+    check_size(between, allow_large=True)

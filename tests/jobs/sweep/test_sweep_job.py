@@ -19,7 +19,7 @@ from ddtree.store import sweeps
 from ddtree.store.db import open_db
 from ddtree.store.queries import get_job
 
-from .conftest import write_recipe
+from .conftest import finished_run, write_recipe
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -117,3 +117,20 @@ def test_detached_sweep_killed_then_resumed_fills_each_point_once(tmp_path, tiny
     assert data["best_budget"][0]["state"] in ("best", "tie")
     md = (tmp_path / "run.tomlmd").read_text()
     assert md.count("\n| ddtree |") == 2 and "| ar |" in md
+
+
+def test_a_resume_with_nothing_left_leaves_the_run_as_it_was(tmp_path):
+    from ddtree.jobs.supervisor import submit
+
+    db_path = tmp_path / "d.db"
+    run_id, first_job = finished_run(db_path, done=True)
+    with open_db(db_path) as db:
+        before = sweeps.get_run(db, run_id)
+    job_id = submit(db_path, "sweep", {"run_id": run_id}, name="again", detach=False)
+    with open_db(db_path) as db:
+        run, job = sweeps.get_run(db, run_id), get_job(db, job_id)
+    assert job_id != first_job and job.state == "succeeded"
+    assert (run.job_id, run.state, run.ended_at) == (first_job, "succeeded", before.ended_at)
+    assert job.progress_message == f"run {run_id}: all 2 points are finished; nothing to resume"
+    assert job.progress_done == job.progress_total == 2
+    assert job.result["nothing_to_resume"] is True
