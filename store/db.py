@@ -182,8 +182,9 @@ def open_existing(path: str | os.PathLike | None = None) -> Database:
 
     Unlike `open_db`, a path given with no store there is refused: a typo in --db or DDTREE_DB
     must not be answered from a new, empty store left behind. The default path is created, as
-    `open_db` does, so a fresh install lists no runs rather than an error. Where the file or its folder cannot be written
-    (read-only storage) it is opened read-only, which needs its schema to be current already.
+    `open_db` does, so a fresh install lists no runs rather than an error. Where the file or its
+    folder cannot be written (read-only storage) it is opened read-only, which needs its schema to
+    be current already.
     """
     db_path = resolve_db_path(path)
     if db_path.is_dir():
