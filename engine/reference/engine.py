@@ -258,6 +258,8 @@ class Engine:
         return engine
 
     backend_reason = "chosen by the caller"
+    #: torch's CPU threads for the rounds, as the server set them (None: not a server's engine).
+    cpu_threads: int | None = None
 
     def start(self, input_ids: list[int], gen: GenParams | None = None,
               spec: SpecParams | None = None) -> Session:

@@ -67,6 +67,7 @@ class EngineFacts:
     prefill_chunk: int
     mixed_chunk: bool = False
     max_prefill_tokens: int = 0
+    cpu_threads: int | None = None
 
     @classmethod
     def of(cls, engine: Any) -> "EngineFacts":
@@ -76,7 +77,8 @@ class EngineFacts:
                    backend=engine.backend, backend_reason=engine.backend_reason, attention=engine.attention,
                    graphs=bool(engine.graphs),
                    prefill_chunk=engine.prefill_chunk, mixed_chunk=bool(engine.mixed_chunk),
-                   max_prefill_tokens=int(getattr(engine, "max_prefill_tokens", 0)))
+                   max_prefill_tokens=int(getattr(engine, "max_prefill_tokens", 0)),
+                   cpu_threads=engine.cpu_threads)
 
 
 # -- the engine process ------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -172,7 +173,7 @@ def build_app(api: Api) -> Starlette:
             "algorithm": config.algorithm, "budget": config.budget, "block_size": engine.block_size,
             "max_budget": engine.max_budget, "device": str(engine.device),
             "backend": engine.backend, "backend_reason": engine.backend_reason, "cuda_graphs": engine.graphs,
-            "attention_kernel": engine.attention,
+            "attention_kernel": engine.attention, "cpu_threads": engine.cpu_threads,
             "speculative_algorithm": None if config.algorithm == "ar" else config.algorithm.upper(),
             "speculative_ddtree_budget": config.budget if config.algorithm == "ddtree" else None,
             "speculative_dflash_block_size": engine.block_size,
@@ -513,12 +514,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cpu_threads(args: argparse.Namespace, usable: int | None = None) -> int | None:
+    """torch's CPU threads for the rounds: --threads, else on a CPU one less than the usable cores
+    (at least 1), else None (torch's choice: on CUDA, or where OMP_NUM_THREADS says).
+
+    A round's CPU threads all wait for the slowest, and OpenMP's idle ones spin: when the HTTP
+    side, the sweep client or other work holds one of the cores, every round waits for it. On a
+    2-core box beside one busy process, the demo pair through this server gave 3-14 tok/s with 2
+    threads and 160-200 with 1; idle, 1 thread was 6-13% slower for DFlash and DDTree, 7-9% faster
+    for AR (bench/RESULTS.md, "torch's threads")."""
+    if args.threads is not None:
+        return args.threads
+    if not str(args.device).startswith("cpu") or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    if usable is None:
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, usable - 1)
+
+
 def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
     """Loads the engine (on the engine thread: see prepare and scheduler.EngineThread)."""
-    if args.threads is not None:
-        import torch
+    import torch
 
-        torch.set_num_threads(args.threads)
+    threads = cpu_threads(args)
+    if threads is not None:
+        torch.set_num_threads(threads)
     model, draft = args.model, args.draft
     if model is None:
         from ddtree.engine.demo import demo_paths
@@ -528,8 +548,6 @@ def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
         draft = draft or str(demo_drafter)
     dtype = None
     if args.dtype != "auto":
-        import torch
-
         dtype = getattr(torch, args.dtype)
     batch = DEFAULT_BATCH if args.batch is None else args.batch
     pool_bytes = None if args.kv_pool_gb is None else int(args.kv_pool_gb * 2**30)
@@ -541,6 +559,7 @@ def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
     engine.prefill_chunk = 0 if engine.hybrid_reason else max(0, args.chunked_prefill_size)
     engine.mixed_chunk = bool(args.enable_mixed_chunk) and engine.prefill_chunk > 0
     engine.max_prefill_tokens = args.max_prefill_tokens
+    engine.cpu_threads = torch.get_num_threads()
     if args.block_size is not None and args.block_size != engine.block_size:
         # A shorter block drafts fewer positions per round (SGLang's --speculative-dflash-block-size);
         # the drafter has no causal mask inside a block, so any length up to the trained one works.

@@ -164,3 +164,14 @@ def test_batch_flag():
     assert parser.parse_args(["--batch"]).batch is True
     assert parser.parse_args(["--no-batch"]).batch is False
     assert DEFAULT_BATCH is True
+
+
+def test_a_cpu_server_leaves_a_core_to_the_http_side(monkeypatch):
+    from ddtree.engine.reference.server import cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [cpu_threads(parse(), usable=n) for n in (1, 2, 16)] == [1, 1, 15]
+    assert cpu_threads(parse("--threads", "2"), usable=2) == 2  # the operator's choice wins
+    assert cpu_threads(parse("--device", "cuda"), usable=16) is None  # torch's choice on a GPU box
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert cpu_threads(parse(), usable=16) is None  # torch reads it itself
