@@ -166,15 +166,17 @@ def open_db(path: str | os.PathLike | None = None) -> Database:
             db.enable_wal()
         _migrate(db)
         _check_columns(db, db_path)
-    except sqlite3.DatabaseError as exc:
-        if db is not None:
-            db.close()
-        raise _classify(exc, db_path) from None
-    except StoreError:
-        if db is not None:
-            db.close()
-        raise
+    except (sqlite3.DatabaseError, StoreError) as exc:
+        raise _discard(db, exc, db_path) from None
     return db
+
+
+def _discard(db: Database | None, exc: Exception, db_path: Path) -> Exception:
+    """What a failed open raises, with its connection (if it got one) closed: a SQLite error
+    classified, a StoreError as it is."""
+    if db is not None:
+        db.close()
+    return _classify(exc, db_path) if isinstance(exc, sqlite3.DatabaseError) else exc
 
 
 def open_existing(path: str | os.PathLike | None = None) -> Database:
@@ -219,14 +221,8 @@ def open_read_only(db_path: Path) -> Database:
                 "open it once where it can be written, to upgrade it, or pass another path with --db",
             )
         _check_columns(db, db_path)
-    except sqlite3.DatabaseError as exc:
-        if db is not None:
-            db.close()
-        raise _classify(exc, db_path) from None
-    except StoreError:
-        if db is not None:
-            db.close()
-        raise
+    except (sqlite3.DatabaseError, StoreError) as exc:
+        raise _discard(db, exc, db_path) from None
     return db
 
 
