@@ -16,6 +16,9 @@ LOAD=${1:?LOAD (busy processes)}; ROUNDS=${2:?ROUNDS}; shift 2
 if [ $# -gt 0 ]; then VARIANTS=("$@"); else VARIANTS=(default torch2); fi
 OUT=${OUT:-/tmp/cpu-threads-sweep}
 export XDG_DATA_HOME="$OUT/home-$LOAD"
+# A store of its own (DDTREE_DB would win over XDG_DATA_HOME), and the servers' threads as each
+# variant says, not as this shell's environment does.
+unset DDTREE_DB OMP_NUM_THREADS OMP_WAIT_POLICY GOMP_SPINCOUNT
 rm -rf "$XDG_DATA_HOME"; mkdir -p "$OUT"
 
 env_of() {
@@ -27,6 +30,7 @@ env_of() {
     *) echo "unknown variant $1" >&2; exit 2 ;;
   esac
 }
+for v in "${VARIANTS[@]}"; do env_of "$v" > /dev/null || exit 2; done
 for v in "${VARIANTS[@]}"; do
   cat > "$OUT/$v.toml" <<EOF
 name = "threads-$v"

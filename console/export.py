@@ -17,7 +17,6 @@ import dataclasses
 import io
 import json
 import os
-import sys
 import time
 from pathlib import Path
 

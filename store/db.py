@@ -188,15 +188,23 @@ def open_existing(path: str | os.PathLike | None = None) -> Database:
     folder cannot be written (read-only storage) it is opened read-only, which needs its schema to
     be current already.
     """
+    db_path = existing_store(path)
+    if not db_path.exists():
+        return open_db(db_path)  # the default store on a fresh install: no runs yet, not a typo
+    return open_db(db_path) if writable(db_path) else open_read_only(db_path)
+
+
+def existing_store(path: str | os.PathLike | None = None) -> Path:
+    """The store's path for a command that needs what is in it (reads, cancel, resume, settle): a
+    --db or DDTREE_DB path with no store there is refused, since a typo must not leave a new,
+    empty store behind. The default path may be missing (a fresh install)."""
     db_path = resolve_db_path(path)
     if db_path.is_dir():
         raise DatabasePathError(f"{db_path} is a folder", "pass the path of a database file with --db or DDTREE_DB")
-    if not db_path.exists() and path is None and not os.environ.get("DDTREE_DB"):
-        return open_db(db_path)  # the default store on a fresh install: no runs yet, not a typo
-    if not db_path.exists():
+    if not db_path.exists() and (path is not None or os.environ.get("DDTREE_DB")):
         raise DatabasePathError(f"no store at {db_path}",
                                 "check --db and DDTREE_DB; a sweep, a download or `jobs submit` creates it")
-    return open_db(db_path) if writable(db_path) else open_read_only(db_path)
+    return db_path
 
 
 def open_read_only(db_path: Path) -> Database:
@@ -207,11 +215,20 @@ def open_read_only(db_path: Path) -> Database:
         try:
             db = connect(db_path, "mode=ro")
             db.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        except sqlite3.OperationalError:
+        except sqlite3.OperationalError as exc:
             # A WAL store needs its -shm file, which read-only storage neither has nor lets us
-            # make; nothing can be writing the file there, so it may be read as immutable.
+            # make. Immutable reads the main file alone, so only where no -wal holds changes not
+            # yet written back into it (else they would silently be missing).
             if db is not None:
                 db.close()
+            wal = db_path.with_name(db_path.name + "-wal")
+            if "unable to open" not in str(exc):
+                raise
+            if wal.exists() and wal.stat().st_size > 0:
+                raise DatabasePathError(
+                    f"{db_path} is read-only and has changes not yet written back into it (its -wal file)",
+                    "open it once where it can be written, or copy it with its -wal file to writable storage",
+                ) from None
             db = connect(db_path, "immutable=1")
         _check_ours(db, db_path)
         _check_not_newer(db, db_path)

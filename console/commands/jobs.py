@@ -22,7 +22,7 @@ from ddtree.console.commands import job_id as _job_id
 from ddtree.jobs import supervisor
 from ddtree.jobs.errors import BadSpec, JobError
 from ddtree.jobs.kinds import available_kinds
-from ddtree.store.db import open_db, open_existing, writable
+from ddtree.store.db import existing_store, open_db, open_existing, writable
 from ddtree.store.queries import get_job, job_events, job_processes, list_jobs
 from ddtree.store.records import Job
 
@@ -182,7 +182,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    job = supervisor.cancel(args.db, args.id, grace_s=args.grace)
+    job = supervisor.cancel(existing_store(args.db), args.id, grace_s=args.grace)
     print(f"job {job.id} {job.state}" + (f" ({fmt.printable(job.error)})" if job.error and job.state != "cancelled" else ""))
     return 0 if job.state == "cancelled" else 1
 

@@ -29,7 +29,7 @@ from ddtree.jobs.plan import HARD_MAX_POINTS, MAX_POINTS, format_plan
 from ddtree.jobs.recipe import load_recipe
 from ddtree.jobs.start import plan_sweep, start_sweep, submit_sweep
 from ddtree.store import sweeps
-from ddtree.store.db import data_dir, open_db, resolve_db_path
+from ddtree.store.db import data_dir, existing_store, open_db, open_existing, resolve_db_path
 from ddtree.store.records import ACTIVE_STATES
 
 
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             raise SweepUsageError("--dry-run applies to a recipe file, not to --resume")
         return _resume(args)
     db_path = resolve_db_path(getattr(args, "db", None))
-    recipe = load_recipe(args.recipe) if settle is None else _settle_recipe(db_path, settle)
+    recipe = load_recipe(args.recipe) if settle is None else _settle_recipe(getattr(args, "db", None), settle)
     if args.dry_run:
         planned = plan_sweep(recipe, cache_dir=data_dir(db_path), allow_large=args.yes_large,
                              probe=not getattr(args, "no_probe", False), check=False)
@@ -93,20 +93,20 @@ def run(args: argparse.Namespace) -> int:
     return _report(args, db_path, started.run_id, started.job_id)
 
 
-def _settle_recipe(db_path: Path, run: int):
+def _settle_recipe(db_path: str | None, run: int):
     from ddtree.jobs.settle import settle_recipe
 
-    with open_db(db_path) as db:
+    with open_existing(db_path) as db:
         return settle_recipe(sweeps.get_run(db, run), sweeps.list_points(db, run))
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from ddtree.jobs.kinds.sweep import nothing_to_resume
+    from ddtree.jobs.kinds.sweep import close_finished, nothing_to_resume
     from ddtree.jobs.procs import is_alive
     from ddtree.jobs.supervisor import reconcile
     from ddtree.store.queries import get_job
 
-    db_path = resolve_db_path(getattr(args, "db", None))
+    db_path = existing_store(getattr(args, "db", None))
     db = open_db(db_path)
     try:
         run = sweeps.get_run(db, args.resume)
@@ -119,6 +119,8 @@ def _resume(args: argparse.Namespace) -> int:
                 # Its runner is gone: mark it lost (and stop what it left running) before taking over.
                 reconcile(db_path, stale_s=0.0)
         points = sweeps.list_points(db, run.id)
+        if nothing_to_resume(points):
+            close_finished(db, sweeps.get_run(db, run.id))
     finally:
         db.close()
     if nothing_to_resume(points):

@@ -514,29 +514,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def cpu_threads(args: argparse.Namespace, usable: int | None = None) -> int | None:
-    """torch's CPU threads for the rounds: --threads, else on a CPU one less than the usable cores
-    (at least 1), else None (torch's choice: on CUDA, or where OMP_NUM_THREADS says).
+def cpu_threads(args: argparse.Namespace, torch_default: int, usable: int | None = None) -> int | None:
+    """torch's CPU threads for the rounds: --threads, else on a CPU one less than the usable CPUs
+    and never more than torch's own choice (`torch_default`: its physical cores, so no
+    hyperthreads), at least 1; else None (torch's choice: on CUDA, or where OMP_NUM_THREADS says).
 
     A round's CPU threads all wait for the slowest, and OpenMP's idle ones spin: when the HTTP
     side, the sweep client or other work holds one of the cores, every round waits for it. On a
     2-core box beside one busy process, the demo pair through this server gave 3-14 tok/s with 2
-    threads and 160-200 with 1; idle, 1 thread was 6-13% slower for DFlash and DDTree, 7-9% faster
-    for AR (bench/RESULTS.md, "torch's threads")."""
+    threads and 120-200 with 1; idle, the two were within 13% of each other either way
+    (bench/RESULTS.md, "torch's threads"; only a 2-core box was measured)."""
     if args.threads is not None:
         return args.threads
     if not str(args.device).startswith("cpu") or os.environ.get("OMP_NUM_THREADS"):
         return None
     if usable is None:
         usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, usable - 1)
+    return max(1, min(torch_default, usable - 1))
 
 
 def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
     """Loads the engine (on the engine thread: see prepare and scheduler.EngineThread)."""
     import torch
 
-    threads = cpu_threads(args)
+    threads = cpu_threads(args, torch.get_num_threads())
     if threads is not None:
         torch.set_num_threads(threads)
     model, draft = args.model, args.draft

@@ -332,9 +332,10 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
     parser.add_argument("--max-queued-requests", type=number, default=default(64),
                         help="requests waiting beyond those; past this the server answers 503 (default: 64)")
     parser.add_argument("--threads", type=positive if passthrough else int, default=None,
-                        help="torch CPU threads for the rounds (default on a CPU: one less than the usable cores, "
-                             "at least 1, so a round never waits for the core the HTTP side or other work holds; "
-                             "on CUDA, or with OMP_NUM_THREADS set, torch's choice)")
+                        help="torch CPU threads for the rounds (default on a CPU: one less than the usable CPUs, "
+                             "at most torch's own choice (its physical cores), at least 1, so a round never waits "
+                             "for the core the HTTP side or other work holds; on CUDA, or with OMP_NUM_THREADS "
+                             "set, torch's choice)")
     parser.add_argument("--context-window", type=number, default=None,
                         help="tokens one request may hold, prompt and output (default: the model's; the fast "
                              "backend preallocates every slot's cache for it and caps the default at 8192)")

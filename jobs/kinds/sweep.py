@@ -200,13 +200,22 @@ def nothing_to_resume(points: list) -> bool:
     return bool(points) and all(p.state in sweeps.FINISHED_POINT_STATES for p in points)
 
 
+def close_finished(db, run) -> None:
+    """End a run whose points are all finished but which never ended (its runner died between its
+    last point and the end), as that runner would have; a run that ended stays as it is."""
+    if run.state != "succeeded":
+        sweeps.finish_run(db, run.id, "succeeded")
+
+
 def run(ctx, spec: dict) -> dict:
     if "run_id" in spec:
-        run_id = sweeps.get_run(ctx.db, spec["run_id"]).id
+        found = sweeps.get_run(ctx.db, spec["run_id"])
+        run_id = found.id
         points = sweeps.list_points(ctx.db, run_id)
         if nothing_to_resume(points):
-            # Leave the run as it is: taking it over would make this job its job_id and mark it
-            # running, for no point measured.
+            # Not taken over: that would make this job its job_id and mark it running, for no
+            # point measured.
+            close_finished(ctx.db, found)
             message = f"run {run_id}: all {plural(len(points), 'point')} are finished; nothing to resume"
             ctx.log(message)
             ctx.progress(done=len(points), total=len(points), message=message)

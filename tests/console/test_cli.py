@@ -167,7 +167,8 @@ def test_bad_database_paths(tmp_path, capsys):
     assert code == 2 and err.startswith("error: cannot create folder") and "--db" in err
 
 
-@pytest.mark.parametrize("argv", [["runs"], ["jobs"], ["jobs", "show", "1"], ["jobs", "logs", "1"], ["export", "1"]])
+@pytest.mark.parametrize("argv", [["runs"], ["jobs"], ["jobs", "show", "1"], ["jobs", "logs", "1"], ["export", "1"],
+                                  ["jobs", "cancel", "1"], ["sweep", "--resume", "1"], ["sweep", "--settle", "1"]])
 def test_read_commands_refuse_a_store_that_is_not_there(tmp_path, capsys, argv):
     # a typo in --db must not be answered from a new, empty store left behind
     path = tmp_path / "typo" / "x.db"
@@ -178,22 +179,47 @@ def test_read_commands_refuse_a_store_that_is_not_there(tmp_path, capsys, argv):
 
 
 @pytest.fixture
-def read_only_mount(tmp_path):
-    """A folder on a read-only tmpfs, with a store holding one run and one job (root only)."""
+def tmpfs(tmp_path):
+    """A tmpfs folder and the call that remounts it read-only (root only)."""
     folder = tmp_path / "ro"
     folder.mkdir()
     if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(folder)],
                                            capture_output=True).returncode != 0:
         pytest.skip("needs root and mount to make read-only storage")
     try:
-        path = folder / "ddtree.db"
-        with open_db(path) as db:
-            insert_row(db, "runs", {"name": "kept", "engine_kind": "builtin", "state": "done", "created_at": 1.0})
-            create_job(db, "sleep", {"seconds": 1.0, "fail": False, "message": ""}, name="nap")
-        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
-        yield path
+        yield folder, lambda: subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
     finally:
         subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.fixture
+def read_only_mount(tmpfs):
+    """A folder on a read-only tmpfs, with a store holding one run and one job (root only)."""
+    folder, remount_read_only = tmpfs
+    path = folder / "ddtree.db"
+    with open_db(path) as db:
+        insert_row(db, "runs", {"name": "kept", "engine_kind": "builtin", "state": "done", "created_at": 1.0})
+        create_job(db, "sleep", {"seconds": 1.0, "fail": False, "message": ""}, name="nap")
+    remount_read_only()
+    return path
+
+
+def test_a_read_only_store_whose_wal_holds_changes_is_refused_not_read_stale(tmpfs, tmp_path, capsys):
+    """Read without its -shm, a WAL store can only be read as immutable, which skips the -wal: the
+    rows still in it would be missing without a word."""
+    folder, remount_read_only = tmpfs
+    live = tmp_path / "live.db"
+    db = open_db(live)
+    try:
+        db.execute("PRAGMA wal_autocheckpoint = 0")
+        insert_row(db, "runs", {"name": "in-the-wal", "engine_kind": "builtin", "state": "done", "created_at": 1.0})
+        for name in ("live.db", "live.db-wal"):  # as a backup of a live store would be taken
+            (folder / name).write_bytes((tmp_path / name).read_bytes())
+    finally:
+        db.close()
+    remount_read_only()
+    code, out, err = main(capsys, "--db", str(folder / "live.db"), "runs")
+    assert code == 2 and out == "" and "changes not yet written back" in err and err.count("\n") == 1
 
 
 def test_read_commands_work_on_read_only_storage(read_only_mount, capsys):

@@ -84,6 +84,19 @@ def test_a_resume_with_nothing_left_answers_json_with_json(tmp_path):
     assert out.returncode == 0 and out.stdout == f"run {run_id}: all 2 points are finished; nothing to resume\n"
 
 
+def test_a_resume_with_nothing_left_ends_a_run_whose_runner_died_before_its_end(tmp_path):
+    from ddtree.store import open_db, sweeps
+
+    run_id, job_id = finished_run(tmp_path / "d.db", done=True)
+    with open_db(tmp_path / "d.db") as db:  # every point done, then the runner died before finish_run
+        sweeps.update_run(db, run_id, state="running", ended_at=None)
+    out = cli(tmp_path, "sweep", "--resume", str(run_id))
+    assert out.returncode == 0 and "nothing to resume" in out.stdout
+    with open_db(tmp_path / "d.db") as db:
+        run = sweeps.get_run(db, run_id)
+    assert (run.state, run.job_id) == ("succeeded", job_id) and run.ended_at is not None
+
+
 @pytest.mark.slow
 def test_a_missing_prompt_file_is_refused_before_the_store(tmp_path):
     recipe = tmp_path / "r.toml"

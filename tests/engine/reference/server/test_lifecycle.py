@@ -170,8 +170,9 @@ def test_a_cpu_server_leaves_a_core_to_the_http_side(monkeypatch):
     from ddtree.engine.reference.server import cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert [cpu_threads(parse(), usable=n) for n in (1, 2, 16)] == [1, 1, 15]
-    assert cpu_threads(parse("--threads", "2"), usable=2) == 2  # the operator's choice wins
-    assert cpu_threads(parse("--device", "cuda"), usable=16) is None  # torch's choice on a GPU box
+    assert [cpu_threads(parse(), 64, usable=n) for n in (1, 2, 16)] == [1, 1, 15]
+    assert cpu_threads(parse(), 8, usable=16) == 8  # 8 cores with 2 hyperthreads each: no more than torch's 8
+    assert cpu_threads(parse("--threads", "2"), 2, usable=2) == 2  # the operator's choice wins
+    assert cpu_threads(parse("--device", "cuda"), 16, usable=16) is None  # torch's choice on a GPU box
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
-    assert cpu_threads(parse(), usable=16) is None  # torch reads it itself
+    assert cpu_threads(parse(), 4, usable=16) is None  # torch reads it itself
