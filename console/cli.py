@@ -41,8 +41,8 @@ Without a command it opens the terminal console."""
 _EPILOG = """\
 data: the store is a SQLite file at --db, else $DDTREE_DB, else
 $XDG_DATA_HOME/ddtree-console/ddtree.db (~/.local/share/...); logs sit beside it in logs/.
-Commands that only read it (runs, jobs, export) refuse a --db or $DDTREE_DB path
-where there is no store.
+Commands that need what is in it (runs, jobs, export, sweep --resume/--settle)
+refuse a --db or $DDTREE_DB path where there is no store.
 Run `ddtree-console COMMAND --help` for a command's options."""
 
 
