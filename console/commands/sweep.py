@@ -125,8 +125,7 @@ def _resume(args: argparse.Namespace) -> int:
         db.close()
     if nothing_to_resume(points):
         if args.json:
-            counts = {s: sum(1 for p in points if p.state == s) for s in sweeps.POINT_STATES}
-            print(json.dumps({"job_id": None, "run_id": run.id, "state": None, "points": counts,
+            print(json.dumps({"job_id": None, "run_id": run.id, "state": None, "points": _counts(points),
                               "nothing_to_resume": True}))
         else:
             print(f"run {run.id}: all {len(points)} points are finished; nothing to resume")
@@ -146,6 +145,11 @@ def _start(args: argparse.Namespace, db_path: Path, run_id: int, name: str) -> i
     return _report(args, db_path, run_id, job_id)
 
 
+def _counts(points: list) -> dict[str, int]:
+    """How many of a run's points are in each state (every state, zeros included)."""
+    return {state: sum(1 for p in points if p.state == state) for state in sweeps.POINT_STATES}
+
+
 def _report(args: argparse.Namespace, db_path: Path, run_id: int, job_id: int) -> int:
     from ddtree.store.queries import get_job
 
@@ -162,7 +166,7 @@ def _report(args: argparse.Namespace, db_path: Path, run_id: int, job_id: int) -
         points = sweeps.list_points(db, run_id)
     finally:
         db.close()
-    counts = {s: sum(1 for p in points if p.state == s) for s in sweeps.POINT_STATES}
+    counts = _counts(points)
     if args.json:
         print(json.dumps({"job_id": job_id, "run_id": run_id, "state": job.state, "points": counts}))
     else:
