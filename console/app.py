@@ -417,7 +417,15 @@ class ConsoleApp(App[int]):
 
     async def action_stop_engine(self) -> None:
         row = (await self._pane("engines")).selected()
-        self.confirm_stop(row.get("job_id") if row else None, f"the engine on port {row.get('port')}" if row else "")
+        if not row:
+            self.confirm_stop(None, "")
+            return
+        what = f"the engine on port {row.get('port')}"
+        job = next((j for j in (self.snapshot.jobs if self.snapshot else []) if j.id == row.get("job_id")), None)
+        if job is not None and job.kind == "sweep":  # its engine is the sweep's job: stopping one stops both
+            run = next((r for r in self.runs() if r.job_id == job.id), None)
+            what += " and the sweep" + (f" run {run.id}" if run else "") + " that runs on it"
+        self.confirm_stop(row.get("job_id"), what)
 
     async def action_engine_follow(self) -> None:
         (await self._pane("engines")).toggle_follow()
@@ -467,13 +475,18 @@ class ConsoleApp(App[int]):
         if run is None or run.state not in ("running", "queued"):
             self.notify("the shown run is not running", severity="warning")
             return
-        self.confirm_stop(run.job_id, f"sweep run {run.id} (resume it later)")
+        self.confirm_stop(run.job_id, f"sweep run {run.id} (resume it later: `ddtree-console sweep --resume {run.id}`)")
 
     async def action_settle_sweep(self) -> None:
         await self._pane("sweeps")
         run = self.shown_run()
         if run is None:
             self.notify("no run is shown", severity="warning")
+            return
+        job = next((j for j in (self.snapshot.jobs if self.snapshot else []) if j.id == run.job_id), None)
+        if job is not None and not job.terminal:
+            self.notify(f"run {run.id} is still running: its extra repeats can be planned once it has ended",
+                        severity="warning")
             return
         self.settle_sweep(run.id)
 

@@ -476,9 +476,9 @@ class ExportForm(ModalScreen[tuple[str, str] | None]):
                 yield Button("Cancel", id="cancel")
 
     def on_mount(self) -> None:
-        # On the button, so Enter exports at once; on the format Select (the first field) Enter
-        # would only open its list. Tab reaches the fields.
-        self.set_focus(self.query_one("#start", Button))
+        # In the file path, so what is typed goes there and Enter exports at once; on the format
+        # Select (the first field) Enter would only open its list, and on the button typing was lost.
+        self.set_focus(self.query_one("#path", Input))
 
     def on_select_changed(self, event: Select.Changed) -> None:
         field = self.query_one("#path", Input)

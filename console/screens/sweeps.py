@@ -18,6 +18,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
+from ddtree.console import fmt
 from ddtree.console.eta import sweep_progress
 from ddtree.console.words import plural
 from ddtree.console.palette import bindings
@@ -456,6 +457,7 @@ class SweepForm(ModalScreen[dict | None]):
         return {"name": self.value("name") or "sweep", "engine": engine, "sweep": sweep}, None
 
     _checked: tuple[int, dict | None] = (-1, None)  # (generation, spec) of the newest finished check
+    _message = ""  # what that check said
     _generation = 0
     _start_when_checked = False
     _pending: tuple | None = None  # the newest input not yet planned
@@ -519,6 +521,7 @@ class SweepForm(ModalScreen[dict | None]):
         if generation != self._generation:
             return  # newer input overtook this plan
         self._checked = (generation, spec)
+        self._message = message
         self.query_one("#plan", Static).update(Text(message, style="" if spec else "red"))
         self.query_one("#start", Button).disabled = spec is None
         if self._start_when_checked:
@@ -544,6 +547,11 @@ class SweepForm(ModalScreen[dict | None]):
         elif spec is not None:
             self.app.sweep_form_values = {field_id: self.value(field_id) for field_id, *_ in self.FIELDS}
             self.dismiss(spec)
+        else:
+            # Why it cannot start sits under the fields, below the fold on a small terminal: bring
+            # it into view and say it, so Enter never looks like it did nothing.
+            self.query_one("#plan", Static).scroll_visible()
+            self.notify(fmt.one_line(self._message, 200), title="cannot start", severity="error")
 
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:

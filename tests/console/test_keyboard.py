@@ -182,7 +182,7 @@ async def test_history_enter_opens_the_run_and_space_marks_it(tmp_path):
         assert len(app.query_one("#history").marked) == 1  # Enter did not touch the selection
 
 
-async def test_export_dialog_opens_where_enter_exports(tmp_path):
+async def test_export_dialog_opens_in_the_path_where_enter_exports(tmp_path):
     from ddtree.console.screens.history import ExportForm
 
     db_path = str(tmp_path / "ddtree.db")
@@ -193,11 +193,16 @@ async def test_export_dialog_opens_where_enter_exports(tmp_path):
         await pilot.press("6")
         await until(pilot, lambda: app.query_one("#runs").row_count == 2)
         app.push_screen(ExportForm(1, tmp_path), results.append)
-        await until(pilot, lambda: isinstance(app.screen, ExportForm) and focused_id(app) == "start")
+        await until(pilot, lambda: isinstance(app.screen, ExportForm) and focused_id(app) == "path")
         burst(app, "enter")
         await until(pilot, lambda: results)
+        app.push_screen(ExportForm(1, tmp_path), results.append)
+        await until(pilot, lambda: isinstance(app.screen, ExportForm) and focused_id(app) == "path")
+        await pilot.press("ctrl+u", *"out.md", "enter")  # what is typed is the path, not lost
+        await until(pilot, lambda: len(results) == 2)
     fmt_name, path = results[0]
     assert fmt_name == "md" and path.endswith(".md")
+    assert results[1] == ("md", "out.md")
 
 
 @pytest.mark.slow

@@ -63,3 +63,18 @@ async def test_a_bad_gpu_list_is_one_line_in_the_form(tmp_path):
         app.screen.query_one("#f-gpus").value = "0, x"
         await until(pilot, lambda: "not valid: gpus" in _plan(app), what="the refusal")
         assert app.screen.query_one("#start").disabled
+
+
+async def test_enter_on_a_refused_form_says_why_at_80x24(tmp_path):
+    """The reason sits under the fields, below the fold at 80x24: Enter must not look like nothing."""
+    app = make_app(str(tmp_path / "d.db"), poll_s=0.1)
+    async with app.run_test(size=(80, 24), notifications=True) as pilot:
+        await until(pilot, lambda: app.last_snapshot is not None, what="the first poll")
+        await open_sweep_form(app, pilot)
+        budgets = app.screen.query_one("#f-budgets")
+        budgets.value = "-4, abc"
+        await until(pilot, lambda: "not valid: budget" in _plan(app), what="the refusal")
+        budgets.focus()
+        await pilot.press("enter")
+        await until(pilot, lambda: any("not valid: budget" in n.message for n in app._notifications),
+                    what="the refusal as a notification")

@@ -29,7 +29,7 @@ def stored(db_path) -> tuple[int, int]:
 def test_the_cli_refuses_a_missing_prompt_file_with_exit_2(tmp_path, recipe, capsys):
     code = cli.main(["--db", str(tmp_path / "d.db"), "sweep", str(recipe)])
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith(f"error: prompt file not found: {MISSING}")
+    assert code == 2 and err.startswith(f"error: sweep.dataset '{MISSING}': prompt file not found: {MISSING}")
     assert err.count("\n") == 1
     assert not (tmp_path / "d.db").exists()
 
