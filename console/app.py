@@ -114,6 +114,8 @@ class ConsoleApp(App[int]):
         self._watched: int | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self.started_jobs: set[int] = set()
+        """Jobs started from this console whose end it has not reported yet."""
         self._reader = None
         self._reader_lock = threading.Lock()
         self.check_store = False
@@ -208,9 +210,20 @@ class ConsoleApp(App[int]):
         self.last_snapshot = message
         self.snapshot = message
         self._follow_run()
+        self._report_failures(message.jobs)
         active = sum(1 for j in message.jobs if not j.terminal)
         self._status(Text(f"{plural(len(message.jobs), 'job')} ({active} active), {plural(len(message.runs), 'run')}; "
                           f"updated {time.strftime('%H:%M:%S', time.localtime(message.at))}"))
+
+    def _report_failures(self, jobs) -> None:
+        """A job started here that failed says so at once: an engine that died at start otherwise
+        only left the pane (and a "stopped hidden" count), its reason in a log."""
+        for job in jobs:
+            if job.id in self.started_jobs and job.terminal:
+                self.started_jobs.discard(job.id)
+                if job.state in ("failed", "lost"):
+                    self.notify(fmt.one_line(job.error or "see its log (l)", 300),
+                                title=f"{job.kind} job {job.id} {job.state}", severity="error")
 
     def _status(self, text: Text) -> None:
         # The poller's messages can still arrive while the app closes and its screen is gone.
@@ -361,6 +374,7 @@ class ConsoleApp(App[int]):
         from ddtree.jobs.supervisor import submit
 
         job_id = submit(self.db_path, kind, spec, name=name, detach=True)
+        self.started_jobs.add(job_id)
         self.call_from_thread(self.notify, f"{kind} job {job_id} started", title="started")
         self._wake.set()
 
@@ -465,6 +479,7 @@ class ConsoleApp(App[int]):
             self.sweep_run_id = run_id
 
         started = start_sweep(self.db_path, recipe, recipe_path=recipe_path, on_run=follow)
+        self.started_jobs.add(started.job_id)
         self.call_from_thread(self.notify, f"sweep run {started.run_id} started as job {started.job_id}",
                               title="started")
         self._wake.set()

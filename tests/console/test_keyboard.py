@@ -243,3 +243,15 @@ async def test_sweeps_pane_says_which_tau(tmp_path):
         await until(pilot, lambda: app.current_pane == "sweeps")
         assert "TAUw" in app.query_one("#points")._labels
         assert "weighted by verify count" in app.query_one("#tau-chart").title
+
+
+async def test_a_job_started_here_that_fails_says_so(tmp_path):
+    """An engine that dies at start only left its pane; the console now says it failed, and why."""
+    app = make_app(str(tmp_path / "ddtree.db"), poll_s=0.1)
+    async with app.run_test(size=(100, 30), notifications=True) as pilot:
+        await until(pilot, lambda: app.last_snapshot is not None, what="the first poll")
+        app.submit_job("shell", {"command": "exit 3"}, "fails")
+        await until(pilot, lambda: any(n.title.startswith("shell job") and n.title.endswith("failed")
+                                       and "status 3" in n.message for n in app._notifications),
+                    what="the failure")
+        assert not app.started_jobs  # said once
