@@ -71,6 +71,10 @@ MAX_NEW_TOKENS = 1 << 20
 MAX_TEMPERATURE = 100.0
 MAX_PROMPTS = 1 << 20  # num_prompts and concurrency: a point sends this many requests at most
 MAX_INT = 2**63 - 1
+#: [sweep]'s counts, (lowest, highest): checked alike on the TOML and on a built SweepSpec, so a
+#: value gets the same one message whichever way it comes.
+COUNT_BOUNDS = {"num_prompts": (1, MAX_PROMPTS), "max_new_tokens": (1, MAX_NEW_TOKENS), "warmup": (0, MAX_INT),
+                "repeats": (1, MAX_INT), "seed": (0, MAX_INT)}
 
 
 def _want_int(where: str, value: Any, minimum: int = 0, maximum: int = MAX_INT, why: str = "") -> int:
@@ -249,11 +253,8 @@ class SweepSpec:
                 raise RecipeError(f"sweep.{key} must be a tuple of values")
         if not (self.concurrency and self.dataset and self.temperature and self.tp):
             raise RecipeError("sweep axes concurrency, dataset, temperature and tp need at least one value")
-        _want_int("sweep.num_prompts", self.num_prompts, 1, MAX_PROMPTS)
-        _want_int("sweep.max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
-        _want_int("sweep.warmup", self.warmup, 0)
-        _want_int("sweep.repeats", self.repeats, 1)
-        _want_int("sweep.seed", self.seed, 0)
+        for key, (low, high) in COUNT_BOUNDS.items():
+            _want_int(f"sweep.{key}", getattr(self, key), low, high)
         _want_float("sweep.timeout_s", self.timeout_s, 1.0)
         _want_float("sweep.stop_error_rate", self.stop_error_rate, 0.0)
         if self.stop_error_rate > 1.0:
@@ -390,9 +391,9 @@ def _sweep_from_dict(data: Any) -> SweepSpec:
     for key in ("timeout_s", "stop_error_rate", "unstable_spread", "request_rate", "stop_e2e_p99_s"):
         if key in kw:
             kw[key] = _want_float(f"sweep.{key}", kw[key], 1.0 if key == "timeout_s" else 0.0)
-    for key in ("num_prompts", "max_new_tokens", "warmup", "repeats", "seed"):
+    for key, (low, high) in COUNT_BOUNDS.items():
         if key in kw:
-            _want_int(f"sweep.{key}", kw[key], 0)
+            _want_int(f"sweep.{key}", kw[key], low, high)
     return SweepSpec(**kw)
 
 

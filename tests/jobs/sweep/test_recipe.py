@@ -123,3 +123,15 @@ def test_shipped_demo_recipe_is_valid():
 
     r = load_recipe(Path(__file__).resolve().parents[3] / "assets" / "recipes" / "demo.toml")
     assert r.engine.kind == "builtin" and len(r.sweep.budget) >= 2
+
+
+@pytest.mark.parametrize("line, says", [
+    ("num_prompts = -3", "sweep.num_prompts must be >= 1, got -3"),
+    ("num_prompts = 0", "sweep.num_prompts must be >= 1, got 0"),
+    ("max_new_tokens = 99999999999999999999999", "sweep.max_new_tokens must be <= 1048576"),
+    ("max_new_tokens = 2000000", "sweep.max_new_tokens must be <= 1048576"),
+    ("repeats = -1", "sweep.repeats must be >= 1")])
+def test_a_count_out_of_bounds_gets_one_message_whatever_its_size(line, says):
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(f'name = "x"\n[sweep]\n{line}\n')
+    assert says in str(info.value)
