@@ -95,6 +95,13 @@ def test_cli_resume_refusals(tmp_path, capsys):
     with pytest.raises(cmd.SweepUsageError) as info:
         cmd.run(argparse.Namespace(**ns))
     assert info.value.exit_code == 2
+    from ddtree.store import open_db
+    from ddtree.store.errors import DatabasePathError
+
+    with pytest.raises(DatabasePathError, match="no store at"):  # a --db typo leaves no empty store behind
+        cmd.run(argparse.Namespace(**{**ns, "resume": 99}))
+    assert not (tmp_path / "d.db").exists()
+    open_db(tmp_path / "d.db").close()
     with pytest.raises(NotFound):
         cmd.run(argparse.Namespace(**{**ns, "resume": 99}))
     bad = tmp_path / "bad.toml"
