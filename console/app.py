@@ -386,11 +386,15 @@ class ConsoleApp(App[int]):
         self.call_from_thread(self.notify, f"job {job_id} {job.state}", title="stopped")
         self._wake.set()
 
+    def job(self, job_id: int | None):
+        """The job of that id in the newest snapshot, or None."""
+        return next((j for j in (self.snapshot.jobs if self.snapshot else []) if j.id == job_id), None)
+
     def confirm_stop(self, job_id: int | None, what: str) -> None:
         if job_id is None:
             self.notify("nothing selected to stop", severity="warning")
             return
-        job = next((j for j in (self.snapshot.jobs if self.snapshot else []) if j.id == job_id), None)
+        job = self.job(job_id)
         if job is not None and job.terminal:
             self.notify(f"job {job_id} already {job.state}", severity="warning")
             return
@@ -435,7 +439,7 @@ class ConsoleApp(App[int]):
             self.confirm_stop(None, "")
             return
         what = f"the engine on port {row.get('port')}"
-        job = next((j for j in (self.snapshot.jobs if self.snapshot else []) if j.id == row.get("job_id")), None)
+        job = self.job(row.get("job_id"))
         if job is not None and job.kind == "sweep":  # its engine is the sweep's job: stopping one stops both
             run = next((r for r in self.runs() if r.job_id == job.id), None)
             what += " and the sweep" + (f" run {run.id}" if run else "") + " that runs on it"
@@ -498,7 +502,7 @@ class ConsoleApp(App[int]):
         if run is None:
             self.notify("no run is shown", severity="warning")
             return
-        job = next((j for j in (self.snapshot.jobs if self.snapshot else []) if j.id == run.job_id), None)
+        job = self.job(run.job_id)
         if job is not None and not job.terminal:
             self.notify(f"run {run.id} is still running: its extra repeats can be planned once it has ended",
                         severity="warning")
