@@ -75,6 +75,22 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1000
 
 
+def idle_gaps(kernels, rounds: int, top: int = 8) -> list[dict]:
+    """The GPU's idle time between kernels, put on the kernel that ended each gap (what the GPU
+    waited to be given), summed by name: where a round waits on the host. The profiler's own
+    host overhead widens every gap, so read the ranking, not the sizes."""
+    by_next: dict[str, list[float]] = {}
+    end = None
+    for e in sorted(kernels, key=lambda e: e.time_range.start):
+        s = e.time_range.start
+        if end is not None and s > end:
+            by_next.setdefault(e.name, []).append(s - end)
+        end = e.time_range.end if end is None else max(end, e.time_range.end)
+    ranked = sorted(by_next.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [{"before": name[:90], "per_round": round(len(v) / rounds, 1), "us_per_round": round(sum(v) / rounds, 2)}
+            for name, v in ranked]
+
+
 def profile(engine, prompt, spec, rounds: int, device: str, top: int, shapes: bool = False, batch: int = 1,
             one_graph: bool = False) -> dict:
     import torch
@@ -124,7 +140,8 @@ def profile(engine, prompt, spec, rounds: int, device: str, top: int, shapes: bo
            "gpu_busy_ms_per_round": round(busy_ms(spans) / rounds, 4) if spans else None,
            "kernels_per_round": round(len(kernels) / rounds, 1),
            "top_kernels": [{"name": name[:90], "per_round": round(len(v) / rounds, 1),
-                            "us_per_round": round(sum(v) / rounds, 2)} for name, v in ranked]}
+                            "us_per_round": round(sum(v) / rounds, 2)} for name, v in ranked],
+           "idle_before": idle_gaps(kernels, rounds)}
     if shapes:  # which op, at which shapes, launched the kernels (only outside CUDA graphs)
         ops = [a for a in prof.key_averages(group_by_input_shape=True) if a.device_time_total > 0]
         ops.sort(key=lambda a: -a.self_device_time_total)
@@ -187,6 +204,8 @@ def main(argv=None) -> int:
                   f"{row['gpu_busy_ms_per_round']} ms, {row['kernels_per_round']} kernels/round", flush=True)
             for k in row["top_kernels"][:8]:
                 print(f"    {k['us_per_round']:9.2f} us  x{k['per_round']:<6} {k['name']}", flush=True)
+            for k in row["idle_before"][:5]:
+                print(f"    {k['us_per_round']:9.2f} us idle x{k['per_round']:<6} before {k['before']}", flush=True)
             for k in row.get("top_ops", [])[:12]:
                 print(f"    {k['us_per_round']:9.2f} us  x{k['per_round']:<6} {k['op']} {k['shapes']}", flush=True)
     if args.out:
