@@ -12,7 +12,7 @@ profile() {
     (cd bench && timeout "$limit" python3 profile_round.py --device cuda --pair 8b --budgets 64,256 --rounds 20 \
         --window 1280 --top 40 --out "$OUT/prof-8b-$tag.json" "$@") 2>&1 | grep -v "profiler_st\|Loading weights" \
         > "$OUT/prof-8b-$tag.txt"
-    grep "^\[8b" "$OUT/prof-8b-$tag.txt" | tail -5
+    grep "^\[8b\|idle x" "$OUT/prof-8b-$tag.txt" | tail -16
 }
 profile rows 150
 profile cublas 130 --no-rows
