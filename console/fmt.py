@@ -27,6 +27,14 @@ def progress(done: float | None, total: float | None) -> str:
     return "-"
 
 
+def points(done: int | None, total: int | None) -> str:
+    """A run's points cell, '9/14' (done of planned) or '9' when the plan size is unknown: one cell
+    for the History table, the compare view and `ddtree-console runs`, from the store's count
+    (Run.points_done / runs_page's points_done), so they never disagree."""
+    done = done or 0
+    return f"{done}/{total}" if total else str(done)
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """Left-aligned columns separated by two spaces; the last column is not padded."""
     rows = [[printable(cell) for cell in row] for row in rows]

@@ -37,7 +37,7 @@ from ddtree.engine.machine.placement import suggest
 from ddtree.engine.machine.preflight import check_gpus, preflight
 from ddtree.engine.serving.probe import Capabilities
 from ddtree.engine.serving.probe import probe as probe_engine
-from ddtree.engine.serving.prompts import DatasetError, read_prompts, resolve_dataset
+from ddtree.engine.serving.prompts import DatasetError, DatasetNotFound, read_prompts, resolve_dataset
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.recipe import EngineSpec, Recipe
 
@@ -243,15 +243,21 @@ def _check_local(key: str, value: str | None) -> None:
                                 "give a local model folder that exists, or a hub repo id")
 
 
-def check_datasets(recipe: Recipe) -> None:
+def check_datasets(recipe: Recipe, *, missing_ok: bool = False) -> None:
     """Refuse (DatasetError, exit 2) a prompt set that cannot be found or read. The dry run and a
-    real start both call it: it is bad input in the recipe, not a launch the plan can show."""
+    real start both call it: it is bad input in the recipe, not a launch the plan can show.
+    missing_ok (`sweep --dry-run --no-probe`, which checks nothing of this machine): a prompt file
+    or named set that is not here may be on the machine that will run the sweep, so it is not
+    refused; the plan's warnings say it once (make_plan). One that is here and unreadable, or a
+    builtin set that is not shipped, is refused all the same."""
     for name in recipe.sweep.dataset:
         # Refused here, not as failed points an hour later (read in full: an empty, binary or
         # half-JSON file fails every point).
         try:
             read_prompts(resolve_dataset(name))
         except DatasetError as exc:
+            if missing_ok and isinstance(exc, DatasetNotFound):
+                continue
             raise DatasetError(f"sweep.dataset {name!r}: {exc}") from None
 
 
@@ -452,6 +458,11 @@ def make_plan(recipe: Recipe, *, stream_tok_s: float | None = None, hardware: Ha
     for name in sweep.dataset:
         try:
             resolve_dataset(name)
+        except DatasetNotFound as exc:
+            # check_datasets refuses it before a sweep starts; a dry run with --no-probe (which does
+            # not check this machine) gets here, or a resumed run whose file went away
+            warnings.append(f"sweep.dataset {name!r} is not on this machine ({exc}); "
+                            "the machine that runs the sweep needs it")
         except DatasetError as exc:
             warnings.append(f"dataset: {exc}")
     no_engine = None

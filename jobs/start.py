@@ -72,7 +72,9 @@ def plan_sweep(recipe: Recipe, *, cache_dir: str | os.PathLike | None = None, al
     machine's hardware (sglang/vllm: placed on its GPUs, the interpreter probed and cached under
     `cache_dir` unless probe=False). check=False is the dry run: a plan whose launches would be
     refused is returned to be shown, with its warnings; check=True raises the refusal (exit 2). A
-    grid too large or a prompt set that cannot be read is refused either way."""
+    grid too large or a prompt set that cannot be read is refused either way, except that the dry
+    run with probe=False (`--dry-run --no-probe`: nothing of this machine is checked) only warns,
+    in the plan, of a prompt file that is not here (it may be on the machine that runs the sweep)."""
     from ddtree.jobs.kinds.sweep import check_supported
 
     recipe = absolute_paths(recipe)
@@ -81,7 +83,7 @@ def plan_sweep(recipe: Recipe, *, cache_dir: str | os.PathLike | None = None, al
     secrets = secret_env(recipe_to_dict(recipe))
     recipe = recipe_from_dict(redact(recipe_to_dict(recipe)))
     check_size(recipe, allow_large=allow_large)
-    check_datasets(recipe)
+    check_datasets(recipe, missing_ok=not probe and not check)
     if check:
         check_supported(recipe)
     # looked up per call, not bound at import, so a stand-in Hardware.detect is seen

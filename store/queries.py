@@ -125,6 +125,15 @@ RUN_ORDERS = {
 _PAGE_TEXT_COLUMNS = ("r.name", "r.model", "r.draft_model", "r.engine_kind", "r.state", "r.recipe")
 
 
+def _points_in(state: str) -> str:
+    """The SQL count of run `r`'s points in `state` ('done', 'failed'): the one definition of a
+    run's points done, which every reader of run summaries (the History page, `get_run`,
+    `list_runs`, and through them the compare view and `ddtree-console runs`) selects."""
+    if state not in ("done", "failed"):
+        raise ValueError(f"no point count for state {state!r}")
+    return f"(SELECT count(*) FROM points p WHERE p.run_id = r.id AND p.state = '{state}')"
+
+
 def runs_page(db: Database, text: str = "", *, order: str = "newest", limit: int = 200) -> tuple[list[dict], int]:
     """A page of run summaries for a table (id, name, engine_kind, model, state, points_total,
     created_at, points_done, best output tok/s), matching `text` as a substring (ASCII case
@@ -137,7 +146,7 @@ def runs_page(db: Database, text: str = "", *, order: str = "newest", limit: int
         where = "WHERE " + " OR ".join(f"{c} LIKE ? ESCAPE '\\'" for c in _PAGE_TEXT_COLUMNS)
         params = [like] * len(_PAGE_TEXT_COLUMNS)
     sql = ("SELECT r.id, r.name, r.engine_kind, r.model, r.state, r.points_total, r.created_at, "
-           "(SELECT count(*) FROM points p WHERE p.run_id = r.id AND p.state = 'done') AS points_done, "
+           f"{_points_in('done')} AS points_done, "
            "(SELECT max(p.output_tok_s) FROM points p WHERE p.run_id = r.id AND p.state = 'done') AS best "
            f"FROM runs r {where} ORDER BY {RUN_ORDERS[order]} LIMIT ?")
     rows = fetch_rows(db, sql, [*params, int(limit)])
@@ -158,8 +167,8 @@ def runs_signature(db: Database) -> tuple[tuple, tuple]:
 def _runs(db: Database, where: str, params: list[Any], suffix: str = "") -> list[Run]:
     sql = (
         "SELECT r.*, "
-        "(SELECT count(*) FROM points p WHERE p.run_id = r.id AND p.state = 'done') AS points_done, "
-        "(SELECT count(*) FROM points p WHERE p.run_id = r.id AND p.state = 'failed') AS points_failed "
+        f"{_points_in('done')} AS points_done, "
+        f"{_points_in('failed')} AS points_failed "
         f"FROM runs r {where} ORDER BY r.id DESC{suffix}"
     )
     return [from_row(Run, row) for row in fetch_rows(db, sql, params)]

@@ -6,7 +6,8 @@
 machine without a GPU, a note that there is none to place on).
 `--fit MODEL_DIR` prints instead a VRAM estimate for serving that local model at tp N (default 1):
 weights from its safetensors headers (+ `--draft DIR`), KV cache per token from its config.json times
-`--context` x `--concurrency`, against the memory of this machine's first N GPUs (or `--gpu-mem-gb`).
+`--context` x `--concurrency`, against the memory of this machine's first N GPUs (or `--gpu-mem-gb`),
+with a note for a tp the engines refuse (attention or KV heads it cannot split evenly).
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     fit = p.add_argument_group("VRAM fit estimate",
                                "weights from the safetensors headers plus the KV cache from config.json "
                                "(layers x kv heads x head_dim x 2 x dtype bytes per token), per GPU at --tp, "
-                               "against the first --tp GPUs' memory x 0.88 (SGLang's static memory share)")
+                               "against the first --tp GPUs' memory x 0.88 (SGLang's static memory share); "
+                               "notes a --tp that SGLang and vLLM refuse (one that cannot split the model's "
+                               "attention or KV heads evenly)")
     fit.add_argument("--fit", metavar="MODEL_DIR", help="estimate whether the local model MODEL_DIR fits")
     fit.add_argument("--draft", metavar="DIR", help="with --fit: add this drafter's weights")
     fit.add_argument("--context", type=int, default=8192, metavar="N", help="with --fit: tokens per sequence (default 8192)")

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
             r.engine_kind or "-",
             fmt.one_line(r.model, 36) or "-",
             r.state or "-",
-            f"{r.points_done}/{r.points_total}" if r.points_total else str(r.points_done),
+            fmt.points(r.points_done, r.points_total),
             str(r.points_failed),
             fmt.stamp(r.created_at),
             verdict_cell(verdicts[r.id]),

@@ -6,7 +6,8 @@
 
 For kind sglang/vllm the dry run shows each launch exactly as it will be typed (env, argv), built
 from the flags the recipe's interpreter accepts; a launch it cannot build is shown with the reason
-and makes a real run exit 2 before anything starts.
+and makes a real run exit 2 before anything starts. `--dry-run --no-probe` runs no interpreter,
+and a prompt file that is not on this machine is a warning there, not a refusal.
 
 The checks, the run row and the job come from `jobs.start.start_sweep`, which the console's sweep
 form calls too (so both refuse the same recipes); `--resume` submits a new job for the same run,
@@ -45,7 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "filling the store point by point. --dry-run prints every engine launch and point with an "
                     "estimated duration and starts no server and writes no run; for an sglang/vllm recipe it runs "
                     "the recipe's interpreter once to read its version and flags (cached beside the database), "
-                    "unless --no-probe.")
+                    "unless --no-probe. A prompt file that is not on this machine is refused, except in a dry run "
+                    "with --no-probe, which warns of it once (it may be on the machine that runs the sweep).")
     p.add_argument("recipe", nargs="?", help="the recipe file (TOML), e.g. assets/recipes/demo.toml")
     p.add_argument("--resume", type=run_id, metavar="RUN_ID", help="resume a run: skip its finished points")
     p.add_argument("--settle", type=run_id, metavar="RUN_ID",
@@ -55,7 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and exit; no server starts (sglang/vllm: the interpreter is probed)")
     p.add_argument("--no-probe", action="store_true",
-                   help="with --dry-run: do not run the recipe's sglang/vllm interpreter (no launch commands then)")
+                   help="with --dry-run: do not run the recipe's sglang/vllm interpreter (no launch commands then), "
+                        "and warn of a prompt file that is not on this machine instead of refusing it")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--yes-large", action="store_true",
                    help=f"run a grid of more than {MAX_POINTS:,} points (refused without it; "

@@ -7,6 +7,7 @@ read for the rows shown on a worker and kept until the run's points change."""
 from __future__ import annotations
 
 import json
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -67,8 +68,7 @@ def short_stamp(at: float | None) -> str:
 
 def run_cells(row: dict, marked: bool, flags: str | None = None, *, narrow: bool = False) -> tuple:
     """One History row; `narrow` for NARROW_COLUMNS (names cut shorter, the compact stamp)."""
-    total = row.get("points_total")
-    points = f"{row['points_done']}/{total}" if total else str(row["points_done"])
+    points = fmt.points(row.get("points_done"), row.get("points_total"))
     ident = Text(f"✓{row['id']}", style="bold reverse") if marked else str(row["id"])
     name = fmt.one_line(row.get("name"), 14 if narrow else 24) or "-"
     model = fmt.one_line(run_model(row), 18 if narrow else 28)
@@ -315,8 +315,14 @@ def _best(points: list) -> dict:
         return {}
     p = max(done, key=lambda q: q.output_tok_s)
     return {"best tok/s": p.output_tok_s, "best budget": p.budget, "tau at best": tau_of(p),
-            "x AR at best": p.speedup_vs_ar, "x DFlash at best": p.speedup_vs_dflash, "E2E p50 at best": p.e2e_p50,
-            "points done": len(done)}
+            "x AR at best": p.speedup_vs_ar, "x DFlash at best": p.speedup_vs_dflash, "E2E p50 at best": p.e2e_p50}
+
+
+def _wrapped(value: Any, width: int) -> list[str]:
+    """A settings cell as lines of at most `width` characters: wrapped, never cut (a software line
+    of four versions, a long model name), and safe to print."""
+    text = fmt.one_line(", ".join(map(str, value)) if isinstance(value, list) else str(value), None)
+    return textwrap.wrap(text, width, break_on_hyphens=False) or [""]
 
 
 def compare_tables(runs: list, points: dict[int, list]) -> tuple[Text, Text, str | None]:
@@ -332,12 +338,18 @@ def compare_tables(runs: list, points: dict[int, list]) -> tuple[Text, Text, str
     for key in settings[runs[0].id]:
         values = [settings[r.id].get(key) for r in runs]
         differ = len({json.dumps(v, sort_keys=True, default=str) for v in values}) > 1
-        out.append(f"{key:<17}", style="bold yellow" if differ else "dim")
-        for v in values:
-            cell = fmt.one_line(", ".join(map(str, v)) if isinstance(v, list) else str(v), width - 1)
-            out.append(f"{cell:<{width}}", style="reverse yellow" if differ else "")
-        out.append("\n")
+        cells = [_wrapped(v, width - 1) for v in values]
+        for line in range(max(map(len, cells))):
+            out.append(f"{key if line == 0 else '':<17}", style="bold yellow" if differ else "dim")
+            for cell in cells:
+                text = cell[line] if line < len(cell) else ""
+                out.append(f"{text:<{width - 1}}", style="reverse yellow" if differ and text else "")
+                out.append(" ")
+            out.append("\n")
     metrics = {run.id: _best(points.get(run.id, [])) for run in runs}
+    for run in runs:
+        # the count History shows for the run (the store's), not one of the points read here
+        metrics[run.id]["points done"] = fmt.points(run.points_done, run.points_total)
     table = Text()
     table.append(f"{'metric':<17}{head}\n", style="bold")
     first = metrics[runs[0].id]

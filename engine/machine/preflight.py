@@ -294,6 +294,7 @@ class KvLayout:
     factor: int  # 2 (K and V) for MHA/GQA, 1 for MLA's latent (which holds both)
     dtype_bytes: int
     mla: bool = False
+    attention_heads: int | None = None  # query heads (num_attention_heads), None when the config has none
 
     @property
     def bytes_per_token(self) -> int:
@@ -315,9 +316,23 @@ class KvLayout:
         return (f"tp {tp} cannot split {self.kv_heads} KV heads evenly (SGLang and vLLM need one to divide the "
                 f"other), so a server refuses this tp; the KV figures assume it could")
 
+    def tp_attention_problem(self, tp: int) -> str | None:
+        """Why SGLang and vLLM would refuse this tp for these attention (query) heads, or None: both
+        shard the query heads evenly over tp, so tp must divide num_attention_heads (MLA models too)."""
+        if tp <= 1 or not self.attention_heads or self.attention_heads % tp == 0:
+            return None
+        return (f"tp {tp} cannot split {self.attention_heads} attention heads evenly (SGLang and vLLM need tp to "
+                f"divide them), so a server refuses this tp; the figures assume it could")
+
+    def tp_problems(self, tp: int) -> list[str]:
+        """Every reason SGLang and vLLM would refuse this tp for this attention layout (attention heads,
+        then KV heads); empty when they would serve it."""
+        return [p for p in (self.tp_attention_problem(tp), self.tp_split_problem(tp)) if p]
+
     def to_dict(self) -> dict:
         return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim, "factor": self.factor,
-                "dtype_bytes": self.dtype_bytes, "mla": self.mla, "bytes_per_token": self.bytes_per_token}
+                "dtype_bytes": self.dtype_bytes, "mla": self.mla, "attention_heads": self.attention_heads,
+                "bytes_per_token": self.bytes_per_token}
 
 
 def kv_layout(config: dict, *, kv_dtype_bytes: int | None = None) -> KvLayout:
@@ -342,13 +357,15 @@ def kv_layout(config: dict, *, kv_dtype_bytes: int | None = None) -> KvLayout:
     layers = need("num_hidden_layers")
     if cfg.get("kv_lora_rank"):
         latent = need("kv_lora_rank") + int(cfg.get("qk_rope_head_dim") or 0)
-        return KvLayout(layers, 1, latent, 1, kv_dtype_bytes, mla=True)
+        heads = cfg.get("num_attention_heads")
+        heads = heads if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 else None
+        return KvLayout(layers, 1, latent, 1, kv_dtype_bytes, mla=True, attention_heads=heads)
     heads = need("num_attention_heads")
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or need("hidden_size") // heads
     if not isinstance(kv_heads, int) or kv_heads <= 0 or not isinstance(head_dim, int) or head_dim <= 0:
         raise PreflightError(f"the model config has bad num_key_value_heads/head_dim ({kv_heads!r}/{head_dim!r})")
-    return KvLayout(layers, kv_heads, head_dim, 2, kv_dtype_bytes)
+    return KvLayout(layers, kv_heads, head_dim, 2, kv_dtype_bytes, attention_heads=heads)
 
 
 @dataclass(frozen=True)
@@ -401,8 +418,7 @@ class VramEstimate:
     @property
     def notes(self) -> list[str]:
         """What makes the figures doubtful for a real server (a tp the engines refuse)."""
-        problem = self.kv.tp_split_problem(self.tp)
-        return [problem] if problem else []
+        return self.kv.tp_problems(self.tp)
 
     def describe(self) -> str:
         draft = f" + drafter {_gb(self.draft_weights.bytes)}" if self.draft_weights else ""

@@ -29,6 +29,11 @@ class DatasetError(EngineError):
     exit_code = 2
 
 
+class DatasetNotFound(DatasetError):
+    """A prompt file, or a named set in the dataset folders, that is not on this machine (it may be
+    on the one that runs the sweep); a builtin set that is not shipped is a plain DatasetError."""
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One prompt: `text` always (chat flattened), `messages` when the source was chat, and the
@@ -71,13 +76,13 @@ def resolve_dataset(name: str) -> Path:
     path = Path(name).expanduser()
     if path.suffix == ".jsonl" or os.sep in name:
         if not path.is_file():
-            raise DatasetError(f"prompt file not found: {path}")
+            raise DatasetNotFound(f"prompt file not found: {path}")
         return path
     tried = [d / f"{name}.jsonl" for d in dataset_dirs()]
     for candidate in tried:
         if candidate.is_file():
             return candidate
-    raise DatasetError(f"unknown dataset {name!r}",
+    raise DatasetNotFound(f"unknown dataset {name!r}",
                        "use builtin:code, a .jsonl path, or put " + " or ".join(str(t) for t in tried))
 
 

@@ -89,6 +89,20 @@ def test_the_dry_run_refuses_a_prompt_set_as_a_start_does(tmp_path, content, exp
         plan_sweep(parse_recipe(recipe_text("builtin:nope")), check=False)
 
 
+def test_only_the_dry_run_without_probe_lets_a_missing_prompt_file_through(tmp_path):
+    """probe=False with check=False is `sweep --dry-run --no-probe`: the plan carries the warning;
+    a dry run that probes, and every real start (check=True), refuse the same recipe."""
+    missing = str(tmp_path / "elsewhere" / "p.jsonl")
+    recipe = parse_recipe(recipe_text(missing))
+    planned = plan_sweep(recipe, probe=False, check=False)
+    assert [w for w in planned.plan.warnings if missing in w] == [
+        f"sweep.dataset '{missing}' is not on this machine (prompt file not found: {missing}); "
+        "the machine that runs the sweep needs it"]
+    for probe, check in ((True, False), (True, True), (False, True)):
+        with pytest.raises(DatasetError, match="prompt file not found"):
+            plan_sweep(recipe, probe=probe, check=check)
+
+
 def test_git_revision_names_the_commit_and_a_dirty_file(tmp_path):
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
     if subprocess.run([*git, "init", "-q"], capture_output=True).returncode != 0:

@@ -166,9 +166,34 @@ def test_hw_fit_warns_when_tp_cannot_split_the_kv_heads(tmp_path):
         assert rc == 0 and "note:" not in out
     rc, out = run_hw(["--fit", str(model), "--gpu-mem-gb", "80", "--tp", "3"])
     assert rc == 0 and "VRAM fit:" in out
+    # its 4 attention heads do not split over 3 GPUs either: both reasons, attention heads first
+    assert out.splitlines()[-2].startswith("  note: tp 3 cannot split 4 attention heads evenly")
     assert out.splitlines()[-1].startswith("  note: tp 3 cannot split 2 KV heads evenly")
     rc, out = run_hw(["--fit", str(model), "--gpu-mem-gb", "80", "--tp", "3", "--json"])
     notes = json.loads(out)["notes"]
-    assert len(notes) == 1 and notes[0].startswith("tp 3 cannot split 2 KV heads evenly")
+    assert len(notes) == 2 and notes[1].startswith("tp 3 cannot split 2 KV heads evenly")
     mla = kv_layout(KIMI_K2)
     assert mla.tp_split_problem(3) is None  # one latent, replicated on every GPU
+
+
+def test_hw_fit_warns_when_tp_cannot_split_the_attention_heads(tmp_path):
+    """6 attention heads over 2 KV heads: tp 4 gives each KV head two GPUs (fine for the KV cache) but
+    cannot shard 6 query heads, which SGLang and vLLM refuse; said as the KV-heads case is said."""
+    model = tiny_model(tmp_path / "m", {"num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
+                                        "head_dim": 8, "hidden_size": 16, "torch_dtype": "float16"})
+    for tp in ("2", "6"):
+        rc, out = run_hw(["--fit", str(model), "--gpu-mem-gb", "80", "--tp", tp])
+        assert rc == 0 and "note:" not in out
+    rc, out = run_hw(["--fit", str(model), "--gpu-mem-gb", "80", "--tp", "4"])
+    assert rc == 0 and "VRAM fit:" in out
+    assert out.splitlines()[-1] == ("  note: tp 4 cannot split 6 attention heads evenly (SGLang and vLLM need tp "
+                                    "to divide them), so a server refuses this tp; the figures assume it could")
+    rc, out = run_hw(["--fit", str(model), "--gpu-mem-gb", "80", "--tp", "4", "--json"])
+    data = json.loads(out)
+    assert data["kv"]["attention_heads"] == 6
+    assert len(data["notes"]) == 1 and data["notes"][0].startswith("tp 4 cannot split 6 attention heads evenly")
+    # MLA: the latent is replicated, but the 64 query heads are still sharded
+    mla = kv_layout(KIMI_K2)
+    assert mla.tp_problems(8) == [] and mla.tp_split_problem(3) is None
+    assert mla.tp_problems(3) == [mla.tp_attention_problem(3)]
+    assert "64 attention heads" in mla.tp_attention_problem(3)

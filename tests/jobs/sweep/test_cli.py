@@ -101,11 +101,38 @@ def test_a_resume_with_nothing_left_ends_a_run_whose_runner_died_before_its_end(
 def test_a_missing_prompt_file_is_refused_before_the_store(tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text(f'name = "x"\n[sweep]\ndataset = "{tmp_path / "nope.jsonl"}"\n')
-    for dry in (("--dry-run", "--no-probe"), ()):
+    for dry in (("--dry-run",), ()):
         out = cli(tmp_path, "sweep", str(recipe), *dry)
         assert out.returncode == 2, (dry, out.stderr)
         assert out.stderr == f"error: sweep.dataset '{tmp_path / 'nope.jsonl'}': prompt file not found: " \
                              f"{tmp_path / 'nope.jsonl'}\n"
+    assert not (tmp_path / "d.db").exists()
+
+
+def test_dry_run_no_probe_warns_once_of_a_prompt_file_not_on_this_machine(tmp_path):
+    """--no-probe checks nothing of this machine: the prompt file may be on the one that runs the
+    sweep, so the plan prints (once, however many points use it) instead of being refused."""
+    missing = "/data/prompts/on-the-gpu-box.jsonl"
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'name = "x"\n[sweep]\ndataset = "{missing}"\nbudget = [4, 8, 16]\n')
+    out = cli(tmp_path, "sweep", str(recipe), "--dry-run", "--no-probe")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    warned = [line for line in out.stdout.splitlines() if missing in line and line.startswith("warning:")]
+    assert warned == [f"warning: sweep.dataset '{missing}' is not on this machine (prompt file not found: "
+                      f"{missing}); the machine that runs the sweep needs it"]
+    assert sum(f"{missing} r0" in line for line in out.stdout.splitlines()) == 3  # the points still planned
+    out = cli(tmp_path, "sweep", str(recipe), "--dry-run", "--no-probe", "--json")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert [w for w in json.loads(out.stdout)["warnings"] if missing in w] == [warned[0].removeprefix("warning: ")]
+    assert not (tmp_path / "d.db").exists()
+    # a builtin set that is not shipped, or a file that is here and bad, is still refused
+    recipe.write_text('name = "x"\n[sweep]\ndataset = "builtin:nope"\n')
+    out = cli(tmp_path, "sweep", str(recipe), "--dry-run", "--no-probe")
+    assert out.returncode == 2 and out.stderr.startswith("error: sweep.dataset 'builtin:nope': no builtin prompt set")
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    recipe.write_text(f'name = "x"\n[sweep]\ndataset = "{tmp_path / "bad.jsonl"}"\n')
+    out = cli(tmp_path, "sweep", str(recipe), "--dry-run", "--no-probe")
+    assert out.returncode == 2 and "is not JSON" in out.stderr and out.stderr.count("\n") == 1
     assert not (tmp_path / "d.db").exists()
 
 
