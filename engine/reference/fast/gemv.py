@@ -145,7 +145,10 @@ def launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (-(-n // config.block_n), -(-m // config.block_m))
+    # Row tiles first: the programs that share a weight tile run side by side, so all but the
+    # first read it from L2. Outputs first, a 65-row verify on 64-row tiles read an 8B layer's
+    # weights from memory twice (each pass outgrows L2).
+    grid = (-(-m // config.block_m), -(-n // config.block_n))
     rows[grid](x, weight, bias if bias is not None else x, out,
                residual.contiguous() if residual is not None else x, norm if norm is not None else x,
                m, n, k, x.stride(0), weight.stride(0), float(eps), HAS_BIAS=bias is not None,

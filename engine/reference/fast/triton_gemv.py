@@ -62,8 +62,8 @@ def rows(X, W, BIAS, Y, RES, NORM, M, N, K, sx, sw, eps, HAS_BIAS: tl.constexpr,
     program: gemv's product for a few rows, each W tile read once for all of them and multiplied
     with tl.dot (IEEE: in exact float32, as cuBLAS without TF32 does). X's rows are sx apart; Y
     and RES are contiguous [M, N]. PRE as gemv's, RMSNorm per row (rstd from the whole row)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < M
