@@ -250,6 +250,47 @@ async def test_engine_form_refuses_speculation_on_a_hybrid_target_before_it_star
     assert submitted and submitted[0][1]["algorithm"] == "ar"
 
 
+async def test_engine_form_refuses_cuda_on_a_machine_without_a_gpu(seeded, monkeypatch):
+    """The Hardware pane's NVML reading says there is no GPU: device cuda is refused in the form,
+    with the reason, and Enter says it in a toast, instead of a job that fails at start."""
+    db_path, _ = seeded
+    app = app_for(db_path, sources=fixed_sources(gpus=False))
+    submitted = []
+    monkeypatch.setattr(type(app), "submit_job", lambda self, kind, spec, name=None: submitted.append((kind, spec)))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.gpu_view is not None, what="the hardware view")
+        await pilot.press("4", "n")
+        await until(pilot, lambda: isinstance(app.screen, EngineForm), what="the engine form")
+        form = app.screen
+        form.query_one("#device").value = "cuda"
+        await pilot.pause(0.05)
+        assert form.query_one("#start").disabled
+        assert "no GPU" in form_error(form) and "NVML library not found" in form_error(form)
+        assert "\n" not in form_error(form).strip()  # one line
+        form.query_one("#device").focus()
+        await pilot.press("enter")
+        assert isinstance(app.screen, EngineForm) and not submitted
+        assert any(n.title == "cannot start" and "no GPU" in n.message for n in app._notifications)
+        form.query_one("#device").value = "cpu"
+        await pilot.pause(0.05)
+        assert not form.query_one("#start").disabled and "will run: builtin" in form_error(form)
+
+
+async def test_engine_form_takes_a_gpu_that_is_there_and_refuses_one_that_is_not(seeded, app):
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.gpu_view is not None, what="the hardware view")
+        count = len(app.gpu_view.gpus)
+        await pilot.press("4", "n")
+        await until(pilot, lambda: isinstance(app.screen, EngineForm), what="the engine form")
+        form = app.screen
+        form.query_one("#device").value = "cuda:0"
+        await pilot.pause(0.05)
+        assert not form.query_one("#start").disabled and "on cuda:0" in form_error(form)
+        form.query_one("#device").value = f"cuda:{count}"
+        await pilot.pause(0.05)
+        assert form.query_one("#start").disabled and f"no GPU {count} here" in form_error(form)
+
+
 @pytest.mark.slow
 async def test_engine_form_starts_sglang_on_chosen_gpus(submitting_app, tmp_path):
     app, submitted = submitting_app
