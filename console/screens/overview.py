@@ -128,7 +128,8 @@ class OverviewPane(Vertical):
         yield Static("Disks", classes="pane-title machine")
         yield Static("disks: reading…", id="disks", classes="machine")
         yield Static("Log", id="job-log-title", classes="pane-title job-log")
-        yield LogView(id="job-log", classes="job-log")
+        # wrapped: this pane has no key to scroll sideways, so a long line would be cut at the edge
+        yield LogView(id="job-log", classes="job-log", wrap=True)
 
     def on_mount(self) -> None:
         self.log_shown = False
