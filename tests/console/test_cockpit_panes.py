@@ -533,3 +533,27 @@ def test_console_never_imports_torch():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+async def test_help_lines_too_long_for_the_dialog_go_on_under_their_text(app):
+    """At 80x24 the help's longer lines wrap: the rest goes under the text, not back to the left
+    edge under the keys (where it read as a key of its own)."""
+    from textual.geometry import Region
+
+    from ddtree.console.screens.modals import HELP_KEY_W
+
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("question_mark")
+        await until(pilot, lambda: isinstance(app.screen, HelpScreen), what="the help")
+        body = app.screen.query_one("#help Static")
+        await until(pilot, lambda: body.size.height > 20, what="the help laid out")
+        lines = [strip.text.rstrip() for strip in body.render_lines(Region(0, 0, body.size.width, body.size.height))]
+        at = lambda text: next(i for i, line in enumerate(lines) if text in line)  # noqa: E731
+        assert not lines[at("2     Hardware")].endswith("sets")  # 'suggested GPU sets' does not fit...
+        assert lines[at("2     Hardware") + 1] == " " * (HELP_KEY_W + 11) + "sets"  # ...and goes on under its text
+        theme = at("Dark / light theme")
+        assert lines[theme + 1].startswith(" " * HELP_KEY_W) and lines[theme + 1].strip()
+        # each line: a section title at the left edge, a key's line, or the rest of a text under it
+        titles = {"Panes", "Everywhere", "Overview", "Downloads", "Engines", "Sweeps", "History"}
+        for line in lines[at("Panes"):at("Jobs run detached")]:
+            assert not line or line.startswith("  ") or line in titles, line
