@@ -557,3 +557,26 @@ async def test_help_lines_too_long_for_the_dialog_go_on_under_their_text(app):
         titles = {"Panes", "Everywhere", "Overview", "Downloads", "Engines", "Sweeps", "History"}
         for line in lines[at("Panes"):at("Jobs run detached")]:
             assert not line or line.startswith("  ") or line in titles, line
+
+
+async def test_tabs_fit_a_narrow_terminal_with_shorter_titles(app):
+    """At 60 columns the six tabs (69 columns with their full titles) would cut '6 History' to '6':
+    Hardware and Downloads take short titles there, and their full ones back on a wider terminal."""
+    from textual.widgets import Tabs
+
+    def labels() -> list[str]:
+        return [tab.label_text for tab in app.query_one("#pane-tabs", Tabs).query("Tab")]
+
+    def bar_width() -> int:
+        return sum(tab.outer_size.width for tab in app.query_one("#pane-tabs", Tabs).query("Tab"))
+
+    async with app.run_test(size=(60, 20)) as pilot:
+        await until(pilot, lambda: "2 HW" in labels(), what="the short titles")
+        assert labels() == ["1 Overview", "2 HW", "3 DL", "4 Engines", "5 Sweeps", "6 History"]
+        await pilot.pause()
+        assert bar_width() <= 60
+        await pilot.resize_terminal(80, 24)
+        await until(pilot, lambda: "2 Hardware" in labels(), what="the full titles")
+        assert labels()[2] == "3 Downloads"
+        await pilot.pause()
+        assert bar_width() <= 80
