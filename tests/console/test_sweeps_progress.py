@@ -108,3 +108,10 @@ async def test_a_cancelled_run_says_it_ended_with_its_points_so_far(tmp_path):
         assert "(cancelled) 2/4 points" in text_of(app, "sweep-title")
         states = [row[5] for row in table_rows(app, "points")]
         assert states == ["done", "done", "not run", "not run"]
+        # at 60 columns a chart is 30 wide: the note breaks between words, none is cut at the edge
+        await pilot.resize_terminal(60, 20)
+        await until(pilot, lambda: tau.size.width < 32, what="the narrow charts")
+        await pilot.pause()
+        words = str(tau.as_text()).split()
+        assert "point" in words and "DDTree" in words and "done," in words
+        assert all(len(line) <= tau.size.width for line in str(tau.as_text()).splitlines())
