@@ -580,3 +580,23 @@ async def test_tabs_fit_a_narrow_terminal_with_shorter_titles(app):
         assert labels()[2] == "3 Downloads"
         await pilot.pause()
         assert bar_width() <= 80
+
+
+async def test_the_key_bar_shows_whole_keys_only_on_a_narrow_terminal(app):
+    """At 60 columns the Engines keys do not all fit: the bar ends after the last whole one
+    instead of cutting it ('/ Searc'), and shows them all again when the terminal widens."""
+    def keys() -> str:
+        return str(app.query_one("#keys").render()).rstrip()
+
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("4")
+        await until(pilot, lambda: "Search" in keys() and "Stopped too" in keys(), what="the Engines keys")
+        full = keys()
+        await pilot.resize_terminal(60, 20)
+        await until(pilot, lambda: keys() != full, what="the keys at 60 columns")
+        shown = keys()
+        assert len(shown) <= app.query_one("#keys").size.width
+        assert full.startswith(shown) and full[len(shown):].startswith("  ")  # whole keys, the next left out
+        assert "Wrap" in shown and "Searc" not in shown
+        await pilot.resize_terminal(120, 40)
+        await until(pilot, lambda: keys() == full, what="all the keys again")
