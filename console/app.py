@@ -527,12 +527,18 @@ class ConsoleApp(App[int]):
     def settle_sweep(self, run_id: int) -> None:
         """As `ddtree-console sweep --settle RUN_ID --detach`: the follow-up run that decides what the
         shown run's recommendation leaves open (a decided run is refused, as one line)."""
-        from ddtree.jobs.settle import settle_recipe
+        from ddtree.jobs.settle import NothingToSettle, settle_recipe
         from ddtree.store import sweeps
         from ddtree.store.db import open_db
 
         with open_db(self.db_path) as db:
-            recipe = settle_recipe(sweeps.get_run(db, run_id), sweeps.list_points(db, run_id))
+            try:
+                recipe = settle_recipe(sweeps.get_run(db, run_id), sweeps.list_points(db, run_id))
+            except NothingToSettle as exc:
+                # an answer, not a failure: the worker's error toast was titled "sweep failed"
+                self.call_from_thread(self.notify, fmt.one_line(str(exc), 200), title="nothing more to measure",
+                                      severity="warning")
+                return
         self._start_detached(recipe)
 
     async def action_sweep_prev(self) -> None:
