@@ -31,7 +31,7 @@ from textual.widgets import ContentSwitcher, Input, Static, Tab, Tabs
 from textual.worker import Worker, WorkerState
 
 from ddtree.console import fmt, messages
-from ddtree.console.palette import PANES, system_commands
+from ddtree.console.palette import PANES, SHORT_TITLES, system_commands
 from ddtree.console.poll import Sources
 from ddtree.console.quitnote import quit_note
 from ddtree.console.screens.overview import HISTORY, OverviewPane
@@ -40,6 +40,8 @@ from ddtree.console.words import plural
 
 #: Seconds between polls of the store: at most two UI updates a second, fine over slow SSH.
 POLL_S = 0.5
+#: From this terminal width on, the tabs show the panes' full titles (they take 69 columns).
+TABS_FULL_W = 70
 NOTIFY_S = 5.0
 """The longest a toast stays: a few seconds, as Textual's own; errors that matter stay in the panes."""
 
@@ -139,6 +141,18 @@ class ConsoleApp(App[int]):
             yield OverviewPane(id="overview", classes="pane")
         yield Static("loading…", id="status")
         yield KeyBar(id="footer")
+
+    def on_resize(self, event) -> None:
+        self.show_tab_titles(event.size.width)
+
+    def show_tab_titles(self, width: int) -> None:
+        """The panes' full titles where they fit, shorter ones (HW, DL) on a narrow terminal."""
+        short = width < TABS_FULL_W
+        for pane, key, title, _ in PANES:
+            label = f"{key} {SHORT_TITLES.get(pane, title) if short else title}"
+            tab = self.query_one(f"#tab-{pane}", Tab)
+            if tab.label_text != label:
+                tab.label = label
 
     def on_mount(self) -> None:
         # The store, the hardware and their imports come after the first frame is on screen.
@@ -513,12 +527,18 @@ class ConsoleApp(App[int]):
     def settle_sweep(self, run_id: int) -> None:
         """As `ddtree-console sweep --settle RUN_ID --detach`: the follow-up run that decides what the
         shown run's recommendation leaves open (a decided run is refused, as one line)."""
-        from ddtree.jobs.settle import settle_recipe
+        from ddtree.jobs.settle import NothingToSettle, settle_recipe
         from ddtree.store import sweeps
         from ddtree.store.db import open_db
 
         with open_db(self.db_path) as db:
-            recipe = settle_recipe(sweeps.get_run(db, run_id), sweeps.list_points(db, run_id))
+            try:
+                recipe = settle_recipe(sweeps.get_run(db, run_id), sweeps.list_points(db, run_id))
+            except NothingToSettle as exc:
+                # an answer, not a failure: the worker's error toast was titled "sweep failed"
+                self.call_from_thread(self.notify, fmt.one_line(str(exc), 200), title="nothing more to measure",
+                                      severity="warning")
+                return
         self._start_detached(recipe)
 
     async def action_sweep_prev(self) -> None:

@@ -31,6 +31,10 @@ PANES = (
     ("history", "6", "History", "all runs: filter, sort, compare, export"),
 )
 
+#: Shorter tab titles for a narrow terminal (app.TABS_FULL_W): the full ones need 69 columns, and
+#: the tab bar would cut "6 History" mid-word at 60.
+SHORT_TITLES = {"hardware": "HW", "downloads": "DL"}
+
 LOCAL = True  # a row's last field: the action is the pane's own (see Action.local)
 
 #: Each pane's own keys: (key, action, title, help, footer label, binding id), and LOCAL where the pane

@@ -227,6 +227,21 @@ def preview(spec: dict) -> str:
     return f"will run: {spec['kind']} {model} with drafter {draft}, {algorithm}, block {block}, {where}"
 
 
+def device_refusal(device: str, view) -> str | None:
+    """Why the builtin engine cannot run on `device` here, from the console's hardware view (the
+    NVML reading the Hardware pane shows), or None: cpu, a GPU that is there, or a view not read yet.
+    Only what is surely absent is refused: NVML sees at least the GPUs CUDA is shown."""
+    if view is None or not device.startswith("cuda"):
+        return None
+    if not view.gpus:
+        return f"device {device}: this machine has no GPU ({view.reason or 'NVML found no GPU'}); use cpu"
+    index = device.partition(":")[2]
+    if index.isdigit() and int(index) >= len(view.gpus):
+        last = len(view.gpus) - 1
+        return f"device {device}: no GPU {index} here (cuda:0{'' if not last else f' to cuda:{last}'}, or cpu)"
+    return None
+
+
 class EngineForm(ModalScreen[dict | None]):
     """An engine server: the builtin one (model and drafter, empty = the demo pair), or SGLang/vLLM
     from a given interpreter on chosen GPUs."""
@@ -288,6 +303,8 @@ class EngineForm(ModalScreen[dict | None]):
         self.query_one("#model", Input).focus()
         self._show_rows()
         self.validate_form()
+        # the hardware view may be read after the form opened: its GPUs decide what device is valid
+        self.watch(self.app, "hardware", lambda _hw: self.validate_form(), init=False)
 
     def _fields(self) -> dict[str, str]:
         return {w.id: w.value for w in self.query("Input, Select") if w.id and isinstance(w.value, str)}
@@ -337,14 +354,19 @@ class EngineForm(ModalScreen[dict | None]):
         from ddtree.jobs.kinds.engine import validate
 
         error = self.query_one("#form-error", Static)
+        self._refused = None
         try:
             spec = validate(self.raw_spec())
         except JobError as exc:
+            self._refused = str(exc)
             error.update(Text(str(exc), style="red"))
             self.query_one("#start", Button).disabled = True
             return None
         refused = self._refusal(spec)
+        if refused is None and spec["kind"] == "builtin":
+            refused = device_refusal(spec["device"], getattr(self.app, "gpu_view", None))
         if refused is not None:
+            self._refused = refused
             error.update(Text(refused, style="red"))
             self.query_one("#start", Button).disabled = True
             return None
@@ -373,11 +395,18 @@ class EngineForm(ModalScreen[dict | None]):
     def on_input_submitted(self, _event) -> None:
         self._start()
 
+    _refused: str | None = None
+    """Why the form cannot start, as its last check said (None: it can)."""
+
     @on(Button.Pressed, "#start")
     def _start(self) -> None:
         if self.validate_form() is not None:
             LAST_FIELDS[self.app] = self._fields()
             self.dismiss(self.raw_spec())
+        else:
+            # as the sweep form does: Enter on a refused form says why, so it never looks ignored
+            self.notify(fmt.one_line(self._refused or "the form is not valid", 200), title="cannot start",
+                        severity="error")
 
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rich.console import Group
+from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -76,29 +78,43 @@ class ConfirmScreen(ModalScreen[bool]):
         self.dismiss(answer)
 
 
-def help_text(db_path: str = "") -> Text:
-    out = Text()
-    out.append("ddtree-console", style="bold")
-    out.append(" — every key; ctrl+p opens the palette with all of them.\n")
+#: Where a key's text starts in the help: two spaces, the key, padding. Lines of a text too long
+#: for the dialog go on under the text, not under the keys.
+HELP_KEY_W = 8
+
+
+def _key_rows(rows: list[tuple[str, ...]], title_w: int = 0) -> Table:
+    """(key, text) rows, or (key, title, text) with `title_w`, as columns: a text wraps within its
+    own column (a hanging indent), not back under the key."""
+    table = Table.grid(expand=True)
+    table.add_column(width=HELP_KEY_W, no_wrap=True, style="bold")
+    if title_w:
+        table.add_column(width=title_w, no_wrap=True)
+    table.add_column(ratio=1)
+    for key, *cells in rows:
+        table.add_row(f"  {key}", *cells)
+    return table
+
+
+def help_text(db_path: str = "") -> Group:
+    intro = Text()
+    intro.append("ddtree-console", style="bold")
+    intro.append(" — every key; ctrl+p opens the palette with all of them.")
     if db_path:
-        out.append(f"store: {db_path}\n", style="dim")
-    out.append("\n")
-    out.append("Panes\n", style="bold underline")
-    for pane, key, title, text in PANES:
-        out.append(f"  {key:<6}", style="bold")
-        out.append(f"{title:<11}{text}\n")
+        intro.append(f"\nstore: {db_path}", style="dim")
+    parts: list = [intro, Text(""), Text("Panes", style="bold underline"),
+                   _key_rows([(key, title, text) for _pane, key, title, text in PANES], title_w=11)]
     groups: dict[str | None, list] = {}
     for a in ACTIONS:
         if a.action.startswith("show_pane"):
             continue
         groups.setdefault(a.pane, []).append(a)
     for pane, actions in groups.items():
-        out.append(f"\n{(pane or 'everywhere').capitalize()}\n", style="bold underline")
-        for a in actions:
-            out.append(f"  {(a.key or '-'):<6}", style="bold")
-            out.append(f"{a.title} — {a.help}\n")
-    out.append("\nJobs run detached: closing the console (or losing SSH) leaves them running.\n", style="dim")
-    return out
+        parts += [Text(""), Text((pane or "everywhere").capitalize(), style="bold underline"),
+                  _key_rows([(a.key or "-", f"{a.title} — {a.help}") for a in actions])]
+    parts += [Text(""), Text("Jobs run detached: closing the console (or losing SSH) leaves them running.",
+                             style="dim")]
+    return Group(*parts)
 
 
 class HelpScreen(ModalScreen[None]):

@@ -39,7 +39,10 @@ def job_cells(job: Job, now: float, *, progress: str | None = None, eta: float |
     (a sweep's points, a download's rate)."""
     end = job.ended_at if job.ended_at is not None else now
     took = None if job.started_at is None else end - job.started_at
-    if job.state in ("failed", "lost", "cancelled"):
+    if job.state == "cancelled" and job.error in (None, "cancel requested"):
+        # The runner's reason reads as a request still pending; the job has ended.
+        info = "stopped on request"
+    elif job.state in ("failed", "lost", "cancelled"):
         info = job.error
     elif info is None:
         info = job.progress_message
@@ -125,7 +128,8 @@ class OverviewPane(Vertical):
         yield Static("Disks", classes="pane-title machine")
         yield Static("disks: reading…", id="disks", classes="machine")
         yield Static("Log", id="job-log-title", classes="pane-title job-log")
-        yield LogView(id="job-log", classes="job-log")
+        # wrapped: this pane has no key to scroll sideways, so a long line would be cut at the edge
+        yield LogView(id="job-log", classes="job-log", wrap=True)
 
     def on_mount(self) -> None:
         self.log_shown = False

@@ -17,7 +17,7 @@ from textual.widgets import Static
 
 from ddtree.console import fmt
 from ddtree.console.screens.modals import FOCUS_KEYS
-from ddtree.console.screens.sweeps import POINT_COLUMNS, insight_text, point_cells
+from ddtree.console.screens.sweeps import POINT_COLUMNS, insight_text, point_cells, run_ended
 from ddtree.console.widgets.heatmap import heatmap_text
 from ddtree.console.widgets.rowtable import RowTable
 
@@ -108,7 +108,7 @@ class RunScreen(ModalScreen[None]):
 
     def on_mount(self) -> None:
         table = self.query_one("#run-points", RowTable)
-        table.set_rows([(str(p.id), point_cells(p)) for p in self.points])
+        table.set_rows([(str(p.id), point_cells(p, run_ended(self.run))) for p in self.points])
         self.set_focus(table)
         self._sentinel()
 

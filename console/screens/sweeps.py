@@ -106,13 +106,39 @@ def budget_curves(points: list, *, prefix: str = "", colors: tuple[str, ...] = C
     return tau_out, tok_out, best_lines
 
 
-def point_cells(p) -> tuple:
+#: What the charts say while a run has no DDTree point to draw.
+WAITING = "waiting for the first point…"
+#: A point's state once its run has ended without it: nothing measures it any more.
+ENDED_STATES = {"pending": "not run", "running": "stopped"}
+
+
+def run_ended(run) -> bool:
+    return run is not None and run.state not in ("running", "queued")
+
+
+def chart_empty_text(run) -> str:
+    """What the empty charts say: waiting while the run goes on; once it ended (cancelled, failed,
+    lost) without a DDTree point, that it ended, and how far it got."""
+    if not run_ended(run):
+        return WAITING
+    done, total = run.points_done or 0, run.points_total or 0
+    if not done:
+        return f"run {run.state} before its first point"
+    return f"run {run.state} before a DDTree point\n({done}/{total} points done, below)"
+
+
+def point_cells(p, ended: bool = False) -> tuple:
+    """A row of the points table; `ended`: the run is over, so a point still pending (or left
+    running by a runner that went away) will not be measured, and says so."""
     state_style = {"done": "green", "failed": "red", "running": "yellow", "skipped": "dim", "pending": "dim"}
+    state = p.state or "-"
+    if ended and state in ENDED_STATES:
+        state, state_style = ENDED_STATES[state], {ENDED_STATES[state]: "dim"}
     busy = "busy box" if getattr(p, "contended", None) else ""
     note = p.error or ("unstable repeats" if p.unstable else "") or busy or ("baseline" if p.baseline else "")
     return (str(p.idx + 1) if p.idx is not None else str(p.id), p.algorithm or "-",
             "-" if p.budget is None else str(p.budget), str(p.concurrency or "-"), str(p.tp or "-"),
-            Text(p.state or "-", style=state_style.get(p.state, "")), fmt_num(p.output_tok_s, ".1f"),
+            Text(state, style=state_style.get(state, "")), fmt_num(p.output_tok_s, ".1f"),
             fmt_num(tau_of(p)), fmt_num(p.speedup_vs_ar), fmt_num(p.speedup_vs_dflash), fmt_num(p.e2e_p50, ".2f"),
             Text((note or "")[:60], style="red" if p.error else "dim"))
 
@@ -176,6 +202,8 @@ class SweepsPane(Vertical):
     _run_id: int | None = None
     _history: dict = {}
     """run id -> (run, [(earlier run, its points)]) for the sentinel, read once per run by a worker."""
+    _ended: bool = False
+    """Whether the points table was drawn for a run that has ended (its pending points: not run)."""
     _in_view: tuple[int | None, str | None] = (None, None)
     """(run id, point id) last scrolled into view: the table follows the point in progress when it
     moves on, and leaves the user's scrolling alone in between."""
@@ -193,9 +221,8 @@ class SweepsPane(Vertical):
             yield Button("New (n)", id="new-sweep", compact=True)
             yield Button("Stop (x)", id="stop-sweep", compact=True, variant="error")
         with Horizontal(id="charts"):
-            yield LineChart("tau, weighted by verify count", x_label="budget", id="tau-chart",
-                            empty="waiting for the first point…")
-            yield LineChart("output tok/s", x_label="budget", id="toks-chart", empty="waiting for the first point…")
+            yield LineChart("tau, weighted by verify count", x_label="budget", id="tau-chart", empty=WAITING)
+            yield LineChart("output tok/s", x_label="budget", id="toks-chart", empty=WAITING)
         with VerticalScroll(id="heatmap"):
             yield Static("", id="heatmap-body")
         yield Static("", id="sentinel")
@@ -224,6 +251,7 @@ class SweepsPane(Vertical):
     def show_title(self, _snapshot) -> None:
         run = self.app.shown_run()
         title = self.query_one("#sweep-title", Static)
+        self.show_ended(run)
         if run is None:
             title.update("Sweeps: no run yet. Press n to start one (the demo pair by default).")
             return
@@ -252,12 +280,27 @@ class SweepsPane(Vertical):
         self.show_insight()
         if self.heatmap_shown:
             self.show_heatmap()
-        sync_table(self.query_one("#points", RowTable), [(str(p.id), point_cells(p)) for p in rows])
         self.show_title(None)
+        self.sync_points()
         self.follow_progress(run_id, rows)
         if run_id is not None and run_id not in self._history:
             self._history[run_id] = None  # asked once; the worker fills it in
             self._load_history(run_id)
+
+    def show_ended(self, run) -> None:
+        """The charts' note and the table's states follow the run's end: the store's snapshot
+        (the run's state) and its points arrive apart, so either may be the one that tells."""
+        shown = run if run is not None and run.id == self._run_id else None
+        for chart in self.query(LineChart):
+            chart.set_empty(chart_empty_text(shown))
+        if run_ended(shown) != self._ended:
+            self.sync_points()
+
+    def sync_points(self) -> None:
+        run = self.app.shown_run()
+        self._ended = run_ended(run if run is not None and run.id == self._run_id else None)
+        sync_table(self.query_one("#points", RowTable),
+                   [(str(p.id), point_cells(p, self._ended)) for p in self._rows])
 
     def follow_progress(self, run_id: int | None, rows: list) -> None:
         """Keep the point in progress on screen: at 80x24 the table shows seven rows, and point 10

@@ -245,7 +245,9 @@ class LineChart(Widget):
         if width < _Y_LABEL_W + 6 or height < 4:
             return title
         if not any(not s.reference for s in drawable):
-            return Text.assemble(title, "\n", Text(self.empty, style="dim italic"))
+            # broken between words at the chart's width: cut at its edge, "point" read as "poi"
+            note = Text(self.empty, style="dim italic").wrap(self.app.console, width)
+            return Text.assemble(title, "\n", Text("\n").join(note))
         legend = self._legend(drawable, width)
         rows = height - 2 - len(legend)
         cols = width - _Y_LABEL_W - 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from rich.cells import cell_len
 from rich.style import Style
 from rich.text import Text
 from textual import events
@@ -55,15 +56,21 @@ class KeyLabels(Static):
                     self.app.bell()
                 return
 
-    def keys_text(self, keys: list[tuple[str, str, str, bool]], *, compact: bool = False) -> Text:
+    def keys_text(self, keys: list[tuple[str, str, str, bool]], *, compact: bool = False,
+                  width: int | None = None) -> Text:
         """(key, shown as, description, enabled) as the Footer draws them: " key " then "description ",
-        or compact (the palette key): "key" then " description"."""
+        or compact (the palette key): "key" then " description". Within `width`, only whole keys:
+        one that does not fit is left out rather than cut mid-word ("/ Searc")."""
         key_style = self.get_component_rich_style("key-bar--key")
         description_style = self.get_component_rich_style("key-bar--description")
         out = Text(no_wrap=True, overflow="crop")
         self._spans = []
         for key, display, description, enabled in keys:
             start = out.cell_len
+            if width is not None:
+                shown = cell_len(display) + 2 + (cell_len(description) + 1 if description else 0)
+                if start + shown - 1 > width:  # its trailing space may fall off the edge
+                    break
             dim = Style(dim=not enabled)
             out.append(display if compact else f" {display} ", key_style + dim)
             if description:
@@ -105,6 +112,10 @@ class KeyBar(Horizontal):
         self.screen.bindings_updated_signal.subscribe(self, self._bindings_changed)
         self.call_after_refresh(self.update_keys)
 
+    def on_resize(self, _event) -> None:
+        # the keys that fit change with the width (the labels' own size is set by this layout)
+        self.call_after_refresh(self.update_keys)
+
     def on_unmount(self) -> None:
         self.screen.bindings_updated_signal.unsubscribe(self)
 
@@ -126,12 +137,13 @@ class KeyBar(Horizontal):
                 continue
             seen.add(binding.action)
             keys.append((binding.key, app.get_key_display(binding), binding.description, enabled))
-        shown = (tuple(keys), palette)
+        labels = self.query_one("#keys", KeyLabels)
+        width = labels.size.width or None  # None before the first layout: all of them
+        shown = (tuple(keys), palette, width)
         if shown == self._shown:
             return
         self._shown = shown
-        labels = self.query_one("#keys", KeyLabels)
-        labels.update(labels.keys_text(keys))
+        labels.update(labels.keys_text(keys, width=width))
         palette_key = self.query_one("#palette-key", KeyLabels)
         palette_key.display = palette is not None
         if palette is not None:

@@ -26,14 +26,24 @@ class LogView(RichLog):
     }
     """
 
-    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
-        super().__init__(id=id, classes=classes, max_lines=MAX_LINES, wrap=False, markup=False, highlight=False, auto_scroll=True)
+    def __init__(self, *, id: str | None = None, classes: str | None = None, wrap: bool = False) -> None:
+        super().__init__(id=id, classes=classes, max_lines=MAX_LINES, wrap=wrap, markup=False, highlight=False, auto_scroll=True)
         self.path: Path | None = None
         self.read_at = 0
         self.inode: int | None = None
         self.partial = ""
         self.raw_lines: list[str] = []
         self.search = ""
+        self._wrapped_at: int | None = None
+        """The width the lines were last laid out at (wrapped lines are laid out again on a new one)."""
+
+    def on_resize(self, event) -> None:
+        # RichLog wraps a line once, as it is written: a wider or narrower pane would keep the old
+        # breaks, cut or ragged. (RichLog's own handler still runs: Textual calls both.)
+        width = event.size.width
+        if self.wrap and self.raw_lines and self._wrapped_at not in (None, width):
+            self.call_after_refresh(self._rewrite)
+        self._wrapped_at = width
 
     def open(self, path: str | os.PathLike | None) -> None:
         new = Path(path) if path else None

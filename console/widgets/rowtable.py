@@ -44,6 +44,38 @@ def _printable(cell: Cell) -> Cell:
     return printable(cell) if isinstance(cell, str) else cell
 
 
+def word_cut(text: str, width: int) -> int:
+    """How many characters of `text` to show in `width` cells followed by an ellipsis: up to the
+    last space when that keeps at least half of them, else as many as fit (one long word)."""
+    limit, used, n = width - 1, 0, 0
+    for ch in text:
+        used += cell_len(ch)
+        if used > limit:
+            break
+        n += 1
+    space = text.rfind(" ", 0, n + 1)
+    if space >= limit // 2:
+        n = space
+    while n and text[n - 1] in " ,;:":
+        n -= 1
+    return n
+
+
+def clip_cell(cell: Cell, width: int) -> Cell:
+    """`cell` cut to `width` cells at a word break, with an ellipsis (unchanged when it fits)."""
+    text = cell.plain if isinstance(cell, Text) else str(cell)
+    if cell_len(text) <= width:
+        return cell
+    n = word_cut(text, width)
+    if isinstance(cell, Text):
+        return Text.assemble(cell[:n], "…", style=cell.style)
+    return text[:n] + "…"
+
+
+#: The fewest cells a cell at the right edge is clipped to (with its ellipsis); in less, it is cut.
+MIN_CLIP = 4
+
+
 class RowTable(ScrollView, can_focus=True):
     """Rows keyed by strings, a header, a row cursor; replace the rows with `set_rows`."""
 
@@ -384,10 +416,17 @@ class RowTable(ScrollView, can_focus=True):
                 strip = self._strip(index, row_style, Style(), Style(), self._rows[index][1], width)
         return strip.crop_extend(scroll_x, scroll_x + width, base)
 
+    def _edge(self) -> int:
+        """The table's column (unscrolled) at the right edge of what is on screen."""
+        return self.scroll_offset.x + self.scrollable_content_region.width
+
     def _strip(self, index: int, row_style: Style, cursor: Style, post: Style, cells: Sequence[Cell],
                width: int) -> Strip:
-        """One full line of the table (not yet scrolled), cached until something it shows changes."""
-        key = (index, bool(cursor), max(width, sum(w + 2 * _PAD for w in self._widths)))
+        """One full line of the table (not yet scrolled), cached until something it shows changes.
+        A row's cell that runs past the right edge of the screen ends there at a word break with an
+        ellipsis (a long INFO or NOTE read as cut mid-word); scrolled right, it shows more."""
+        edge = self._edge() if index >= 0 else None
+        key = (index, bool(cursor), max(width, sum(w + 2 * _PAD for w in self._widths)), edge)
         strip = self._strips.get(key)
         if strip is not None:
             return strip
@@ -395,8 +434,12 @@ class RowTable(ScrollView, can_focus=True):
         pad = pre + post
         segments: list[Segment] = []
         console = self.app.console
+        x = 0
         for n, column_width in enumerate(self._widths):
             cell = cells[n] if n < len(cells) else ""
+            start, x = x + _PAD, x + column_width + 2 * _PAD
+            if edge is not None and start + MIN_CLIP <= edge < start + column_width:
+                cell = clip_cell(cell, edge - start)
             segments.append(Segment(" " * _PAD, pad))
             if isinstance(cell, Text):
                 # Text.render leaves the Text's own style out (only its spans come through)

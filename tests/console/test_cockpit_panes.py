@@ -250,6 +250,47 @@ async def test_engine_form_refuses_speculation_on_a_hybrid_target_before_it_star
     assert submitted and submitted[0][1]["algorithm"] == "ar"
 
 
+async def test_engine_form_refuses_cuda_on_a_machine_without_a_gpu(seeded, monkeypatch):
+    """The Hardware pane's NVML reading says there is no GPU: device cuda is refused in the form,
+    with the reason, and Enter says it in a toast, instead of a job that fails at start."""
+    db_path, _ = seeded
+    app = app_for(db_path, sources=fixed_sources(gpus=False))
+    submitted = []
+    monkeypatch.setattr(type(app), "submit_job", lambda self, kind, spec, name=None: submitted.append((kind, spec)))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.gpu_view is not None, what="the hardware view")
+        await pilot.press("4", "n")
+        await until(pilot, lambda: isinstance(app.screen, EngineForm), what="the engine form")
+        form = app.screen
+        form.query_one("#device").value = "cuda"
+        await pilot.pause(0.05)
+        assert form.query_one("#start").disabled
+        assert "no GPU" in form_error(form) and "NVML library not found" in form_error(form)
+        assert "\n" not in form_error(form).strip()  # one line
+        form.query_one("#device").focus()
+        await pilot.press("enter")
+        assert isinstance(app.screen, EngineForm) and not submitted
+        assert any(n.title == "cannot start" and "no GPU" in n.message for n in app._notifications)
+        form.query_one("#device").value = "cpu"
+        await pilot.pause(0.05)
+        assert not form.query_one("#start").disabled and "will run: builtin" in form_error(form)
+
+
+async def test_engine_form_takes_a_gpu_that_is_there_and_refuses_one_that_is_not(seeded, app):
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.gpu_view is not None, what="the hardware view")
+        count = len(app.gpu_view.gpus)
+        await pilot.press("4", "n")
+        await until(pilot, lambda: isinstance(app.screen, EngineForm), what="the engine form")
+        form = app.screen
+        form.query_one("#device").value = "cuda:0"
+        await pilot.pause(0.05)
+        assert not form.query_one("#start").disabled and "on cuda:0" in form_error(form)
+        form.query_one("#device").value = f"cuda:{count}"
+        await pilot.pause(0.05)
+        assert form.query_one("#start").disabled and f"no GPU {count} here" in form_error(form)
+
+
 @pytest.mark.slow
 async def test_engine_form_starts_sglang_on_chosen_gpus(submitting_app, tmp_path):
     app, submitted = submitting_app
@@ -492,3 +533,70 @@ def test_console_never_imports_torch():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+async def test_help_lines_too_long_for_the_dialog_go_on_under_their_text(app):
+    """At 80x24 the help's longer lines wrap: the rest goes under the text, not back to the left
+    edge under the keys (where it read as a key of its own)."""
+    from textual.geometry import Region
+
+    from ddtree.console.screens.modals import HELP_KEY_W
+
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("question_mark")
+        await until(pilot, lambda: isinstance(app.screen, HelpScreen), what="the help")
+        body = app.screen.query_one("#help Static")
+        await until(pilot, lambda: body.size.height > 20, what="the help laid out")
+        lines = [strip.text.rstrip() for strip in body.render_lines(Region(0, 0, body.size.width, body.size.height))]
+        at = lambda text: next(i for i, line in enumerate(lines) if text in line)  # noqa: E731
+        assert not lines[at("2     Hardware")].endswith("sets")  # 'suggested GPU sets' does not fit...
+        assert lines[at("2     Hardware") + 1] == " " * (HELP_KEY_W + 11) + "sets"  # ...and goes on under its text
+        theme = at("Dark / light theme")
+        assert lines[theme + 1].startswith(" " * HELP_KEY_W) and lines[theme + 1].strip()
+        # each line: a section title at the left edge, a key's line, or the rest of a text under it
+        titles = {"Panes", "Everywhere", "Overview", "Downloads", "Engines", "Sweeps", "History"}
+        for line in lines[at("Panes"):at("Jobs run detached")]:
+            assert not line or line.startswith("  ") or line in titles, line
+
+
+async def test_tabs_fit_a_narrow_terminal_with_shorter_titles(app):
+    """At 60 columns the six tabs (69 columns with their full titles) would cut '6 History' to '6':
+    Hardware and Downloads take short titles there, and their full ones back on a wider terminal."""
+    from textual.widgets import Tabs
+
+    def labels() -> list[str]:
+        return [tab.label_text for tab in app.query_one("#pane-tabs", Tabs).query("Tab")]
+
+    def bar_width() -> int:
+        return sum(tab.outer_size.width for tab in app.query_one("#pane-tabs", Tabs).query("Tab"))
+
+    async with app.run_test(size=(60, 20)) as pilot:
+        await until(pilot, lambda: "2 HW" in labels(), what="the short titles")
+        assert labels() == ["1 Overview", "2 HW", "3 DL", "4 Engines", "5 Sweeps", "6 History"]
+        await pilot.pause()
+        assert bar_width() <= 60
+        await pilot.resize_terminal(80, 24)
+        await until(pilot, lambda: "2 Hardware" in labels(), what="the full titles")
+        assert labels()[2] == "3 Downloads"
+        await pilot.pause()
+        assert bar_width() <= 80
+
+
+async def test_the_key_bar_shows_whole_keys_only_on_a_narrow_terminal(app):
+    """At 60 columns the Engines keys do not all fit: the bar ends after the last whole one
+    instead of cutting it ('/ Searc'), and shows them all again when the terminal widens."""
+    def keys() -> str:
+        return str(app.query_one("#keys").render()).rstrip()
+
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("4")
+        await until(pilot, lambda: "Search" in keys() and "Stopped too" in keys(), what="the Engines keys")
+        full = keys()
+        await pilot.resize_terminal(60, 20)
+        await until(pilot, lambda: keys() != full, what="the keys at 60 columns")
+        shown = keys()
+        assert len(shown) <= app.query_one("#keys").size.width
+        assert full.startswith(shown) and full[len(shown):].startswith("  ")  # whole keys, the next left out
+        assert "Wrap" in shown and "Searc" not in shown
+        await pilot.resize_terminal(120, 40)
+        await until(pilot, lambda: keys() == full, what="all the keys again")

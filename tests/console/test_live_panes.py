@@ -130,6 +130,36 @@ async def test_overview_shows_a_jobs_log_cancels_it_and_goes_to_its_pane(seeded,
         assert app.query_one("#engines").selected()["job_id"] == ids["engine_job"]
 
 
+async def test_overview_log_wraps_long_lines_at_the_panes_width(seeded, tmp_path):
+    """A log line longer than the pane goes on under itself, at 80 columns and after a resize,
+    instead of being cut at the edge (the Overview has no key to scroll sideways)."""
+    db_path, ids = seeded
+    words = " ".join(f"word{n:03d}" for n in range(40))  # 319 characters
+    log_of(db_path, "jobs", ids["sweep_job"], tmp_path / "sweep.log", f"short line\n{words} END\n")
+    app = make_app(db_path, poll_s=0.1, sources=fixed_sources(), clock=lambda: NOW)
+
+    def shown(view) -> list[str]:
+        return [strip.text.rstrip() for strip in view.lines]
+
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: len(table_rows(app, "jobs")) == 3, what="the jobs")
+        table = app.query_one("#jobs")
+        keys = [table.row_key_at(i) for i in range(table.row_count)]
+        table.move_cursor(row=keys.index(str(ids["sweep_job"])))
+        await pilot.press("l")
+        view = app.query_one("#job-log")
+        await until(pilot, lambda: any("END" in line for line in shown(view)), what="the end of the long line")
+        width = view.scrollable_content_region.width
+        assert width < 80 and all(len(line) <= width for line in shown(view))
+        assert shown(view)[0] == "short line" and len(shown(view)) >= 1 + 319 // width
+        assert " ".join(shown(view)[1:]) == f"{words} END"  # broken between words, nothing lost
+        await pilot.resize_terminal(120, 30)
+        await until(pilot, lambda: view.scrollable_content_region.width > width
+                    and max(len(line) for line in shown(view)) > width, what="the lines laid out again")
+        assert all(len(line) <= view.scrollable_content_region.width for line in shown(view))
+        assert " ".join(shown(view)[1:]) == f"{words} END"
+
+
 @dataclass
 class P:
     state: str

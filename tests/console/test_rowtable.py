@@ -242,3 +242,32 @@ async def test_a_short_scroll_is_forgotten_once_the_user_scrolls_even_back_to_wh
         table.set_rows(rows(14))
         await pilot.pause()
         assert table.scroll_offset.y == 3
+
+
+async def test_a_cell_past_the_right_edge_ends_at_a_word_break_with_an_ellipsis():
+    """A long last cell (the Overview's INFO, the Sweeps' NOTE) is cut at the screen's edge: it
+    ends at a word break with '…' instead of mid-word; scrolled right, more of it shows."""
+    from ddtree.console.widgets.rowtable import clip_cell
+
+    app = TableApp()
+    async with app.run_test(size=(30, 10)) as pilot:
+        table = app.query_one(RowTable)
+        table.set_rows([("1", ("1", "demo", "serving at http://127.0.0.1:40123")),
+                        ("2", ("2", "demo", Text("engine died at start", style="red"))),
+                        ("3", ("3", "demo", "ok"))])
+        await pilot.pause()
+        width = table.scrollable_content_region.width
+        assert line(table, 0).rstrip() == " ID  NAME  STATE"  # the header is not clipped
+        assert line(table, 1)[:width].rstrip() == " 1   demo  serving at…"
+        assert line(table, 2)[:width].rstrip() == " 2   demo  engine died at…"
+        red = [seg for seg in table.render_line(2) if seg.text.startswith("engine")]
+        assert red and red[0].style.color.name == "red"  # the clipped cell keeps its style
+        assert line(table, 3).rstrip() == " 3   demo  ok"
+        assert [str(c) for c in table.get_row_at(0)][2] == "serving at http://127.0.0.1:40123"  # kept whole
+        table.scroll_to(x=table.max_scroll_x, animate=False, immediate=True)
+        await pilot.pause()
+        assert "127.0.0.1:40123" in line(table, 1)
+    # one word longer than the room: cut inside it, still with the ellipsis
+    assert clip_cell("baseline", 6) == "basel…"
+    assert clip_cell("busy box", 6) == "busy…"
+    assert clip_cell("fits", 6) == "fits"

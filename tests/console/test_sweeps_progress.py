@@ -75,3 +75,43 @@ def test_failures_are_counted_in_words():
     failed.error = "engine died"
     assert "1 point failed: engine died" in str(insight_text([failed]))
     assert "2 points failed" in str(insight_text([failed, failed]))
+
+
+async def test_a_cancelled_run_says_it_ended_with_its_points_so_far(tmp_path):
+    """A run cancelled after its baselines: the charts no longer wait for a first point, the points
+    it will not measure say "not run", and the Overview does not read as a cancel still pending."""
+    from ddtree.jobs.model import create_job, set_state
+    from ddtree.store import sweeps
+
+    from .cockpit_support import demo_recipe, seed_run
+
+    db_path = tmp_path / "ddtree.db"
+    with open_db(db_path) as db:
+        job = create_job(db, "sweep", {"run_id": 1}, name="cut-short")
+        set_state(db, job, "starting")
+        set_state(db, job, "running")
+        set_state(db, job, "cancelled", "cancel requested")
+        run = seed_run(db, demo_recipe("cut-short", budgets=(4, 8), concurrency=(1,)), done=2, job_id=job,
+                       created=NOW - 60, state="running")
+        sweeps.finish_run(db, run, "cancelled")
+    app = make_app(db_path, poll_s=0.1, sources=fixed_sources(), clock=Clock())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.snapshot is not None and app.snapshot.jobs, what="the jobs")
+        await until(pilot, lambda: "stopped on request" in str(table_rows(app, "jobs")), what="the job's end")
+        assert "cancel requested" not in str(table_rows(app, "jobs"))
+        await pilot.press("5")
+        await until(pilot, lambda: len(table_rows(app, "points")) == 4, what="the points")
+        tau = app.query_one("#tau-chart")
+        await until(pilot, lambda: "cancelled before a DDTree point" in str(tau.as_text()), what="the charts' note")
+        assert "waiting" not in str(app.query_one("#toks-chart").as_text())
+        assert "(2/4 points done" in str(tau.as_text())
+        assert "(cancelled) 2/4 points" in text_of(app, "sweep-title")
+        states = [row[5] for row in table_rows(app, "points")]
+        assert states == ["done", "done", "not run", "not run"]
+        # at 60 columns a chart is 30 wide: the note breaks between words, none is cut at the edge
+        await pilot.resize_terminal(60, 20)
+        await until(pilot, lambda: tau.size.width < 32, what="the narrow charts")
+        await pilot.pause()
+        words = str(tau.as_text()).split()
+        assert "point" in words and "DDTree" in words and "done," in words
+        assert all(len(line) <= tau.size.width for line in str(tau.as_text()).splitlines())

@@ -70,3 +70,24 @@ async def test_e_on_a_running_run_says_it_is_still_running_and_starts_nothing(tm
     toasts = await _press_e(db_path)
     assert any("is still running" in t for t in toasts) and not any("failed" in t for t in toasts), toasts
     assert submitted == []
+
+
+async def test_e_on_a_run_cancelled_before_its_first_point_says_so_not_that_the_sweep_failed(tmp_path, submitted):
+    from ddtree.jobs.model import create_job, set_state
+    from ddtree.jobs.recipe import parse_recipe, recipe_to_dict
+    from ddtree.store import sweeps
+
+    db_path = tmp_path / "d.db"
+    recipe = parse_recipe(DEMO)
+    with open_db(db_path) as db:
+        job_id = create_job(db, "sweep", {"run_id": 1}, name=recipe.name)
+        for state in ("starting", "running"):
+            set_state(db, job_id, state)
+        set_state(db, job_id, "cancelled", "cancel requested")
+        run_id = sweeps.create_run(db, job_id=job_id, name=recipe.name, recipe=recipe_to_dict(recipe),
+                                   engine_kind="builtin")
+        sweeps.finish_run(db, run_id, "cancelled")
+    toasts = await _press_e(db_path)
+    assert any("nothing measured yet" in t and "--resume" in t for t in toasts), toasts
+    assert not any("failed" in t for t in toasts), toasts
+    assert submitted == []
