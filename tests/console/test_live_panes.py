@@ -99,18 +99,23 @@ async def test_engines_pane_hides_stopped_engines_behind_a(seeded):
         assert len(table_rows(app, "engine-table")) == 2
 
 
+async def open_job_log(app, pilot, job_id):
+    """The Overview's jobs table, its row keys, and the log view once `l` opened job_id's log."""
+    await until(pilot, lambda: len(table_rows(app, "jobs")) == 3, what="the jobs")
+    table = app.query_one("#jobs")
+    keys = [table.row_key_at(i) for i in range(table.row_count)]
+    table.move_cursor(row=keys.index(str(job_id)))
+    await pilot.press("l")
+    return table, keys, app.query_one("#job-log")
+
+
 @pytest.mark.slow
 async def test_overview_shows_a_jobs_log_cancels_it_and_goes_to_its_pane(seeded, tmp_path):
     db_path, ids = seeded
     log_of(db_path, "jobs", ids["sweep_job"], tmp_path / "sweep.log", "box check: idle\npoint 9 done\n")
     app = make_app(db_path, poll_s=0.1, sources=fixed_sources(), clock=lambda: NOW)
     async with app.run_test(size=(80, 24)) as pilot:
-        await until(pilot, lambda: len(table_rows(app, "jobs")) == 3, what="the jobs")
-        table = app.query_one("#jobs")
-        keys = [table.row_key_at(i) for i in range(table.row_count)]
-        table.move_cursor(row=keys.index(str(ids["sweep_job"])))
-        await pilot.press("l")
-        view = app.query_one("#job-log")
+        table, keys, view = await open_job_log(app, pilot, ids["sweep_job"])
         await until(pilot, lambda: view.raw_lines[:2] == ["box check: idle", "point 9 done"], what="the job's log")
         assert not app.query_one("#gpu-strip").display  # the log takes the GPUs' and disks' room
         await pilot.press("l")
@@ -142,12 +147,7 @@ async def test_overview_log_wraps_long_lines_at_the_panes_width(seeded, tmp_path
         return [strip.text.rstrip() for strip in view.lines]
 
     async with app.run_test(size=(80, 24)) as pilot:
-        await until(pilot, lambda: len(table_rows(app, "jobs")) == 3, what="the jobs")
-        table = app.query_one("#jobs")
-        keys = [table.row_key_at(i) for i in range(table.row_count)]
-        table.move_cursor(row=keys.index(str(ids["sweep_job"])))
-        await pilot.press("l")
-        view = app.query_one("#job-log")
+        table, keys, view = await open_job_log(app, pilot, ids["sweep_job"])
         await until(pilot, lambda: any("END" in line for line in shown(view)), what="the end of the long line")
         width = view.scrollable_content_region.width
         assert width < 80 and all(len(line) <= width for line in shown(view))
