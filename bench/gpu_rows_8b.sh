@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The few-row kernel (on by default since stop 41, measured then only on the demo pair) on the 8B
-# and 1.7B shapes, in one GPU call: a DDTree round profiled with the kernel tuned in and with
-# cuBLAS alone (profile_round.py --no-rows), then bench_fast's targets table (kernel on). Writes
-# under $OUT.
+# shape, in one GPU call: a DDTree round profiled with the kernel tuned in and with cuBLAS alone
+# (profile_round.py --no-rows), then the kernel's tilings against cuBLAS (bench_rows_tiles.py). Writes
+# under $OUT. The targets table (bench_fast.py) is a separate call: gpu_fast.sh.
 #   bash bench/gpu_rows_8b.sh
 set -u
 OUT=${OUT:-$PWD/gpu-rows-8b-out}; mkdir -p "$OUT"
@@ -15,8 +15,7 @@ profile() {
     grep "^\[8b\|idle x" "$OUT/prof-8b-$tag.txt" | tail -16
 }
 profile rows 150
-profile cublas 130 --no-rows
-timeout ${BENCH_TIMEOUT:-280} python3 bench/bench_fast.py --device cuda --shapes 8b,1.7b --nodes 1,16,64,256 \
-    --budgets 16,64,256 --serving-window 0 --demo-prompts 0 --slow-tokens 16 --out "$OUT/bench-fast.json" 2>&1 \
-    | grep -v "Loading weights" > "$OUT/bench-fast.txt"
-grep -v "captured\|timing the\|compiling" "$OUT/bench-fast.txt" | tail -30 | cut -c1-300
+profile cublas 120 --no-rows
+# The kernel's tilings against cuBLAS at a 65-row verify's products, over a wider grid than the tune's.
+timeout ${TILES_TIMEOUT:-200} python3 bench/bench_rows_tiles.py --shapes 8b --rows 65 --out "$OUT/tiles-8b.json" 2>&1 \
+    | tee "$OUT/tiles-8b.txt" | grep "^\[8b"

@@ -63,6 +63,7 @@ class RowsConfig:
     block_n: int
     block_k: int
     warps: int
+    stages: int = 2
 
 
 # Few-row products: 2..ROWS_MAX rows (a one-session verify's query buckets, the drafter's block).
@@ -154,19 +155,19 @@ def launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
                m, n, k, x.stride(0), weight.stride(0), float(eps), HAS_BIAS=bias is not None,
                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRE=pre,
                HAS_RES=residual is not None, IEEE=x.dtype == torch.float32 or x.device.type == "cpu",
-               num_warps=config.warps, num_stages=2)
+               num_warps=config.warps, num_stages=config.stages)
     return out
 
 
 @torch.library.custom_op("ddtree::gemm_rows", mutates_args=())
 def _gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                norm: Optional[torch.Tensor], eps: float, pre: int, block_m: int, block_n: int, block_k: int,
-               warps: int) -> torch.Tensor:
-    return launch_rows(x, weight, bias, RowsConfig(block_m, block_n, block_k, warps), pre, residual, norm, eps)
+               warps: int, stages: int) -> torch.Tensor:
+    return launch_rows(x, weight, bias, RowsConfig(block_m, block_n, block_k, warps, stages), pre, residual, norm, eps)
 
 
 @_gemm_rows.register_fake
-def _(x, weight, bias, residual, norm, eps, pre, block_m, block_n, block_k, warps):
+def _(x, weight, bias, residual, norm, eps, pre, block_m, block_n, block_k, warps, stages):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
@@ -259,7 +260,7 @@ class Gemv:
         code, norm, eps = _fold_args(pre)
         if isinstance(config, RowsConfig):
             return torch.ops.ddtree.gemm_rows(x, weight, bias, residual, norm, eps, code, config.block_m,
-                                              config.block_n, config.block_k, config.warps)
+                                              config.block_n, config.block_k, config.warps, config.stages)
         return torch.ops.ddtree.gemv(x, weight, bias, residual, norm, eps, code, config.block_n, config.block_k,
                                      config.warps, config.stages)
 

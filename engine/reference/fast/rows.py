@@ -84,7 +84,7 @@ class RowLinears:
             config = self.kernel.get(key)
             if config is not None:
                 return torch.ops.ddtree.gemm_rows(x, module.weight, module.bias, None, None, 0.0, 0, config.block_m,
-                                                  config.block_n, config.block_k, config.warps)
+                                                  config.block_n, config.block_k, config.warps, config.stages)
             if key in self.swap:
                 return _swapped(x, module.weight, module.bias)
         return module(x)
