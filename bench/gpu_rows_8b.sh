@@ -14,8 +14,8 @@ profile() {
         > "$OUT/prof-8b-$tag.txt"
     grep "^\[8b\|idle x" "$OUT/prof-8b-$tag.txt" | tail -16
 }
-profile rows 150
-profile cublas 120 --no-rows
+profile rows 130
+profile cublas 110 --no-rows
 # The kernel's tilings against cuBLAS at a 65-row verify's products, over a wider grid than the tune's.
-timeout ${TILES_TIMEOUT:-200} python3 bench/bench_rows_tiles.py --shapes 8b --rows 65 --out "$OUT/tiles-8b.json" 2>&1 \
+timeout ${TILES_TIMEOUT:-170} python3 bench/bench_rows_tiles.py --shapes 8b --rows 65 --out "$OUT/tiles-8b.json" 2>&1 \
     | tee "$OUT/tiles-8b.txt" | grep "^\[8b"
