@@ -27,8 +27,11 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float,
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+        # Keep the smallest prefix whose mass reaches top_p. The top token always stays, set
+        # here rather than left to the comparison: a top_p below the dtype's smallest number
+        # (1e-300 in float32) rounds to 0, and 0 >= 0 would drop every token.
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        drop[..., 0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]

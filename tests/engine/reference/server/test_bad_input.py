@@ -1,0 +1,60 @@
+"""Requests a demanding user sends, over real HTTP: each bad one gets a one-line JSON 400 (never a
+500, never a traceback in the server's log), odd but valid ones are served, and the server answers
+a good request the same way afterwards."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from ....support.client import EngineClient
+
+# A real server subprocess (one for this module).
+pytestmark = pytest.mark.slow
+
+PROMPT = "def parse(s):\n    "
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with EngineClient(server.url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(client):
+    """A greedy answer from before any bad request, for the server to repeat after them."""
+    return client.generate(PROMPT, sampling_params={"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True})
+
+
+@pytest.fixture
+def log_mark(server) -> int:
+    """Where the server's log stands before the test: what the test adds to it is read from there."""
+    return server.log_path.stat().st_size
+
+
+def assert_healthy(server, client, reference, log_mark: int) -> None:
+    assert httpx.get(server.url + "/health").status_code == 200
+    again = client.generate(PROMPT, sampling_params={"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True})
+    assert again["output_ids"] == reference["output_ids"]
+    with open(server.log_path, "rb") as log:
+        log.seek(log_mark)
+        assert b"Traceback" not in log.read()
+
+
+def _post(server, path: str, body) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-50], ids=["1e-300", "1e-50"])
+def test_a_tiny_top_p_samples_the_top_token(server, client, reference, log_mark, top_p):
+    """A nucleus smaller than the top token's probability holds that token alone: sampling gives
+    the greedy output. A top_p that rounds to 0 in the logits' dtype emptied it (a 500)."""
+    for seed in (1, 2):
+        got = client.generate(PROMPT, sampling_params={"max_new_tokens": 12, "temperature": 1.0, "top_p": top_p,
+                                                       "seed": seed, "ignore_eos": True})
+        assert got["output_ids"] == reference["output_ids"]
+    assert_healthy(server, client, reference, log_mark)
