@@ -10,6 +10,9 @@ from ddtree.engine.reference.errors import BadParams
 
 ALGORITHMS = ("ar", "dflash", "ddtree")
 
+# The seeds a torch.Generator takes (manual_seed); one outside fails the request's first round.
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -41,8 +44,8 @@ class GenParams:
         if not all(_is_int(t) and t >= 0 for t in stops):
             raise BadParams(f"stop_token_ids must be non-negative integers, got {list(stops)!r}")
         object.__setattr__(self, "stop_token_ids", stops)
-        if self.seed is not None and not _is_int(self.seed):
-            raise BadParams(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+            raise BadParams(f"seed must be an integer in {SEED_MIN}..{SEED_MAX}, got {self.seed!r}")
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))

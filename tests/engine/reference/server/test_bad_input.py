@@ -49,6 +49,25 @@ def _post(server, path: str, body) -> httpx.Response:
     return httpx.post(server.url + path, json=body, timeout=60)
 
 
+BAD = [
+    # seeds beyond what a torch.Generator takes failed the request's first round with a 500
+    ("seed past 2**64", "/generate", {"text": "x", "sampling_params": {"temperature": 1.0, "seed": 2 ** 64}}),
+    ("seed below -2**63", "/generate", {"text": "x", "sampling_params": {"temperature": 1.0, "seed": -2 ** 63 - 1}}),
+    ("openai seed past 2**64", "/v1/completions", {"prompt": "x", "temperature": 1.0, "seed": 2 ** 64}),
+]
+
+
+@pytest.mark.parametrize("path,body", [(p, b) for _, p, b in BAD], ids=[n for n, _, _ in BAD])
+def test_bad_request_gets_a_json_400_and_the_server_answers_as_before(server, client, reference, log_mark, path, body):
+    r = _post(server, path, body)
+    assert r.status_code == 400, r.text[:300]
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()
+    assert err["object"] == "error" and err["code"] == 400 and err["type"] == "BadRequestError"
+    assert err["message"] and "\n" not in err["message"]
+    assert_healthy(server, client, reference, log_mark)
+
+
 @pytest.mark.parametrize("top_p", [1e-300, 1e-50], ids=["1e-300", "1e-50"])
 def test_a_tiny_top_p_samples_the_top_token(server, client, reference, log_mark, top_p):
     """A nucleus smaller than the top token's probability holds that token alone: sampling gives
@@ -57,4 +76,12 @@ def test_a_tiny_top_p_samples_the_top_token(server, client, reference, log_mark,
         got = client.generate(PROMPT, sampling_params={"max_new_tokens": 12, "temperature": 1.0, "top_p": top_p,
                                                        "seed": seed, "ignore_eos": True})
         assert got["output_ids"] == reference["output_ids"]
+    assert_healthy(server, client, reference, log_mark)
+
+
+def test_seeds_at_the_ends_of_the_range_are_served(server, client, reference, log_mark):
+    for seed in (-2 ** 63, 2 ** 64 - 1):
+        r = _post(server, "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2, "temperature": 1.0,
+                                                                         "seed": seed}})
+        assert r.status_code == 200, r.text[:300]
     assert_healthy(server, client, reference, log_mark)
