@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -124,13 +125,42 @@ async def _json_body(request: Request) -> tuple[dict, int]:
     return body, size
 
 
+# Where a lone UTF-16 surrogate can come from: a \uD800-\uDFFF escape (a valid pair becomes one
+# character), or its three UTF-8 bytes, which json.loads decodes with "surrogatepass".
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
 def _parse_json(raw: bytes):
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"malformed JSON: {exc}") from None
     except RecursionError:
         raise BadRequest("malformed JSON: nested too deeply") from None
+    if _MAYBE_SURROGATE.search(raw) and _has_lone_surrogate(body):
+        # Not text: the tokenizer refuses it, and a reply that echoes it (a model name, a rid)
+        # cannot be encoded as UTF-8.
+        raise BadRequest("malformed JSON: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
+                         "which is not Unicode text")
+    return body
+
+
+def _has_lone_surrogate(body: Any) -> bool:
+    stack = [body]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 async def _collect(run: Reply, request: Request) -> Reply:

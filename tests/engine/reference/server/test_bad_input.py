@@ -54,6 +54,17 @@ BAD = [
     ("seed past 2**64", "/generate", {"text": "x", "sampling_params": {"temperature": 1.0, "seed": 2 ** 64}}),
     ("seed below -2**63", "/generate", {"text": "x", "sampling_params": {"temperature": 1.0, "seed": -2 ** 63 - 1}}),
     ("openai seed past 2**64", "/v1/completions", {"prompt": "x", "temperature": 1.0, "seed": 2 ** 64}),
+    # a lone UTF-16 surrogate is not text: the tokenizer raised (500), and a reply echoing it
+    # could not be encoded (500, or a stream cut off after its 200 with a traceback in the log)
+    ("surrogate in text", "/generate", b'{"text": "a\\ud800b"}'),
+    ("surrogate as raw bytes", "/generate", b'{"text": "a\xed\xa0\x80b"}'),
+    ("surrogate in rid", "/generate", b'{"text": "x", "rid": "\\udc00"}'),
+    ("surrogate in a key", "/generate", b'{"text": "x", "sampling_params": {"\\uD800": 1}}'),
+    ("surrogate in model", "/v1/completions", b'{"prompt": "x", "model": "\\ud800", "max_tokens": 2}'),
+    ("surrogate in model, streamed", "/v1/completions",
+     b'{"prompt": "x", "model": "\\ud800", "max_tokens": 2, "stream": true}'),
+    ("surrogate in chat content", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}'),
 ]
 
 
@@ -65,6 +76,15 @@ def test_bad_request_gets_a_json_400_and_the_server_answers_as_before(server, cl
     err = r.json()
     assert err["object"] == "error" and err["code"] == 400 and err["type"] == "BadRequestError"
     assert err["message"] and "\n" not in err["message"]
+    assert_healthy(server, client, reference, log_mark)
+
+
+def test_a_surrogate_pair_is_text(server, client, reference, log_mark):
+    """Only a lone surrogate is refused: a pair escaped in JSON is one character (an emoji)."""
+    r = _post(server, "/generate", b'{"text": "x = \\ud83d\\ude00", "sampling_params": {"max_new_tokens": 2}}')
+    assert r.status_code == 200, r.text[:300]
+    r = _post(server, "/v1/completions", b'{"prompt": "x", "model": "m\\ud83d\\ude00", "max_tokens": 2}')
+    assert r.status_code == 200 and r.json()["model"] == "m\U0001F600"
     assert_healthy(server, client, reference, log_mark)
 
 
