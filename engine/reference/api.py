@@ -194,6 +194,11 @@ class Api:
             ext = {}
         if not isinstance(ext, dict):
             raise BadRequest("speculative must be an object {algorithm, budget}")
+        # A misspelt key would run the server's default instead, unnoticed but in the timings.
+        unknown = sorted(set(ext) - {"algorithm", "budget"})
+        if unknown:
+            raise BadRequest(f"unknown speculative keys: {', '.join(map(repr, unknown))}",
+                             hint="speculative takes algorithm and budget")
         algorithm = ext.get("algorithm", self.config.algorithm)
         if not isinstance(algorithm, str) or algorithm.lower() not in ALGORITHMS:
             raise BadRequest(f"unknown algorithm {algorithm!r}", hint="one of ar, dflash, ddtree")

@@ -65,6 +65,8 @@ BAD = [
      b'{"prompt": "x", "model": "\\ud800", "max_tokens": 2, "stream": true}'),
     ("surrogate in chat content", "/v1/chat/completions",
      b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}'),
+    # a misspelt speculative key ran the server's default, unnoticed
+    ("unknown speculative key", "/generate", {"text": "x", "speculative": {"algorithm": "ddtree", "budgte": 4}}),
 ]
 
 
