@@ -296,7 +296,7 @@ class Api:
 
     def parse_openai(self, body: dict, *, chat: bool) -> GenRequest:
         if chat:
-            ids = self._chat_prompt(body.get("messages"))
+            ids = self._chat_prompt(body.get("messages"), self._template_kwargs(body.get("chat_template_kwargs")))
             max_new = _int(body, "max_completion_tokens", None, where="")
             max_new = _int(body, "max_tokens", max_new, where="")
         else:
@@ -318,6 +318,15 @@ class Api:
                 raise BadRequest("suffix is not supported by the builtin engine")
         if body.get("logprobs") not in (None, False, 0):
             raise BadRequest("logprobs are not supported by the builtin engine")
+        # These change what comes out: served without them, the output would silently differ.
+        if body.get("logit_bias"):
+            raise BadRequest("logit_bias is not supported by the builtin engine")
+        if body.get("tools"):
+            raise BadRequest("tools are not supported by the builtin engine")
+        response_format = body.get("response_format")
+        if response_format is not None and response_format != {"type": "text"}:
+            raise BadRequest("response_format is not supported by the builtin engine",
+                             hint='leave it out or set it to {"type": "text"}')
         self._defaults_only(body, where="", defaults={"n": (1,), "best_of": (1,), "frequency_penalty": (0,),
                                                       "presence_penalty": (0,), "top_k": (-1, 0)})
         model = body.get("model")
@@ -335,7 +344,22 @@ class Api:
         return GenRequest(ids, gen, self._spec(body), _stop_strings(body.get("stop"), where=""),
                           stream=_bool(body, "stream", False), rid=uuid.uuid4().hex)
 
-    def _chat_prompt(self, messages: Any) -> list[int]:
+    @staticmethod
+    def _template_kwargs(value: Any) -> dict:
+        """SGLang's chat_template_kwargs (Qwen3's enable_thinking, say): more variables for the template."""
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise BadRequest("chat_template_kwargs must be an object")
+        reserved = sorted(set(value) & {"conversation", "tokenize", "add_generation_prompt", "return_dict",
+                                        "return_tensors", "continue_final_message", "chat_template", "tools",
+                                        "documents", "padding", "truncation", "max_length"})
+        if reserved:
+            raise BadRequest(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                             hint="the server sets how the template is applied")
+        return value
+
+    def _chat_prompt(self, messages: Any, template_kwargs: dict | None = None) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list")
         plain: list[dict[str, str]] = []
@@ -357,12 +381,13 @@ class Api:
             plain.append({"role": m["role"], "content": content})
         if self.has_chat_template:
             try:
-                text = self.engine.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+                text = self.engine.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True,
+                                                                 **(template_kwargs or {}))
             except Exception as exc:  # a template can raise anything (jinja errors, raise_exception)
                 raise BadRequest(f"the chat template rejected these messages: {exc}") from None
             return self._encode(text, add_special_tokens=False)
-        # A model without a chat template (the demo target is a plain LM): a minimal transcript
-        # format, announced in /server_info as chat_template "fallback".
+        # A model without a chat template: a minimal transcript format, announced in /server_info
+        # as chat_template "fallback" (chat_template_kwargs have no template to reach).
         text = "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
         return self._encode(text)
 

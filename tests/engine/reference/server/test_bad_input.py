@@ -67,6 +67,16 @@ BAD = [
      b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}'),
     # a misspelt speculative key ran the server's default, unnoticed
     ("unknown speculative key", "/generate", {"text": "x", "speculative": {"algorithm": "ddtree", "budgte": 4}}),
+    # OpenAI fields that change the output were ignored
+    ("logit_bias", "/v1/completions", {"prompt": "x", "max_tokens": 2, "logit_bias": {"5": 100}}),
+    ("tools", "/v1/chat/completions",
+     {"messages": CHAT, "max_tokens": 2, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ("response_format json", "/v1/chat/completions",
+     {"messages": CHAT, "max_tokens": 2, "response_format": {"type": "json_object"}}),
+    ("chat_template_kwargs not an object", "/v1/chat/completions",
+     {"messages": CHAT, "max_tokens": 2, "chat_template_kwargs": "x"}),
+    ("chat_template_kwargs setting a reserved argument", "/v1/chat/completions",
+     {"messages": CHAT, "max_tokens": 2, "chat_template_kwargs": {"add_generation_prompt": False}}),
 ]
 
 
@@ -107,3 +117,17 @@ def test_seeds_at_the_ends_of_the_range_are_served(server, client, reference, lo
                                                                          "seed": seed}})
         assert r.status_code == 200, r.text[:300]
     assert_healthy(server, client, reference, log_mark)
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    """SGLang's chat_template_kwargs (Qwen3's enable_thinking): the tiny pair's template, as
+    Qwen3's, adds an empty think block when enable_thinking is false. They were ignored."""
+    def prompt_tokens(**extra) -> int:
+        r = _post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "temperature": 0.0, **extra})
+        assert r.status_code == 200, r.text[:300]
+        return r.json()["usage"]["prompt_tokens"]
+
+    plain = prompt_tokens()
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > plain
+    assert prompt_tokens(response_format={"type": "text"}, tools=[], logit_bias={}) == plain
