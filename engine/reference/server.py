@@ -13,7 +13,7 @@ one line on stdout: `{"event": "listening", "host": ..., "port": N, "url": "http
 accepting, let in-flight requests finish (up to --graceful-timeout), stop the engine, exit 0. An
 engine process that dies fails the requests it held, and the server exits 1 with one error line.
 
-Endpoints: /health, /server_info (= /get_server_info), /generate, /v1/completions,
+Endpoints: /health, /server_info (= /get_server_info), /get_model_info, /generate, /v1/completions,
 /v1/chat/completions, /v1/models, /metrics. Requests run on one engine thread in the engine
 process (with --engine-loop thread, in this one), interleaved round by round (scheduler.py); with
 --batch (the default) each round drafts and verifies all running requests in one forward each
@@ -239,6 +239,12 @@ def build_app(api: Api) -> Starlette:
         body = render_metrics(await api.snapshot(), {"model_name": api.config.served_model_name})
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    async def model_info(request: Request) -> Response:
+        # SGLang's (its frontend's RuntimeEndpoint reads it on connecting); the tokenizer is the
+        # target's own.
+        return JSONResponse({"model_path": api.config.model_path, "tokenizer_path": api.config.model_path,
+                             "is_generation": True, "preferred_sampling_params": None, "weight_version": "default"})
+
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": api.config.served_model_name, "object": "model", "created": int(api.started_at),
@@ -361,6 +367,7 @@ def build_app(api: Api) -> Starlette:
         Route("/health_generate", health, methods=["GET"]),
         Route("/server_info", server_info, methods=["GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/generate", generate, methods=["POST", "PUT"]),

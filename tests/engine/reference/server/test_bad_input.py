@@ -131,3 +131,12 @@ def test_chat_template_kwargs_reach_the_template(server):
     assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
     assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > plain
     assert prompt_tokens(response_format={"type": "text"}, tools=[], logit_bias={}) == plain
+
+
+def test_get_model_info_as_sglang(server):
+    r = httpx.get(server.url + "/get_model_info")
+    assert r.status_code == 200
+    info = r.json()
+    assert info["is_generation"] is True
+    assert info["model_path"] == httpx.get(server.url + "/server_info").json()["model_path"]
+    assert info["tokenizer_path"] == info["model_path"]
