@@ -27,6 +27,9 @@ from ddtree.engine.reference.scheduler import (EngineThread, Scheduler, Shutting
 
 DEFAULT_BUDGET = 16
 
+#: The chat roles OpenAI's API defines (SGLang's chat endpoint takes the same).
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
 #: How long /server_info and /metrics wait for the engine process's counters.
 SNAPSHOT_TIMEOUT_S = 30.0
 
@@ -366,6 +369,9 @@ class Api:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise BadRequest("each message must be an object with a string role")
+            if m["role"] not in CHAT_ROLES:
+                raise BadRequest(f"unknown message role {m['role']!r}",
+                                 hint=f"roles are {', '.join(sorted(CHAT_ROLES))}")
             content = m.get("content")
             if content is None:
                 content = ""
