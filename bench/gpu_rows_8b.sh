@@ -4,6 +4,7 @@
 # (profile_round.py --no-rows), then the kernel's tilings against cuBLAS (bench_rows_tiles.py). Writes
 # under $OUT. The targets table (bench_fast.py) is a separate call: gpu_fast.sh.
 #   bash bench/gpu_rows_8b.sh
+#   PART=tiles bash bench/gpu_rows_8b.sh   # only bench_rows_tiles.py
 set -u
 OUT=${OUT:-$PWD/gpu-rows-8b-out}; mkdir -p "$OUT"
 . "$(dirname "$0")/gpu_site.sh"  # installs the checkout to /tmp/site
@@ -14,8 +15,10 @@ profile() {
         > "$OUT/prof-8b-$tag.txt"
     grep "^\[8b\|idle x" "$OUT/prof-8b-$tag.txt" | tail -16
 }
-profile rows 130
-profile cublas 110 --no-rows
+if [ "${PART:-all}" != tiles ]; then  # PART=tiles: only the tilings (the shortest call)
+    profile rows 130
+    profile cublas 110 --no-rows
+fi
 # The kernel's tilings against cuBLAS at a 65-row verify's products, over a wider grid than the tune's.
 timeout ${TILES_TIMEOUT:-170} python3 bench/bench_rows_tiles.py --shapes 8b --rows 65 --out "$OUT/tiles-8b.json" 2>&1 \
     | tee "$OUT/tiles-8b.txt" | grep "^\[8b"
