@@ -230,10 +230,13 @@ def preview(spec: dict) -> str:
 def device_refusal(device: str, view) -> str | None:
     """Why the builtin engine cannot run on `device` here, from the console's hardware view (the
     NVML reading the Hardware pane shows), or None: cpu, a GPU that is there, or a view not read yet.
-    Only what is surely absent is refused: NVML sees at least the GPUs CUDA is shown."""
+    Only what is surely absent is refused: NVML sees at least the GPUs CUDA is shown, and an empty
+    reading refuses only where it says there is no GPU (not where NVML could not finish reading)."""
     if view is None or not device.startswith("cuda"):
         return None
     if not view.gpus:
+        if not view.none_here:
+            return None
         return f"device {device}: this machine has no GPU ({view.reason or 'NVML found no GPU'}); use cpu"
     index = device.partition(":")[2]
     if index.isdigit() and int(index) >= len(view.gpus):

@@ -118,10 +118,13 @@ def run_ended(run) -> bool:
 
 def chart_empty_text(run) -> str:
     """What the empty charts say: waiting while the run goes on; once it ended (cancelled, failed,
-    lost) without a DDTree point, that it ended, and how far it got."""
+    lost) without a DDTree point, that it ended, and how far it got; a run that finished its plan
+    (one of dflash or ar only) has none to draw, and was not cut short."""
     if not run_ended(run):
         return WAITING
     done, total = run.points_done or 0, run.points_total or 0
+    if run.state == "succeeded":
+        return "no DDTree point in this run" + (f"\n({done}/{total} points done, below)" if done else "")
     if not done:
         return f"run {run.state} before its first point"
     return f"run {run.state} before a DDTree point\n({done}/{total} points done, below)"

@@ -163,6 +163,12 @@ class GpuView:
     reason: str | None = None
     at: float = 0.0
 
+    @property
+    def none_here(self) -> bool:
+        """Whether the machine surely has no NVIDIA GPU (CUDA sees none either): the list is empty
+        for no driver or none counted, not because NVML could not finish reading (then: unknown)."""
+        return not self.gpus and (self.reason or NO_GPU).startswith(_NONE_HERE)
+
     def to_dict(self) -> dict:
         out = asdict(self)
         for gpu, raw in zip(self.gpus, out["gpus"]):
@@ -233,13 +239,22 @@ def link_rank(level: str) -> tuple[int, int]:
     return (LINK_RANK.get(level, 9), 0)
 
 
+#: The reasons for an empty GPU list that say the machine has no NVIDIA GPU for CUDA either: no
+#: driver, a driver not loaded, or one that counts none (GpuView.none_here). Any other (permissions,
+#: a GPU NVML cannot open, no nvidia-ml-py) says only that NVML could not tell.
+NO_DRIVER = "NVML library not found (no NVIDIA driver installed)"
+DRIVER_NOT_LOADED = "NVIDIA driver not loaded"
+NO_GPU = "NVML found no GPU"
+_NONE_HERE = ("NVML library not found", DRIVER_NOT_LOADED, NO_GPU)
+
+
 def _error_reason(error: Exception) -> str:
     text = str(error)
     code = getattr(error, "value", None)
     if code == 12:  # NVML_ERROR_LIBRARY_NOT_FOUND
-        return "NVML library not found (no NVIDIA driver installed)"
+        return NO_DRIVER
     if code == 9:  # NVML_ERROR_DRIVER_NOT_LOADED
-        return "NVIDIA driver not loaded"
+        return DRIVER_NOT_LOADED
     if code == 3:
         return "not supported on this GPU"
     if code == 4:
@@ -342,7 +357,7 @@ class Nvml:
                 self._reason = f"cannot count GPUs: {reason}"
                 return self._reason
             if not count:
-                self._reason = "NVML found no GPU"
+                self._reason = NO_GPU
             for i in range(count or 0):
                 handle, reason = self.query("nvmlDeviceGetHandleByIndex", i)
                 if reason:
@@ -557,7 +572,7 @@ class Nvml:
         """Everything `hw` shows about GPUs; never raises for a missing driver or GPU."""
         reason = self.start()
         if not self._handles:
-            return GpuView(reason=reason or "NVML found no GPU", at=time.time())
+            return GpuView(reason=reason or NO_GPU, at=time.time())
         gpus = [self.sample(i, processes=True) for i in range(self.count)]
         driver, cuda = self._versions
         return GpuView(

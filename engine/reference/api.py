@@ -30,6 +30,14 @@ DEFAULT_BUDGET = 16
 #: The chat roles OpenAI's API defines (SGLang's chat endpoint takes the same).
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
+#: What chat_template_kwargs may not set: apply_chat_template's own arguments (transformers 5),
+#: and `messages` / `conversations`, the conversation as the template is given it. Each either
+#: changes how the server applies the template or raised in there (a 400 that blamed the messages).
+TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "conversations", "messages", "tokenize", "add_generation_prompt", "return_dict",
+    "return_tensors", "continue_final_message", "chat_template", "tools", "documents", "padding", "truncation",
+    "max_length", "return_assistant_tokens_mask", "sanitize_control_tokens", "tokenizer_kwargs"})
+
 #: How long /server_info and /metrics wait for the engine process's counters.
 SNAPSHOT_TIMEOUT_S = 30.0
 
@@ -354,9 +362,7 @@ class Api:
             return {}
         if not isinstance(value, dict):
             raise BadRequest("chat_template_kwargs must be an object")
-        reserved = sorted(set(value) & {"conversation", "tokenize", "add_generation_prompt", "return_dict",
-                                        "return_tensors", "continue_final_message", "chat_template", "tools",
-                                        "documents", "padding", "truncation", "max_length"})
+        reserved = sorted(set(value) & TEMPLATE_ARGUMENTS)
         if reserved:
             raise BadRequest(f"chat_template_kwargs may not set {', '.join(reserved)}",
                              hint="the server sets how the template is applied")

@@ -125,8 +125,9 @@ async def _json_body(request: Request) -> tuple[dict, int]:
     return body, size
 
 
-# Where a lone UTF-16 surrogate can come from: a \uD800-\uDFFF escape (a valid pair becomes one
-# character), or its three UTF-8 bytes, which json.loads decodes with "surrogatepass".
+# Where a lone UTF-16 surrogate can come from in a UTF-8 body: a \uD800-\uDFFF escape (a valid
+# pair becomes one character), or its three UTF-8 bytes, which json.loads decodes with
+# "surrogatepass". A UTF-16 or UTF-32 body (json.loads takes those too) is always looked through.
 _MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
@@ -137,7 +138,8 @@ def _parse_json(raw: bytes):
         raise BadRequest(f"malformed JSON: {exc}") from None
     except RecursionError:
         raise BadRequest("malformed JSON: nested too deeply") from None
-    if _MAYBE_SURROGATE.search(raw) and _has_lone_surrogate(body):
+    maybe = _MAYBE_SURROGATE.search(raw) or json.detect_encoding(raw) not in ("utf-8", "utf-8-sig")
+    if maybe and _has_lone_surrogate(body):
         # Not text: the tokenizer refuses it, and a reply that echoes it (a model name, a rid)
         # cannot be encoded as UTF-8.
         raise BadRequest("malformed JSON: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), "

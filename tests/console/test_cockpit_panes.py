@@ -600,3 +600,22 @@ async def test_the_key_bar_shows_whole_keys_only_on_a_narrow_terminal(app):
         assert "Wrap" in shown and "Searc" not in shown
         await pilot.resize_terminal(120, 40)
         await until(pilot, lambda: keys() == full, what="all the keys again")
+
+
+def test_engine_form_refuses_cuda_only_where_the_machine_surely_has_no_gpu():
+    """An empty NVML reading refuses cuda only when it says there is no GPU (no driver, none
+    counted). One NVML could not complete (permissions, a GPU it cannot open, which empties the
+    list on a box whose other GPUs work) tells nothing of the GPUs CUDA sees: not refused."""
+    from ddtree.engine.machine.hw import GpuView
+
+    from ddtree.console.screens.engines import device_refusal
+
+    for reason in ("NVML library not found (no NVIDIA driver installed)", "NVIDIA driver not loaded",
+                   "NVML found no GPU", None):
+        assert "has no GPU" in device_refusal("cuda", GpuView(reason=reason)), reason
+    for reason in ("insufficient permissions", "GPU 3: GPU is lost", "cannot count GPUs: Unknown Error",
+                   "nvidia-ml-py is not installed (pip install nvidia-ml-py)"):
+        assert device_refusal("cuda", GpuView(reason=reason)) is None, reason
+        assert device_refusal("cuda:5", GpuView(reason=reason)) is None, reason
+    assert device_refusal("cpu", GpuView(reason="NVIDIA driver not loaded")) is None
+    assert device_refusal("cuda", None) is None  # not read yet

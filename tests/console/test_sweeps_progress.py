@@ -115,3 +115,20 @@ async def test_a_cancelled_run_says_it_ended_with_its_points_so_far(tmp_path):
         words = str(tau.as_text()).split()
         assert "point" in words and "DDTree" in words and "done," in words
         assert all(len(line) <= tau.size.width for line in str(tau.as_text()).splitlines())
+
+
+def test_the_charts_note_of_a_run_that_finished_without_a_ddtree_point_does_not_say_it_stopped():
+    """A run that ended early says so; one that finished its plan (dflash and ar only, say) has no
+    DDTree point to draw, and 'succeeded before a DDTree point' read as cut short."""
+    from types import SimpleNamespace as Run
+
+    from ddtree.console.screens.sweeps import WAITING, chart_empty_text
+
+    assert chart_empty_text(Run(state="running", points_done=1, points_total=4)) == WAITING
+    assert chart_empty_text(Run(state="cancelled", points_done=0, points_total=4)) == \
+        "run cancelled before its first point"
+    assert chart_empty_text(Run(state="cancelled", points_done=2, points_total=4)) == \
+        "run cancelled before a DDTree point\n(2/4 points done, below)"
+    finished = chart_empty_text(Run(state="succeeded", points_done=3, points_total=3))
+    assert "before" not in finished and "no DDTree point" in finished and "(3/3 points done, below)" in finished
+    assert "before" not in chart_empty_text(Run(state="succeeded", points_done=0, points_total=0))

@@ -253,3 +253,15 @@ def test_engine_modules_do_not_import_torch_or_textual():
             "bad = [m for m in ('torch', 'textual', 'transformers') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_an_empty_view_says_whether_the_machine_surely_has_no_gpu(box):
+    """No driver or none counted: surely none (the engine form refuses cuda). A reading NVML could
+    not finish (here GPU 3 cannot be opened) leaves the list empty too, but says nothing of the GPUs."""
+    fx, _, _ = box
+    for code in (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_DRIVER_NOT_LOADED):
+        assert Nvml(FakeNvml(fx, init_error=code)).view().none_here
+    assert Nvml(FakeNvml(dict(fx, gpus=[]))).view().none_here
+    for reason in ("insufficient permissions", "GPU 3: GPU is lost", "cannot count GPUs: Unknown Error"):
+        assert not GpuView(reason=reason).none_here
+    assert not Nvml(FakeNvml(fx)).view().none_here  # GPUs read
