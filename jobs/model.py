@@ -45,6 +45,9 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 
 _UNSET: Any = object()
 
+#: A cancelled job's recorded reason ("cancel requested" read as a request still pending).
+CANCELLED_REASON = "stopped on request"
+
 
 def hostname() -> str:
     return socket.gethostname()

@@ -17,7 +17,7 @@ from typing import Any
 from ddtree.jobs.context import JobContext
 from ddtree.jobs.errors import JobCancelled, JobError, JobStateError
 from ddtree.jobs.kinds import load_kind
-from ddtree.jobs.model import hostname, set_state
+from ddtree.jobs.model import CANCELLED_REASON, hostname, set_state
 from ddtree.jobs.procs import start_time
 from ddtree.store import jobs as store_jobs
 from ddtree.store.db import open_db
@@ -30,6 +30,7 @@ HEARTBEAT_STALE_S = 15.0
 
 #: How long children get between SIGTERM and SIGKILL when a cancel carries no grace.
 DEFAULT_CHILD_GRACE_S = 5.0
+
 
 
 class _Heartbeat(threading.Thread):
@@ -143,7 +144,7 @@ def _record(db, ctx: JobContext, job_id: int, outcome: dict, finished: bool) -> 
     try:
         if ctx.cancelled.is_set() or isinstance(error, JobCancelled):
             ctx.log("cancelled" + ("" if finished else " (the job did not return in time)"))
-            set_state(db, job_id, "cancelled", "cancel requested", result=outcome.get("result"))
+            set_state(db, job_id, "cancelled", CANCELLED_REASON, result=outcome.get("result"))
             return 1
         if error is not None:
             message = str(error) if isinstance(error, JobError) else f"{type(error).__name__}: {error}"

@@ -14,6 +14,7 @@ from textual.widgets import Static
 
 from ddtree.console import fmt
 from ddtree.console.palette import bindings
+from ddtree.jobs.model import CANCELLED_REASON
 from ddtree.console.disks import disk_figures
 from ddtree.console.eta import download_eta, run_progress, sweep_progress
 from ddtree.console.widgets.logview import LogView
@@ -40,8 +41,8 @@ def job_cells(job: Job, now: float, *, progress: str | None = None, eta: float |
     end = job.ended_at if job.ended_at is not None else now
     took = None if job.started_at is None else end - job.started_at
     if job.state == "cancelled" and job.error in (None, "cancel requested"):
-        # The runner's reason reads as a request still pending; the job has ended.
-        info = "stopped on request"
+        # Stores written before the runner said CANCELLED_REASON read as a request still pending.
+        info = CANCELLED_REASON
     elif job.state in ("failed", "lost", "cancelled"):
         info = job.error
     elif info is None:

@@ -11,7 +11,7 @@ import pytest
 from ddtree.jobs import cancel, reconcile, set_state, submit, wait
 from ddtree.jobs.context import JobContext
 from ddtree.jobs.errors import BadSpec, JobStateError, UnknownKind
-from ddtree.jobs.model import create_job
+from ddtree.jobs.model import CANCELLED_REASON, create_job
 from ddtree.jobs.procs import group_exists, is_alive
 from ddtree.jobs.runner import run_job
 from ddtree.store import open_db
@@ -125,6 +125,7 @@ def test_cancel_kills_a_child_that_ignores_sigterm(db_path):
     time.sleep(0.3)  # let the shell install its trap
     j = cancel(db_path, job_id, grace_s=2.0)
     assert j.state == "cancelled"
+    assert j.error == CANCELLED_REASON  # an ended job's reason, not "cancel requested"
     # Left alone the child ignores SIGTERM and lives 120 s: gone when cancel returns, it was killed.
     assert not is_alive(proc.pid, proc.pid_started)
     assert not group_exists(proc.pgid)  # the backgrounded sleep went with it
