@@ -123,6 +123,12 @@ def _int(obj: dict, key: str, default: int | None, *, where: str) -> int | None:
     return value
 
 
+def _shown(n: int) -> str:
+    """An integer for an error line: JSON allows any number of digits, a line should not echo them."""
+    text = str(n)
+    return text if len(text) <= 24 else f"{text[:8]}... ({len(text.lstrip('-'))} digits)"
+
+
 def _bool(obj: dict, key: str, default: bool, *, where: str = "") -> bool:
     value = obj.get(key, default)
     if value is None:
@@ -232,10 +238,10 @@ class Api:
         if max_new_tokens is None:
             max_new_tokens = window - len(input_ids) if window is not None else 128
         if max_new_tokens < 1:
-            raise BadRequest(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+            raise BadRequest(f"max_new_tokens must be at least 1, got {_shown(max_new_tokens)}")
         if window is not None and len(input_ids) + max_new_tokens > window:
             raise BadRequest(
-                f"the prompt ({len(input_ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+                f"the prompt ({len(input_ids)} tokens) plus max_new_tokens ({_shown(max_new_tokens)}) exceeds the "
                 f"context window ({window})", hint="ask for fewer new tokens")
         return max_new_tokens
 

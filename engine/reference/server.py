@@ -136,6 +136,8 @@ def _parse_json(raw: bytes):
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"malformed JSON: {exc}") from None
+    except ValueError:  # past Python's int_max_str_digits (4300): no count or seed is that long
+        raise BadRequest("malformed JSON: a number has more digits than any field takes") from None
     except RecursionError:
         raise BadRequest("malformed JSON: nested too deeply") from None
     maybe = _MAYBE_SURROGATE.search(raw) or json.detect_encoding(raw) not in ("utf-8", "utf-8-sig")

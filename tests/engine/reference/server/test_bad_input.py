@@ -142,3 +142,22 @@ def test_get_model_info_as_sglang(server):
     assert info["is_generation"] is True
     assert info["model_path"] == httpx.get(server.url + "/server_info").json()["model_path"]
     assert info["tokenizer_path"] == info["model_path"]
+
+
+@pytest.mark.parametrize("value", [10 ** 400, -(10 ** 400)])
+def test_a_huge_max_new_tokens_is_refused_in_one_short_line(server, client, reference, log_mark, value):
+    """JSON integers have no size limit; the refusal names the number without echoing every digit."""
+    r = _post(server, "/generate", {"text": "x", "sampling_params": {"max_new_tokens": value}})
+    assert r.status_code == 400, r.text[:300]
+    message = r.json()["message"]
+    assert "max_new_tokens" in message and "401 digits" in message and len(message) < 200
+    assert_healthy(server, client, reference, log_mark)
+
+
+def test_a_number_past_pythons_digit_limit_is_a_400(server, client, reference, log_mark):
+    """json.loads raises a plain ValueError past 4300 digits (not a JSONDecodeError): a 500 before."""
+    body = b'{"text": "x", "sampling_params": {"max_new_tokens": 1' + b"0" * 5000 + b"}}"
+    r = _post(server, "/generate", body)
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["message"].startswith("malformed JSON: a number has more digits")
+    assert_healthy(server, client, reference, log_mark)
