@@ -418,6 +418,8 @@ def parse_recipe(text: str, *, source: str = "recipe") -> Recipe:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise RecipeError(f"{source} is not valid TOML: {exc}") from None
+    except ValueError:  # tomllib's int() past Python's 4300-digit limit
+        raise RecipeError(f"{source} is not valid TOML: a number has more digits than any key takes") from None
     return recipe_from_dict(data)
 
 

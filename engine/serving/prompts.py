@@ -126,6 +126,8 @@ def read_prompts(path: Path) -> list[Prompt]:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise DatasetError(f"{path}:{lineno} is not JSON: {exc.msg}") from None
+                except ValueError:  # a number past Python's 4300-digit limit
+                    raise DatasetError(f"{path}:{lineno} is not JSON: a number has too many digits") from None
                 prompt = _prompt_from_record(record)
                 if prompt is None:
                     raise DatasetError(f"{path}:{lineno} holds no prompt",

@@ -78,7 +78,10 @@ def test_prompt_sets(tmp_path, prompts_file):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\nnot json\n')
-    for name, needle in ((str(bad), "bad.jsonl:2 is not JSON"), ("builtin:nope", "no builtin prompt set"),
+    huge = tmp_path / "huge.jsonl"  # a number past int()'s 4300 digits: a ValueError, not a JSONDecodeError
+    huge.write_text('{"prompt": "ok", "n": 1' + "0" * 5000 + '}\n')
+    for name, needle in ((str(bad), "bad.jsonl:2 is not JSON"), (str(huge), "huge.jsonl:1 is not JSON"),
+                         ("builtin:nope", "no builtin prompt set"),
                          ("humaneval-missing", "unknown dataset"), (str(tmp_path / "x.jsonl"), "not found")):
         with pytest.raises(DatasetError) as info:
             load_prompts(name, 1)

@@ -103,6 +103,7 @@ def test_toml_round_trip_is_equal():
     ('name = "x"\n[engine]\nenv = { A = 1 }', "engine.env.A must be a string"),
     ('[sweep]\nbudget = [1]', "missing key 'name'"),
     ('name = ', "not valid TOML"),
+    ('name = "x"\n[sweep]\nnum_prompts = 1' + "0" * 5000, "a number has more digits"),  # past int()'s limit
     ('name = 3', "name must be a string"),
 ])
 def test_bad_recipes_name_the_key_and_exit_2(text, needle):
