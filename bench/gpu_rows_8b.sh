@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The few-row kernel (on by default since stop 41, measured then only on the demo pair) on the 8B
-# shape, in one GPU call: a DDTree round profiled with the kernel tuned in and with cuBLAS alone
-# (profile_round.py --no-rows), then the kernel's tilings against cuBLAS (bench_rows_tiles.py). Writes
-# under $OUT. The targets table (bench_fast.py) is a separate call: gpu_fast.sh.
-#   bash bench/gpu_rows_8b.sh
-#   PART=tiles bash bench/gpu_rows_8b.sh   # only bench_rows_tiles.py
+# shape, two GPU calls. Writes under $OUT. The targets table (bench_fast.py) is gpu_fast.sh's.
+#   bash bench/gpu_rows_8b.sh              # a DDTree round profiled three ways: the tune trying the
+#       kernel's wide tiles too (--wide-rows), its default tiles, cuBLAS alone (--no-rows). A fresh
+#       machine's 8B warm-up compiles for over 150 s (an H100 ran out of a 150 s limit in it).
+#   PART=tiles bash bench/gpu_rows_8b.sh   # the kernel's tilings against cuBLAS (bench_rows_tiles.py)
 set -u
 OUT=${OUT:-$PWD/gpu-rows-8b-out}; mkdir -p "$OUT"
 . "$(dirname "$0")/gpu_site.sh"  # installs the checkout to /tmp/site
@@ -15,10 +15,11 @@ profile() {
         > "$OUT/prof-8b-$tag.txt"
     grep "^\[8b\|idle x" "$OUT/prof-8b-$tag.txt" | tail -16
 }
-if [ "${PART:-all}" != tiles ]; then  # PART=tiles: only the tilings (the shortest call)
-    profile rows 130
-    profile cublas 110 --no-rows
+if [ "${PART:-profiles}" = profiles ]; then
+    profile wide 200 --wide-rows
+    profile rows 180
+    profile cublas 170 --no-rows
+else  # the tilings at a 65-row verify's products, over a wider grid than the tune's
+    timeout ${TILES_TIMEOUT:-170} python3 bench/bench_rows_tiles.py --shapes 8b --rows 65 --out "$OUT/tiles-8b.json" 2>&1 \
+        | tee "$OUT/tiles-8b.txt" | grep "^\[8b"
 fi
-# The kernel's tilings against cuBLAS at a 65-row verify's products, over a wider grid than the tune's.
-timeout ${TILES_TIMEOUT:-170} python3 bench/bench_rows_tiles.py --shapes 8b --rows 65 --out "$OUT/tiles-8b.json" 2>&1 \
-    | tee "$OUT/tiles-8b.txt" | grep "^\[8b"

@@ -54,7 +54,8 @@ def load(args):
                         pool_slots=pool)
         prompt = torch.randint(0, model.config.vocab_size, (512,), generator=torch.Generator().manual_seed(1)).tolist()
     engine.target.model.gemv.folds = not args.no_folds
-    if args.no_rows:  # before the warm-up's tunes
+    engine.target.model.gemv.wide_rows = args.wide_rows  # before the warm-up's tunes
+    if args.no_rows:
         engine.target.model.gemv.rows = False
         if engine.impl.drafts is not None:
             engine.impl.drafts.linear.kernels = False
@@ -178,6 +179,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-rows", action="store_true",
                    help="cuBLAS for every 2..128-row product: the warm-up's tunes do not try the few-row "
                         "kernel (fast/gemv.py's rows), which they pick by default where it beats cuBLAS")
+    p.add_argument("--wide-rows", action="store_true",
+                   help="the target's tune tries the few-row kernel's wide tiles too (gemv.WIDE_TILES; bf16/fp16 "
+                        "weights, 33+ rows), off by default until measured through a round")
     p.add_argument("--one-row-attention", action="store_true",
                    help="tree attention keeps its one-row tiling at every batch (the rule before its batched one)")
     p.add_argument("--out")
@@ -188,7 +192,7 @@ def main(argv=None) -> int:
         specs += [(f"ddtree-{b}", SpecParams("ddtree", b)) for b in args.budgets]
         result = {"pair": args.pair, "device": args.device, "attention": engine.attention, "batch": args.batch,
                   "pool_slots": args.pool_slots, "one_graph": args.one_graph, "folds": not args.no_folds,
-                  "rows_kernel": not args.no_rows, "one_row_attention": args.one_row_attention, "rows": {}}
+                  "rows_kernel": not args.no_rows, "wide_rows": args.wide_rows, "one_row_attention": args.one_row_attention, "rows": {}}
         gemv, drafts = engine.target.model.gemv, engine.impl.drafts
         result["few_row_tune"] = {"target": {str(k): v for k, v in sorted(gemv.measured_rows.items())},
                                   "target_picked": {str(k): str(v) for k, v in sorted(gemv.picked_rows.items())},

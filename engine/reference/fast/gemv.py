@@ -74,14 +74,24 @@ ROWS_MAX = 128
 # (bench/results/h200-small-gemm-f32.json), and a demo verify's 65-row ones at 4-7 (bench/
 # RESULTS.md), where a one-row GEMV took 2-2.5.
 ROWS_TILES = ((16, 64, 4), (32, 64, 4), (64, 32, 4))
+# Wider tiles with deeper pipelines (outputs, inputs a step, warps, stages), for 2-byte weights at
+# a verify's 33+ rows, on the covering row tile only: on an H100, at the Qwen3-8B layer's 65-row
+# products in bf16, these came within 0-16% of cuBLAS (gate/up tied it) where ROWS_TILES took
+# 1.6-3.1x its time (bench/RESULTS.md; bench_rows_tiles.py). Tried only when Gemv.wide_rows is
+# on: not yet measured with the folds or through a round.
+WIDE_TILES = ((128, 128, 8, 4), (64, 128, 4, 4), (128, 64, 8, 3))
+WIDE_MIN_ROWS = 33
 
 
-def rows_configs(m: int) -> tuple[RowsConfig, ...]:
-    """The tilings the tune tries for m rows."""
+def rows_configs(m: int, wide: bool = False) -> tuple[RowsConfig, ...]:
+    """The tilings the tune tries for m rows (wide: WIDE_TILES too, from WIDE_MIN_ROWS rows)."""
     cover = 16
     while cover < min(m, 64):
         cover *= 2
-    return tuple(RowsConfig(bm, bn, bk, w) for bm in sorted({16, cover}) for bn, bk, w in ROWS_TILES)
+    configs = tuple(RowsConfig(bm, bn, bk, w) for bm in sorted({16, cover}) for bn, bk, w in ROWS_TILES)
+    if wide and m >= WIDE_MIN_ROWS:
+        configs += tuple(RowsConfig(cover, bn, bk, w, st) for bn, bk, w, st in WIDE_TILES)
+    return configs
 
 
 # What a product may fold in before it (Gemv's `pre`): the op's code in the kernel (PRE).
@@ -204,6 +214,12 @@ def _foldable(pre) -> bool:
     return isinstance(pre, RMSNorm) and pre.weight is not None
 
 
+def _tunable(weight: torch.Tensor) -> bool:
+    """Whether a tune can time kernels for this weight: on CUDA, with triton, outside a capture."""
+    return (weight.device.type == "cuda" and tree_attention.available()
+            and not torch.cuda.is_current_stream_capturing())
+
+
 class Gemv:
     """linear(x, weight, bias): the kernel, with the tiling `tune` picked for this weight shape,
     when x is one row; else, in bf16/fp16 on CUDA outside a compile, F.linear with row_ops
@@ -222,6 +238,9 @@ class Gemv:
         # kernel); elsewhere its gain was within run-to-run spread. Its CUDA tests pass
         # (bench/RESULTS.md). False is cuBLAS alone (benchmarks).
         self.rows = True
+        # True: tune_rows tries WIDE_TILES too, for 2-byte weights (bf16/fp16). Off until measured
+        # through a round (profile_round.py --wide-rows).
+        self.wide_rows = False
         self.enabled = True  # False: F.linear runs every product and tune measures nothing (benchmarks)
         # False: norm, activation and residual run as torch ops around every product, one row (the
         # kernel) or many (row_ops) (benchmarks).
@@ -278,8 +297,7 @@ class Gemv:
         for i, group in enumerate(groups):
             weight = group[0][0]
             key = (int(weight.shape[0]), int(weight.shape[1]))
-            if (not self.enabled or key in self.measured or weight.device.type != "cuda" or not tree_attention.available()
-                    or torch.cuda.is_current_stream_capturing()):
+            if not self.enabled or key in self.measured or not _tunable(weight):
                 continue
             pre, residual = folds[i] if folds is not None and folds[i] is not None and self.folds else (None, False)
             if not _foldable(pre):
@@ -310,8 +328,7 @@ class Gemv:
         for i, group in enumerate(groups):
             weight = group[0][0]
             shape = (int(weight.shape[0]), int(weight.shape[1]))
-            if (not (self.enabled and self.rows) or weight.device.type != "cuda" or not tree_attention.available()
-                    or torch.cuda.is_current_stream_capturing()):
+            if not (self.enabled and self.rows) or not _tunable(weight):
                 continue
             pre, residual = folds[i] if folds is not None and folds[i] is not None and self.folds else (None, False)
             if not _foldable(pre):
@@ -326,10 +343,19 @@ class Gemv:
                 x = torch.randn((m, shape[1] * (2 if pre == "silu" else 1)), device=weight.device, dtype=weight.dtype)
                 res = torch.randn((m, shape[0]), device=weight.device, dtype=weight.dtype) if residual else None
                 times = {base: replay_us(lambda: [plain(x, w, b, pre, res) for w, b in group], weight.device, 1)}
-                configs = rows_configs(m)
+                configs = rows_configs(m, wide=self.wide_rows and weight.element_size() == 2)
                 for config in configs:
-                    times[str(config)] = replay_us(
-                        lambda: [launch_rows(x, w, b, config, code, res, norm, eps) for w, b in group], weight.device, 1)
+                    try:
+                        times[str(config)] = replay_us(
+                            lambda: [launch_rows(x, w, b, config, code, res, norm, eps) for w, b in group],
+                            weight.device, 1)
+                    except Exception as exc:  # noqa: BLE001 - a tiling past this GPU's shared memory
+                        # fails in Triton's compile, in replay_us's warm-up before any capture: skip it.
+                        log.info("few-row tiling %s does not run at %s: %s", config, key, str(exc)[:120])
+                configs = [c for c in configs if str(c) in times]
+                if not configs:
+                    self.measured_rows[key] = {base: round(times[base] / len(group), 2)}
+                    continue
                 best = min(configs, key=lambda c: times[str(c)])
                 self.measured_rows[key] = {name: round(us / len(group), 2) for name, us in times.items()}
                 if times[str(best)] <= _MARGIN * times[base]:

@@ -117,7 +117,8 @@ def test_tune_measures_nothing_off_cuda():
 @pytest.mark.parametrize("m,n,k,config,bias", [
     (2, 64, 512, RowsConfig(16, 64, 64, 4), False), (17, 48, 256, RowsConfig(32, 32, 64, 4), True),
     (65, 37, 100, RowsConfig(64, 16, 32, 4), True), (65, 40, 96, RowsConfig(16, 32, 64, 4), False),  # 5 row tiles
-    (3, 5, 33, RowsConfig(16, 16, 32, 4), True)])  # ragged N and K
+    (3, 5, 33, RowsConfig(16, 16, 32, 4), True),  # ragged N and K
+    (40, 150, 130, RowsConfig(64, 128, 64, 8, 3), True)])  # a wide tile (WIDE_TILES), ragged
 def test_rows_kernel_equals_the_product(m, n, k, config, bias):
     x, w, b = _case(n, k, torch.float32, bias, n + k + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -136,6 +137,42 @@ def test_rows_configs_cover_the_rows_with_at_most_two_row_tiles():
     assert {c.block_m for c in rows_configs(17)} == {16, 32}
     assert {c.block_m for c in rows_configs(65)} == {16, 64}
     assert all(c.block_n * c.block_k <= 64 * 64 for c in rows_configs(128))
+    # The wide tiles: only when asked, only at a verify's rows, on the covering row tile.
+    assert rows_configs(17, wide=True) == rows_configs(17)
+    extra = set(rows_configs(65, wide=True)) - set(rows_configs(65))
+    assert len(extra) == 3 and {c.block_m for c in extra} == {64} and {c.stages for c in extra} >= {3, 4}
+
+
+def test_the_row_tune_skips_a_tiling_that_does_not_run_and_tries_wide_ones_only_when_asked(monkeypatch):
+    """A tiling past a GPU's shared memory fails in Triton's compile (in the timing's warm-up):
+    the tune leaves it out and picks among the rest; wide tiles are tried for 2-byte weights only
+    when Gemv.wide_rows is on. (The tune's timing is faked here: no GPU.)"""
+    from ddtree.engine.reference.fast.gemv import WIDE_TILES
+
+    monkeypatch.setattr(gemv_module, "_tunable", lambda weight: True)
+    tried = []
+
+    def fake_replay(fn, device, launches):
+        fn()
+        return 100.0 if not tried or tried[-1] is None else tried[-1]
+
+    def fake_launch(x, w, b, config, *args):
+        if config.block_n == WIDE_TILES[0][0] and config.block_k == WIDE_TILES[0][1]:
+            raise RuntimeError("out of resource: shared memory")
+        tried.append(50.0 if config.stages > 2 else 90.0)
+        return None
+
+    monkeypatch.setattr(gemv_module, "replay_us", fake_replay)
+    monkeypatch.setattr(gemv_module, "launch_rows", fake_launch)
+    monkeypatch.setattr(gemv_module, "plain", lambda *a: tried.append(None))
+    for dtype, wide in ((torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)):
+        gemv = Gemv()
+        gemv.wide_rows = wide
+        tried.clear()
+        gemv.tune_rows([[(torch.zeros(64, 32, dtype=dtype), None)]], [65])
+        times = gemv.measured_rows[(65, 64, 32)]
+        assert len(times) == 1 + len(rows_configs(65)) + (2 if wide and dtype == torch.bfloat16 else 0)
+        assert (gemv.picked_rows[(65, 64, 32)].stages > 2) == (wide and dtype == torch.bfloat16)
 
 
 @pytest.mark.parametrize("fold", ["rms", "silu+residual", "residual"])
