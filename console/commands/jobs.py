@@ -176,7 +176,10 @@ def _show(args: argparse.Namespace) -> int:
     if procs:
         print("processes")
         for p in procs:
-            status = "running" if p.ended_at is None else f"exit {p.returncode}"
+            # a child closed without its exit status (its runner died, and a later look found it
+            # gone) ended in a way no one saw: "gone", not "exit None"
+            status = ("running" if p.ended_at is None else "gone" if p.returncode is None
+                      else f"exit {p.returncode}")
             print(f"  {safe(p.name):<12} pid {p.pid:<8} {status:<10} {safe(p.log_path or '')}")
     return 0
 

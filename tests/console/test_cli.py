@@ -125,6 +125,22 @@ def test_jobs_list_show_and_json(db_path, capsys):
     assert [e["state"] for e in json.loads(out)["events"]] == ["queued", "starting", "running", "succeeded"]
 
 
+def test_jobs_show_names_a_child_closed_without_an_exit_status_gone(db_path, capsys):
+    """A lost sweep's engine, killed with its runner, is closed with no return code: it reads
+    "gone", never "exit None"."""
+    from ddtree.store.jobs import add_process, close_process, end_process
+
+    with open_db(db_path) as db:
+        job = create_job(db, "sleep", {"seconds": 1.0, "fail": False, "message": ""})
+        lost = add_process(db, job, name="engine-0-0", argv=["x"], pid=4242, pid_started=None, log_path="a.log")
+        close_process(db, lost)
+        ended = add_process(db, job, name="engine-0-1", argv=["x"], pid=4243, pid_started=None, log_path="b.log")
+        end_process(db, ended, 0)
+    code, out, _ = main(capsys, "jobs", "show", str(job))
+    assert code == 0 and "None" not in out
+    assert "pid 4242     gone" in out and "pid 4243     exit 0" in out
+
+
 def test_bad_input_is_one_line_exit_2(db_path, capsys):
     with open_db(db_path) as db:
         a = create_job(db, "sleep", {})

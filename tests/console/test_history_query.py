@@ -24,8 +24,9 @@ def db(tmp_path):
                        "VALUES (?, ?, ?, ?, ?, ?, ?)",
                        [i, name, "moonshotai/Kimi-K2.6" if name == "kimi" else None, "sglang", "succeeded",
                         json.dumps({"sweep": {"dataset": f"set-{i}"}}), 1000.0 + i])
-        for run_id, tok_s in ((1, 10.0), (1, 30.0), (2, 20.0), (3, None)):
-            db.execute("INSERT INTO points (run_id, state, output_tok_s) VALUES (?, 'done', ?)", [run_id, tok_s])
+        for run_id, budget, tok_s in ((1, 4, 10.0), (1, 16, 30.0), (2, 4, 20.0), (3, 4, None)):
+            db.execute("INSERT INTO points (run_id, algorithm, budget, state, output_tok_s) "
+                       "VALUES (?, 'ddtree', ?, 'done', ?)", [run_id, budget, tok_s])
         db.execute("INSERT INTO points (run_id, state, output_tok_s) VALUES (2, 'failed', 99.0)")
     yield db
     db.close()
@@ -44,6 +45,32 @@ def test_text_is_a_literal_case_insensitive_substring_of_the_shown_fields_and_th
     assert ids(runs_page(db, "set-5")) == [5]  # inside the recipe JSON; the NULL name does not hurt
     assert ids(runs_page(db, "  ")) == [5, 4, 3, 2, 1]
     assert ids(runs_page(db, "nothing like it")) == []
+
+
+def test_best_is_the_highest_cell_median_that_runs_and_the_exports_quote(tmp_path):
+    """With repeats, BEST TOK/S is the best cell's median over its done repeats (the exports' "out
+    tok/s (median)"), not the luckiest single repeat, which no other view shows."""
+    from ddtree.store.summary import cell_rows
+    from ddtree.store.sweeps import list_points
+
+    db = open_db(tmp_path / "ddtree.db")
+    repeats = {("ar", None, 1): [90.0, 95.0, 92.0], ("ddtree", 4, 1): [100.0, 180.0, 110.0],
+               ("ddtree", 16, 1): [150.0, 160.0, 155.0], ("ddtree", 16, 2): [140.0, 150.0],
+               ("ddtree", 32, 1): [999.0]}
+    with transaction(db):
+        db.execute("INSERT INTO runs (id, name, engine_kind, state, created_at) VALUES (1, 'r', 'builtin', "
+                   "'succeeded', 1.0)")
+        for (algorithm, budget, c), values in repeats.items():
+            for n, tok_s in enumerate(values):
+                state = "failed" if budget == 32 else "done"
+                db.execute("INSERT INTO points (run_id, engine_kind, algorithm, budget, tp, gpus, concurrency, "
+                           "dataset, temperature, repeat, state, output_tok_s) "
+                           "VALUES (1, 'builtin', ?, ?, 1, '[]', ?, 'builtin:code', 0.0, ?, ?, ?)",
+                           [algorithm, budget, c, n, state, tok_s])
+    best = runs_page(db)[0][0]["best"]
+    medians = [row["output_tok_s"] for row in cell_rows(list_points(db, 1)) if row["output_tok_s"] is not None]
+    db.close()
+    assert best == pytest.approx(155.0) == pytest.approx(max(medians))
 
 
 def test_summary_columns_orders_and_the_count_beyond_the_page(db):
