@@ -57,7 +57,9 @@ def axis_marks(lengths, cell: int) -> str:
 
 
 def grid_lines(grid: AcceptanceGrid, width: int = 80) -> list[Text]:
-    """One grid: a title, the length axis, a row per budget (tau at the end), all one width."""
+    """One grid: a title, the length axis, a row per budget (its mean accepted length at the end:
+    rounds only, so a little under the sweep's tau, which also counts each request's first
+    token, made by its prefill), all one width."""
     cell = _cell_width(grid, width)
     lw = _label_width(grid)
     title = f"{grid.label or 'acceptance'}: accepted length per round"
@@ -65,7 +67,7 @@ def grid_lines(grid: AcceptanceGrid, width: int = 80) -> list[Text]:
     lines = [Text(title, style="bold")]
     axis = Text("budget".rjust(lw) + " ", style="dim")
     axis.append(axis_marks(grid.lengths, cell), style="dim")
-    axis.append("   tau", style="dim")
+    axis.append("  mean", style="dim")
     lines.append(axis)
     for row in grid.rows:
         line = Text(row.label.rjust(lw) + " ", style="bold" if row.budget is not None else "gold3")
@@ -135,12 +137,14 @@ def heatmap_markdown(points: list) -> list[str]:
     if not grids:
         return []
     out = ["## Acceptance per round", "",
-           "Share of verify rounds that accepted each length (bonus token included), per budget. "
-           f"Shades: {LEGEND}.", ""]
+           "Share of verify rounds that accepted each length (bonus token included), per budget, and "
+           "its mean: over rounds only, so a little under the points' tau (weighted by verify), "
+           "which also counts each request's first token, made by its prefill, as SGLang's accept "
+           f"length does. Shades: {LEGEND}.", ""]
     for grid in grids:
         out.append(f"### {grid.label or 'all points'}")
         out.append("")
-        out.append("| budget | " + " | ".join(str(n) for n in grid.lengths) + " | tau | rounds |")
+        out.append("| budget | " + " | ".join(str(n) for n in grid.lengths) + " | mean | rounds |")
         out.append("|---|" + "---:|" * len(grid.lengths) + "---:|---:|")
         for row in grid.rows:
             cells = []

@@ -15,7 +15,7 @@ def test_cells_are_shaded_by_share_of_rounds():
            point("ar", None, 0, 50)]
     lines = _plain(render_heatmap(pts, 80))
     assert lines[0].startswith("c=1: accepted length per round")
-    assert lines[1].split() == ["budget", "1", "2", "3", "4", "tau"]
+    assert lines[1].split() == ["budget", "1", "2", "3", "4", "mean"]
     row8 = next(ln for ln in lines if ln.lstrip().startswith("8 "))
     row32 = next(ln for ln in lines if ln.lstrip().startswith("32 "))
     assert row8.split()[1:] == ["████", "1.50"]  # two cells of 50%, then nothing: blank to the right
@@ -53,5 +53,5 @@ def test_no_histogram_reads_as_a_note_and_markdown_is_a_table():
     assert "no acceptance histogram" in heatmap_text([point("ddtree", 8, 0, 90)]).plain
     assert heatmap_markdown([point("ddtree", 8, 0, 90)]) == []
     md = heatmap_markdown([point("ddtree", 8, 0, 90, hist=[0, 1, 3])])
-    assert "| budget | 1 | 2 | tau | rounds |" in md
+    assert "| budget | 1 | 2 | mean | rounds |" in md
     assert "| 8 | ▓ 25% | █ 75% | 1.75 | 4 |" in md
