@@ -43,7 +43,7 @@ def write_output(path: str | os.PathLike, text: str, *, make_parents: bool = Fal
         raise OutputError(f"{given} is not a regular file, a character device or a FIFO", "give a file name with -o")
     if not target.parent.is_dir():
         if not make_parents:
-            raise OutputError(f"folder {target.parent} does not exist")
+            raise OutputError(f"folder {target.parent} does not exist", "create it first, or write elsewhere with -o")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

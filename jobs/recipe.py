@@ -431,7 +431,7 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise RecipeError(f"recipe file not found: {path}") from None
+        raise RecipeError(f"recipe file not found: {path}", "the shipped ones are in assets/recipes") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"cannot read recipe {path}: {exc}") from None
     return parse_recipe(text, source=str(path))
