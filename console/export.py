@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ddtree.console.files import write_output
 from ddtree.console.widgets.heatmap import heatmap_markdown
+from ddtree.engine.serving.names import run_drafter_name, run_model_name
 from ddtree.jobs.errors import JobError
 from ddtree.jobs.recipe import RecipeError, recipe_from_dict, recipe_to_toml
 from ddtree.store.redact import redact
@@ -170,7 +171,8 @@ def to_markdown(run_row, points: list[sweeps.Point]) -> str:
     gpus = hw.get("gpus") or []
     host = hw.get("host") or {}
     device = (f"{len(gpus)} x {gpus[0].get('name')}" if gpus else (host.get("cpu_model") or "CPU"))
-    lines.append(f"- engine: {run_row.engine_kind}, model {run_row.model or 'demo'}, draft {run_row.draft_model or 'demo'}")
+    lines.append(f"- engine: {run_row.engine_kind}, model {run_model_name(run_row.model)}, "
+                 f"draft {run_drafter_name(run_row.draft_model, run_row.model)}")
     done = sum(p.state in sweeps.FINISHED_POINT_STATES for p in points)
     lines.append(f"- hardware: {device}; state: {run_row.state}; points: {done} of {len(points)} finished")
     busy = contention.run_busy_note(points)

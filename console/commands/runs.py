@@ -12,6 +12,7 @@ import json
 from ddtree.console import fmt
 from ddtree.console.commands.jobs import list_parser
 from ddtree.console.export import unstable_cv
+from ddtree.engine.serving.names import run_model_name
 from ddtree.store.redact import redact
 from ddtree.store.db import open_existing
 from ddtree.store.queries import list_runs
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
             str(r.id),
             r.name or "-",
             r.engine_kind or "-",
-            fmt.one_line(r.model, 36) or "-",
+            fmt.one_line(run_model_name(r.model), 36),
             r.state or "-",
             fmt.points(r.points_done, r.points_total),
             str(r.points_failed),

@@ -30,7 +30,7 @@ from ddtree.console.screens.modals import FOCUS_KEYS
 from ddtree.console.widgets.rowtable import RowTable
 from ddtree.console.widgets.searchinput import SearchInput
 from ddtree.console.widgets.tables import fmt_num
-from ddtree.engine.serving.names import display_name
+from ddtree.engine.serving.names import run_drafter_name, run_model_name
 
 COLUMNS = ("ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "BEST TOK/S", "CREATED", "FLAGS")
 #: Below WIDE columns the table drops ENGINE (the filter, the run's screen and compare still have
@@ -58,7 +58,7 @@ def flag_cell(short: str | None) -> Text:
 
 def run_model(row: dict) -> str:
     """The run's model as a user names it: a run with no model ran the demo pair (demo/target)."""
-    return display_name(row.get("model") or "demo")
+    return run_model_name(row.get("model"))
 
 
 def short_stamp(at: float | None) -> str:
@@ -263,8 +263,8 @@ def recipe_settings(run) -> dict[str, Any]:
     engine, sweep = recipe.get("engine") or {}, recipe.get("sweep") or {}
     return {
         "engine": run.engine_kind or engine.get("kind", "builtin"),
-        "model": run.model or engine.get("model") or "demo",
-        "drafter": run.draft_model or engine.get("draft_model") or ("demo" if not engine.get("model") else "-"),
+        "model": run_model_name(run.model or engine.get("model")),
+        "drafter": run_drafter_name(run.draft_model or engine.get("draft_model"), run.model or engine.get("model")),
         "device": engine.get("device", "cpu"),
         "block size": engine.get("block_size", "default"),
         "budgets": sweep.get("budget", engine.get("budget", "-")),

@@ -74,3 +74,15 @@ def display_name(path: str | None) -> str:
     if shown is not None:
         return shown
     return _hub_cache_id(p.parts) or text
+
+
+def run_model_name(model: str | None) -> str:
+    """A run's target as every view names it: a run recorded without one ran the demo pair."""
+    return display_name(model or "demo")
+
+
+def run_drafter_name(draft: str | None, model: str | None) -> str:
+    """A run's drafter as every view names it: the demo pair's with the demo target, else '-'."""
+    if draft:
+        return display_name(draft)
+    return "demo/drafter" if not model else "-"

@@ -261,6 +261,10 @@ def test_runs_table_filter_and_json(db_path, capsys):
     lines = out.splitlines()
     assert lines[0].split() == ["ID", "NAME", "ENGINE", "MODEL", "STATE", "POINTS", "FAILED", "CREATED", "VERDICT"]
     assert lines[1].split()[:6] == [str(r2), "demo", "builtin", "assets/demo/target", "running", "1/3"]
+    with open_db(db_path) as db:  # a run recorded without a model ran the demo pair: named as History names it
+        insert_row(db, "runs", {"name": "plain", "engine_kind": "builtin", "state": "done", "created_at": 3.0})
+    code, out, _ = main(capsys, "runs", "--filter", "plain")
+    assert out.splitlines()[1].split()[3] == "demo/target"
     code, out, _ = main(capsys, "runs", "--filter", "kimi")
     assert [line.split()[1] for line in out.splitlines()[1:]] == ["kimi-tp8"]
     code, out, _ = main(capsys, "runs", "--json", "--filter", "DEMO")

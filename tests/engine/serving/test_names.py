@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddtree.engine.serving.names import display_name
+from ddtree.engine.serving.names import display_name, run_drafter_name, run_model_name
 
 
 def test_the_demo_pair_reads_as_demo_target_and_demo_drafter():
@@ -40,3 +40,13 @@ def test_the_demo_pair_as_the_engine_finds_it():
 ])
 def test_hub_ids_cache_folders_and_user_paths(given, shown):
     assert display_name(given) == shown
+
+
+def test_a_run_names_its_pair_one_way_everywhere():
+    """runs, History, the compare view and the md export all call these: a run recorded without
+    a model ran the demo pair (it read '-', 'demo/target' and 'demo' in three views)."""
+    assert run_model_name(None) == run_model_name("demo") == "demo/target"
+    assert run_drafter_name(None, None) == "demo/drafter"
+    assert run_drafter_name(None, "Qwen/Qwen3-8B") == "-"
+    assert (run_model_name("Qwen/Qwen3-8B"), run_drafter_name("z-lab/Qwen3-8B-DFlash-b16", "Qwen/Qwen3-8B")) == (
+        "Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16")
