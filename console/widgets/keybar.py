@@ -65,18 +65,42 @@ class KeyLabels(Static):
         description_style = self.get_component_rich_style("key-bar--description")
         out = Text(no_wrap=True, overflow="crop")
         self._spans = []
+        if width is not None:
+            keys = _fitting(keys, width)
         for key, display, description, enabled in keys:
             start = out.cell_len
-            if width is not None:
-                shown = cell_len(display) + 2 + (cell_len(description) + 1 if description else 0)
-                if start + shown - 1 > width:  # its trailing space may fall off the edge
-                    break
             dim = Style(dim=not enabled)
             out.append(display if compact else f" {display} ", key_style + dim)
             if description:
                 out.append(f" {description}" if compact else f"{description} ", description_style + dim)
             self._spans.append((start, out.cell_len, key, enabled))
         return out
+
+
+# Kept when a narrow bar leaves keys out: how to leave, and where every other key is listed.
+PINNED_KEYS = ("question_mark", "q")
+
+
+def _fitting(keys: list[tuple[str, str, str, bool]], width: int) -> list[tuple[str, str, str, bool]]:
+    """The keys that fit `width` whole, in their order: the pinned ones first claim their room,
+    then the rest in order while they fit (a key's trailing space may fall off the edge)."""
+    def cells(entry) -> int:
+        _, display, description, _ = entry
+        return cell_len(display) + 2 + (cell_len(description) + 1 if description else 0)
+
+    pinned = [entry for entry in keys if entry[0] in PINNED_KEYS]
+    room = width + 1 - sum(cells(entry) for entry in pinned)
+    if room < 0:  # not even the pinned ones: the first keys that fit, in order
+        pinned, room = [], width + 1
+    kept = set(map(id, pinned))
+    for entry in keys:
+        if id(entry) in kept:
+            continue
+        if cells(entry) > room:
+            break
+        kept.add(id(entry))
+        room -= cells(entry)
+    return [entry for entry in keys if id(entry) in kept]
 
 
 class KeyBar(Horizontal):
