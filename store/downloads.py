@@ -30,6 +30,22 @@ def update_download(db: Database, row_id: int, values: dict[str, Any]) -> None:
         db.execute(f"UPDATE downloads SET {sets} WHERE id = ?", [*values.values(), row_id])
 
 
+#: downloads.state values of a download whose runner may still write; any other state is final.
+OPEN_DOWNLOAD_STATES = ("planning", "running", "stalled")
+
+
+def close_downloads(db: Database, job_id: int, state: str, error: str) -> int:
+    """Close the rows of `job_id` still open (their runner is gone, so no one else will): `state`,
+    `error` unless one is recorded, no rate or ETA, ended_at now. Returns how many were closed."""
+    with transaction(db):
+        cur = db.execute(
+            "UPDATE downloads SET state = ?, error = coalesce(error, ?), rate_bps = NULL, eta_s = NULL, "
+            f"ended_at = ?, updated_at = ? WHERE job_id = ? AND state IN ({', '.join('?' for _ in OPEN_DOWNLOAD_STATES)})",
+            [state, error, now(), now(), job_id, *OPEN_DOWNLOAD_STATES],
+        )
+    return cur.rowcount
+
+
 def recent_downloads(db: Database, limit: int) -> list[dict[str, Any]]:
     """The newest `limit` rows, newest first."""
     return fetch_rows(db, "SELECT * FROM downloads ORDER BY id DESC LIMIT ?", [int(limit)])
