@@ -11,7 +11,8 @@ a pool of workers, hf_xet where the hub offers it) into the HF cache or a local 
 bytes and files done, a smoothed rate, ETA and stalls. It stops hard, between two chunks, when it is
 cancelled or when free space falls under the reserve (or can no longer hold what is left above it).
 Finished files survive a stop, so a rerun fetches only what is missing; huggingface_hub discards
-the partial file of an interrupted one (its temp files are unique per process).
+the partial file of an interrupted one (its temp files are unique per process), and a rerun deletes
+the partials a killed process left (`remove_partials`).
 
 Tokens come from the usual huggingface_hub places and are never put in results, logs or messages.
 
@@ -22,6 +23,7 @@ InsufficientSpace (the preflight refusal); DiskReserveReached; DownloadCancelled
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -384,6 +386,46 @@ def plan(spec: DownloadSpec, *, usage: DiskUsage = _disk_usage) -> DownloadPlan:
                         gated=bool(getattr(info, "gated", False)), repo_files=len(entries))
 
 
+def _partials_and_locks(spec: DownloadSpec) -> tuple[list[Path], list[Path]]:
+    """The temp files huggingface_hub writes while fetching into this spec's target, and the
+    lock files it holds meanwhile (the HF cache layout, or a local dir's .cache/huggingface)."""
+    if spec.local_dir is not None:
+        root = Path(spec.local_dir).expanduser() / ".cache" / "huggingface" / "download"
+        return sorted(root.rglob("*.incomplete")), sorted(root.rglob("*.lock"))
+    folder = _repo_folder(spec)
+    return (sorted((folder / "blobs").glob("*.incomplete")),
+            sorted((folder.parent / ".locks" / folder.name).glob("*.lock")))
+
+
+def remove_partials(spec: DownloadSpec) -> int:
+    """Delete the partial files a killed download of this repo left behind; returns their bytes.
+
+    huggingface_hub names each partial after its process (`<etag>.<uuid>.incomplete`) and deletes
+    it when that process unwinds, so after a kill -9 nothing ever reuses or removes it. A partial
+    is only an orphan when no process is fetching into the target: this holds every lock
+    huggingface_hub takes there while deleting, and removes nothing when one is held."""
+    from filelock import FileLock, Timeout  # huggingface_hub's own dependency, and its locks
+
+    partials, locks = _partials_and_locks(spec)
+    if not partials:
+        return 0
+    freed = 0
+    with contextlib.ExitStack() as held:
+        try:
+            for lock in locks:
+                held.enter_context(FileLock(str(lock), timeout=0, mode=0o664))
+        except (Timeout, OSError):
+            return 0
+        for part in partials:
+            try:
+                size = part.stat().st_size
+                part.unlink()
+            except FileNotFoundError:
+                continue
+            freed += size
+    return freed
+
+
 # -- progress -----------------------------------------------------------------------------------
 @dataclass
 class Progress:
@@ -547,6 +589,7 @@ class Download:
     def run(self) -> dict:
         """Download; returns a result dict. Raises DownloadCancelled, DiskReserveReached, or a hub error."""
         require_space(self.plan.disk)
+        freed = remove_partials(self.plan.spec)
         t0 = time.monotonic()
         history: list[tuple[float, int]] = []
         todo = [f.path for f in self.plan.files if not f.done]
@@ -591,7 +634,7 @@ class Download:
             "repo_id": self.plan.spec.repo_id, "commit": self.plan.commit, "path": self._snapshot_path(),
             "bytes_total": p.bytes_total, "files_total": p.files_total,
             "bytes_fetched": self.plan.bytes_needed, "files_fetched": self.plan.files_needed,
-            "elapsed_s": round(p.elapsed_s, 3),
+            "elapsed_s": round(p.elapsed_s, 3), "partials_removed_bytes": freed,
             "mean_rate_bps": round(self.plan.bytes_needed / p.elapsed_s, 1) if p.elapsed_s > 0 else None,
         }
 

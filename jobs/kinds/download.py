@@ -107,6 +107,8 @@ def run(ctx: JobContext, spec: dict) -> dict:
     if recorder.last is not None:
         recorder(recorder.last, force=True)
     _end(recorder, "succeeded", None)
+    if result.get("partials_removed_bytes"):
+        ctx.log(f"removed {result['partials_removed_bytes']} bytes of partial files an interrupted download left")
     ctx.log(f"done: {result['path']} ({result['bytes_fetched']} bytes fetched in {result['elapsed_s']} s)")
     return result
 

@@ -213,3 +213,37 @@ def test_permission_denied(hub, tmp_path):
     locked.mkdir(mode=0o500)
     with pytest.raises(TargetNotWritable):
         plan(spec(hub, tmp_path, local_dir=str(locked / "m")))
+
+
+def _plant_partial(folder: Path, name: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    part = folder / name
+    part.write_bytes(b"p" * 1000)
+    return part
+
+
+def test_partials_a_killed_download_left_are_removed_on_the_rerun(hub, tmp_path):
+    """huggingface_hub writes each file to a per-process `<etag>.<uuid>.incomplete` and deletes it
+    only when its own process unwinds: after a kill -9 the partials stayed for ever, unseen by the
+    disk check, and the rerun fetched those files again beside them."""
+    from filelock import FileLock
+
+    cache = tmp_path / "cache"
+    Download(plan(spec(hub, tmp_path, include=("config.json",)))).run()  # the repo's folders exist
+    blobs = cache / "models--acme--tiny" / "blobs"
+    orphan = _plant_partial(blobs, "f" * 64 + ".0c13e266.incomplete")
+    locks = cache / ".locks" / "models--acme--tiny"
+    with FileLock(str(locks / ("e" * 64 + ".lock")), timeout=0):  # another process fetches this repo now
+        Download(plan(spec(hub, tmp_path, include=("README.md",)))).run()
+    assert orphan.exists()  # its partial may be that process's: left alone
+    result = Download(plan(spec(hub, tmp_path))).run()
+    assert not orphan.exists() and result["partials_removed_bytes"] == 1000
+    assert [p.name for p in blobs.iterdir() if p.name.endswith(".incomplete")] == []
+
+    target = tmp_path / "local"
+    Download(plan(spec(hub, tmp_path, local_dir=str(target), include=("config.json",)))).run()
+    local_orphan = _plant_partial(target / ".cache" / "huggingface" / "download" / "sub",
+                                  "abc=." + "f" * 64 + ".1234abcd.incomplete")
+    result = Download(plan(spec(hub, tmp_path, local_dir=str(target)))).run()
+    assert not local_orphan.exists() and result["partials_removed_bytes"] == 1000
+    assert (target / "sub" / "extra.bin").stat().st_size == 50_000
