@@ -336,10 +336,27 @@ def _repo_folder(spec: DownloadSpec) -> Path:
     return cache / f"{spec.repo_type}s--{spec.repo_id.replace('/', '--')}"
 
 
-def _is_done(spec: DownloadSpec, commit: str, path: str, size: int) -> bool:
+def _etag(entry: Any) -> str:
+    """The etag huggingface_hub records for a file of the tree: its LFS sha256, else its git oid."""
+    lfs = getattr(entry, "lfs", None)
+    return str(getattr(lfs, "sha256", None) or getattr(entry, "blob_id", "") or "")
+
+
+def _is_done(spec: DownloadSpec, commit: str, path: str, size: int, etag: str) -> bool:
     if spec.local_dir is not None:
-        local = Path(spec.local_dir).expanduser() / path
-        return local.is_file() and local.stat().st_size == size
+        # The size alone is not enough: a revision that fixes the weights keeps their shapes, so
+        # the old file would pass. huggingface_hub notes each file's etag beside it (and ignores
+        # the note once the file is touched after); a file without a matching note is fetched.
+        local_dir = Path(spec.local_dir).expanduser()
+        local = local_dir / path
+        if not (local.is_file() and local.stat().st_size == size):
+            return False
+        try:
+            from huggingface_hub._local_folder import read_download_metadata
+        except ImportError:  # a huggingface_hub without it: let hf_hub_download decide
+            return False
+        meta = read_download_metadata(local_dir, path)
+        return meta is not None and bool(etag) and meta.etag == etag
     return (_repo_folder(spec) / "snapshots" / commit / path).is_file()
 
 
@@ -378,7 +395,7 @@ def plan(spec: DownloadSpec, *, usage: DiskUsage = _disk_usage) -> DownloadPlan:
             f"no file of {spec.repo_id} matches the globs (include {list(spec.include)}, exclude {list(spec.exclude)})",
             f"the repo has {len(entries)} files, e.g. {', '.join(sorted(f.path for f in entries)[:3])}")
     files = tuple(DownloadPlanFile(path=f.path, size=int(f.size or 0),
-                                   done=_is_done(spec, commit, f.path, int(f.size or 0)))
+                                   done=_is_done(spec, commit, f.path, int(f.size or 0), _etag(f)))
                   for f in sorted(kept, key=lambda f: f.path))
     needed = sum(f.size for f in files if not f.done)
     disk = check_disk(target, needed, spec.reserve_bytes, usage=usage)

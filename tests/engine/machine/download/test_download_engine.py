@@ -247,3 +247,19 @@ def test_partials_a_killed_download_left_are_removed_on_the_rerun(hub, tmp_path)
     result = Download(plan(spec(hub, tmp_path, local_dir=str(target)))).run()
     assert not local_orphan.exists() and result["partials_removed_bytes"] == 1000
     assert (target / "sub" / "extra.bin").stat().st_size == 50_000
+
+
+def test_local_dir_refetches_a_file_the_new_revision_changed_at_the_same_size(hub, tmp_path):
+    """A file in a local dir counted as done when its size matched: re-downloading after the
+    weights were fixed (same shapes, same sizes) fetched nothing and kept the old bytes."""
+    from .hub_server import RepoData
+
+    hub.repos["acme/fixed"] = RepoData(files={"config.json": b"{}", "model.safetensors": b"A" * 5000})
+    target = tmp_path / "fixed"
+    Download(plan(spec(hub, tmp_path, repo="acme/fixed", local_dir=str(target)))).run()
+    hub.repos["acme/fixed"] = RepoData(files={"config.json": b"{}", "model.safetensors": b"B" * 5000})
+    again = plan(spec(hub, tmp_path, repo="acme/fixed", local_dir=str(target)))
+    assert [(f.path, f.done) for f in again.files] == [("config.json", True), ("model.safetensors", False)]
+    Download(again).run()
+    assert (target / "model.safetensors").read_bytes() == b"B" * 5000
+    assert plan(spec(hub, tmp_path, repo="acme/fixed", local_dir=str(target))).files_needed == 0
