@@ -527,10 +527,15 @@ class Download:
 
     def __init__(self, plan: DownloadPlan, *, stop: threading.Event | None = None,
                  on_progress: Callable[[Progress], None] | None = None, interval_s: float = 0.5,
-                 stall_s: float = 30.0, rate_window_s: float = 5.0, usage: DiskUsage = _disk_usage) -> None:
+                 stall_s: float = 30.0, rate_window_s: float = 5.0, usage: DiskUsage = _disk_usage,
+                 on_abort: Callable[[DownloadError, Progress], None] | None = None) -> None:
         self.plan = plan
         self.stop = stop or threading.Event()
         self.on_progress = on_progress
+        #: Called once, the moment the download is stopped (cancel, disk, a failed file), before
+        #: the files in flight notice: huggingface_hub checks in once per 10 MB chunk, which on a
+        #: slow link outlasts a runner's grace, so a caller records the outcome here.
+        self.on_abort = on_abort
         self.interval_s = interval_s
         self.stall_s = stall_s
         self.rate_window_s = rate_window_s
@@ -618,6 +623,7 @@ class Download:
             futures: dict[Future, str] = {pool.submit(self._fetch, path): path for path in todo}
             pending = set(futures)
             next_report = 0.0
+            aborted = False
             while pending:
                 done, pending = wait(pending, timeout=self.interval_s, return_when=FIRST_COMPLETED)
                 for fut in done:
@@ -634,6 +640,9 @@ class Download:
                 p = self._measure(t0, history)
                 self._check_limits(p)
                 if self._abort is not None:
+                    if not aborted and self.on_abort is not None:
+                        self.on_abort(self._abort, p)
+                    aborted = True
                     for fut in pending:
                         fut.cancel()
                 if self.on_progress is not None and (time.monotonic() >= next_report or not pending):
