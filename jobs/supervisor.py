@@ -18,7 +18,7 @@ from ddtree.jobs.procs import is_alive, kill_group, same_leader, signal_group
 from ddtree.jobs.runner import HEARTBEAT_STALE_S, run_job
 from ddtree.store import jobs as store_jobs
 from ddtree.store.db import open_db, resolve_db_path
-from ddtree.store.downloads import close_downloads
+from ddtree.store.downloads import close_downloads, close_downloads_of_ended_jobs
 from ddtree.store.queries import close_engines, get_job, job_processes, list_jobs, now
 from ddtree.store.records import ACTIVE_STATES, Job
 from ddtree.store.redact import secret_env
@@ -235,6 +235,7 @@ def reconcile(db_path: str | os.PathLike | None, stale_s: float = HEARTBEAT_STAL
             # Its servers were just stopped with its children; their rows say so, like the job's.
             close_engines(db, job.id, "lost", f"job {job.id} was lost: {reason}")
             close_downloads(db, job.id, "lost", f"job {job.id} was lost: {reason}")
+        close_downloads_of_ended_jobs(db)
     finally:
         db.close()
     return lost

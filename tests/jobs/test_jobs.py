@@ -229,6 +229,22 @@ def test_reconcile_closes_the_download_rows_of_a_lost_job(db_path):
     assert got["bytes_done"] == 5  # what had arrived stays on record
 
 
+def test_reconcile_closes_download_rows_an_ended_job_left_open(db_path):
+    """Rows an earlier version left `running` under a cancelled job (its runner gave up waiting on
+    the files in flight) stayed so in the Downloads pane: reconcile closes them with the job's state."""
+    from ddtree.store.downloads import create_download, recent_downloads, update_download
+
+    with open_db(db_path) as db:
+        ended = create_job(db, "sleep", {"seconds": 5.0, "fail": False, "message": ""})
+        row = create_download(db, ended, repo_id="acme/big", revision=None, include=[], local_dir=None)
+        update_download(db, row, {"state": "running", "rate_bps": 4e6, "eta_s": 9.0})
+    assert cancel(db_path, ended).state == "cancelled"
+    reconcile(db_path)
+    with open_db(db_path) as db:
+        (got,) = recent_downloads(db, 5)
+    assert (got["state"], got["rate_bps"], got["eta_s"]) == ("cancelled", None, None) and got["ended_at"]
+
+
 def test_foreground_job_is_cancelled_by_ctrl_c(db_path):
     code = textwrap.dedent(
         f"""
