@@ -173,11 +173,12 @@ class DiskCheck:
 
     @property
     def ok(self) -> bool:
-        return self.free - self.needed >= self.reserve
+        # Nothing to fetch cannot fill the disk, however full it already is.
+        return self.needed <= 0 or self.free - self.needed >= self.reserve
 
     @property
     def shortfall(self) -> int:
-        return max(0, self.reserve + self.needed - self.free)
+        return 0 if self.ok else self.reserve + self.needed - self.free
 
     def describe(self) -> str:
         return (f"needs {fmt_bytes(self.needed)}, {fmt_bytes(self.free)} free on {self.path} "

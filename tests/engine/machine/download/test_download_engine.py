@@ -263,3 +263,15 @@ def test_local_dir_refetches_a_file_the_new_revision_changed_at_the_same_size(hu
     Download(again).run()
     assert (target / "model.safetensors").read_bytes() == b"B" * 5000
     assert plan(spec(hub, tmp_path, repo="acme/fixed", local_dir=str(target))).files_needed == 0
+
+
+def test_a_complete_download_is_not_refused_on_a_full_disk(hub, tmp_path):
+    """With nothing left to fetch the download cannot fill the disk; it was refused ('needs 0 B
+    ... short by ...', exit 1) once the disk sat under the reserve, so a script that makes sure
+    its models are there failed on a busy box."""
+    Download(plan(spec(hub, tmp_path))).run()
+    full = lambda path: (100 * GB, 1 * GB)  # noqa: E731 - under the 10 GB reserve
+    again = plan(spec(hub, tmp_path, reserve_bytes=None), usage=full)
+    assert again.bytes_needed == 0 and again.disk.ok and again.disk.shortfall == 0
+    assert Download(again, usage=full).run()["files_fetched"] == 0
+    assert not check_disk(tmp_path, 1, None, usage=full).ok  # a single byte more is still refused
