@@ -111,10 +111,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"job {job_id} started; watch it with `ddtree-console jobs logs {job_id} --follow`")
         return 0
-    return _foreground(db_path, job_spec, spec.repo_id, json_out=args.json)
+    return _foreground(db_path, job_spec, spec.repo_id, json_out=args.json, the_plan=the_plan)
 
 
-def _foreground(db_path, job_spec: dict, name: str, *, json_out: bool) -> int:
+def _foreground(db_path, job_spec: dict, name: str, *, json_out: bool, the_plan: DownloadPlan) -> int:
     stop = threading.Event()
     printer = threading.Thread(target=_print_progress, args=(db_path, stop), daemon=True)
     printer.start()
@@ -132,7 +132,8 @@ def _foreground(db_path, job_spec: dict, name: str, *, json_out: bool) -> int:
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     if json_out:
-        print(json.dumps({"job_id": job_id, "state": job.state, "result": job.result, "error": job.error}))
+        print(json.dumps({"job_id": job_id, "state": job.state, "result": job.result, "error": job.error,
+                          "plan": the_plan.to_dict()}))
     if job.state == "succeeded":
         if not json_out:
             print(f"done: {job.result['path']}")

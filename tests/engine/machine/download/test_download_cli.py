@@ -85,6 +85,16 @@ def test_foreground_download(hub, tmp_path, env):
     db.close()
 
 
+def test_foreground_json_holds_the_plan_as_help_says(hub, tmp_path, env):
+    """`--json` is documented as "print the plan (and the job id)"; in the foreground it printed
+    the job's outcome alone."""
+    rc, out, err = run_dl(["acme/tiny", "--local-dir", str(tmp_path / "m"), "--reserve-gb", "0", "--json"], env)
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got["state"] == "succeeded" and isinstance(got["job_id"], int)
+    assert got["plan"]["files_total"] == 5 and got["plan"]["files_needed"] == 5 and got["plan"]["disk"]["ok"]
+
+
 @pytest.mark.parametrize("argv, code, words", [
     (["acme/nope", "--dry-run"], 2, "error: repository acme/nope not found"),
     (["acme/tiny", "--revision", "nope", "--dry-run"], 2, "error: revision 'nope' not found in acme/tiny"),
