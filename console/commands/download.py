@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -157,7 +158,7 @@ def _print_progress(db_path, stop: threading.Event) -> None:
             if row is not None and row.get("bytes_total"):
                 text = _bar(row)
                 if tty:
-                    sys.stderr.write("\r" + text[:200].ljust(100))
+                    sys.stderr.write(tty_frame(text, shutil.get_terminal_size().columns))
                     sys.stderr.flush()
                 elif ended or time.monotonic() - last_line >= 10:
                     # the last line is the final state, so a log never ends on a stale percentage
@@ -167,6 +168,13 @@ def _print_progress(db_path, stop: threading.Event) -> None:
                 break
     finally:
         db.close()
+
+
+def tty_frame(text: str, columns: int) -> str:
+    """One redraw of the bar in place: cut to the terminal's width, since a line that wraps puts
+    the carriage return on its last row and every redraw then scrolls a new line."""
+    width = max(20, columns - 1)
+    return "\r" + text[:width].ljust(width)
 
 
 def _bar(row: dict) -> str:
