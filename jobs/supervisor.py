@@ -18,6 +18,7 @@ from ddtree.jobs.procs import is_alive, kill_group, same_leader, signal_group
 from ddtree.jobs.runner import HEARTBEAT_STALE_S, run_job
 from ddtree.store import jobs as store_jobs
 from ddtree.store.db import open_db, resolve_db_path
+from ddtree.store.downloads import close_downloads, close_downloads_of_ended_jobs
 from ddtree.store.queries import close_engines, get_job, job_processes, list_jobs, now
 from ddtree.store.records import ACTIVE_STATES, Job
 from ddtree.store.redact import secret_env
@@ -203,7 +204,8 @@ def _kill_children(db, job_id: int, grace_s: float) -> None:
 
 def reconcile(db_path: str | os.PathLike | None, stale_s: float = HEARTBEAT_STALE_S) -> list[int]:
     """Mark `lost` the active jobs of this host whose runner is gone and whose heartbeat is older
-    than `stale_s`; stop the children they left and close their open engine rows (state lost).
+    than `stale_s`; stop the children they left and close their open engine and download rows
+    (state lost).
     Returns the ids marked lost."""
     db = open_db(db_path)
     lost = []
@@ -232,6 +234,8 @@ def reconcile(db_path: str | os.PathLike | None, stale_s: float = HEARTBEAT_STAL
                 continue  # it ended on its own meanwhile
             # Its servers were just stopped with its children; their rows say so, like the job's.
             close_engines(db, job.id, "lost", f"job {job.id} was lost: {reason}")
+            close_downloads(db, job.id, "lost", f"job {job.id} was lost: {reason}")
+        close_downloads_of_ended_jobs(db)
     finally:
         db.close()
     return lost

@@ -9,6 +9,7 @@ from sqlite_utils import Database
 
 from ddtree.store.db import transaction
 from ddtree.store.queries import fetch_rows, now
+from ddtree.store.records import TERMINAL_STATES
 
 
 def create_download(db: Database, job_id: int, *, repo_id: str, revision: str | None, include: list[str],
@@ -28,6 +29,39 @@ def update_download(db: Database, row_id: int, values: dict[str, Any]) -> None:
     sets = ", ".join(f"[{k}] = ?" for k in values)
     with transaction(db):
         db.execute(f"UPDATE downloads SET {sets} WHERE id = ?", [*values.values(), row_id])
+
+
+#: downloads.state values of a download whose runner may still write; any other state is final.
+OPEN_DOWNLOAD_STATES = ("planning", "running", "stalled")
+
+
+def close_downloads(db: Database, job_id: int, state: str, error: str) -> int:
+    """Close the rows of `job_id` still open (their runner is gone, so no one else will): `state`,
+    `error` unless one is recorded, no rate or ETA, ended_at now. Returns how many were closed."""
+    with transaction(db):
+        cur = db.execute(
+            "UPDATE downloads SET state = ?, error = coalesce(error, ?), rate_bps = NULL, eta_s = NULL, "
+            f"ended_at = ?, updated_at = ? WHERE job_id = ? AND state IN ({', '.join('?' for _ in OPEN_DOWNLOAD_STATES)})",
+            [state, error, now(), now(), job_id, *OPEN_DOWNLOAD_STATES],
+        )
+    return cur.rowcount
+
+
+def close_downloads_of_ended_jobs(db: Database) -> int:
+    """Close the open rows whose job has ended (a runner that exited before its download noticed
+    the stop, in versions before the download closed its row at once): the job's state and error.
+    Returns how many were closed."""
+    open_states = ", ".join("?" for _ in OPEN_DOWNLOAD_STATES)
+    ended_states = ", ".join("?" for _ in TERMINAL_STATES)
+    with transaction(db):
+        cur = db.execute(
+            "UPDATE downloads SET state = (SELECT j.state FROM jobs j WHERE j.id = downloads.job_id), "
+            "error = coalesce(error, (SELECT j.error FROM jobs j WHERE j.id = downloads.job_id)), "
+            f"rate_bps = NULL, eta_s = NULL, ended_at = ?, updated_at = ? WHERE state IN ({open_states}) "
+            f"AND job_id IN (SELECT id FROM jobs WHERE state IN ({ended_states}))",
+            [now(), now(), *OPEN_DOWNLOAD_STATES, *sorted(TERMINAL_STATES)],
+        )
+    return cur.rowcount
 
 
 def recent_downloads(db: Database, limit: int) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -111,10 +112,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"job {job_id} started; watch it with `ddtree-console jobs logs {job_id} --follow`")
         return 0
-    return _foreground(db_path, job_spec, spec.repo_id, json_out=args.json)
+    return _foreground(db_path, job_spec, spec.repo_id, json_out=args.json, the_plan=the_plan)
 
 
-def _foreground(db_path, job_spec: dict, name: str, *, json_out: bool) -> int:
+def _foreground(db_path, job_spec: dict, name: str, *, json_out: bool, the_plan: DownloadPlan) -> int:
     stop = threading.Event()
     printer = threading.Thread(target=_print_progress, args=(db_path, stop), daemon=True)
     printer.start()
@@ -132,7 +133,8 @@ def _foreground(db_path, job_spec: dict, name: str, *, json_out: bool) -> int:
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     if json_out:
-        print(json.dumps({"job_id": job_id, "state": job.state, "result": job.result, "error": job.error}))
+        print(json.dumps({"job_id": job_id, "state": job.state, "result": job.result, "error": job.error,
+                          "plan": the_plan.to_dict()}))
     if job.state == "succeeded":
         if not json_out:
             print(f"done: {job.result['path']}")
@@ -156,7 +158,7 @@ def _print_progress(db_path, stop: threading.Event) -> None:
             if row is not None and row.get("bytes_total"):
                 text = _bar(row)
                 if tty:
-                    sys.stderr.write("\r" + text[:200].ljust(100))
+                    sys.stderr.write(tty_frame(text, shutil.get_terminal_size().columns))
                     sys.stderr.flush()
                 elif ended or time.monotonic() - last_line >= 10:
                     # the last line is the final state, so a log never ends on a stale percentage
@@ -166,6 +168,13 @@ def _print_progress(db_path, stop: threading.Event) -> None:
                 break
     finally:
         db.close()
+
+
+def tty_frame(text: str, columns: int) -> str:
+    """One redraw of the bar in place: cut to the terminal's width, since a line that wraps puts
+    the carriage return on its last row and every redraw then scrolls a new line."""
+    width = max(20, columns - 1)
+    return "\r" + text[:width].ljust(width)
 
 
 def _bar(row: dict) -> str:

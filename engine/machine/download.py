@@ -11,7 +11,8 @@ a pool of workers, hf_xet where the hub offers it) into the HF cache or a local 
 bytes and files done, a smoothed rate, ETA and stalls. It stops hard, between two chunks, when it is
 cancelled or when free space falls under the reserve (or can no longer hold what is left above it).
 Finished files survive a stop, so a rerun fetches only what is missing; huggingface_hub discards
-the partial file of an interrupted one (its temp files are unique per process).
+the partial file of an interrupted one (its temp files are unique per process), and a rerun deletes
+the partials a killed process left (`remove_partials`).
 
 Tokens come from the usual huggingface_hub places and are never put in results, logs or messages.
 
@@ -22,6 +23,7 @@ InsufficientSpace (the preflight refusal); DiskReserveReached; DownloadCancelled
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -171,11 +173,12 @@ class DiskCheck:
 
     @property
     def ok(self) -> bool:
-        return self.free - self.needed >= self.reserve
+        # Nothing to fetch cannot fill the disk, however full it already is.
+        return self.needed <= 0 or self.free - self.needed >= self.reserve
 
     @property
     def shortfall(self) -> int:
-        return max(0, self.reserve + self.needed - self.free)
+        return 0 if self.ok else self.reserve + self.needed - self.free
 
     def describe(self) -> str:
         return (f"needs {fmt_bytes(self.needed)}, {fmt_bytes(self.free)} free on {self.path} "
@@ -334,10 +337,27 @@ def _repo_folder(spec: DownloadSpec) -> Path:
     return cache / f"{spec.repo_type}s--{spec.repo_id.replace('/', '--')}"
 
 
-def _is_done(spec: DownloadSpec, commit: str, path: str, size: int) -> bool:
+def _etag(entry: Any) -> str:
+    """The etag huggingface_hub records for a file of the tree: its LFS sha256, else its git oid."""
+    lfs = getattr(entry, "lfs", None)
+    return str(getattr(lfs, "sha256", None) or getattr(entry, "blob_id", "") or "")
+
+
+def _is_done(spec: DownloadSpec, commit: str, path: str, size: int, etag: str) -> bool:
     if spec.local_dir is not None:
-        local = Path(spec.local_dir).expanduser() / path
-        return local.is_file() and local.stat().st_size == size
+        # The size alone is not enough: a revision that fixes the weights keeps their shapes, so
+        # the old file would pass. huggingface_hub notes each file's etag beside it (and ignores
+        # the note once the file is touched after); a file without a matching note is fetched.
+        local_dir = Path(spec.local_dir).expanduser()
+        local = local_dir / path
+        if not (local.is_file() and local.stat().st_size == size):
+            return False
+        try:
+            from huggingface_hub._local_folder import read_download_metadata
+        except ImportError:  # a huggingface_hub without it: let hf_hub_download decide
+            return False
+        meta = read_download_metadata(local_dir, path)
+        return meta is not None and bool(etag) and meta.etag == etag
     return (_repo_folder(spec) / "snapshots" / commit / path).is_file()
 
 
@@ -376,12 +396,52 @@ def plan(spec: DownloadSpec, *, usage: DiskUsage = _disk_usage) -> DownloadPlan:
             f"no file of {spec.repo_id} matches the globs (include {list(spec.include)}, exclude {list(spec.exclude)})",
             f"the repo has {len(entries)} files, e.g. {', '.join(sorted(f.path for f in entries)[:3])}")
     files = tuple(DownloadPlanFile(path=f.path, size=int(f.size or 0),
-                                   done=_is_done(spec, commit, f.path, int(f.size or 0)))
+                                   done=_is_done(spec, commit, f.path, int(f.size or 0), _etag(f)))
                   for f in sorted(kept, key=lambda f: f.path))
     needed = sum(f.size for f in files if not f.done)
     disk = check_disk(target, needed, spec.reserve_bytes, usage=usage)
     return DownloadPlan(spec=spec, commit=commit, files=files, target=str(target), disk=disk,
                         gated=bool(getattr(info, "gated", False)), repo_files=len(entries))
+
+
+def _partials_and_locks(spec: DownloadSpec) -> tuple[list[Path], list[Path]]:
+    """The temp files huggingface_hub writes while fetching into this spec's target, and the
+    lock files it holds meanwhile (the HF cache layout, or a local dir's .cache/huggingface)."""
+    if spec.local_dir is not None:
+        root = Path(spec.local_dir).expanduser() / ".cache" / "huggingface" / "download"
+        return sorted(root.rglob("*.incomplete")), sorted(root.rglob("*.lock"))
+    folder = _repo_folder(spec)
+    return (sorted((folder / "blobs").glob("*.incomplete")),
+            sorted((folder.parent / ".locks" / folder.name).glob("*.lock")))
+
+
+def remove_partials(spec: DownloadSpec) -> int:
+    """Delete the partial files a killed download of this repo left behind; returns their bytes.
+
+    huggingface_hub names each partial after its process (`<etag>.<uuid>.incomplete`) and deletes
+    it when that process unwinds, so after a kill -9 nothing ever reuses or removes it. A partial
+    is only an orphan when no process is fetching into the target: this holds every lock
+    huggingface_hub takes there while deleting, and removes nothing when one is held."""
+    from filelock import FileLock, Timeout  # huggingface_hub's own dependency, and its locks
+
+    partials, locks = _partials_and_locks(spec)
+    if not partials:
+        return 0
+    freed = 0
+    with contextlib.ExitStack() as held:
+        try:
+            for lock in locks:
+                held.enter_context(FileLock(str(lock), timeout=0, mode=0o664))
+        except (Timeout, OSError):
+            return 0
+        for part in partials:
+            try:
+                size = part.stat().st_size
+                part.unlink()
+            except FileNotFoundError:
+                continue
+            freed += size
+    return freed
 
 
 # -- progress -----------------------------------------------------------------------------------
@@ -468,10 +528,15 @@ class Download:
 
     def __init__(self, plan: DownloadPlan, *, stop: threading.Event | None = None,
                  on_progress: Callable[[Progress], None] | None = None, interval_s: float = 0.5,
-                 stall_s: float = 30.0, rate_window_s: float = 5.0, usage: DiskUsage = _disk_usage) -> None:
+                 stall_s: float = 30.0, rate_window_s: float = 5.0, usage: DiskUsage = _disk_usage,
+                 on_abort: Callable[[DownloadError, Progress], None] | None = None) -> None:
         self.plan = plan
         self.stop = stop or threading.Event()
         self.on_progress = on_progress
+        #: Called once, the moment the download is stopped (cancel, disk, a failed file), before
+        #: the files in flight notice: huggingface_hub checks in once per 10 MB chunk, which on a
+        #: slow link outlasts a runner's grace, so a caller records the outcome here.
+        self.on_abort = on_abort
         self.interval_s = interval_s
         self.stall_s = stall_s
         self.rate_window_s = rate_window_s
@@ -547,6 +612,7 @@ class Download:
     def run(self) -> dict:
         """Download; returns a result dict. Raises DownloadCancelled, DiskReserveReached, or a hub error."""
         require_space(self.plan.disk)
+        freed = remove_partials(self.plan.spec)
         t0 = time.monotonic()
         history: list[tuple[float, int]] = []
         todo = [f.path for f in self.plan.files if not f.done]
@@ -558,6 +624,7 @@ class Download:
             futures: dict[Future, str] = {pool.submit(self._fetch, path): path for path in todo}
             pending = set(futures)
             next_report = 0.0
+            aborted = False
             while pending:
                 done, pending = wait(pending, timeout=self.interval_s, return_when=FIRST_COMPLETED)
                 for fut in done:
@@ -574,6 +641,9 @@ class Download:
                 p = self._measure(t0, history)
                 self._check_limits(p)
                 if self._abort is not None:
+                    if not aborted and self.on_abort is not None:
+                        self.on_abort(self._abort, p)
+                    aborted = True
                     for fut in pending:
                         fut.cancel()
                 if self.on_progress is not None and (time.monotonic() >= next_report or not pending):
@@ -591,7 +661,7 @@ class Download:
             "repo_id": self.plan.spec.repo_id, "commit": self.plan.commit, "path": self._snapshot_path(),
             "bytes_total": p.bytes_total, "files_total": p.files_total,
             "bytes_fetched": self.plan.bytes_needed, "files_fetched": self.plan.files_needed,
-            "elapsed_s": round(p.elapsed_s, 3),
+            "elapsed_s": round(p.elapsed_s, 3), "partials_removed_bytes": freed,
             "mean_rate_bps": round(self.plan.bytes_needed / p.elapsed_s, 1) if p.elapsed_s > 0 else None,
         }
 

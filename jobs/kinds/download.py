@@ -55,6 +55,7 @@ class _Recorder:
         self.ctx, self.row_id = ctx, row_id
         self.written_at = 0.0
         self.last: Progress | None = None
+        self.ended = False  # the row holds its final state: progress no longer writes `running`
 
     def write(self, values: dict) -> None:
         update_download(self.ctx.db, self.row_id, values)
@@ -62,7 +63,7 @@ class _Recorder:
     def __call__(self, p: Progress, *, force: bool = False) -> None:
         self.last = p
         t = now()
-        if not force and t - self.written_at < ROW_INTERVAL_S:
+        if self.ended or (not force and t - self.written_at < ROW_INTERVAL_S):
             return
         self.written_at = t
         self.write({
@@ -93,7 +94,8 @@ def run(ctx: JobContext, spec: dict) -> dict:
             "disk_free_bytes": disk.free, "reserve_bytes": disk.reserve,
         })
         ctx.check_cancelled()
-        result = Download(the_plan, stop=ctx.cancelled, on_progress=recorder).run()
+        result = Download(the_plan, stop=ctx.cancelled, on_progress=recorder,
+                          on_abort=lambda error, p: _stopped(recorder, error, p)).run()
     except DownloadCancelled:
         _end(recorder, "cancelled", None)
         raise JobCancelled(f"download of {dspec.repo_id} cancelled") from None
@@ -107,8 +109,20 @@ def run(ctx: JobContext, spec: dict) -> dict:
     if recorder.last is not None:
         recorder(recorder.last, force=True)
     _end(recorder, "succeeded", None)
+    if result.get("partials_removed_bytes"):
+        ctx.log(f"removed {result['partials_removed_bytes']} bytes of partial files an interrupted download left")
     ctx.log(f"done: {result['path']} ({result['bytes_fetched']} bytes fetched in {result['elapsed_s']} s)")
     return result
+
+
+def _stopped(recorder: _Recorder, error: DownloadError, p: Progress) -> None:
+    """Close the row as soon as the download is stopped: the runner may give up waiting for the
+    files in flight (and exit) before they notice."""
+    recorder.last = p
+    if isinstance(error, DownloadCancelled):
+        _end(recorder, "cancelled", None)
+    else:
+        _end(recorder, "failed", str(error))
 
 
 def _end(recorder: _Recorder, state: str, error: str | None) -> None:
@@ -118,3 +132,4 @@ def _end(recorder: _Recorder, state: str, error: str | None) -> None:
         values.update(bytes_done=p.bytes_done, files_done=p.files_done, rate_bps=p.rate_bps,
                       eta_s=None if state != "succeeded" else 0.0, disk_free_bytes=p.disk_free)
     recorder.write(values)
+    recorder.ended = True

@@ -207,6 +207,44 @@ def test_reconcile_closes_the_engine_rows_of_a_lost_job(db_path):
         assert db.execute("SELECT state FROM engines WHERE job_id = ?", [bystander]).fetchone()[0] == "stopped"
 
 
+def test_reconcile_closes_the_download_rows_of_a_lost_job(db_path):
+    """A download whose runner was killed showed `running` at its last rate in the Downloads
+    pane for ever, while the job itself read `lost`."""
+    from ddtree.store.downloads import create_download, recent_downloads, update_download
+
+    victim = submit(db_path, "shell", {"command": "sleep 60"})
+    wait_processes(db_path, victim)
+    runner = wait_state(db_path, victim, {"running"})
+    with open_db(db_path) as db:  # the row a download's runner writes, left mid-way
+        row = create_download(db, victim, repo_id="acme/big", revision=None, include=[], local_dir=None)
+        update_download(db, row, {"state": "running", "bytes_done": 5, "bytes_total": 10, "rate_bps": 4e6, "eta_s": 9.0})
+    os.kill(runner.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while is_alive(runner.pid, runner.pid_started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reconcile(db_path, stale_s=0) == [victim]
+    with open_db(db_path) as db:
+        (got,) = recent_downloads(db, 5)
+    assert got["state"] == "lost" and "gone" in got["error"] and got["ended_at"] is not None
+    assert got["bytes_done"] == 5  # what had arrived stays on record
+
+
+def test_reconcile_closes_download_rows_an_ended_job_left_open(db_path):
+    """Rows an earlier version left `running` under a cancelled job (its runner gave up waiting on
+    the files in flight) stayed so in the Downloads pane: reconcile closes them with the job's state."""
+    from ddtree.store.downloads import create_download, recent_downloads, update_download
+
+    with open_db(db_path) as db:
+        ended = create_job(db, "sleep", {"seconds": 5.0, "fail": False, "message": ""})
+        row = create_download(db, ended, repo_id="acme/big", revision=None, include=[], local_dir=None)
+        update_download(db, row, {"state": "running", "rate_bps": 4e6, "eta_s": 9.0})
+    assert cancel(db_path, ended).state == "cancelled"
+    reconcile(db_path)
+    with open_db(db_path) as db:
+        (got,) = recent_downloads(db, 5)
+    assert (got["state"], got["rate_bps"], got["eta_s"]) == ("cancelled", None, None) and got["ended_at"]
+
+
 def test_foreground_job_is_cancelled_by_ctrl_c(db_path):
     code = textwrap.dedent(
         f"""

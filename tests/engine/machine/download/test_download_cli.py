@@ -85,6 +85,27 @@ def test_foreground_download(hub, tmp_path, env):
     db.close()
 
 
+def test_foreground_json_holds_the_plan_as_help_says(hub, tmp_path, env):
+    """`--json` is documented as "print the plan (and the job id)"; in the foreground it printed
+    the job's outcome alone."""
+    rc, out, err = run_dl(["acme/tiny", "--local-dir", str(tmp_path / "m"), "--reserve-gb", "0", "--json"], env)
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got["state"] == "succeeded" and isinstance(got["job_id"], int)
+    assert got["plan"]["files_total"] == 5 and got["plan"]["files_needed"] == 5 and got["plan"]["disk"]["ok"]
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_tty_bar_fits_the_terminal(columns):
+    """The bar was padded to 100 columns: in an 80-column terminal each redraw wrapped and
+    scrolled a new line instead of overwriting the last."""
+    row = {"bytes_total": 80_000_000, "bytes_done": 21_000_000, "files_done": 1, "files_total": 3,
+           "rate_bps": 3_700_000.0, "eta_s": 16.0, "disk_free_bytes": 26_100_000_000, "state": "stalled"}
+    frame = dl_cmd.tty_frame(dl_cmd._bar(row), columns)
+    assert frame.startswith("\r[#######") and "\n" not in frame
+    assert len(frame) - 1 < columns  # the cursor never reaches the last column, so nothing wraps
+
+
 @pytest.mark.parametrize("argv, code, words", [
     (["acme/nope", "--dry-run"], 2, "error: repository acme/nope not found"),
     (["acme/tiny", "--revision", "nope", "--dry-run"], 2, "error: revision 'nope' not found in acme/tiny"),

@@ -213,3 +213,65 @@ def test_permission_denied(hub, tmp_path):
     locked.mkdir(mode=0o500)
     with pytest.raises(TargetNotWritable):
         plan(spec(hub, tmp_path, local_dir=str(locked / "m")))
+
+
+def _plant_partial(folder: Path, name: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    part = folder / name
+    part.write_bytes(b"p" * 1000)
+    return part
+
+
+def test_partials_a_killed_download_left_are_removed_on_the_rerun(hub, tmp_path):
+    """huggingface_hub writes each file to a per-process `<etag>.<uuid>.incomplete` and deletes it
+    only when its own process unwinds: after a kill -9 the partials stayed for ever, unseen by the
+    disk check, and the rerun fetched those files again beside them."""
+    from filelock import FileLock
+
+    cache = tmp_path / "cache"
+    Download(plan(spec(hub, tmp_path, include=("config.json",)))).run()  # the repo's folders exist
+    blobs = cache / "models--acme--tiny" / "blobs"
+    orphan = _plant_partial(blobs, "f" * 64 + ".0c13e266.incomplete")
+    locks = cache / ".locks" / "models--acme--tiny"
+    with FileLock(str(locks / ("e" * 64 + ".lock")), timeout=0):  # another process fetches this repo now
+        Download(plan(spec(hub, tmp_path, include=("README.md",)))).run()
+    assert orphan.exists()  # its partial may be that process's: left alone
+    result = Download(plan(spec(hub, tmp_path))).run()
+    assert not orphan.exists() and result["partials_removed_bytes"] == 1000
+    assert [p.name for p in blobs.iterdir() if p.name.endswith(".incomplete")] == []
+
+    target = tmp_path / "local"
+    Download(plan(spec(hub, tmp_path, local_dir=str(target), include=("config.json",)))).run()
+    local_orphan = _plant_partial(target / ".cache" / "huggingface" / "download" / "sub",
+                                  "abc=." + "f" * 64 + ".1234abcd.incomplete")
+    result = Download(plan(spec(hub, tmp_path, local_dir=str(target)))).run()
+    assert not local_orphan.exists() and result["partials_removed_bytes"] == 1000
+    assert (target / "sub" / "extra.bin").stat().st_size == 50_000
+
+
+def test_local_dir_refetches_a_file_the_new_revision_changed_at_the_same_size(hub, tmp_path):
+    """A file in a local dir counted as done when its size matched: re-downloading after the
+    weights were fixed (same shapes, same sizes) fetched nothing and kept the old bytes."""
+    from .hub_server import RepoData
+
+    hub.repos["acme/fixed"] = RepoData(files={"config.json": b"{}", "model.safetensors": b"A" * 5000})
+    target = tmp_path / "fixed"
+    Download(plan(spec(hub, tmp_path, repo="acme/fixed", local_dir=str(target)))).run()
+    hub.repos["acme/fixed"] = RepoData(files={"config.json": b"{}", "model.safetensors": b"B" * 5000})
+    again = plan(spec(hub, tmp_path, repo="acme/fixed", local_dir=str(target)))
+    assert [(f.path, f.done) for f in again.files] == [("config.json", True), ("model.safetensors", False)]
+    Download(again).run()
+    assert (target / "model.safetensors").read_bytes() == b"B" * 5000
+    assert plan(spec(hub, tmp_path, repo="acme/fixed", local_dir=str(target))).files_needed == 0
+
+
+def test_a_complete_download_is_not_refused_on_a_full_disk(hub, tmp_path):
+    """With nothing left to fetch the download cannot fill the disk; it was refused ('needs 0 B
+    ... short by ...', exit 1) once the disk sat under the reserve, so a script that makes sure
+    its models are there failed on a busy box."""
+    Download(plan(spec(hub, tmp_path))).run()
+    full = lambda path: (100 * GB, 1 * GB)  # noqa: E731 - under the 10 GB reserve
+    again = plan(spec(hub, tmp_path, reserve_bytes=None), usage=full)
+    assert again.bytes_needed == 0 and again.disk.ok and again.disk.shortfall == 0
+    assert Download(again, usage=full).run()["files_fetched"] == 0
+    assert not check_disk(tmp_path, 1, None, usage=full).ok  # a single byte more is still refused

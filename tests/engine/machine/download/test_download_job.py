@@ -91,3 +91,57 @@ def test_failure_is_one_line_and_the_token_never_lands(hub, tmp_path, monkeypatc
     for path in [*tmp_path.rglob("*")]:
         if path.is_file():
             assert BAD_TOKEN.encode() not in path.read_bytes(), path
+
+
+def test_a_cancel_closes_the_row_while_a_chunk_is_still_in_flight(hub, tmp_path, monkeypatch):
+    """huggingface_hub reports (and so can be stopped) once per 10 MB chunk. On a slow link the
+    runner's grace ran out first: it recorded the job cancelled and exited, and the downloads row
+    read `running` with its last rate and ETA for ever."""
+    import threading
+
+    from ddtree.engine.machine.download import Download
+    from ddtree.jobs.context import JobContext
+    from ddtree.jobs.errors import JobCancelled
+    from ddtree.jobs.kinds import download as kind
+    from ddtree.jobs.model import create_job
+
+    in_flight, release = threading.Event(), threading.Event()
+
+    def slow_chunk(self, path):  # a file whose next chunk has not arrived
+        in_flight.set()
+        release.wait(60)
+
+    monkeypatch.setattr(Download, "_fetch", slow_chunk)
+    db_path = tmp_path / "ddtree.db"
+    spec = validate({"repo_id": "acme/tiny", "endpoint": hub.url, "cache_dir": str(tmp_path / "cache"),
+                     "reserve_bytes": 0, "max_workers": 1})
+    with open_db(db_path) as db:
+        job_id = create_job(db, "download", spec)
+    ctx = JobContext(job_id, db_path)
+    outcome = []
+    worker = threading.Thread(target=lambda: outcome.append(_catch(kind.run, ctx, spec)), daemon=True)
+    worker.start()
+    try:
+        assert in_flight.wait(30)
+        ctx.cancelled.set()
+        deadline = time.monotonic() + 20  # a guard against a hang: the chunk never comes until released
+        while _row(db_path, job_id)["state"] == "running" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        row = _row(db_path, job_id)
+        assert row["state"] == "cancelled" and row["ended_at"] is not None and row["eta_s"] is None
+        assert worker.is_alive()  # the file in flight has not noticed yet
+        release.set()
+        worker.join(30)
+        assert isinstance(outcome[0], JobCancelled)
+        assert _row(db_path, job_id)["state"] == "cancelled"  # progress after the stop wrote no `running`
+    finally:
+        release.set()
+        worker.join(10)
+        ctx.close()
+
+
+def _catch(fn, *args):
+    try:
+        return fn(*args)
+    except BaseException as exc:  # the test reads what the kind raised
+        return exc
