@@ -14,7 +14,6 @@ from textual.widgets import Static
 
 from ddtree.console import fmt
 from ddtree.console.palette import bindings
-from ddtree.jobs.model import CANCELLED_REASON
 from ddtree.console.disks import disk_figures
 from ddtree.console.eta import download_eta, run_progress, sweep_progress
 from ddtree.console.widgets.logview import LogView
@@ -42,6 +41,8 @@ def job_cells(job: Job, now: float, *, progress: str | None = None, eta: float |
     took = None if job.started_at is None else end - job.started_at
     if job.state == "cancelled" and job.error in (None, "cancel requested"):
         # Stores written before the runner said CANCELLED_REASON read as a request still pending.
+        from ddtree.jobs.model import CANCELLED_REASON  # here: the jobs layer loads after the first frame
+
         info = CANCELLED_REASON
     elif job.state in ("failed", "lost", "cancelled"):
         info = job.error
