@@ -170,10 +170,7 @@ def test_sigkilled_runner_becomes_lost_and_nothing_else_is_touched(db_path):
     bystander = submit(db_path, "sleep", {"seconds": 1.5})
     (proc,) = wait_processes(db_path, victim)
     runner = wait_state(db_path, victim, {"running"})
-    os.kill(runner.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while is_alive(runner.pid, runner.pid_started) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    kill_runner(runner)
     assert reconcile(db_path, stale_s=600) == []  # heartbeat still fresh: not yet
     assert reconcile(db_path, stale_s=0) == [victim]
     j = job(db_path, victim)
@@ -181,6 +178,14 @@ def test_sigkilled_runner_becomes_lost_and_nothing_else_is_touched(db_path):
     assert not is_alive(proc.pid, proc.pid_started)  # its orphaned child was stopped too
     assert wait(db_path, bystander, timeout=20).state == "succeeded"
     assert reconcile(db_path, stale_s=0) == []
+
+
+def kill_runner(runner) -> None:
+    """SIGKILL a job's runner and wait (5 s at most) until it is gone."""
+    os.kill(runner.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while is_alive(runner.pid, runner.pid_started) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def test_reconcile_closes_the_engine_rows_of_a_lost_job(db_path):
@@ -192,10 +197,7 @@ def test_reconcile_closes_the_engine_rows_of_a_lost_job(db_path):
     with open_db(db_path) as db:  # the rows a sweep's runner writes for the engines it starts
         for job_id, state in ((victim, "starting"), (victim, "running"), (victim, "failed"), (bystander, "running")):
             db["engines"].insert({"job_id": job_id, "kind": "builtin", "state": state, "created_at": time.time()})
-    os.kill(runner.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while is_alive(runner.pid, runner.pid_started) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    kill_runner(runner)
     assert reconcile(db_path, stale_s=0) == [victim]
     with open_db(db_path) as db:
         rows = db.execute("SELECT job_id, state, ended_at IS NOT NULL, error FROM engines ORDER BY id").fetchall()
@@ -218,10 +220,7 @@ def test_reconcile_closes_the_download_rows_of_a_lost_job(db_path):
     with open_db(db_path) as db:  # the row a download's runner writes, left mid-way
         row = create_download(db, victim, repo_id="acme/big", revision=None, include=[], local_dir=None)
         update_download(db, row, {"state": "running", "bytes_done": 5, "bytes_total": 10, "rate_bps": 4e6, "eta_s": 9.0})
-    os.kill(runner.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while is_alive(runner.pid, runner.pid_started) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    kill_runner(runner)
     assert reconcile(db_path, stale_s=0) == [victim]
     with open_db(db_path) as db:
         (got,) = recent_downloads(db, 5)
