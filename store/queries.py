@@ -11,6 +11,7 @@ from sqlite_utils import Database
 from ddtree.store.db import transaction
 from ddtree.store.errors import NotFound
 from ddtree.store.records import Job, JobEvent, Process, Run, from_row
+from ddtree.store.summary import CELL_FIELDS
 
 
 def to_json(value: Any) -> str | None:
@@ -135,19 +136,16 @@ def _points_in(state: str) -> str:
 
 
 #: The SQL of run `r`'s best output tok/s: the highest median over a grid cell's done repeats (a
-#: cell: algorithm, budget and the setting of store.summary.cell_of), the figure `runs`, the exports'
+#: cell: store.summary.CELL_FIELDS, as cell_of groups them), the figure `runs`, the exports'
 #: "out tok/s (median)" column and the recommendations quote. The highest single repeat, which it
 #: was, is a figure that appears in none of them and favours the noisiest cell.
-_CELL = "p.algorithm, p.budget, p.engine_kind, p.tp, p.gpus, p.concurrency, p.dataset, p.temperature"
+_CELL = ", ".join(CELL_FIELDS)
 _BEST_CELL_MEDIAN = (
-    "(SELECT max(med) FROM (SELECT avg(v) AS med FROM ("
-    "SELECT p.output_tok_s AS v, "
-    f"row_number() OVER (PARTITION BY {_CELL} ORDER BY p.output_tok_s) AS i, "
-    f"count(*) OVER (PARTITION BY {_CELL}) AS n, "
-    "p.algorithm AS a, p.budget AS b, p.engine_kind AS e, p.tp AS t, p.gpus AS g, p.concurrency AS c, "
-    "p.dataset AS d, p.temperature AS x "
+    f"(SELECT max(med) FROM (SELECT avg(v) AS med FROM (SELECT output_tok_s AS v, {_CELL}, "
+    f"row_number() OVER (PARTITION BY {_CELL} ORDER BY output_tok_s) AS i, "
+    f"count(*) OVER (PARTITION BY {_CELL}) AS n "
     "FROM points p WHERE p.run_id = r.id AND p.state = 'done' AND p.output_tok_s IS NOT NULL) "
-    "WHERE i BETWEEN (n + 1) / 2 AND n / 2 + 1 GROUP BY a, b, e, t, g, c, d, x))"
+    f"WHERE i BETWEEN (n + 1) / 2 AND n / 2 + 1 GROUP BY {_CELL}))"
 )
 
 

@@ -26,9 +26,14 @@ MEDIAN_COLUMNS = ("output_tok_s", "req_s", "tok_s_per_user", "tau_mean", "tau_we
 SETTING_NAMES = ("engine_kind", "tp", "gpus", "concurrency", "dataset", "temperature")
 
 
+#: What a baseline must share with a point to be compared with it (points columns).
+SETTING_FIELDS = ("engine_kind", "tp", "gpus", "concurrency", "dataset", "temperature")
+#: A grid cell: a setting, an algorithm and a budget (store.queries groups its SQL by these too).
+CELL_FIELDS = (*SETTING_FIELDS, "algorithm", "budget")
+
+
 def setting_of(p) -> tuple:
-    """What a baseline must share with a point to be compared with it."""
-    return (p.engine_kind, p.tp, json.dumps(p.gpus or []), p.concurrency, p.dataset, p.temperature)
+    return tuple(json.dumps(p.gpus or []) if f == "gpus" else getattr(p, f) for f in SETTING_FIELDS)
 
 
 def cell_of(p) -> tuple:
