@@ -82,6 +82,8 @@ def describe(p: DownloadPlan) -> str:
              + ("fits" if d.ok else f"does NOT fit (short by {fmt_bytes(d.shortfall)})")]
     if p.gated:
         lines.append("  gated repo: needs a token with access")
+    if p.offline:
+        lines.append("  hub unreachable: this is the copy on disk, not checked against the hub")
     return "\n".join(lines) + "\n"
 
 

@@ -306,6 +306,9 @@ class DownloadPlan:
     disk: DiskCheck
     gated: bool = False
     repo_files: int = 0  # files in the repo before the globs
+    #: The hub could not be reached (or HF_HUB_OFFLINE is set) and the plan is the copy already on
+    #: disk, as huggingface_hub's snapshot_download falls back to it: not checked against the hub.
+    offline: bool = False
 
     @property
     def bytes_total(self) -> int:
@@ -322,7 +325,7 @@ class DownloadPlan:
     def to_dict(self) -> dict:
         return {
             "repo_id": self.spec.repo_id, "revision": self.spec.revision, "commit": self.commit,
-            "target": self.target, "gated": self.gated, "repo_files": self.repo_files,
+            "target": self.target, "gated": self.gated, "repo_files": self.repo_files, "offline": self.offline,
             "files_total": len(self.files), "files_needed": self.files_needed,
             "bytes_total": self.bytes_total, "bytes_needed": self.bytes_needed,
             "disk": self.disk.to_dict(),
@@ -386,7 +389,12 @@ def plan(spec: DownloadSpec, *, usage: DiskUsage = _disk_usage) -> DownloadPlan:
         entries = [f for f in api.list_repo_tree(spec.repo_id, revision=commit, repo_type=spec.repo_type,
                                                  recursive=True) if isinstance(f, RepoFile)]
     except _hub_failures() as error:
-        raise hub_error(error, spec) from None
+        failure = hub_error(error, spec)
+        if isinstance(failure, HubUnreachable):
+            on_disk = _plan_on_disk(spec, target, usage)
+            if on_disk is not None:
+                return on_disk
+        raise failure from None
     if not commit:
         raise DownloadFailed(f"the hub gave no commit for {spec.repo_id}")
     kept = list(filter_repo_objects(entries, allow_patterns=list(spec.include) or None,
@@ -402,6 +410,43 @@ def plan(spec: DownloadSpec, *, usage: DiskUsage = _disk_usage) -> DownloadPlan:
     disk = check_disk(target, needed, spec.reserve_bytes, usage=usage)
     return DownloadPlan(spec=spec, commit=commit, files=files, target=str(target), disk=disk,
                         gated=bool(getattr(info, "gated", False)), repo_files=len(entries))
+
+
+def _plan_on_disk(spec: DownloadSpec, target: Path, usage: DiskUsage) -> DownloadPlan | None:
+    """The copy a past download left, for when the hub cannot be reached: the cache's snapshot of
+    the revision (a commit, or the commit its ref names), or a local folder's files. None if
+    there is none, or the globs keep none of its files."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    revision = spec.revision or "main"
+    if spec.local_dir is not None:
+        folder, commit = target, ""
+    else:
+        commit = revision if re.fullmatch(r"[0-9a-f]{40}", revision) else ""
+        ref = target / "refs" / revision
+        if not commit and ref.is_file():
+            commit = ref.read_text().strip()
+        folder = target / "snapshots" / commit
+        if not commit or not folder.is_dir():
+            return None
+    if not folder.is_dir():
+        return None
+    paths = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                   if p.is_file() and ".cache" not in p.relative_to(folder).parts)
+    kept = list(filter_repo_objects(paths, allow_patterns=list(spec.include) or None,
+                                    ignore_patterns=list(spec.exclude) or None))
+    if not kept:
+        return None
+    if not commit:  # a local folder: the commit huggingface_hub noted beside a file
+        with contextlib.suppress(ImportError, OSError, ValueError):
+            from huggingface_hub._local_folder import read_download_metadata
+
+            notes = (read_download_metadata(folder, p) for p in kept)
+            commit = next((m.commit_hash for m in notes if m is not None), "")
+    files = tuple(DownloadPlanFile(path=p, size=(folder / p).stat().st_size, done=True) for p in kept)
+    return DownloadPlan(spec=spec, commit=commit or "local", files=files, target=str(target),
+                        disk=check_disk(target, 0, spec.reserve_bytes, usage=usage), repo_files=len(paths),
+                        offline=True)
 
 
 def _partials_and_locks(spec: DownloadSpec) -> tuple[list[Path], list[Path]]:

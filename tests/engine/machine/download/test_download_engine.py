@@ -275,3 +275,27 @@ def test_a_complete_download_is_not_refused_on_a_full_disk(hub, tmp_path):
     assert again.bytes_needed == 0 and again.disk.ok and again.disk.shortfall == 0
     assert Download(again, usage=full).run()["files_fetched"] == 0
     assert not check_disk(tmp_path, 1, None, usage=full).ok  # a single byte more is still refused
+
+
+@pytest.mark.parametrize("where", ["cache", "local_dir"])
+def test_offline_a_finished_download_is_the_plan(hub, tmp_path, monkeypatch, where):
+    """HF_HUB_OFFLINE (or a hub gone away) with the model on disk: the plan is that copy, complete,
+    as snapshot_download would load it; nothing on disk means the one-line 'cannot reach' error."""
+    from huggingface_hub import constants
+
+    kw = {"local_dir": str(tmp_path / "tiny")} if where == "local_dir" else {"revision": "v1"}
+    done = Download(plan(spec(hub, tmp_path, **kw), usage=roomy), usage=roomy).run()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    requests = len(hub.requests)
+    p = plan(spec(hub, tmp_path, **kw), usage=roomy)
+    assert len(hub.requests) == requests  # offline means no request at all
+    assert p.offline and p.files_needed == 0 and len(p.files) == 5
+    assert p.bytes_total == sum(map(len, hub.repos["acme/tiny"].files.values()))
+    assert p.commit == hub.repos["acme/tiny"].sha
+    assert Download(p, usage=roomy).run()["path"] == done["path"]
+    only = plan(spec(hub, tmp_path, include=("*.json",), **kw), usage=roomy)
+    assert [f.path for f in only.files] == ["config.json"]
+    with pytest.raises(HubUnreachable):
+        plan(spec(hub, tmp_path, repo="acme/many"), usage=roomy)
+    with pytest.raises(HubUnreachable):  # the globs keep nothing of the copy
+        plan(spec(hub, tmp_path, include=("*.gguf",), **kw), usage=roomy)
