@@ -352,6 +352,9 @@ class Api:
         stream_options = body.get("stream_options")
         if stream_options is not None and not isinstance(stream_options, dict):
             raise BadRequest("stream_options must be an object")
+        stream = _bool(body, "stream", False)
+        if stream_options is not None and not stream:  # as OpenAI and vLLM answer it
+            raise BadRequest("stream_options is only allowed with stream: true")
         max_new = self._check_prompt(ids, max_new)
         gen = self._gen(max_new_tokens=max_new, temperature=_number(body, "temperature", 1.0, where=""),
                         top_p=_number(body, "top_p", 1.0, where=""), seed=_int(body, "seed", None, where=""),
@@ -359,7 +362,7 @@ class Api:
                                                   what="stop_token_ids"),
                         ignore_eos=_bool(body, "ignore_eos", False))
         return GenRequest(ids, gen, self._spec(body), _stop_strings(body.get("stop"), where=""),
-                          stream=_bool(body, "stream", False), rid=uuid.uuid4().hex)
+                          stream=stream, rid=uuid.uuid4().hex)
 
     @staticmethod
     def _template_kwargs(value: Any) -> dict:

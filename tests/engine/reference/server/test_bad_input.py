@@ -77,6 +77,9 @@ BAD = [
      {"messages": CHAT, "max_tokens": 2, "chat_template_kwargs": "x"}),
     ("chat_template_kwargs setting a reserved argument", "/v1/chat/completions",
      {"messages": CHAT, "max_tokens": 2, "chat_template_kwargs": {"add_generation_prompt": False}}),
+    # usage was asked for on a reply that has no stream to carry it (OpenAI refuses it too)
+    ("stream_options without stream", "/v1/completions",
+     {"prompt": "x", "max_tokens": 2, "stream_options": {"include_usage": True}}),
     # a role no chat format has reached the template (or the fallback transcript) as written
     ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 2}),
 ]
