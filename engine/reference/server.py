@@ -203,7 +203,9 @@ def build_app(api: Api) -> Starlette:
             "version": _version(),
             "model": config.served_model_name, "model_path": config.model_path,
             "served_model_name": config.served_model_name,
-            "draft_model": engine.draft_name, "speculative_draft_model_path": config.draft_path,
+            # the name a user knows the drafter by; its folder is speculative_draft_model_path
+            "draft_model": display_name(engine.draft_name) if engine.draft_name else None,
+            "speculative_draft_model_path": config.draft_path,
             "algorithm": config.algorithm, "budget": config.budget, "block_size": engine.block_size,
             "max_budget": engine.max_budget, "device": str(engine.device),
             "backend": engine.backend, "backend_reason": engine.backend_reason, "cuda_graphs": engine.graphs,

@@ -71,7 +71,11 @@ def test_auto_backend_takes_transformers_on_a_cpu_and_says_why(server, client):
 def test_fast_and_transformers_backends_serve_the_same_greedy_tokens(server, client, tiny_pair, tmp_path):
     """The backend decides how a round is computed, never what it commits."""
     target, drafter = tiny_pair
-    fast = ServerProcess([*CLI, "serve", "--model", str(target), "--draft", str(drafter), "--port", "0",
+    # the drafter as the HF cache holds a download, to see /server_info name it by its repo id
+    cached = tmp_path / "hub" / "models--acme--tiny-drafter" / "snapshots" / ("0" * 40)
+    cached.parent.mkdir(parents=True)
+    cached.symlink_to(drafter, target_is_directory=True)
+    fast = ServerProcess([*CLI, "serve", "--model", str(target), "--draft", str(cached), "--port", "0",
                           "--budget", "8", "--block-size", "3", "--backend", "fast"], tmp_path / "fast.log")
     try:
         assert fast.announcement["backend"] == "fast"
@@ -79,6 +83,7 @@ def test_fast_and_transformers_backends_serve_the_same_greedy_tokens(server, cli
             info = other.server_info()
             assert info["backend"] == "fast" and info["backend_reason"] and info["cuda_graphs"] is False
             assert info["attention_kernel"] == "sdpa"  # the CPU's; triton's kernel is for CUDA
+            assert info["draft_model"] == "acme/tiny-drafter" and info["speculative_draft_model_path"] == str(cached)
             for prompt in PROMPTS[:3]:
                 for spec in ({"algorithm": "ar"}, {"algorithm": "dflash"}, {"algorithm": "ddtree", "budget": 8}):
                     want = client.generate(prompt, sampling_params=greedy(20, ignore_eos=True), speculative=spec)
