@@ -216,7 +216,7 @@ class SweepsPane(Vertical):
     WIDE = 100
     """From this width on the header also spells out the [ ] keys (the key bar has them too)."""
 
-    BINDINGS = bindings("sweeps")
+    BINDINGS = [*bindings("sweeps"), Binding("escape", "close_heatmap", "Curves", show=False)]
 
     def compose(self) -> ComposeResult:
         with Horizontal(classes="pane-bar"):
@@ -372,6 +372,11 @@ class SweepsPane(Vertical):
         self.query_one("#charts").display = not shown
         if shown:
             self.show_heatmap()
+
+    def action_close_heatmap(self) -> None:
+        """Escape: back to the curves from the heatmap, as Escape leaves every other view."""
+        if self.heatmap_shown:
+            self.action_toggle_heatmap()
 
     def on_resize(self, _event) -> None:
         if self.heatmap_shown:
