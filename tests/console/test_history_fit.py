@@ -48,3 +48,16 @@ async def test_every_column_and_the_filter_hint_fit(tmp_path, size, stamp):
         box = app.query_one("#history-filter")
         assert box.content_region.width >= len(box.placeholder)  # the whole hint shows
         assert "__editable__" not in " ".join(" ".join(r) for r in rows)
+
+
+@pytest.mark.parametrize("width", [60, 66, 72])
+async def test_the_filter_hint_shortens_to_fit_a_narrow_terminal(tmp_path, width):
+    db_path = tmp_path / "ddtree.db"
+    seed_store(db_path)
+    app = make_app(db_path, poll_s=0.1, sources=fixed_sources(), clock=lambda: NOW)
+    async with app.run_test(size=(width, 24)) as pilot:
+        await pilot.press("6")
+        await until(pilot, lambda: table_rows(app, "runs"), what="the runs")
+        box = app.query_one("#history-filter")
+        await until(pilot, lambda: box.content_region.width > len(box.placeholder), what="a hint that fits")
+        assert box.placeholder.startswith("/ filter")
