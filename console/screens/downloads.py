@@ -118,13 +118,22 @@ class RepoId(Validator):
         return self.success()
 
 
-class Globs(Validator):
+class SpecField(Validator):
+    """One field of the form, checked by DownloadSpec itself (so the form and the CLI agree)."""
+
+    def __init__(self, field: str) -> None:
+        super().__init__()
+        self.field = field
+
     def validate(self, value: str) -> ValidationResult:
         from ddtree.engine.machine.download import DownloadError, DownloadSpec
 
-        globs = split_list(value)
+        if self.field == "revision":
+            given = {"revision": value.strip()} if value.strip() else {}
+        else:
+            given = {self.field: tuple(split_list(value))}
         try:
-            DownloadSpec(repo_id="a/b", include=tuple(globs))
+            DownloadSpec(repo_id="a/b", **given)
         except DownloadError as exc:
             return self.failure(exc.message)
         return self.success()
@@ -135,7 +144,7 @@ def split_list(text: str) -> list[str]:
 
 
 class DownloadForm(ModalScreen[dict | None]):
-    """Repo id, include globs, reserve; the Start button works only when every field is valid."""
+    """Repo id, include and exclude globs, revision, reserve, local folder; the Start button works only when every field is valid."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel", id="form_cancel"), *FOCUS_KEYS]
 
@@ -148,10 +157,18 @@ class DownloadForm(ModalScreen[dict | None]):
             with Horizontal(classes="form-row"):
                 yield Label("Include")
                 yield Input(placeholder="globs, comma separated (empty: all files)", id="include",
-                            validators=[Globs()])
+                            validators=[SpecField("include")])
+            with Horizontal(classes="form-row"):
+                yield Label("Exclude")
+                yield Input(placeholder="globs to skip, e.g. *.pth (empty: none)", id="exclude",
+                            validators=[SpecField("exclude")])
+            with Horizontal(classes="form-row"):
+                yield Label("Revision")
+                yield Input(placeholder="branch, tag or commit (empty: main)", id="revision",
+                            validators=[SpecField("revision")])
             with Horizontal(classes="form-row"):
                 yield Label("Reserve GB")
-                yield Input(placeholder="default: 5% of the disk, at least 10", id="reserve", type="number",
+                yield Input(placeholder="default: 5% of disk, >= 10", id="reserve", type="number",
                             validators=[Function(lambda v: v == "" or _finite(v), "a number of GB >= 0"),
                                         Number(minimum=0)], valid_empty=True)
             with Horizontal(classes="form-row"):
@@ -181,6 +198,12 @@ class DownloadForm(ModalScreen[dict | None]):
         if problems:
             return None
         spec: dict = {"repo_id": repo.value.strip(), "include": split_list(self.query_one("#include", Input).value)}
+        exclude = split_list(self.query_one("#exclude", Input).value)
+        if exclude:
+            spec["exclude"] = exclude
+        revision = self.query_one("#revision", Input).value.strip()
+        if revision:
+            spec["revision"] = revision
         reserve = self.query_one("#reserve", Input).value.strip()
         if reserve:
             spec["reserve_bytes"] = int(float(reserve) * 1e9)

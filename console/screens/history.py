@@ -85,7 +85,7 @@ def _flag_key(row: dict) -> tuple:
     return (row.get("points_done"), row.get("state"), row.get("best"))
 
 
-FILTER_HINTS = ("/ filter: name, model, engine…", "/ filter runs", "/ filter")
+FILTER_HINTS = ("/ filter: name, model, engine…", "/ filter runs", "/ filter", "/")
 
 
 class HistoryPane(Vertical):
@@ -196,7 +196,7 @@ class HistoryPane(Vertical):
     def _fit_hint(self) -> None:
         """The longest filter hint the box shows whole (60-70 columns cut the full one)."""
         box = self.query_one("#history-filter", Input)
-        room = box.content_size.width - 1  # the cursor's cell
+        room = box.content_size.width
         box.placeholder = next((h for h in FILTER_HINTS if len(h) <= room), FILTER_HINTS[-1])
 
     @work(thread=True, group="history-sentinel", exit_on_error=False)

@@ -128,6 +128,14 @@ async def test_downloads_pane_form_validates_as_typed(submitting_app):
         await pilot.press("end", "B", "tab", *"../x")
         assert form.query_one("#start").disabled and "bad glob" in form_error(form)
         form.query_one("#include").value = "*.json, *.safetensors"
+        form.query_one("#revision").value = "a b"
+        await pilot.pause(0.05)
+        assert form.query_one("#start").disabled and "not a valid revision" in form_error(form)
+        form.query_one("#revision").value = "v2"
+        form.query_one("#exclude").value = "/abs"
+        await pilot.pause(0.05)
+        assert form.query_one("#start").disabled and "bad glob" in form_error(form)
+        form.query_one("#exclude").value = "*.pth"
         form.query_one("#reserve").value = "-3"
         await pilot.pause(0.05)
         assert form.query_one("#start").disabled
@@ -137,6 +145,7 @@ async def test_downloads_pane_form_validates_as_typed(submitting_app):
         await pilot.press("enter")
         assert not isinstance(app.screen, DownloadForm)
         assert submitted == [("download", {"repo_id": "Qwen/Qwen3-0.6B", "include": ["*.json", "*.safetensors"],
+                                           "exclude": ["*.pth"], "revision": "v2",
                                            "reserve_bytes": 20_000_000_000})]
         from ddtree.jobs.kinds.download import validate
 
