@@ -64,6 +64,15 @@ def close_downloads_of_ended_jobs(db: Database) -> int:
     return cur.rowcount
 
 
+def open_downloads_of(db: Database, repo_id: str, local_dir: str | None, *, besides: int | None = None) -> list[dict[str, Any]]:
+    """The open rows fetching `repo_id` into the same place (a local folder, or the cache for
+    None), other than job `besides`'s: files both want wait on huggingface_hub's file locks."""
+    where = "local_dir = ?" if local_dir is not None else "local_dir IS NULL"
+    return fetch_rows(db, f"SELECT * FROM downloads WHERE repo_id = ? AND {where} AND job_id IS NOT ? "
+                          f"AND state IN ({', '.join('?' for _ in OPEN_DOWNLOAD_STATES)}) ORDER BY id",
+                      [repo_id, *([local_dir] if local_dir is not None else []), besides, *OPEN_DOWNLOAD_STATES])
+
+
 def recent_downloads(db: Database, limit: int) -> list[dict[str, Any]]:
     """The newest `limit` rows, newest first."""
     return fetch_rows(db, "SELECT * FROM downloads ORDER BY id DESC LIMIT ?", [int(limit)])

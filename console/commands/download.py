@@ -17,14 +17,15 @@ import shutil
 import sys
 import threading
 import time
+from pathlib import Path
 
 from ddtree.engine.machine.download import DownloadPlan, DownloadSpec, plan, progress_line, require_space
 from ddtree.engine.units import fmt_bytes
 from ddtree.jobs import submit
 from ddtree.jobs.errors import JobError
-from ddtree.jobs.kinds.download import validate
+from ddtree.jobs.kinds.download import sharing_note, validate
 from ddtree.store.db import open_db, resolve_db_path
-from ddtree.store.downloads import download_of_runner
+from ddtree.store.downloads import download_of_runner, open_downloads_of
 from ddtree.store.queries import get_job
 
 BAR_WIDTH = 28
@@ -94,6 +95,7 @@ def _files_table(p: DownloadPlan) -> str:
 def run(args: argparse.Namespace) -> int:
     spec = build_spec(args)
     the_plan = plan(spec)
+    _say_who_shares(args, spec)
     if args.dry_run:
         if args.json:
             print(json.dumps(the_plan.to_dict(), indent=1))
@@ -115,6 +117,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"job {job_id} started; watch it with `ddtree-console jobs logs {job_id} --follow`")
         return 0
     return _foreground(db_path, job_spec, spec.repo_id, json_out=args.json, the_plan=the_plan)
+
+
+def _say_who_shares(args: argparse.Namespace, spec: DownloadSpec) -> None:
+    """A note on stderr when running downloads fetch the same repo into the same place."""
+    db_path = resolve_db_path(getattr(args, "db", None))
+    if not Path(db_path).exists():
+        return  # no store yet, so no download running
+    local = validate(spec.to_dict()).get("local_dir")  # absolute, as the job rows hold it
+    with open_db(db_path) as db:
+        note = sharing_note(open_downloads_of(db, spec.repo_id, local))
+    if note:
+        print(f"note: {note}", file=sys.stderr)
 
 
 def _foreground(db_path, job_spec: dict, name: str, *, json_out: bool, the_plan: DownloadPlan) -> int:

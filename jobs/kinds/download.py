@@ -20,7 +20,7 @@ from ddtree.engine.machine.download import Download, DownloadCancelled, Download
 from ddtree.engine.machine.host import hf_cache_dir
 from ddtree.jobs.context import JobContext
 from ddtree.jobs.errors import BadSpec, JobCancelled, JobError
-from ddtree.store.downloads import create_download, update_download
+from ddtree.store.downloads import create_download, open_downloads_of, update_download
 from ddtree.store.queries import now
 
 #: Seconds between two writes of the downloads row (the last value always lands).
@@ -80,6 +80,9 @@ def run(ctx: JobContext, spec: dict) -> dict:
     row_id = create_download(ctx.db, ctx.job_id, repo_id=dspec.repo_id, revision=dspec.revision,
                              include=list(dspec.include), local_dir=dspec.local_dir)
     recorder = _Recorder(ctx, row_id)
+    note = sharing_note(open_downloads_of(ctx.db, dspec.repo_id, dspec.local_dir, besides=ctx.job_id))
+    if note:
+        ctx.log(note)
     try:
         ctx.log(f"listing {dspec.repo_id} at {dspec.revision or 'the default branch'}")
         the_plan = plan(dspec)
@@ -113,6 +116,15 @@ def run(ctx: JobContext, spec: dict) -> dict:
         ctx.log(f"removed {result['partials_removed_bytes']} bytes of partial files an interrupted download left")
     ctx.log(f"done: {result['path']} ({result['bytes_fetched']} bytes fetched in {result['elapsed_s']} s)")
     return result
+
+
+def sharing_note(others: list[dict]) -> str:
+    """What a download sharing its files with running ones will see, or "" for none."""
+    if not others:
+        return ""
+    jobs = ", ".join(str(r["job_id"]) for r in others)
+    return (f"job {jobs} is fetching the same repo into the same place: a file both need is fetched "
+            "once, and this download waits for it (huggingface_hub's file locks)")
 
 
 def _stopped(recorder: _Recorder, error: DownloadError, p: Progress) -> None:

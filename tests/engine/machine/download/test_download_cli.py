@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -134,3 +135,28 @@ def test_real_cli_entry_point(hub, tmp_path):
                           "acme/nope", "--dry-run"], capture_output=True, text=True, env=env)
     assert res.returncode == 2 and res.stderr.startswith("error: repository acme/nope not found")
     assert "Traceback" not in res.stderr
+
+
+def test_a_second_download_of_the_same_repo_says_it_shares_the_files(hub, tmp_path, env):
+    """Two downloads into one place fetch a file once, the second waiting on huggingface_hub's
+    lock: it says so instead of sitting at 0 B/s unexplained."""
+    from ddtree.jobs import cancel, submit
+
+    hub.rate_bps = 2_000  # the first download stays open while the second looks
+    target = str((tmp_path / "m").resolve())
+    first = submit(env, "download", {"repo_id": "acme/tiny", "local_dir": target, "reserve_bytes": 0,
+                                     "endpoint": hub.url})
+    with open_db(env) as db:
+        for _ in range(600):
+            row = next(db["downloads"].rows_where("job_id = ?", [first]), None)
+            if row and row["state"] == "running":
+                break
+            time.sleep(0.1)
+    try:
+        rc, _, err = run_dl(["acme/tiny", "--local-dir", target, "--reserve-gb", "0", "--dry-run"], env)
+        assert rc == 0 and f"note: job {first} is fetching the same repo into the same place" in err, err
+        rc, _, err = run_dl(["acme/tiny", "--reserve-gb", "0", "--dry-run"], env)  # the cache: another place
+        assert rc == 0 and "note:" not in err, err
+    finally:
+        hub.rate_bps = None
+        cancel(env, first, grace_s=10)
