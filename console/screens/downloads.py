@@ -144,7 +144,8 @@ def split_list(text: str) -> list[str]:
 
 
 class DownloadForm(ModalScreen[dict | None]):
-    """Repo id, include and exclude globs, revision, reserve, local folder; the Start button works only when every field is valid."""
+    """Repo id, include and exclude globs, revision, reserve, local folder; the Start button
+    works only when every field is valid."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel", id="form_cancel"), *FOCUS_KEYS]
 
@@ -153,27 +154,27 @@ class DownloadForm(ModalScreen[dict | None]):
             yield Static("Start a download", classes="dialog-title")
             with Horizontal(classes="form-row"):
                 yield Label("Repo id")
-                yield Input(placeholder="org/name, e.g. Qwen/Qwen3-8B", id="repo", validators=[RepoId()])
+                yield Input(placeholder="org/name, e.g. Qwen/Qwen3-8B", id="repo", validators=[RepoId()], compact=True)
             with Horizontal(classes="form-row"):
                 yield Label("Include")
                 yield Input(placeholder="globs, comma separated (empty: all files)", id="include",
-                            validators=[SpecField("include")])
+                            validators=[SpecField("include")], compact=True)
             with Horizontal(classes="form-row"):
                 yield Label("Exclude")
                 yield Input(placeholder="globs to skip, e.g. *.pth (empty: none)", id="exclude",
-                            validators=[SpecField("exclude")])
+                            validators=[SpecField("exclude")], compact=True)
             with Horizontal(classes="form-row"):
                 yield Label("Revision")
                 yield Input(placeholder="branch, tag or commit (empty: main)", id="revision",
-                            validators=[SpecField("revision")])
+                            validators=[SpecField("revision")], compact=True)
             with Horizontal(classes="form-row"):
                 yield Label("Reserve GB")
                 yield Input(placeholder="default: 5% of disk, >= 10", id="reserve", type="number",
                             validators=[Function(lambda v: v == "" or _finite(v), "a number of GB >= 0"),
-                                        Number(minimum=0)], valid_empty=True)
+                                        Number(minimum=0)], valid_empty=True, compact=True)
             with Horizontal(classes="form-row"):
                 yield Label("Local dir")
-                yield Input(placeholder="empty: the Hugging Face cache", id="local-dir")
+                yield Input(placeholder="empty: the Hugging Face cache", id="local-dir", compact=True)
             yield Static("", id="form-error", classes="form-error")
             with Horizontal(classes="buttons"):
                 yield Button("Start", id="start", variant="primary", disabled=True)
