@@ -152,6 +152,16 @@ async def test_downloads_pane_form_validates_as_typed(submitting_app):
         validate(submitted[0][1])  # what the form hands over is a valid job spec
 
 
+@pytest.mark.parametrize("form_key", [("3", "d"), ("4", "n")])
+async def test_a_form_fits_80x24_buttons_and_all(app, form_key):
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press(*form_key)
+        await pilot.pause(0.1)
+        for button in app.screen.query("Button"):
+            region = button.region
+            assert region.height and region.bottom <= 24, (button.id, region)
+
+
 async def test_stopping_asks_first_then_cancels_the_job(seeded, app):
     db_path, ids = seeded
     async with app.run_test(size=(100, 30)) as pilot:
