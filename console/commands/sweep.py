@@ -19,6 +19,7 @@ In the foreground a line is printed per finished point; Ctrl-C cancels the job (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
@@ -83,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     db_path = resolve_db_path(getattr(args, "db", None))
     recipe = load_recipe(args.recipe) if settle is None else _settle_recipe(getattr(args, "db", None), settle)
     if args.dry_run:
+        if args.name is not None:
+            # the plan is headed by the name the run would get, and a real start gives it --name
+            recipe = dataclasses.replace(recipe, name=args.name)
         planned = plan_sweep(recipe, cache_dir=data_dir(db_path), allow_large=args.yes_large,
                              probe=not getattr(args, "no_probe", False), check=False)
         print(json.dumps(planned.plan.to_dict(), indent=2) if args.json else format_plan(planned.plan))

@@ -26,6 +26,14 @@ def test_dry_run_json_of_the_demo_recipe_starts_nothing(tmp_path):
     assert not (tmp_path / "d.db").exists()
 
 
+def test_dry_run_shows_the_name_the_run_would_get(tmp_path):
+    demo = str(ROOT / "assets" / "recipes" / "demo.toml")
+    out = cli(tmp_path, "sweep", demo, "--dry-run", "--name", "mine")
+    assert out.returncode == 0 and out.stdout.startswith("sweep 'mine':"), out.stdout + out.stderr
+    out = cli(tmp_path, "sweep", demo, "--dry-run", "--json", "--name", "mine")
+    assert out.returncode == 0 and json.loads(out.stdout)["name"] == "mine", out.stderr
+
+
 @pytest.mark.slow
 def test_dry_run_probes_an_sglang_interpreter_unless_no_probe(tmp_path):
     # The documented behaviour: a dry run starts no server, but an sglang/vllm recipe's interpreter is
