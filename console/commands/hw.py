@@ -28,6 +28,8 @@ from ddtree.engine.units import plural
 
 GIB = 1024**3
 NO_GPU_NOTE = "no GPU to place on"
+FIT_CONTEXT = 8192
+FIT_CONCURRENCY = 1
 
 
 class HwInputError(EngineError):
@@ -51,8 +53,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                "attention or KV heads evenly)")
     fit.add_argument("--fit", metavar="MODEL_DIR", help="estimate whether the local model MODEL_DIR fits")
     fit.add_argument("--draft", metavar="DIR", help="with --fit: add this drafter's weights")
-    fit.add_argument("--context", type=int, default=8192, metavar="N", help="with --fit: tokens per sequence (default 8192)")
-    fit.add_argument("--concurrency", type=int, default=1, metavar="N", help="with --fit: sequences at once (default 1)")
+    # None until given, so that one given without --fit is refused even at its default value
+    fit.add_argument("--context", type=int, metavar="N", help=f"with --fit: tokens per sequence (default {FIT_CONTEXT})")
+    fit.add_argument("--concurrency", type=int, metavar="N", help=f"with --fit: sequences at once (default {FIT_CONCURRENCY})")
     fit.add_argument("--gpu-mem-gb", type=float, metavar="G",
                      help="with --fit: assume GPUs of G GB (default: this machine's, or the --from report's)")
     p.set_defaults(command_module=__name__)
@@ -105,7 +108,8 @@ def fit(args: argparse.Namespace, view: GpuView | None) -> int:
                 f"no GPUs here ({(view.reason if view else None) or 'none found'})"
             raise HwInputError(f"tp {tp} needs {tp} GPUs: {reason}", "pass --gpu-mem-gb G to assume GPUs of G GB")
         where = f"GPUs {', '.join(str(g.index) for g in gpus[:tp])} ({', '.join(g.name or '?' for g in gpus[:tp])})"
-    est = estimate_vram(args.fit, totals, tp, context=args.context, concurrency=args.concurrency,
+    est = estimate_vram(args.fit, totals, tp, context=FIT_CONTEXT if args.context is None else args.context,
+                        concurrency=FIT_CONCURRENCY if args.concurrency is None else args.concurrency,
                         draft_dir=args.draft)
     if args.json:
         json.dump(dict(est.to_dict(), gpus=where), sys.stdout, indent=1)
@@ -135,8 +139,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "fit", None):
         view = collect(args)[0] if args.gpu_mem_gb is None else None
         return fit(args, view)
-    if any(getattr(args, k, None) not in (None, d) for k, d in
-           (("draft", None), ("context", 8192), ("concurrency", 1), ("gpu_mem_gb", None))):
+    if any(getattr(args, k, None) is not None for k in ("draft", "context", "concurrency", "gpu_mem_gb")):
         raise HwInputError("--draft, --context, --concurrency and --gpu-mem-gb go with --fit MODEL_DIR")
     view, host = collect(args)
     placements: list[Placement] = []

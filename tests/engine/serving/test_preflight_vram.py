@@ -128,6 +128,10 @@ def test_hw_fit_cli(tmp_path):
     assert rc == 2 and "does not exist" in out
     rc, out = run_hw(["--context", "10"])
     assert rc == 2 and "go with --fit" in out
+    # the default value given out loud is no different: without --fit it would be ignored
+    for extra in (["--context", "8192"], ["--concurrency", "1"]):
+        rc, out = run_hw(extra)
+        assert rc == 2 and "go with --fit" in out, extra
 
 
 def test_hw_fit_uses_the_gpus_of_a_report(tmp_path):
