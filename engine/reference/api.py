@@ -24,8 +24,7 @@ from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 from ddtree.engine.reference.params import ALGORITHMS
 from ddtree.engine.reference.scheduler import (EngineThread, Scheduler, ShuttingDown, Snapshot, Update,
                                                proposed_per_round)
-
-DEFAULT_BUDGET = 16
+from ddtree.engine.serving.launch import DEFAULT_BUDGET
 
 #: The chat roles OpenAI's API defines (SGLang's chat endpoint takes the same).
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})

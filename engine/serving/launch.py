@@ -191,6 +191,9 @@ def _numa_prefix(numa_bind, numa_node, numa_cpus, which: Callable[[str], str | N
 
 #: The builtin server's --max-running-requests when none is given.
 DEFAULT_MAX_RUNNING = 8
+#: The builtin server's DDTree node budget when --budget is not given (here, not in the engine, so that
+#: `serve --help`, which must not import torch, can say it).
+DEFAULT_BUDGET = 16
 
 
 def builtin_argv(*, python: str | None = None, model: str | None = None, draft: str | None = None,
@@ -297,7 +300,7 @@ def port_number(text: str) -> int:
     return _bounded(text, 0, 65535, "a port number")
 
 
-def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, default_budget: int | None = None
+def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, default_budget: int = DEFAULT_BUDGET
                         ) -> None:
     """The builtin server's options, declared once. The server's own parser (passthrough False)
     gets its defaults and checks the values itself after parsing; `ddtree-console serve`'s
@@ -307,14 +310,13 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
         return None if passthrough else value
 
     number = non_negative if passthrough else int
-    budget = "the server's" if default_budget is None else str(default_budget)
     parser.add_argument("--model", type=model_ref, help="target model: a local directory or a hub repo id (default: the demo pair)")
     parser.add_argument("--draft", type=model_ref, help="DFlash drafter: a local directory or a hub repo id (default: the demo "
                                         "drafter when --model is not given; none otherwise, which allows only ar)")
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="ddtree",
                         help="default algorithm; requests may override it (default: ddtree)")
     parser.add_argument("--budget", type=number, default=None,
-                        help=f"default DDTree node budget (default: {budget}, capped by the engine's maximum)")
+                        help=f"default DDTree node budget (default: {default_budget}, capped by the engine's maximum)")
     parser.add_argument("--block-size", type=number, default=None, help="draft block size (default: the drafter's)")
     parser.add_argument("--device", type=device_name if passthrough else str, default="cpu",
                         help="cpu, cuda or cuda:N (default: cpu)")

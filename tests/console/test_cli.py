@@ -50,6 +50,14 @@ def test_help_of_every_command(capsys, argv):
             assert command in out
 
 
+def test_serve_help_says_the_budget_the_server_takes_by_default(capsys):
+    # `serve` passes no --budget unless given, so its help must name the server's own default
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "node budget (default: 16, capped" in out
+
+
 def test_jobs_help_says_what_it_does_and_that_the_subcommand_is_optional(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
