@@ -105,9 +105,10 @@ def list_runs(db: Database, *, text: str | None = None, limit: int | None = None
     it (case-insensitive)."""
     where, params = "", []
     if text:
-        like = f"%{text.lower()}%"
+        # literal text, as runs_page takes it: `runs --filter demo_x` must not match "demo-x"
+        like = "%" + text.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         cols = ["r.name", "r.model", "r.draft_model", "r.engine_kind", "r.state", "r.recipe"]
-        where = "WHERE " + " OR ".join(f"lower(coalesce({c}, '')) LIKE ?" for c in cols)
+        where = "WHERE " + " OR ".join(f"lower(coalesce({c}, '')) LIKE ? ESCAPE '\\'" for c in cols)
         params = [like] * len(cols)
     suffix = " LIMIT ?" if limit is not None else ""
     if limit is not None:

@@ -279,6 +279,10 @@ def test_runs_table_filter_and_json(db_path, capsys):
     assert [r["name"] for r in json.loads(out)] == ["demo"]
     code, out, _ = main(capsys, "runs", "--filter", "nothing-like-this")
     assert "no runs match" in out
+    # the text is literal: % and _ are not wildcards
+    for text in ("kimi_tp8", "k%8", "kimi\\"):
+        code, out, _ = main(capsys, "runs", "--filter", text)
+        assert code == 0 and "no runs match" in out, text
 
 
 @pytest.mark.slow
