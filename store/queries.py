@@ -103,13 +103,7 @@ def get_run(db: Database, run_id: int) -> Run:
 def list_runs(db: Database, *, text: str | None = None, limit: int | None = None) -> list[Run]:
     """Runs, newest first; `text` keeps those whose name, models, engine, state or recipe contain
     it (case-insensitive)."""
-    where, params = "", []
-    if text:
-        # literal text, as runs_page takes it: `runs --filter demo_x` must not match "demo-x"
-        like = "%" + text.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-        cols = ["r.name", "r.model", "r.draft_model", "r.engine_kind", "r.state", "r.recipe"]
-        where = "WHERE " + " OR ".join(f"lower(coalesce({c}, '')) LIKE ? ESCAPE '\\'" for c in cols)
-        params = [like] * len(cols)
+    where, params = _text_filter(text or "")
     suffix = " LIMIT ?" if limit is not None else ""
     if limit is not None:
         params.append(int(limit))
@@ -124,7 +118,19 @@ RUN_ORDERS = {
     "model": "lower(coalesce(r.model, '')), r.id DESC",
     "best tok/s": "best DESC NULLS LAST, r.id DESC",
 }
-_PAGE_TEXT_COLUMNS = ("r.name", "r.model", "r.draft_model", "r.engine_kind", "r.state", "r.recipe")
+_TEXT_COLUMNS = ("r.name", "r.model", "r.draft_model", "r.engine_kind", "r.state", "r.recipe")
+
+
+def _text_filter(text: str) -> tuple[str, list]:
+    """The WHERE clause (and its parameters) keeping runs `r` whose name, models, engine, state or
+    recipe hold `text` as a substring, ASCII case folded; '' and [] for no text. The text is
+    literal, not a LIKE pattern: `runs --filter demo_x` must not match "demo-x"."""
+    if not text.strip():
+        return "", []
+    # LIKE folds ASCII case as lower() does, and a NULL column just does not match, so the
+    # columns go to LIKE bare (half the work per row).
+    like = "%" + text.strip().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+    return "WHERE " + " OR ".join(f"{c} LIKE ? ESCAPE '\\'" for c in _TEXT_COLUMNS), [like] * len(_TEXT_COLUMNS)
 
 
 def _points_in(state: str) -> str:
@@ -154,13 +160,7 @@ def runs_page(db: Database, text: str = "", *, order: str = "newest", limit: int
     """A page of run summaries for a table (id, name, engine_kind, model, state, points_total,
     created_at, points_done, best output tok/s), matching `text` as a substring (ASCII case
     folded) of name, models, engine, state or recipe; and how many runs match in all."""
-    where, params = "", []
-    if text.strip():
-        # LIKE folds ASCII case as lower() does, and a NULL column just does not match, so the
-        # columns go to LIKE bare (half the work per row); the text is literal, not a pattern.
-        like = "%" + text.strip().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-        where = "WHERE " + " OR ".join(f"{c} LIKE ? ESCAPE '\\'" for c in _PAGE_TEXT_COLUMNS)
-        params = [like] * len(_PAGE_TEXT_COLUMNS)
+    where, params = _text_filter(text)
     sql = ("SELECT r.id, r.name, r.engine_kind, r.model, r.state, r.points_total, r.created_at, "
            f"{_points_in('done')} AS points_done, "
            f"{_BEST_CELL_MEDIAN} AS best "
