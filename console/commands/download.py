@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+from ddtree.console.commands import number
 from ddtree.engine.machine.download import DownloadPlan, DownloadSpec, plan, progress_line, require_space
 from ddtree.engine.units import fmt_bytes
 from ddtree.jobs import submit
@@ -59,11 +60,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--local-dir", metavar="DIR", help="download into DIR instead of the HF cache")
     p.add_argument("--reserve-gb", type=_reserve_gb, metavar="G",
                    help="keep at least G GB free (default: 5%% of the disk, at least 10 GB)")
-    p.add_argument("--max-workers", type=int, default=8, metavar="N", help="files fetched at once (default 8)")
+    p.add_argument("--max-workers", type=_workers, default=8, metavar="N", help="files fetched at once, 1..64 (default 8)")
     p.add_argument("--dry-run", action="store_true", help="show what would be fetched and the disk check, then stop")
     p.add_argument("--detach", action="store_true", help="run as a detached job and return at once")
     p.add_argument("--json", action="store_true", help="print the plan (and the job id) as JSON")
     p.set_defaults(command_module=__name__)
+
+
+def _workers(text: str) -> int:
+    value = number(text, "a number of files (an integer)")
+    if not 1 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"must be 1..64, got {value}")
+    return value
 
 
 def build_spec(args: argparse.Namespace) -> DownloadSpec:

@@ -91,6 +91,8 @@ def _count(n: int) -> str:
 
 
 def fit(args: argparse.Namespace, view: GpuView | None) -> int:
+    if not Path(args.fit).expanduser().exists():  # before the GPUs: they are moot without a model
+        raise HwInputError(f"model folder {args.fit} does not exist", "--fit takes a local model folder (with config.json)")
     tp = 1 if args.tp is None else args.tp
     if not 1 <= tp <= MAX_TP:
         # before the list of tp GPU sizes below is built
@@ -106,7 +108,7 @@ def fit(args: argparse.Namespace, view: GpuView | None) -> int:
         if len(totals) < tp:
             reason = f"this machine has {plural(len(gpus), 'GPU')} with known memory" if gpus else \
                 f"no GPUs here ({(view.reason if view else None) or 'none found'})"
-            raise HwInputError(f"tp {tp} needs {tp} GPUs: {reason}", "pass --gpu-mem-gb G to assume GPUs of G GB")
+            raise HwInputError(f"tp {tp} needs {plural(tp, 'GPU')}: {reason}", "pass --gpu-mem-gb G to assume GPUs of G GB")
         where = f"GPUs {', '.join(str(g.index) for g in gpus[:tp])} ({', '.join(g.name or '?' for g in gpus[:tp])})"
     est = estimate_vram(args.fit, totals, tp, context=FIT_CONTEXT if args.context is None else args.context,
                         concurrency=FIT_CONCURRENCY if args.concurrency is None else args.concurrency,

@@ -126,6 +126,9 @@ def test_hw_fit_cli(tmp_path):
     assert data["weights"]["bytes"] == 6488 and data["kv"]["bytes_per_token"] == 64 and data["tp"] == 1
     rc, out = run_hw(["--fit", str(tmp_path / "nope"), "--gpu-mem-gb", "1"])
     assert rc == 2 and "does not exist" in out
+    # a missing folder is the error, not the GPUs there are none of to fit it on
+    rc, out = run_hw(["--from", str(_no_gpus_report(tmp_path)), "--fit", str(tmp_path / "nope")])
+    assert rc == 2 and "does not exist" in out and "GPU" not in out
     rc, out = run_hw(["--context", "10"])
     assert rc == 2 and "go with --fit" in out
     # the default value given out loud is no different: without --fit it would be ignored
@@ -134,12 +137,16 @@ def test_hw_fit_cli(tmp_path):
         assert rc == 2 and "go with --fit" in out, extra
 
 
-def test_hw_fit_uses_the_gpus_of_a_report(tmp_path):
-    model = tiny_model(tmp_path / "m")
+def _no_gpus_report(tmp_path):
     report = tmp_path / "hw.json"
     report.write_text(json.dumps({"gpus": [], "links": [], "reason": "no NVIDIA driver"}))
-    rc, out = run_hw(["--from", str(report), "--fit", str(model)])
-    assert rc == 2 and "no GPUs here" in out and "--gpu-mem-gb" in out
+    return report
+
+
+def test_hw_fit_uses_the_gpus_of_a_report(tmp_path):
+    model = tiny_model(tmp_path / "m")
+    rc, out = run_hw(["--from", str(_no_gpus_report(tmp_path)), "--fit", str(model)])
+    assert rc == 2 and "tp 1 needs 1 GPU: no GPUs here" in out and "--gpu-mem-gb" in out
 
 
 def test_fit_path_does_not_import_torch(tmp_path):

@@ -114,7 +114,7 @@ def test_tty_bar_fits_the_terminal(columns):
     (["acme/tiny", "--include", "../*", "--dry-run"], 2, "error: bad glob: '../*'"),
     (["not a repo"], 2, "error: not a Hugging Face repo id: 'not a repo'"),
     (["acme/tiny", "--reserve-gb", "-1"], 2, "argument --reserve-gb"),
-    (["acme/tiny", "--max-workers", "0"], 2, "max_workers must be in 1..64"),
+    (["acme/tiny", "--max-workers", "0"], 2, "argument --max-workers: must be 1..64, got 0"),
     # an empty folder name is a slip, not "here": the plan and the "done" check once read it two ways
     (["acme/tiny", "--local-dir", "", "--dry-run"], 2, "error: --local-dir needs a folder name, got ''"),
     (["acme/tiny", "--local-dir", " ", "--dry-run"], 2, "error: --local-dir needs a folder name, got ' '"),
