@@ -100,10 +100,11 @@ def get_run(db: Database, run_id: int) -> Run:
     return runs[0]
 
 
-def list_runs(db: Database, *, text: str | None = None, limit: int | None = None) -> list[Run]:
+def list_runs(db: Database, *, text: str | None = None, limit: int | None = None,
+              unnamed_model: bool = False) -> list[Run]:
     """Runs, newest first; `text` keeps those whose name, models, engine, state or recipe contain
-    it (case-insensitive)."""
-    where, params = _text_filter(text or "")
+    it (case-insensitive), and with `unnamed_model` those recorded without a model."""
+    where, params = _text_filter(text or "", unnamed_model=unnamed_model)
     suffix = " LIMIT ?" if limit is not None else ""
     if limit is not None:
         params.append(int(limit))
@@ -121,16 +122,19 @@ RUN_ORDERS = {
 _TEXT_COLUMNS = ("r.name", "r.model", "r.draft_model", "r.engine_kind", "r.state", "r.recipe")
 
 
-def _text_filter(text: str) -> tuple[str, list]:
+def _text_filter(text: str, *, unnamed_model: bool = False) -> tuple[str, list]:
     """The WHERE clause (and its parameters) keeping runs `r` whose name, models, engine, state or
     recipe hold `text` as a substring, ASCII case folded; '' and [] for no text. The text is
-    literal, not a LIKE pattern: `runs --filter demo_x` must not match "demo-x"."""
+    literal, not a LIKE pattern: `runs --filter demo_x` must not match "demo-x". With
+    `unnamed_model`, runs recorded without a model match too (the caller knows what they are shown
+    as: the demo pair)."""
     if not text.strip():
         return "", []
     # LIKE folds ASCII case as lower() does, and a NULL column just does not match, so the
     # columns go to LIKE bare (half the work per row).
     like = "%" + text.strip().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-    return "WHERE " + " OR ".join(f"{c} LIKE ? ESCAPE '\\'" for c in _TEXT_COLUMNS), [like] * len(_TEXT_COLUMNS)
+    terms = [f"{c} LIKE ? ESCAPE '\\'" for c in _TEXT_COLUMNS] + ["coalesce(r.model, '') = ''"] * unnamed_model
+    return "WHERE " + " OR ".join(terms), [like] * len(_TEXT_COLUMNS)
 
 
 def _points_in(state: str) -> str:
@@ -156,11 +160,13 @@ _BEST_CELL_MEDIAN = (
 )
 
 
-def runs_page(db: Database, text: str = "", *, order: str = "newest", limit: int = 200) -> tuple[list[dict], int]:
+def runs_page(db: Database, text: str = "", *, order: str = "newest", limit: int = 200,
+              unnamed_model: bool = False) -> tuple[list[dict], int]:
     """A page of run summaries for a table (id, name, engine_kind, model, state, points_total,
     created_at, points_done, best output tok/s), matching `text` as a substring (ASCII case
-    folded) of name, models, engine, state or recipe; and how many runs match in all."""
-    where, params = _text_filter(text)
+    folded) of name, models, engine, state or recipe (and, with `unnamed_model`, runs recorded
+    without a model); and how many runs match in all."""
+    where, params = _text_filter(text, unnamed_model=unnamed_model)
     sql = ("SELECT r.id, r.name, r.engine_kind, r.model, r.state, r.points_total, r.created_at, "
            f"{_points_in('done')} AS points_done, "
            f"{_BEST_CELL_MEDIAN} AS best "

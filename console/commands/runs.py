@@ -12,7 +12,7 @@ import json
 from ddtree.console import fmt
 from ddtree.console.commands.jobs import list_parser
 from ddtree.console.export import unstable_cv
-from ddtree.engine.serving.names import run_model_name
+from ddtree.engine.serving.names import names_demo_pair, run_model_name
 from ddtree.store.redact import redact
 from ddtree.store.db import open_existing
 from ddtree.store.queries import list_runs
@@ -32,7 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     with open_existing(args.db) as db:
-        runs = list_runs(db, text=args.filter, limit=args.limit)
+        runs = list_runs(db, text=args.filter, limit=args.limit, unnamed_model=names_demo_pair(args.filter or ""))
         verdicts = {r.id: labelled(best_budgets(list_points(db, r.id), unstable_cv=unstable_cv(r))) for r in runs}
         insight = run_insight(db, runs)
     if args.json:

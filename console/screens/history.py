@@ -45,9 +45,10 @@ SORTS = ("newest", "oldest", "name", "model", "best tok/s")  # store.queries.RUN
 def load_runs(db, text: str = "", sort: int = 0, limit: int = PAGE) -> tuple[list[dict], int]:
     """One page of runs matching `text` (case-insensitive, in name, models, engine, state or
     recipe), sorted by SORTS[sort]; and how many match in all."""
+    from ddtree.engine.serving.names import names_demo_pair
     from ddtree.store.queries import runs_page
 
-    return runs_page(db, text, order=SORTS[sort % len(SORTS)], limit=limit)
+    return runs_page(db, text, order=SORTS[sort % len(SORTS)], limit=limit, unnamed_model=names_demo_pair(text))
 
 
 def flag_cell(short: str | None) -> Text:

@@ -81,6 +81,13 @@ def run_model_name(model: str | None) -> str:
     return display_name(model or "demo")
 
 
+def names_demo_pair(text: str) -> bool:
+    """Whether a search for `text` should find runs of the demo pair: it is part of the names
+    they are shown by (run_model_name and run_drafter_name of a run recorded without a model)."""
+    needle = text.strip().lower()
+    return bool(needle) and any(needle in name for name in DEMO_NAMES.values())
+
+
 def run_drafter_name(draft: str | None, model: str | None) -> str:
     """A run's drafter as every view names it: the demo pair's with the demo target, else '-'."""
     if draft:

@@ -275,8 +275,12 @@ def test_runs_table_filter_and_json(db_path, capsys):
     assert out.splitlines()[1].split()[3] == "demo/target"
     code, out, _ = main(capsys, "runs", "--filter", "kimi")
     assert [line.split()[1] for line in out.splitlines()[1:]] == ["kimi-tp8"]
-    code, out, _ = main(capsys, "runs", "--json", "--filter", "DEMO")
-    assert [r["name"] for r in json.loads(out)] == ["demo"]
+    code, out, _ = main(capsys, "runs", "--json", "--filter", "DEMO")  # "plain" is shown with the demo pair
+    assert [r["name"] for r in json.loads(out)] == ["plain", "demo"]
+    for text in ("demo/target", "Demo/Drafter", "target"):  # what the MODEL column shows finds the run
+        code, out, _ = main(capsys, "runs", "--json", "--filter", text)
+        # ("demo" is a folder .../demo/target, so it holds that text itself)
+        assert [r["name"] for r in json.loads(out)] == ["plain"] + ["demo"] * ("arget" in text), text
     code, out, _ = main(capsys, "runs", "--filter", "nothing-like-this")
     assert "no runs match" in out
     # the text is literal: % and _ are not wildcards

@@ -47,6 +47,16 @@ def test_text_is_a_literal_case_insensitive_substring_of_the_shown_fields_and_th
     assert ids(runs_page(db, "nothing like it")) == []
 
 
+
+def test_the_pane_finds_demo_pair_runs_by_the_name_it_shows_them_by(db):
+    """Runs recorded without a model ran the demo pair and show "demo/target": typing that finds them."""
+    from ddtree.console.screens.history import load_runs
+
+    assert ids(load_runs(db, "demo/target")) == [5, 3, 2, 1]  # all but kimi, which names its model
+    assert ids(load_runs(db, "DRAFTER")) == [5, 3, 2, 1]
+    assert ids(load_runs(db, "qwen3")) == [2, 1]  # other text: as before
+
+
 def test_best_is_the_highest_cell_median_that_runs_and_the_exports_quote(tmp_path):
     """With repeats, BEST TOK/S is the best cell's median over its done repeats (the exports' "out
     tok/s (median)"), not the luckiest single repeat, which no other view shows."""
