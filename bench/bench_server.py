@@ -418,8 +418,9 @@ def main() -> int:
     p.add_argument("--verify-b", type=int_list, default=[1, 4, 16, 64])
     p.add_argument("--verify-q", type=int_list, default=[1, 17, 65])
     p.add_argument("--time-budget", type=float, default=None,
-                   help="seconds for the whole run: --grid starts no server cell past half of it, no "
-                        "in-process cell past 90%%, and the verify grid only within it")
+                   help="seconds for the whole run: --grid starts no server cell past half of what is left "
+                        "of 90%% of it once the server is up, no in-process cell past 90%%, and the verify grid "
+                        "only within it")
     p.add_argument("--skip-serving", action="store_true")
     p.add_argument("--engine-loops", default="process",
                    help="--grid: one server per value, comma-separated (process, thread): where the server runs "

@@ -13,8 +13,10 @@
 #       (grid-$SHAPE-mix-{off,on}.*), side by side in one call.
 #   TRACE=1 with a grid: the server's --trace-turns, summarised by bench/turn_trace.py at the
 #       end of grid-NAME.txt (the trace gzipped beside it, turns-NAME-process.jsonl.gz). A cold machine's first server start
-#       takes about 110 s on the 1.7B shape (48 s once its kernel caches are warm): give each grid a
-#       TIME_BUDGET of about 290 s, whose first half must cover the pair's build and that start.
+#       takes 110-200 s on the 1.7B shape (48-73 s once its kernel caches are warm), the in-process
+#       engine's warm-up 40-60 s more: the server's cells get half of what is left of 90% of
+#       TIME_BUDGET once it is up, so on a cold machine give a grid 480 s or more, and put the
+#       concurrencies that matter most first in GRID_ARGS (they run in the order given).
 set -u
 OUT=${OUT:-$PWD/gpu-pool-out}; mkdir -p "$OUT"
 PART=${PART:-all}
