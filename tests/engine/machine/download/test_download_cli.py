@@ -160,3 +160,16 @@ def test_a_second_download_of_the_same_repo_says_it_shares_the_files(hub, tmp_pa
     finally:
         hub.rate_bps = None
         cancel(env, first, grace_s=10)
+
+
+def test_offline_dry_run_shows_the_copy_on_disk(hub, tmp_path, env, monkeypatch):
+    from huggingface_hub import constants
+
+    target = str(tmp_path / "m")
+    assert run_dl(["acme/tiny", "--local-dir", target, "--reserve-gb", "0"], env)[0] == 0
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    rc, out, err = run_dl(["acme/tiny", "--local-dir", target, "--reserve-gb", "0", "--dry-run"], env)
+    assert rc == 0, err
+    assert "to fetch: 0 files" in out and "hub unreachable: this is the copy on disk" in out
+    rc, out, err = run_dl(["acme/tiny", "--local-dir", target, "--reserve-gb", "0"], env)  # and a run is done at once
+    assert rc == 0 and "done:" in out, err
