@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser, modules = build_parser(_command_in(argv))
     args = parser.parse_args(argv)
+    if args.command is not None and args.demo:
+        # it would be dropped unseen: the command starts no console
+        parser.error(f"--demo starts the console with the demo engine; it does nothing with `{args.command}`")
     try:
         if args.command is None:
             return _run_console(args)

@@ -86,7 +86,9 @@ def test_usage_errors_exit_2(capsys):
              # an empty path is a mistake, not "use the default"
              ("--db=", "jobs"): "--db: expected a path, got an empty string",
              ("--db", ""): "--db: expected a path, got an empty string",
-             ("jobs", "show", "1", "--db", ""): "(see `ddtree-console jobs show --help`)"}
+             ("jobs", "show", "1", "--db", ""): "(see `ddtree-console jobs show --help`)",
+             # the console's own option given to a command was dropped unseen
+             ("--demo", "jobs"): "--demo starts the console with the demo engine; it does nothing with `jobs`"}
     for argv, expected in cases.items():
         with pytest.raises(SystemExit) as exit_:
             cli.main(list(argv))
