@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
                               "e.g. `ddtree-console sweep assets/recipes/demo.toml`")
     if args.name is not None and not args.name.strip():
         raise SweepUsageError("--name is empty", "leave --name out to keep the recipe's (or the run's) name")
+    if args.detach and args.dry_run:
+        raise SweepUsageError("--detach does nothing with --dry-run", "a dry run starts nothing to detach from")
     if getattr(args, "no_probe", False) and not args.dry_run:
         raise SweepUsageError("--no-probe applies to --dry-run only", "a sweep needs the probe to build its commands")
     if args.resume is not None:

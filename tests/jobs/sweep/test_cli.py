@@ -56,6 +56,8 @@ def test_dry_run_probes_an_sglang_interpreter_unless_no_probe(tmp_path):
     assert calls.exists()  # the probe ran the interpreter (and found no sglang in it)
     out = cli(tmp_path, "sweep", str(recipe), "--no-probe")
     assert out.returncode == 2 and out.stderr.startswith("error: --no-probe applies to --dry-run only")
+    out = cli(tmp_path, "sweep", str(recipe), "--dry-run", "--detach")  # it was dropped unseen
+    assert out.returncode == 2 and out.stderr.startswith("error: --detach does nothing with --dry-run")
 
 
 @pytest.mark.slow
