@@ -64,13 +64,22 @@ def close_downloads_of_ended_jobs(db: Database) -> int:
     return cur.rowcount
 
 
-def open_downloads_of(db: Database, repo_id: str, local_dir: str | None, *, besides: int | None = None) -> list[dict[str, Any]]:
-    """The open rows fetching `repo_id` into the same place (a local folder, or the cache for
-    None), other than job `besides`'s: files both want wait on huggingface_hub's file locks."""
-    where = "local_dir = ?" if local_dir is not None else "local_dir IS NULL"
-    return fetch_rows(db, f"SELECT * FROM downloads WHERE repo_id = ? AND {where} AND job_id IS NOT ? "
-                          f"AND state IN ({', '.join('?' for _ in OPEN_DOWNLOAD_STATES)}) ORDER BY id",
-                      [repo_id, *([local_dir] if local_dir is not None else []), besides, *OPEN_DOWNLOAD_STATES])
+def open_downloads_of(db: Database, repo_id: str, local_dir: str | None, *, cache_dir: str | None = None,
+                      besides: int | None = None) -> list[dict[str, Any]]:
+    """The open rows fetching `repo_id` into the same place (a local folder, or for None the HF
+    cache `cache_dir`, which only the job's spec records), other than job `besides`'s, whose job
+    has not ended (a runner killed outright leaves its row open): files both want wait on
+    huggingface_hub's file locks."""
+    if local_dir is not None:
+        where, place = "d.local_dir = ?", [local_dir]
+    else:
+        where, place = "d.local_dir IS NULL AND json_extract(j.spec, '$.cache_dir') IS ?", [cache_dir]
+    open_states = ", ".join("?" for _ in OPEN_DOWNLOAD_STATES)
+    ended_states = ", ".join("?" for _ in TERMINAL_STATES)
+    return fetch_rows(db, f"SELECT d.* FROM downloads d JOIN jobs j ON j.id = d.job_id WHERE d.repo_id = ? "
+                          f"AND {where} AND d.job_id IS NOT ? AND d.state IN ({open_states}) "
+                          f"AND j.state NOT IN ({ended_states}) ORDER BY d.id",
+                      [repo_id, *place, besides, *OPEN_DOWNLOAD_STATES, *sorted(TERMINAL_STATES)])
 
 
 def recent_downloads(db: Database, limit: int) -> list[dict[str, Any]]:

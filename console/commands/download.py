@@ -134,9 +134,9 @@ def _say_who_shares(args: argparse.Namespace, spec: DownloadSpec) -> None:
     db_path = resolve_db_path(getattr(args, "db", None))
     if not Path(db_path).exists():
         return  # no store yet, so no download running
-    local = validate(spec.to_dict()).get("local_dir")  # absolute, as the job rows hold it
+    place = validate(spec.to_dict())  # local_dir or cache_dir absolute, as the job specs hold them
     with open_db(db_path) as db:
-        note = sharing_note(open_downloads_of(db, spec.repo_id, local))
+        note = sharing_note(open_downloads_of(db, spec.repo_id, place["local_dir"], cache_dir=place["cache_dir"]))
     if note:
         print(f"note: {note}", file=sys.stderr)
 

@@ -443,6 +443,8 @@ def _plan_on_disk(spec: DownloadSpec, target: Path, usage: DiskUsage) -> Downloa
 
             notes = (read_download_metadata(folder, p) for p in kept)
             commit = next((m.commit_hash for m in notes if m is not None), "")
+        if commit and re.fullmatch(r"[0-9a-f]{40}", revision) and commit != revision:
+            return None  # the folder holds another commit than the one asked for
     files = tuple(DownloadPlanFile(path=p, size=(folder / p).stat().st_size, done=True) for p in kept)
     return DownloadPlan(spec=spec, commit=commit or "local", files=files, target=str(target),
                         disk=check_disk(target, 0, spec.reserve_bytes, usage=usage), repo_files=len(paths),

@@ -80,7 +80,8 @@ def run(ctx: JobContext, spec: dict) -> dict:
     row_id = create_download(ctx.db, ctx.job_id, repo_id=dspec.repo_id, revision=dspec.revision,
                              include=list(dspec.include), local_dir=dspec.local_dir)
     recorder = _Recorder(ctx, row_id)
-    note = sharing_note(open_downloads_of(ctx.db, dspec.repo_id, dspec.local_dir, besides=ctx.job_id))
+    note = sharing_note(open_downloads_of(ctx.db, dspec.repo_id, dspec.local_dir, cache_dir=dspec.cache_dir,
+                                          besides=ctx.job_id))
     if note:
         ctx.log(note)
     try:

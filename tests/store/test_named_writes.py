@@ -3,6 +3,7 @@ writes and reads, and that the steps of a larger write refuse to commit on their
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import pytest
@@ -114,3 +115,25 @@ def test_telemetry_writer_labels_rows_and_prunes_past_the_retention(db):
     assert [(r["at"], r["gpu_index"], r["job_id"], r["temp_c"]) for r in rows] == [(1200.0, 0, 3, 40.0)]
     with pytest.raises(StoreError):
         TelemetryWriter(db, retention_s=0)
+
+
+def test_downloads_sharing_a_place_are_those_into_the_same_cache_or_folder_of_live_jobs(db):
+    from ddtree.store.downloads import open_downloads_of
+
+    def download(cache_dir, local_dir=None, job_state="running"):
+        with transaction(db):
+            job_id = store_jobs.insert_job(db, kind="download", name="acme/m", host="here", at=5.0,
+                                           spec_json=json.dumps({"repo_id": "acme/m", "cache_dir": cache_dir,
+                                                                 "local_dir": local_dir}))
+        with transaction(db):
+            store_jobs.update_job(db, job_id, {"state": job_state})
+        create_download(db, job_id, repo_id="acme/m", revision=None, include=[], local_dir=local_dir)
+        return job_id
+
+    here, there = download("/c/one"), download("/c/two")
+    folder = download(None, local_dir="/m")
+    download("/c/one", job_state="lost")  # its runner was killed: its row stayed open, nobody fetches
+    assert [r["job_id"] for r in open_downloads_of(db, "acme/m", None, cache_dir="/c/one")] == [here]
+    assert [r["job_id"] for r in open_downloads_of(db, "acme/m", None, cache_dir="/c/two")] == [there]
+    assert [r["job_id"] for r in open_downloads_of(db, "acme/m", "/m")] == [folder]
+    assert open_downloads_of(db, "acme/m", None, cache_dir="/c/one", besides=here) == []

@@ -299,3 +299,17 @@ def test_offline_a_finished_download_is_the_plan(hub, tmp_path, monkeypatch, whe
         plan(spec(hub, tmp_path, repo="acme/many"), usage=roomy)
     with pytest.raises(HubUnreachable):  # the globs keep nothing of the copy
         plan(spec(hub, tmp_path, include=("*.gguf",), **kw), usage=roomy)
+
+
+def test_offline_a_local_folder_of_another_commit_is_not_the_plan(hub, tmp_path, monkeypatch):
+    """--revision COMMIT with the hub out of reach: a folder whose files huggingface_hub noted as
+    another commit's is not that commit's copy."""
+    from huggingface_hub import constants
+
+    kw = {"local_dir": str(tmp_path / "tiny")}
+    Download(plan(spec(hub, tmp_path, **kw), usage=roomy), usage=roomy).run()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    sha = hub.repos["acme/tiny"].sha
+    assert plan(spec(hub, tmp_path, revision=sha, **kw), usage=roomy).commit == sha
+    with pytest.raises(HubUnreachable):
+        plan(spec(hub, tmp_path, revision="f" * 40, **kw), usage=roomy)
