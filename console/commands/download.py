@@ -52,8 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                           "before any byte when the files would leave less than the reserve free, "
                                           "and stops if free space falls under it mid-way. Finished files are "
                                           "kept: rerun the same command to resume. With the hub out of reach "
-                                          "(HF_HUB_OFFLINE=1, no network), a finished download on disk is the "
-                                          "plan, unchecked against the hub.")
+                                          "(HF_HUB_OFFLINE=1, no network), a download that finished into the "
+                                          "same place is the plan, unchecked against the hub.")
     p.add_argument("repo_id", metavar="REPO_ID", help="e.g. Qwen/Qwen3-8B")
     p.add_argument("--revision", metavar="R", help="branch, tag or commit (default: the default branch)")
     p.add_argument("--include", action="append", default=[], metavar="GLOB",

@@ -3,7 +3,9 @@
 `plan(spec)` is the preflight: it lists the repo at the revision (huggingface_hub's repo info and
 tree metadata, the same listing `snapshot_download` uses), applies the include/exclude globs with
 huggingface_hub's own matcher, sees which files are already complete on disk, and measures the
-target filesystem. `check_disk` refuses, with the numbers, when the download would leave less than
+target filesystem. With the hub out of reach, the plan is the finished download of the same
+revision into the same place, from the listing that download noted (`write_listing`), with any file
+missing from disk named. `check_disk` refuses, with the numbers, when the download would leave less than
 the reserve free (default max(5% of the disk, 10 GB)).
 
 `Download(plan, ...).run()` fetches the missing files through `hf_hub_download` (one call per file,
@@ -24,6 +26,7 @@ InsufficientSpace (the preflight refusal); DiskReserveReached; DownloadCancelled
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -306,9 +309,12 @@ class DownloadPlan:
     disk: DiskCheck
     gated: bool = False
     repo_files: int = 0  # files in the repo before the globs
-    #: The hub could not be reached (or HF_HUB_OFFLINE is set) and the plan is the copy already on
-    #: disk, as huggingface_hub's snapshot_download falls back to it: not checked against the hub.
+    #: The hub could not be reached (or HF_HUB_OFFLINE is set) and the plan is a finished download's
+    #: copy on disk (_plan_on_disk): not checked against the hub.
     offline: bool = False
+    #: (path, size) of every file of the repo at the commit, before the globs: what a finished
+    #: download records on disk (write_listing), so that an offline plan knows what is missing.
+    listing: tuple[tuple[str, int], ...] = ()
 
     @property
     def bytes_total(self) -> int:
@@ -392,8 +398,12 @@ def plan(spec: DownloadSpec, *, usage: DiskUsage = _disk_usage) -> DownloadPlan:
         failure = hub_error(error, spec)
         if isinstance(failure, HubUnreachable):
             on_disk = _plan_on_disk(spec, target, usage)
-            if on_disk is not None:
+            if on_disk is not None and not on_disk.files_needed:
                 return on_disk
+            if on_disk is not None:
+                failure = HubUnreachable(
+                    f"{failure.message}, and {on_disk.files_needed} of the {len(on_disk.files)} files asked for "
+                    f"are not on disk", failure.hint)
         raise failure from None
     if not commit:
         raise DownloadFailed(f"the hub gave no commit for {spec.repo_id}")
@@ -409,46 +419,71 @@ def plan(spec: DownloadSpec, *, usage: DiskUsage = _disk_usage) -> DownloadPlan:
     needed = sum(f.size for f in files if not f.done)
     disk = check_disk(target, needed, spec.reserve_bytes, usage=usage)
     return DownloadPlan(spec=spec, commit=commit, files=files, target=str(target), disk=disk,
-                        gated=bool(getattr(info, "gated", False)), repo_files=len(entries))
+                        gated=bool(getattr(info, "gated", False)), repo_files=len(entries),
+                        listing=tuple(sorted((f.path, int(f.size or 0)) for f in entries)))
+
+
+def _listings(spec: DownloadSpec, target: Path) -> Path:
+    """Where finished downloads into `target` note the repo's listing, one JSON file per commit,
+    with refs/<revision> naming the commit: beside huggingface_hub's own notes."""
+    if spec.local_dir is not None:
+        return target / ".cache" / "huggingface" / "ddtree-listings"
+    return target / "ddtree-listings"
+
+
+def write_listing(plan: DownloadPlan) -> None:
+    """Note, once every file of `plan` is on disk, the repo's listing at its commit and the
+    revision it came from: an offline plan of the same target reads them (_plan_on_disk)."""
+    if not plan.listing or not plan.commit:
+        return
+    folder = _listings(plan.spec, Path(plan.target))
+    if plan.spec.local_dir is not None:  # a folder holds one commit's files: the older notes are stale
+        for stale in folder.glob("*.json"):
+            if stale.stem != plan.commit:
+                stale.unlink(missing_ok=True)
+    for path, text in ((folder / f"{plan.commit}.json", json.dumps([list(e) for e in plan.listing])),
+                       (folder / "refs" / (plan.spec.revision or "main"), plan.commit)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
 
 
 def _plan_on_disk(spec: DownloadSpec, target: Path, usage: DiskUsage) -> DownloadPlan | None:
-    """The copy a past download left, for when the hub cannot be reached: the cache's snapshot of
-    the revision (a commit, or the commit its ref names), or a local folder's files. None if
-    there is none, or the globs keep none of its files."""
+    """For when the hub cannot be reached: the plan from the listing a finished download of this
+    revision into this target noted (write_listing), each file done if it is on disk at its size.
+    None without such a note (a download never finished here, or the files came another way)."""
     from huggingface_hub.utils import filter_repo_objects
 
     revision = spec.revision or "main"
-    if spec.local_dir is not None:
-        folder, commit = target, ""
-    else:
-        commit = revision if re.fullmatch(r"[0-9a-f]{40}", revision) else ""
-        ref = target / "refs" / revision
-        if not commit and ref.is_file():
-            commit = ref.read_text().strip()
-        folder = target / "snapshots" / commit
-        if not commit or not folder.is_dir():
-            return None
-    if not folder.is_dir():
+    folder = _listings(spec, target)
+    commit = revision if re.fullmatch(r"[0-9a-f]{40}", revision) else ""
+    if not commit and ".." not in revision and not revision.startswith("/"):
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            commit = (folder / "refs" / revision).read_text().strip()
+    try:
+        listing = [(str(path), int(size)) for path, size in json.loads((folder / f"{commit}.json").read_text())] \
+            if re.fullmatch(r"[0-9a-f]{40}", commit) else []
+    except (OSError, ValueError, TypeError):
+        listing = []
+    if not listing:
         return None
-    paths = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
-                   if p.is_file() and ".cache" not in p.relative_to(folder).parts)
-    kept = list(filter_repo_objects(paths, allow_patterns=list(spec.include) or None,
-                                    ignore_patterns=list(spec.exclude) or None))
-    if not kept:
-        return None
-    if not commit:  # a local folder: the commit huggingface_hub noted beside a file
-        with contextlib.suppress(ImportError, OSError, ValueError):
-            from huggingface_hub._local_folder import read_download_metadata
+    files_at = target if spec.local_dir is not None else target / "snapshots" / commit
+    kept = filter_repo_objects(listing, allow_patterns=list(spec.include) or None,
+                               ignore_patterns=list(spec.exclude) or None, key=lambda e: e[0])
 
-            notes = (read_download_metadata(folder, p) for p in kept)
-            commit = next((m.commit_hash for m in notes if m is not None), "")
-        if commit and re.fullmatch(r"[0-9a-f]{40}", revision) and commit != revision:
-            return None  # the folder holds another commit than the one asked for
-    files = tuple(DownloadPlanFile(path=p, size=(folder / p).stat().st_size, done=True) for p in kept)
-    return DownloadPlan(spec=spec, commit=commit or "local", files=files, target=str(target),
-                        disk=check_disk(target, 0, spec.reserve_bytes, usage=usage), repo_files=len(paths),
-                        offline=True)
+    def on_disk(path: str, size: int) -> bool:
+        try:
+            return (files_at / path).stat().st_size == size
+        except OSError:
+            return False
+
+    files = tuple(DownloadPlanFile(path=path, size=size, done=on_disk(path, size)) for path, size in kept)
+    if not files:
+        return None
+    return DownloadPlan(spec=spec, commit=commit, files=files, target=str(target),
+                        disk=check_disk(target, 0, spec.reserve_bytes, usage=usage), repo_files=len(listing),
+                        offline=True, listing=tuple(listing))
 
 
 def _partials_and_locks(spec: DownloadSpec) -> tuple[list[Path], list[Path]]:
@@ -704,6 +739,7 @@ class Download:
         if self._abort is not None:
             raise self._abort
         self._finalize()
+        write_listing(self.plan)
         return {
             "repo_id": self.plan.spec.repo_id, "commit": self.plan.commit, "path": self._snapshot_path(),
             "bytes_total": p.bytes_total, "files_total": p.files_total,

@@ -88,6 +88,8 @@ def run(ctx: JobContext, spec: dict) -> dict:
         ctx.log(f"listing {dspec.repo_id} at {dspec.revision or 'the default branch'}")
         the_plan = plan(dspec)
         disk = the_plan.disk
+        if the_plan.offline:
+            ctx.log("the hub is out of reach: using the finished download on disk, not checked against the hub")
         ctx.log(f"{len(the_plan.files)} files, {the_plan.bytes_total} bytes; to fetch: {the_plan.files_needed} files, "
                 f"{the_plan.bytes_needed} bytes; {disk.describe()}")
         recorder.write({

@@ -279,8 +279,8 @@ def test_a_complete_download_is_not_refused_on_a_full_disk(hub, tmp_path):
 
 @pytest.mark.parametrize("where", ["cache", "local_dir"])
 def test_offline_a_finished_download_is_the_plan(hub, tmp_path, monkeypatch, where):
-    """HF_HUB_OFFLINE (or a hub gone away) with the model on disk: the plan is that copy, complete,
-    as snapshot_download would load it; nothing on disk means the one-line 'cannot reach' error."""
+    """HF_HUB_OFFLINE (or a hub gone away) with a finished download on disk: the plan is that copy,
+    from the listing the download noted; nothing on disk means the one-line 'cannot reach' error."""
     from huggingface_hub import constants
 
     kw = {"local_dir": str(tmp_path / "tiny")} if where == "local_dir" else {"revision": "v1"}
@@ -313,3 +313,36 @@ def test_offline_a_local_folder_of_another_commit_is_not_the_plan(hub, tmp_path,
     assert plan(spec(hub, tmp_path, revision=sha, **kw), usage=roomy).commit == sha
     with pytest.raises(HubUnreachable):
         plan(spec(hub, tmp_path, revision="f" * 40, **kw), usage=roomy)
+
+
+@pytest.mark.parametrize("where", ["cache", "local_dir"])
+def test_offline_an_unfinished_or_partial_copy_is_refused_with_what_is_missing(hub, tmp_path, monkeypatch, where):
+    """Files on disk are not a finished download: a subset fetched with --include, or a file gone
+    since, is named as missing rather than reported as a complete copy."""
+    from huggingface_hub import constants
+
+    kw = {"local_dir": str(tmp_path / "tiny")} if where == "local_dir" else {}
+    Download(plan(spec(hub, tmp_path, include=("*.json",), **kw), usage=roomy), usage=roomy).run()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert plan(spec(hub, tmp_path, include=("*.json",), **kw), usage=roomy).files_needed == 0
+    with pytest.raises(HubUnreachable) as err:  # all of the repo: only its json came
+        plan(spec(hub, tmp_path, **kw), usage=roomy)
+    assert "and 4 of the 5 files asked for are not on disk" in str(err.value)
+    config = next((tmp_path / ("tiny" if kw else "cache")).rglob("config.json"))
+    config.unlink()
+    with pytest.raises(HubUnreachable) as err:  # a file gone since
+        plan(spec(hub, tmp_path, include=("*.json",), **kw), usage=roomy)
+    assert "1 of the 1 files" in str(err.value)
+
+
+def test_offline_files_that_came_another_way_are_not_a_finished_download(hub, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    for name, data in hub.repos["acme/tiny"].files.items():  # copied in by hand: no listing noted
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(HubUnreachable):
+        plan(spec(hub, tmp_path, local_dir=str(folder)), usage=roomy)
