@@ -23,17 +23,15 @@ BASELINE_NAMES = {"ar": "AR", "dflash": "DFlash"}
 #: Figures summarised by their median over a cell's done repeats (the per-point columns).
 MEDIAN_COLUMNS = ("output_tok_s", "req_s", "tok_s_per_user", "tau_mean", "tau_weighted", "tau_counters",
                   "ttft_p50", "itl_p50", "e2e_p50", "e2e_p99")
-SETTING_NAMES = ("engine_kind", "tp", "gpus", "concurrency", "dataset", "temperature")
-
-
 #: What a baseline must share with a point to be compared with it (points columns).
-SETTING_FIELDS = ("engine_kind", "tp", "gpus", "concurrency", "dataset", "temperature")
+SETTING_NAMES = ("engine_kind", "tp", "gpus", "concurrency", "dataset", "temperature")
 #: A grid cell: a setting, an algorithm and a budget (store.queries groups its SQL by these too).
-CELL_FIELDS = (*SETTING_FIELDS, "algorithm", "budget")
+CELL_FIELDS = (*SETTING_NAMES, "algorithm", "budget")
 
 
 def setting_of(p) -> tuple:
-    return tuple(json.dumps(p.gpus or []) if f == "gpus" else getattr(p, f) for f in SETTING_FIELDS)
+    """What a baseline must share with a point to be compared with it (SETTING_NAMES' values)."""
+    return tuple(json.dumps(p.gpus or []) if f == "gpus" else getattr(p, f) for f in SETTING_NAMES)
 
 
 def cell_of(p) -> tuple:

@@ -375,8 +375,11 @@ class SweepsPane(Vertical):
 
     def action_close_heatmap(self) -> None:
         """Escape: back to the curves from the heatmap, as Escape leaves every other view."""
-        if self.heatmap_shown:
-            self.action_toggle_heatmap()
+        self.action_toggle_heatmap()
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        # Escape is the heatmap's only while it shows: otherwise it goes on to whoever else binds it.
+        return self.heatmap_shown if action == "close_heatmap" else True
 
     def on_resize(self, _event) -> None:
         if self.heatmap_shown:

@@ -39,6 +39,8 @@ async def test_the_pane_shows_the_recommendation_and_the_heatmap(tmp_path):
         assert app.query_one("#charts").display and not app.query_one("#heatmap").display
         await pilot.press("h", "escape")  # Escape leaves the heatmap too
         assert app.query_one("#charts").display and not app.query_one("#heatmap").display
+        await pilot.press("escape")  # and only leaves it: it does not bring it back
+        assert app.query_one("#charts").display and not app.query_one("#heatmap").display
 
 
 async def test_the_pane_flags_a_run_slower_than_its_history(tmp_path):
