@@ -86,6 +86,7 @@ def _flag_key(row: dict) -> tuple:
     return (row.get("points_done"), row.get("state"), row.get("best"))
 
 
+#: The filter box's hints, longest first: it shows the longest that fits (60-72 columns cut the first).
 FILTER_HINTS = ("/ filter: name, model, engine…", "/ filter runs", "/ filter", "/")
 
 
@@ -111,7 +112,7 @@ class HistoryPane(Vertical):
     def compose(self) -> ComposeResult:
         with Horizontal(classes="pane-bar"):
             yield Static("History", id="history-title", classes="pane-title grow")
-            yield SearchInput(placeholder=FILTER_HINTS[0], id="history-filter", compact=True,
+            yield SearchInput(hints=FILTER_HINTS, id="history-filter", compact=True,
                               leave_to="runs")
             yield Button("Compare (c)", id="compare", compact=True)
             yield Button("Export (e)", id="export", compact=True)
@@ -192,13 +193,6 @@ class HistoryPane(Vertical):
         if self._narrow is not None and self.narrow != self._narrow:
             self._render_rows()
             self._show_title()
-        self.call_after_refresh(self._fit_hint)
-
-    def _fit_hint(self) -> None:
-        """The longest filter hint the box shows whole (60-70 columns cut the full one)."""
-        box = self.query_one("#history-filter", Input)
-        room = box.content_size.width
-        box.placeholder = next((h for h in FILTER_HINTS if len(h) <= room), FILTER_HINTS[-1])
 
     @work(thread=True, group="history-sentinel", exit_on_error=False)
     def _check(self, keys: dict[int, tuple]) -> None:

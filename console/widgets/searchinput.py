@@ -8,15 +8,26 @@ from textual.widgets import Input
 
 
 class SearchInput(Input):
-    """`leave_to`: the id of the widget that Escape focuses."""
+    """`leave_to`: the id of the widget that Escape focuses. `hints`: placeholders, longest first;
+    the box shows the longest that fits its width whole, whenever that width changes."""
 
     # Priority, so focus has moved before the keys typed right behind Escape are routed: `Esc 5`
     # switches pane instead of typing 5 (see FOCUS_KEYS in screens/modals.py for the why).
     BINDINGS = [Binding("escape", "leave", "Back to the table", show=False, priority=True)]
 
-    def __init__(self, *args, leave_to: str, **kwargs) -> None:
+    def __init__(self, *args, leave_to: str, hints: tuple[str, ...] = (), **kwargs) -> None:
+        if hints:
+            kwargs.setdefault("placeholder", hints[0])
         super().__init__(*args, **kwargs)
         self.leave_to = leave_to
+        self.hints = hints
+
+    def on_resize(self, _event) -> None:
+        # The box's own size: a pane's neighbours (a title that grows) change it with no resize
+        # of the pane, which a pane-level fit missed on a loaded machine.
+        if self.hints:
+            room = self.content_size.width
+            self.placeholder = next((h for h in self.hints if len(h) <= room), self.hints[-1])
 
     class Left(Message):
         """Escape was pressed in the box; the box keeps its text."""
