@@ -105,7 +105,9 @@ def _files_table(p: DownloadPlan) -> str:
 def run(args: argparse.Namespace) -> int:
     spec = build_spec(args)
     the_plan = plan(spec)
-    _say_who_shares(args, spec)
+    db_path = resolve_db_path(getattr(args, "db", None))
+    job_spec = validate(spec.to_dict())  # paths made absolute, as the job rows hold them
+    _say_who_shares(db_path, job_spec)
     if args.dry_run:
         if args.json:
             print(json.dumps(the_plan.to_dict(), indent=1))
@@ -117,8 +119,6 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(describe(the_plan))
         sys.stdout.flush()
     require_space(the_plan.disk)
-    db_path = resolve_db_path(getattr(args, "db", None))
-    job_spec = validate(spec.to_dict())
     if args.detach:
         job_id = submit(db_path, "download", job_spec, name=spec.repo_id, detach=True)
         if args.json:
@@ -129,14 +129,13 @@ def run(args: argparse.Namespace) -> int:
     return _foreground(db_path, job_spec, spec.repo_id, json_out=args.json, the_plan=the_plan)
 
 
-def _say_who_shares(args: argparse.Namespace, spec: DownloadSpec) -> None:
+def _say_who_shares(db_path, job_spec: dict) -> None:
     """A note on stderr when running downloads fetch the same repo into the same place."""
-    db_path = resolve_db_path(getattr(args, "db", None))
     if not Path(db_path).exists():
         return  # no store yet, so no download running
-    place = validate(spec.to_dict())  # local_dir or cache_dir absolute, as the job specs hold them
     with open_db(db_path) as db:
-        note = sharing_note(open_downloads_of(db, spec.repo_id, place["local_dir"], cache_dir=place["cache_dir"]))
+        note = sharing_note(open_downloads_of(db, job_spec["repo_id"], job_spec["local_dir"],
+                                              cache_dir=job_spec["cache_dir"]))
     if note:
         print(f"note: {note}", file=sys.stderr)
 
