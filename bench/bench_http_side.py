@@ -22,7 +22,9 @@ Method:
 4. --repeats times, for each variant in order (A B A B ...; only one server works at a time): one
    point through the sweep client (engine/serving/bench.py's run_point) with CPU times read just
    before and after it.
-5. Prints one row per variant: median tok/s, median HTTP us/token (min-max over repeats), engine
+5. Prints one row per variant: median tok/s, median HTTP us/token (min-max over repeats; summed
+   over the HTTP processes where --tokenizer-worker-num starts several), the busiest HTTP
+   process's us/token (what caps the rate), engine
    and client us/token, and the ratio of the median HTTP us/token to the first variant's (default).
 
     .venv/bin/python bench/bench_http_side.py [--model DIR --draft DIR] [--concurrency 32]
@@ -177,13 +179,18 @@ class Server:
                                f"(log {self.log_path}; --keep-logs DIR keeps it)") from None
         self.url = self.proc.url
         wait_ready(self.url, timeout_s=120)
-        self.http = psutil.Process(self.proc.proc.pid)
+        self.main = psutil.Process(self.proc.proc.pid)
+        self.http: list = [self.main]
         self.children: list = []
 
     def find_children(self) -> None:
-        """The engine process (none with --engine-loop thread); read once the server has served,
-        so that a child started lazily is there."""
-        self.children = self.http.children(recursive=True)
+        """The HTTP processes (the server and its --tokenizer-worker-num workers) and the engine
+        process (none with --engine-loop thread); read once the server has served, so that a
+        child started lazily is there."""
+        children = self.main.children(recursive=True)
+        workers = [p for p in children if "--http-worker-of" in p.cmdline()]
+        self.http = [self.main, *workers]
+        self.children = [p for p in children if p not in workers]
 
     def stop(self) -> None:
         self.proc.stop(60)
@@ -196,11 +203,13 @@ def measure(server: Server, prompts, cfg) -> dict:
     from ddtree.engine.serving.bench import run_point
 
     me = psutil.Process()
-    h0, e0, c0 = cpu_s([server.http]), cpu_s(server.children), cpu_s([me])
+    each0 = [cpu_s([p]) for p in server.http]
+    h0, e0, c0 = sum(each0), cpu_s(server.children), cpu_s([me])
     t0 = time.perf_counter()
     result = run_point(server.url, prompts, cfg)
     wall = time.perf_counter() - t0
-    h1, e1, c1 = cpu_s([server.http]), cpu_s(server.children), cpu_s([me])
+    each1 = [cpu_s([p]) for p in server.http]
+    h1, e1, c1 = sum(each1), cpu_s(server.children), cpu_s([me])
     tokens = result.metrics["output_tokens"] or 0
     failed = [r for r in result.requests if not r.ok]
 
@@ -209,6 +218,8 @@ def measure(server: Server, prompts, cfg) -> dict:
 
     return {"variant": server.variant.label, "tok_s": result.metrics["output_tok_s"], "tokens": tokens,
             "wall_s": round(wall, 3), "http_us": per_token(h1 - h0), "engine_us": per_token(e1 - e0),
+            # The busiest HTTP process's share: with several (--tokenizer-worker-num), what caps the rate.
+            "busiest_http_us": per_token(max(b - a for a, b in zip(each0, each1))),
             "client_us": per_token(c1 - c0), "requests": len(result.requests), "failed": len(failed),
             "failures": [f"{r.error}: {r.detail}" for r in failed[:5]]}
 
@@ -233,6 +244,7 @@ def summarize(labels: list[str], points: list[dict]) -> list[dict]:
 
         rows.append({"variant": label, "points": len(mine), "tok_s": med("tok_s"), "http_us": med("http_us"),
                      "http_us_min": min(http, default=None), "http_us_max": max(http, default=None),
+                     "busiest_http_us": med("busiest_http_us"),
                      "engine_us": med("engine_us"), "client_us": med("client_us"),
                      "failed": sum(p["failed"] for p in mine)})
     first = rows[0]["http_us"] if rows else None
@@ -247,12 +259,12 @@ def fmt(value, digits: int = 0) -> str:
 
 def print_table(rows: list[dict]) -> None:
     width = max(len("variant"), *(len(r["variant"]) for r in rows))
-    print(f"{'variant':<{width}}  {'tok/s':>7}  {'http us/tok (min-max)':>22}  {'engine us/tok':>13}  "
-          f"{'client us/tok':>13}  {'http / ' + rows[0]['variant']:>16}  failed")
+    print(f"{'variant':<{width}}  {'tok/s':>7}  {'http us/tok (min-max)':>22}  {'busiest http':>12}  "
+          f"{'engine us/tok':>13}  {'client us/tok':>13}  {'http / ' + rows[0]['variant']:>16}  failed")
     for r in rows:
         spread = f"{fmt(r['http_us'])} ({fmt(r['http_us_min'])}-{fmt(r['http_us_max'])})"
-        print(f"{r['variant']:<{width}}  {fmt(r['tok_s']):>7}  {spread:>22}  {fmt(r['engine_us']):>13}  "
-              f"{fmt(r['client_us']):>13}  {fmt(r['http_ratio'], 3):>16}  {r['failed']}")
+        print(f"{r['variant']:<{width}}  {fmt(r['tok_s']):>7}  {spread:>22}  {fmt(r.get('busiest_http_us')):>12}  "
+              f"{fmt(r['engine_us']):>13}  {fmt(r['client_us']):>13}  {fmt(r['http_ratio'], 3):>16}  {r['failed']}")
 
 
 def machine() -> dict:
@@ -362,7 +374,8 @@ def run(args: argparse.Namespace, stack: ExitStack, report: dict) -> list[dict]:
             point = dict(measure(server, prompts, cfg), repeat=r)
             points.append(point)
             print(f"  repeat {r} {point['variant']}: {fmt(point['tok_s'])} tok/s, {point['tokens']} tokens, "
-                  f"us/token http {fmt(point['http_us'])} engine {fmt(point['engine_us'])} "
+                  f"us/token http {fmt(point['http_us'])} (busiest {fmt(point['busiest_http_us'])}) "
+                  f"engine {fmt(point['engine_us'])} "
                   f"client {fmt(point['client_us'])}", flush=True)
             report_failures(point)
     return report["points"]

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -423,8 +424,9 @@ def main() -> int:
                         "only within it")
     p.add_argument("--skip-serving", action="store_true")
     p.add_argument("--engine-loops", default="process",
-                   help="--grid: one server per value, comma-separated (process, thread): where the server runs "
-                        "its rounds; default process")
+                   help="--grid: one server per value, comma-separated (process, thread, process-wN): where the "
+                        "server runs its rounds, and process-wN with N HTTP processes (--tokenizer-worker-num N); "
+                        "default process")
     p.add_argument("--trace-turns", metavar="STEM", default=None,
                    help="--grid: the server's --trace-turns, into STEM-LOOP.jsonl per engine loop; each cell "
                         "keeps its turn_range there (bench/turn_trace.py reads both)")
@@ -437,8 +439,9 @@ def main() -> int:
     args.budgets = args.budgets or ("16,64" if grid_mode else "4,8,16,32")
     args.concurrency_list, args.budget_list = int_list(args.concurrency), int_list(args.budgets)
     args.engine_loops = [part.strip() for part in args.engine_loops.split(",") if part.strip()]
-    if not args.engine_loops or set(args.engine_loops) - {"process", "thread"}:
-        p.error(f"--engine-loops takes process and/or thread, got {','.join(args.engine_loops) or 'nothing'}")
+    if not args.engine_loops or any(not re.fullmatch(r"thread|process(-w[1-9][0-9]?)?", loop)
+                                    for loop in args.engine_loops):
+        p.error(f"--engine-loops takes thread, process or process-wN, got {','.join(args.engine_loops) or 'nothing'}")
     if args.waves < 1:
         p.error(f"--waves must be at least 1, got {args.waves}")
     if not 0.0 <= args.output_len_ratio <= 1.0:

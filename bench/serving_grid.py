@@ -502,6 +502,13 @@ def verify_grid(args, engine, transformers_verifier) -> dict:
 # -- the whole mode ------------------------------------------------------------------------------
 
 
+def loop_flags(loop: str) -> list[str]:
+    """The server flags of one --engine-loops value: thread, process, or process-wN (process with N
+    HTTP processes, --tokenizer-worker-num N)."""
+    where, _, workers = loop.partition("-w")
+    return ["--engine-loop", where] + (["--tokenizer-worker-num", workers] if workers else [])
+
+
 def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Callable[[list[str], str], object],
              report: dict, save: Callable[[], None], clock: Clock, transformers_verifier) -> None:
     """--grid and/or --verify-grid into report["grid"] / report["verify_grid"]. `server_flags(
@@ -532,10 +539,10 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
             if getattr(args, "trace_turns", None):  # the server appends: a file of this run only
                 trace = ["--trace-turns", f"{args.trace_turns}-{loop}.jsonl"]
                 Path(trace[1]).unlink(missing_ok=True)
-            proc = start_server(flags + ["--engine-loop", loop] + trace, f"server-grid-{loop}.log")
+            proc = start_server(flags + loop_flags(loop) + trace, f"server-grid-{loop}.log")
             try:
                 timings[f"server_start_{loop}"] = round(time.perf_counter() - t0, 1)
-                print(f"server (--engine-loop {loop}) up in {timings[f'server_start_{loop}']} s at {proc.url}",
+                print(f"server ({' '.join(loop_flags(loop))}) up in {timings[f'server_start_{loop}']} s at {proc.url}",
                       flush=True)
                 t0 = time.perf_counter()
                 server_grid(args, proc.url, specs, concurrencies, clock, save, cells,
@@ -564,7 +571,7 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
                                    for loop, cells in by_loop.items()}
         save()
         for loop, summary in grid["summary_by_loop"].items():
-            print(f"\n--engine-loop {loop}:")
+            print(f"\n{' '.join(loop_flags(loop))}:")
             print_summary(summary)
     if args.verify_grid:
         if clock.spent(1.0):

@@ -42,6 +42,7 @@ def server_argv(args: argparse.Namespace) -> list[str]:
                         chunked_prefill_size=getattr(args, "chunked_prefill_size", None),
                         stream_interval=getattr(args, "stream_interval", None),
                         max_prefill_tokens=getattr(args, "max_prefill_tokens", None),
+                        tokenizer_worker_num=getattr(args, "tokenizer_worker_num", None),
                         enable_mixed_chunk=bool(getattr(args, "enable_mixed_chunk", False)))
 
 

@@ -10,10 +10,15 @@ messages:
 
     HTTP -> engine: (target "module:function", args, parent_pid)                  (once, at start)
                     | ("submit", tid, input_ids, gen, spec, hold) | ("cancel", tid, reason)
-                    | ("snapshot", qid) | ("stop", timeout_s)
+                    | ("snapshot", qid) | ("observed", ttft, itl) | ("stop", timeout_s)
     engine -> HTTP: ("ready", facts, config) | ("failed", exit_code, message)     (once, at start)
                     | ("updates", [(tid, submitted_turn, Update fields), ...])    (a turn's, or more)
-                    | ("snapshot", qid, Snapshot) | ("stopped",)
+                    | ("snapshot", qid, Snapshot) | ("stopped",) | ("dead", reason)
+
+With --tokenizer-worker-num N there are N HTTP processes on one port, each with its own socket
+pair to the one engine process (the first sends the start message; "ready" goes to all). At a
+high token rate one HTTP process's CPU (a socket write per streamed chunk, mostly) caps a small
+model's throughput: measured on an H100, 117 us of it per token at 8.5k tokens/s (bench/RESULTS.md).
 
 A turn's updates go in one message, so a batched round over 64 requests costs one pickle and one
 write, not 64; with the engine on a GPU, a thread of the engine process sends it while the next
@@ -37,13 +42,14 @@ import threading
 import time
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as connection_wait
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable
 
 from ddtree.engine.errors import EngineError
-from ddtree.engine.reference.scheduler import (EngineThread, QueueFull, Scheduler, ShuttingDown, Snapshot, Stats,
-                                               Ticket, Update)
+from ddtree.engine.reference.scheduler import (EngineThread, Histogram, QueueFull, Scheduler, ShuttingDown, Snapshot,
+                                               Stats, Ticket, Update)
 
 log = logging.getLogger(__name__)
 
@@ -213,56 +219,105 @@ class _Outbox:
         return True
 
 
-def host(conn: Any, engine: Any, config: Any, thread: EngineThread) -> None:
-    """Run `engine`'s rounds for the requests that arrive on `conn`, until "stop" or until the
-    HTTP process goes away. Call after the engine is loaded and warmed up, on `thread`."""
+def host(conns: list, engine: Any, config: Any, thread: EngineThread) -> None:
+    """Run `engine`'s rounds for the requests that arrive on `conns` (one per HTTP process), until
+    each has said "stop" or gone away. Call after the engine is loaded and warmed up, on `thread`.
+
+    Several HTTP processes (--tokenizer-worker-num) share the one engine: a request is known by
+    (its process's index, its id there), its updates go back on its own process's socket, and an
+    HTTP process that stops or dies takes its unfinished requests with it while the others run on."""
     # A GPU round waits with the GIL released, and a sender thread then hides the writes; a CPU
     # round is the CPU's own work, which a second thread would only compete for.
-    outbox = _Outbox(conn, threaded=str(getattr(engine, "device", "cpu")).startswith("cuda"))
-    scheduler = Scheduler.for_server(engine, config, thread=thread, on_publish=outbox.flush)
-    tickets: dict[int, Ticket] = {}
+    threaded = str(getattr(engine, "device", "cpu")).startswith("cuda")
+    outboxes = [_Outbox(conn, threaded=threaded) for conn in conns]
 
-    def relay(tid: int, ticket: Ticket, update: Update) -> None:
+    def publish() -> None:
+        for outbox in outboxes:
+            outbox.flush()
+
+    scheduler = Scheduler.for_server(engine, config, thread=thread, on_publish=publish)
+    tickets: dict[tuple[int, int], Ticket] = {}
+    # Each HTTP process's TTFT and ITL as it last sent them: a /metrics poll reaches one process,
+    # which adds its own to the others' (RemoteScheduler._answer).
+    observed: dict[int, tuple[Histogram, Histogram]] = {}
+
+    def relay(key: tuple[int, int], ticket: Ticket, update: Update) -> None:
         if update.done or update.error is not None:
-            tickets.pop(tid, None)
-        outbox.put(tid, ticket, update)
+            tickets.pop(key, None)
+        outboxes[key[0]].put(key[1], ticket, update)
 
     def loop_ended(looping: Future) -> None:
         # The rounds stopped for good (a bug): say why, then go, so the HTTP side fails what it
         # held and the server exits with the reason rather than hanging its requests.
         if not looping.cancelled() and looping.exception() is not None:
-            outbox.send(("dead", scheduler.failure))
-            outbox.drain(10.0)
+            for outbox in outboxes:
+                outbox.send(("dead", scheduler.failure))
+            for outbox in outboxes:
+                outbox.drain(10.0)
             os._exit(1)
 
-    scheduler.start().add_done_callback(loop_ended)
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            message = ("stop", 5.0)  # the HTTP process is gone: nobody reads what is left
-        kind = message[0]
-        if kind == "submit":
-            _, tid, input_ids, gen, spec, hold = message
-            ticket = Ticket(input_ids, gen, spec, None, hold)
-            ticket.sink = partial(relay, tid, ticket)
-            tickets[tid] = ticket
-            try:
-                scheduler.enqueue(ticket)
-            except EngineError as exc:  # the HTTP side caps what it sends, so only a race gets here
-                relay(tid, ticket, Update(done=True, finish_reason="abort", error=exc))
-                outbox.flush()
-        elif kind == "cancel":
-            ticket = tickets.get(message[1])
+    def others_observed(asker: int) -> tuple[Histogram, Histogram]:
+        ttft, itl = Histogram(), Histogram()
+        for index, (their_ttft, their_itl) in observed.items():
+            if index != asker:
+                ttft, itl = ttft.merged(their_ttft), itl.merged(their_itl)
+        return ttft, itl
+
+    def let_go(index: int) -> None:
+        # An HTTP process that stops or dies while others serve: nobody reads its requests now.
+        for key in [key for key in tickets if key[0] == index]:
+            ticket = tickets.get(key)
             if ticket is not None:
-                ticket.cancel(message[2])
-        elif kind == "snapshot":
-            outbox.send(("snapshot", message[1], scheduler.snapshot(time.perf_counter())))
-        elif kind == "stop":
-            scheduler.stop(message[1])
-            outbox.send(("stopped",))
-            outbox.drain(10.0)
-            return
+                ticket.cancel("abort")
+        observed.pop(index, None)
+
+    scheduler.start().add_done_callback(loop_ended)
+    live = dict(enumerate(conns))
+    while live:
+        for conn in (connection_wait(list(live.values())) if len(live) > 1 else live.values()):
+            index = conns.index(conn)
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                message = ("stop", 5.0, False)  # the HTTP process is gone: nobody reads what is left
+            kind = message[0]
+            if kind == "submit":
+                _, tid, input_ids, gen, spec, hold = message
+                key = (index, tid)
+                ticket = Ticket(input_ids, gen, spec, None, hold)
+                ticket.sink = partial(relay, key, ticket)
+                tickets[key] = ticket
+                try:
+                    scheduler.enqueue(ticket)
+                except EngineError as exc:  # the HTTP side caps what it sends, so only a race gets here
+                    relay(key, ticket, Update(done=True, finish_reason="abort", error=exc))
+                    outboxes[index].flush()
+            elif kind == "cancel":
+                ticket = tickets.get((index, message[1]))
+                if ticket is not None:
+                    ticket.cancel(message[2])
+            elif kind == "observed":
+                observed[index] = (message[1], message[2])
+            elif kind == "snapshot":
+                snap = scheduler.snapshot(time.perf_counter())
+                ttft, itl = others_observed(index)
+                snap = replace(snap, stats=replace(snap.stats, ttft=ttft, itl=itl))
+                outboxes[index].send(("snapshot", message[1], snap))
+            elif kind == "stop":
+                del live[index]
+                answer = len(message) < 3 or message[2]
+                if live:
+                    let_go(index)
+                else:
+                    scheduler.stop(message[1])
+                if answer:
+                    outboxes[index].send(("stopped",))
+                    outboxes[index].drain(10.0)
+                if not live:
+                    for outbox in outboxes:
+                        outbox.drain(10.0)
+                    return
+                break  # `live` changed: wait on what is left
 
 
 # -- the HTTP process --------------------------------------------------------------------------
@@ -275,17 +330,23 @@ class EngineStartFailed(EngineError):
         self.exit_code = exit_code
 
 
-def start(target: str, args: Any) -> tuple[Any, Any, EngineFacts, Any]:
-    """Start the engine process, which calls `target` ("module:function") with (conn, args,
-    parent_pid), and wait until it has loaded and warmed up the engine.
-    Returns (process, conn, facts, config); raises EngineStartFailed."""
-    ours, theirs = socket.socketpair()
+def start(target: str, args: Any, workers: int = 1) -> tuple[Any, list, EngineFacts, Any]:
+    """Start the engine process, which calls `target` ("module:function") with (conns, args,
+    parent_pid), and wait until it has loaded and warmed up the engine. `workers` sockets join
+    it to the HTTP processes: the first is this process's, the others go to the workers it starts
+    (worker_argv), and the engine says "ready" on each.
+    Returns (process, conns, facts, config); raises EngineStartFailed."""
+    pairs = [socket.socketpair() for _ in range(workers)]
+    fds = [theirs.fileno() for _, theirs in pairs]
     # A process of its own, not multiprocessing's spawn: no resource-tracker process beside it,
     # and `ps` shows what it is. It stays in the server's process group, so the job layer's
     # signals to the group reach it.
-    process = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())], pass_fds=(theirs.fileno(),))
-    theirs.close()
-    conn = Connection(ours.detach())
+    process = subprocess.Popen([sys.executable, "-m", __name__, ",".join(map(str, fds))], pass_fds=fds)
+    conns = []
+    for ours, theirs in pairs:
+        theirs.close()
+        conns.append(Connection(ours.detach()))
+    conn = conns[0]
     try:
         conn.send((target, args, os.getpid()))
         message = conn.recv()
@@ -299,21 +360,27 @@ def start(target: str, args: Any) -> tuple[Any, Any, EngineFacts, Any]:
             process.kill()
         raise EngineStartFailed(message[2], message[1])
     _, facts, config = message
-    return process, conn, facts, config
+    return process, conns, facts, config
 
 
-def _child(fd: int) -> None:
+def ready(conns: list, facts: EngineFacts, config: Any) -> None:
+    """The engine process's word that it is loaded and warm, to every HTTP process."""
+    for conn in conns:
+        conn.send(("ready", facts, config))
+
+
+def _child(fds: str) -> None:
     # First thing: Ctrl-C and SIGTERM reach the whole process group, and the HTTP process (which
     # drains its requests, then says "stop") decides when the engine ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    conn = Connection(fd)
+    conns = [Connection(int(fd)) for fd in fds.split(",")]
     try:
-        target, args, parent_pid = conn.recv()
+        target, args, parent_pid = conns[0].recv()
     except (EOFError, OSError):
         return
     module, function = target.split(":")
-    getattr(importlib.import_module(module), function)(conn, args, parent_pid)
+    getattr(importlib.import_module(module), function)(conns, args, parent_pid)
 
 
 class _RemoteTicket(Ticket):
@@ -346,10 +413,21 @@ class RemoteScheduler:
     needs `_lock` to retire a ticket, always drains the engine's side and the engine never
     waits on us for long."""
 
+    #: Seconds between an HTTP worker's sends of its TTFT and ITL to the engine process (workers > 1).
+    OBSERVED_EVERY_S = 0.5
+
     def __init__(self, process: Any, conn: Any, *, max_running: int, max_queued: int,
-                 on_failure: Callable[[str], None] | None = None) -> None:
+                 on_failure: Callable[[str], None] | None = None, workers: int = 1,
+                 before_stop: Callable[[], None] | None = None) -> None:
+        # process: the engine process, or None in an HTTP worker the server started (its parent
+        # owns the engine; this side only talks to it).
         self.process, self.conn = process, conn
         self.max_running, self.max_queued = max_running, max_queued
+        # Each of `workers` HTTP processes admits its share, so that together they never send
+        # the engine more than it holds.
+        self.capacity = max(1, (max_running + max_queued) // workers)
+        self.workers = workers
+        self._before_stop = before_stop
         #: TTFT and ITL, observed where the tokens reach the client; the rest comes with snapshot().
         self.stats = Stats()
         self._on_failure = on_failure
@@ -361,9 +439,23 @@ class RemoteScheduler:
         self._stopping = False
         self._failure: str | None = None
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._observed_done = threading.Event()
 
     def start(self) -> None:
         self._reader.start()
+        if self.workers > 1:
+            threading.Thread(target=self._send_observed, name="engine-observed", daemon=True).start()
+
+    def _send_observed(self) -> None:
+        """Send this process's TTFT and ITL to the engine process now and then, for the other HTTP
+        processes' /metrics (the engine adds them up: host())."""
+        sent = -1
+        while not self._observed_done.wait(self.OBSERVED_EVERY_S):
+            view = self.stats.view(time.perf_counter())
+            if view.ttft.count + view.itl.count != sent:
+                sent = view.ttft.count + view.itl.count
+                if not self._send(("observed", view.ttft, view.itl)):
+                    return
 
     @property
     def failure(self) -> str | None:
@@ -377,9 +469,12 @@ class RemoteScheduler:
             # The engine's scheduler holds no more than this side has sent and not seen finish,
             # so it never refuses what this side lets through; this side may refuse a little
             # early (final updates still on their way, at most the engine outbox's queue).
-            if len(self._tickets) >= self.max_running + self.max_queued:
+            if len(self._tickets) >= self.capacity:
+                held = f"{len(self._tickets)} requests held"
+                if self.workers > 1:
+                    held += f" by this one of {self.workers} HTTP processes (each admits its share)"
                 raise QueueFull(
-                    f"{len(self._tickets)} requests held ({self.max_running} running, the rest queued)",
+                    f"{held} ({self.max_running} running in all, the rest queued)",
                     hint="retry later, or start the server with a larger --max-queued-requests",
                 )
             tid = next(self._ids)
@@ -408,10 +503,15 @@ class RemoteScheduler:
         return future
 
     def stop(self, timeout: float = 30.0) -> None:
+        if self._before_stop is not None:
+            self._before_stop()  # the other HTTP processes end first: the engine serves them till then
         with self._lock:
             self._stopping = True
+        self._observed_done.set()
         self._send(("stop", timeout))
         self._reader.join(timeout + 10)
+        if self.process is None:
+            return
         try:
             self.process.wait(10)
         except subprocess.TimeoutExpired:
@@ -478,20 +578,23 @@ class RemoteScheduler:
             future = self._queries.pop(qid, None)
         if future is None:
             return
-        local = self.stats.view(time.perf_counter())
-        _settle(future, replace(snapshot, stats=replace(snapshot.stats, ttft=local.ttft, itl=local.itl)))
+        # The engine sends the other HTTP processes' TTFT and ITL (none where this is the only one).
+        local, others = self.stats.view(time.perf_counter()), snapshot.stats
+        _settle(future, replace(snapshot, stats=replace(others, ttft=local.ttft.merged(others.ttft),
+                                                        itl=local.itl.merged(others.itl))))
 
     def _ended(self, wait: bool = True) -> None:
         """The engine process is gone (stopped, or died), or sent what this side cannot read
         (wait=False: it still runs, until the server's stop ends it): fail whatever it still held."""
-        if wait:
+        if wait and self.process is not None:
             try:
                 self.process.wait(10)
             except subprocess.TimeoutExpired:
                 pass
         with self._lock:
             if not self._stopping:
-                self._failure = self._failure or f"the engine process exited (exit code {self.process.returncode})"
+                code = "" if self.process is None else f" (exit code {self.process.returncode})"
+                self._failure = self._failure or f"the engine process exited{code}"
             error = ShuttingDown(self._failure or "the server shut down")
             tickets, self._tickets = list(self._tickets.values()), {}
             queries, self._queries = list(self._queries.values()), {}
@@ -510,4 +613,4 @@ class RemoteScheduler:
 
 
 if __name__ == "__main__":
-    _child(int(sys.argv[1]))
+    _child(sys.argv[1])

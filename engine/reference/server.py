@@ -31,11 +31,13 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version
+from multiprocessing.connection import Connection
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
@@ -51,7 +53,7 @@ from ddtree.engine.reference.scheduler import EngineThread, QueueFull, ShuttingD
 from ddtree.engine.reference import engine_loop
 from ddtree.engine.reference.access import AccessLog, access_log
 from ddtree.engine.reference.api import DEFAULT_BUDGET, Api, BadRequest, Reply, ServerConfig
-from ddtree.engine.serving.launch import BUILTIN_MODULE, add_builtin_options
+from ddtree.engine.serving.launch import BUILTIN_MODULE, MAX_HTTP_WORKERS, add_builtin_options
 from ddtree.engine.serving.names import display_name
 
 log = logging.getLogger("ddtree.engine.server")
@@ -217,6 +219,7 @@ def build_app(api: Api) -> Starlette:
             "context_length": engine.context_window,
             "max_running_requests": config.max_running, "max_queued_requests": config.max_queued,
             "batch": config.batch, "engine_loop": api.engine_loop,
+            "tokenizer_worker_num": getattr(api.scheduler, "workers", 1),
             "chunked_prefill_size": engine.prefill_chunk or -1,
             "enable_mixed_chunk": engine.mixed_chunk,
             "max_prefill_tokens": engine.max_prefill_tokens,
@@ -550,6 +553,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graceful-timeout", type=float, default=60.0,
                    help="seconds in-flight requests get to finish after SIGTERM (default: 60)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    # Set by the server for the HTTP workers it starts (--tokenizer-worker-num): the listening
+    # socket's fd, the engine socket's fd, the server's pid.
+    p.add_argument("--http-worker-of", default=None, help=argparse.SUPPRESS)
     p.add_argument("--trace-turns", metavar="PATH", default=None,
                    help="append one JSON line per scheduler turn to PATH: its seconds and those inside the "
                         "engine, the requests it admitted, started and ran, the first tokens and tokens it "
@@ -639,6 +645,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise BadRequest(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
     if args.stream_interval < 1:
         raise BadRequest(f"--stream-interval must be at least 1, got {args.stream_interval}")
+    if not 1 <= args.tokenizer_worker_num <= MAX_HTTP_WORKERS:
+        raise BadRequest(f"--tokenizer-worker-num must be in 1..{MAX_HTTP_WORKERS}, got {args.tokenizer_worker_num}")
+    if args.tokenizer_worker_num > 1 and args.engine_loop != "process":
+        raise BadRequest("--tokenizer-worker-num above 1 needs --engine-loop process",
+                         hint="the HTTP processes share an engine process; with --engine-loop thread there is none")
     if args.trace_turns is not None:
         try:  # the engine thread opens it after the load: a bad path fails here, not then
             with open(args.trace_turns, "a"):
@@ -689,9 +700,10 @@ def _setup_logging(args: argparse.Namespace) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def engine_loop_main(conn: Any, args: argparse.Namespace, parent_pid: int) -> None:
+def engine_loop_main(conns: list, args: argparse.Namespace, parent_pid: int) -> None:
     """The engine process (--engine-loop process): load, warm up, then run the rounds for the
-    HTTP process on the other end of `conn` (engine_loop.host)."""
+    HTTP processes on the other ends of `conns` (engine_loop.host)."""
+    conn = conns[0]
     engine_loop.die_with_parent(parent_pid)  # engine_loop._child already ignores SIGINT and SIGTERM
     _setup_logging(args)
     engine_thread = EngineThread()
@@ -704,13 +716,72 @@ def engine_loop_main(conn: Any, args: argparse.Namespace, parent_pid: int) -> No
         log.exception("loading the engine failed")
         conn.send(("failed", 1, f"loading the engine failed: {type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", engine_loop.EngineFacts.of(engine), config))
-    engine_loop.host(conn, engine, config, engine_thread)
+    engine_loop.ready(conns, engine_loop.EngineFacts.of(engine), config)
+    engine_loop.host(conns, engine, config, engine_thread)
+
+
+def start_workers(argv: list[str], sock: socket.socket, conns: list) -> list[subprocess.Popen]:
+    """Start an HTTP worker for each of `conns` (the engine's sockets past the first), on this
+    server's command line and listening socket: the kernel hands each new connection to one of
+    the processes that wait on it."""
+    workers = []
+    for conn in conns:
+        fds = (sock.fileno(), conn.fileno())
+        tag = f"{fds[0]},{fds[1]},{os.getpid()}"
+        workers.append(subprocess.Popen([sys.executable, "-m", BUILTIN_MODULE, *argv, "--http-worker-of", tag],
+                                        pass_fds=fds))
+        conn.close()
+    return workers
+
+
+def stop_workers(workers: list[subprocess.Popen], timeout_s: float) -> None:
+    """Have the HTTP workers drain and exit (SIGTERM, as a signal to the process group already
+    does), and wait for them: the engine serves their requests until they say stop."""
+    for worker in workers:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for worker in workers:
+        try:
+            worker.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("an HTTP worker (pid %s) did not stop; killing it", worker.pid)
+            worker.kill()
+            worker.wait()
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """An HTTP worker (--tokenizer-worker-num): serve the server's port beside it, through the
+    engine socket it was handed. It exits with the server (PR_SET_PDEATHSIG) and prints nothing:
+    the server announces, and says why when the engine fails."""
+    listen_fd, conn_fd, server_pid = (int(part) for part in args.http_worker_of.split(","))
+    engine_loop.die_with_parent(server_pid)
+    conn = Connection(conn_fd)
+    try:
+        message = conn.recv()
+    except (EOFError, OSError):
+        return 1
+    _, facts, config = message
+    server: Any = None
+
+    def engine_failed(reason: str) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    scheduler = engine_loop.RemoteScheduler(None, conn, max_running=config.max_running, max_queued=config.max_queued,
+                                            on_failure=engine_failed, workers=args.tokenizer_worker_num)
+    api = Api(facts, config, None, scheduler)
+    server = _uvicorn_server(build_app(api), api, lambda: None, args.graceful_timeout)
+    server.run(sockets=[socket.socket(fileno=listen_fd)])
+    return 1 if scheduler.failure is not None else 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     _setup_logging(args)
+    if args.http_worker_of is not None:
+        return worker_main(args)
     # Request lines at INFO whatever --log-level says, unless it asks for errors only: they are what
     # makes following the engine's log worth it.
     access_log.setLevel(logging.ERROR if args.log_level == "error" else logging.INFO)
@@ -727,9 +798,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.engine_loop == "process":
             # The rounds run in a process of their own (engine_loop says why); this one
             # serves HTTP and runs no model.
-            process, conn, engine, config = engine_loop.start(f"{BUILTIN_MODULE}:engine_loop_main", args)
-            scheduler = engine_loop.RemoteScheduler(process, conn, max_running=config.max_running,
-                                                       max_queued=config.max_queued, on_failure=engine_failed)
+            workers = args.tokenizer_worker_num
+            process, conns, engine, config = engine_loop.start(f"{BUILTIN_MODULE}:engine_loop_main", args, workers)
+            sock = bind_socket(args.host, args.port)
+            helpers = start_workers(argv, sock, conns[1:])
+            scheduler = engine_loop.RemoteScheduler(
+                process, conns[0], max_running=config.max_running, max_queued=config.max_queued,
+                on_failure=engine_failed, workers=workers,
+                before_stop=partial(stop_workers, helpers, args.graceful_timeout + 15))
             api_args: tuple = (engine, config, None, scheduler)
         else:
             # Loading, warm-up and every round run on this one thread, so torch keeps one OpenMP
@@ -737,7 +813,7 @@ def main(argv: list[str] | None = None) -> int:
             engine_thread = EngineThread()
             engine, config = prepare(args, engine_thread)
             api_args = (engine, config, engine_thread)
-        sock = bind_socket(args.host, args.port)
+            sock = bind_socket(args.host, args.port)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

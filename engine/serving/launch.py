@@ -204,7 +204,8 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
                  batch: bool | None = None, context_window: int | None = None,
                  kv_pool_gb: float | None = None, engine_loop: str | None = None,
                  chunked_prefill_size: int | None = None, stream_interval: int | None = None,
-                 enable_mixed_chunk: bool | None = False, max_prefill_tokens: int | None = None) -> list[str]:
+                 enable_mixed_chunk: bool | None = False, max_prefill_tokens: int | None = None,
+                 tokenizer_worker_num: int | None = None) -> list[str]:
     """The builtin server's command line. Options left None are not passed (the server's default
     applies); model None is the server's demo pair."""
     argv = [python or sys.executable, "-m", BUILTIN_MODULE]
@@ -222,7 +223,8 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
                         ("--max-queued-requests", max_queued_requests), ("--threads", threads),
                         ("--context-window", context_window), ("--kv-pool-gb", kv_pool_gb),
                         ("--engine-loop", engine_loop), ("--chunked-prefill-size", chunked_prefill_size),
-                        ("--stream-interval", stream_interval), ("--max-prefill-tokens", max_prefill_tokens)):
+                        ("--stream-interval", stream_interval), ("--max-prefill-tokens", max_prefill_tokens),
+                        ("--tokenizer-worker-num", tokenizer_worker_num)):
         if value is not None:
             argv += [flag, str(value)]
     if batch is not None:
@@ -293,6 +295,15 @@ def positive_gb(text: str) -> float:
     if not value > 0 or value != value or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
     return value
+
+
+#: HTTP processes the builtin server starts at most (--tokenizer-worker-num).
+MAX_HTTP_WORKERS = 32
+
+
+def _worker_count(text: str) -> int:
+    """An argparse type: a count of HTTP processes, 1..MAX_HTTP_WORKERS."""
+    return _bounded(text, 1, MAX_HTTP_WORKERS, "a count of HTTP processes")
 
 
 def port_number(text: str) -> int:
@@ -376,6 +387,12 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
     parser.add_argument("--engine-loop", choices=("process", "thread"), default=default("process"),
                         help="where the rounds run: process (default), a process of their own beside the HTTP one, "
                              "as SGLang's scheduler; thread, on a thread of the HTTP process, sharing its GIL")
+    parser.add_argument("--tokenizer-worker-num", type=_worker_count if passthrough else int, default=default(1),
+                        help="HTTP processes that share the port and the one engine process (--engine-loop process "
+                             "only): each parses, tokenizes, detokenizes and streams its own connections, so a small "
+                             "model's token rate is not capped by one process's CPU; each admits its share of "
+                             "--max-running-requests + --max-queued-requests (default: 1; as SGLang's flag of that "
+                             f"name, 1..{MAX_HTTP_WORKERS})")
 
 
 def _builtin(table: dict, *, algorithm: str, budget, tp: int, gpus, port: int) -> tuple[list[str], dict, list[str]]:

@@ -18,13 +18,13 @@ def test_the_argv_reads_back_through_the_servers_own_parser():
     server = pytest.importorskip("ddtree.engine.reference.server")
     argv = builtin_argv(python="/py", model="/m", draft="/d", algorithm="dflash", budget=None, block_size=8,
                         device="cuda:1", backend="fast", port=0, dtype="bfloat16", max_running_requests=4,
-                        batch=False, stream_interval=4, max_prefill_tokens=4096)
+                        batch=False, stream_interval=4, max_prefill_tokens=4096, tokenizer_worker_num=3)
     assert argv[:3] == ["/py", "-m", BUILTIN_MODULE] == ["/py", "-m", server.__name__]
     args = server.build_parser().parse_args(argv[3:])
     assert (args.model, args.draft, args.algorithm, args.budget, args.block_size) == ("/m", "/d", "dflash", None, 8)
     assert (args.device, args.backend, args.host, args.port, args.dtype) == ("cuda:1", "fast", "127.0.0.1", 0, "bfloat16")
     assert (args.max_running_requests, args.max_queued_requests, args.batch) == (4, 64, False)
-    assert args.stream_interval == 4 and args.max_prefill_tokens == 4096
+    assert args.stream_interval == 4 and args.max_prefill_tokens == 4096 and args.tokenizer_worker_num == 3
     assert server.build_parser().parse_args([]).max_prefill_tokens == 16384  # SGLang's default
 
 
@@ -34,11 +34,13 @@ def test_serve_passes_on_only_what_was_given():
     argv = builtin_argv(**{k.replace("-", "_"): v for k, v in vars(args).items() if k != "draft"}, draft=args.draft)
     assert "--dtype" not in argv and "--max-running-requests" not in argv and "--batch" not in argv
     assert "--stream-interval" not in argv and "--max-prefill-tokens" not in argv
+    assert "--tokenizer-worker-num" not in argv
     assert argv[argv.index("--backend") + 1] == "auto" and argv[argv.index("--port") + 1] == "0"
 
 
 @pytest.mark.parametrize("flag, value", [("--device", "gpu0"), ("--port", "70000"), ("--budget", "-1"),
-                                        ("--stream-interval", "0"), ("--max-prefill-tokens", "0")])
+                                        ("--stream-interval", "0"), ("--max-prefill-tokens", "0"),
+                                        ("--tokenizer-worker-num", "0"), ("--tokenizer-worker-num", "33")])
 def test_serve_checks_values_as_it_parses(flag, value):
     with pytest.raises(SystemExit):
         serve_parser().parse_args([flag, value])

@@ -1,0 +1,157 @@
+"""Several HTTP processes on one engine process (--tokenizer-worker-num): the engine routes each
+request's updates to the process that sent it, lets go of a process that leaves while the others
+run on, and adds up their TTFT and ITL for /metrics; the server starts and stops its workers."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+
+import httpx
+import psutil
+import pytest
+
+from ddtree.engine.reference import engine_loop, server
+from ddtree.engine.reference.engine import GenParams, SpecParams
+from ddtree.engine.reference.scheduler import EngineThread, Update
+
+from ....support.client import EngineClient
+from ....support.server import SERVER, ServerProcess
+from .test_engine_loop import PROMPTS, SPECS, gone, greedy_outputs
+
+GEN = GenParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+class Collected:
+    """A ticket's sink: its updates, and whether the last one has come."""
+
+    def __init__(self) -> None:
+        self.updates: queue.Queue[Update] = queue.Queue()
+
+    def __call__(self, update: Update) -> None:
+        self.updates.put(update)
+
+    def result(self) -> tuple[list[int], str | None]:
+        ids: list[int] = []
+        while True:
+            update = self.updates.get(timeout=120)
+            ids += update.new_ids
+            if update.done or update.error is not None:
+                return ids, update.finish_reason
+
+
+@pytest.fixture(scope="module")
+def hosted(tiny_pair):
+    """host() on a thread over two socket pairs, as the engine process runs it for two HTTP
+    processes; yields (engine, config, [scheduler 0, scheduler 1]) and stops what is left."""
+    target, drafter = tiny_pair
+    args = server.build_parser().parse_args(["--model", str(target), "--draft", str(drafter), "--budget", "4",
+                                             "--max-running-requests", "4", "--max-queued-requests", "4"])
+    engine_thread = EngineThread()
+    engine, config = server.prepare(args, engine_thread)
+    pairs = [socket.socketpair() for _ in range(2)]
+    theirs = [Connection(b.detach()) for _, b in pairs]
+    hosting = threading.Thread(target=engine_loop.host, args=(theirs, engine, config, engine_thread), daemon=True)
+    hosting.start()
+    schedulers = [engine_loop.RemoteScheduler(None, Connection(a.detach()), max_running=4, max_queued=4, workers=2)
+                  for a, _ in pairs]
+    for sched in schedulers:
+        sched.start()
+    yield engine, config, schedulers
+    for sched in schedulers:
+        if not sched._stopping:
+            sched.stop(5.0)
+    hosting.join(30)
+    assert not hosting.is_alive(), "host() did not return after every HTTP process stopped"
+
+
+def test_each_process_gets_its_own_requests_and_one_that_leaves_is_let_go(hosted, tiny_pair):
+    engine, config, (first, second) = hosted
+    assert first.capacity == second.capacity == 4  # (4 running + 4 queued) / 2 processes
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    spec = SpecParams(algorithm="ddtree", budget=4)
+    sinks = [(Collected(), Collected()) for _ in prompts]
+    # The same prompts through both processes at once, their ids the same numbers on each side.
+    for ids, (a, b) in zip(prompts, sinks):
+        first.submit(ids, GEN, spec, a)
+        second.submit(ids, GEN, spec, b)
+    results = [(a.result(), b.result()) for a, b in sinks]
+    for (mine, theirs), ids in zip(results, prompts):
+        assert mine == theirs and mine[1] == "length" and len(mine[0]) == 12
+
+    # Each sends its TTFT and ITL; a poll on one adds the other's to its own.
+    first.stats.observe_ttft(0.5)
+    second.stats.observe_ttft(0.25)
+    second.stats.observe_ttft(0.25)
+    second._send(("observed", second.stats.view(0.0).ttft, second.stats.view(0.0).itl))
+    polled = first.snapshot(0.0).result(timeout=60)
+    assert polled.stats.ttft.count == 3 and polled.stats.ttft.sum == pytest.approx(1.0)
+
+    # The second leaves mid-request: its request is let go, the first's runs on to its end.
+    long_gen = GenParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+    kept, dropped = Collected(), Collected()
+    first.submit(prompts[0], long_gen, SpecParams(algorithm="ar"), kept)
+    second.submit(prompts[1], long_gen, SpecParams(algorithm="ar"), dropped)
+    dropped.updates.get(timeout=120)  # it is decoding
+    second.stop(5.0)
+    ids, reason = kept.result()
+    assert reason == "length" and len(ids) == 200
+    for _ in range(600):  # counted polls until the engine has retired the let-go request
+        snap = first.snapshot(0.0).result(timeout=60)
+        if snap.running == 0 and snap.queued == 0:
+            break
+    assert (snap.running, snap.queued) == (0, 0)
+    assert snap.stats.ttft.count == 1  # the second's no longer counted once it left
+    again = Collected()
+    first.submit(prompts[2], GEN, spec, again)
+    assert again.result() == results[2][0]
+
+
+def test_the_server_starts_its_workers_answers_the_same_and_stops_them(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    srv = ServerProcess([*SERVER, "--model", str(target), "--draft", str(drafter), "--port", "0", "--budget", "4",
+                         "--tokenizer-worker-num", "2"], tmp_path / "server.log")
+    try:
+        info = httpx.get(srv.url + "/server_info").json()
+        assert info["tokenizer_worker_num"] == 2 and info["engine_loop"] == "process"
+        children = psutil.Process(srv.proc.pid).children()
+        kinds = sorted(p.cmdline()[2] for p in children)
+        assert kinds == ["ddtree.engine.reference.engine_loop", "ddtree.engine.reference.server"]
+        want = greedy_outputs(srv.url)
+        # Many connections at once: the kernel hands them to both processes.
+        client = EngineClient(srv.url)
+
+        def one(k: int) -> list[int]:
+            prompt, spec = PROMPTS[k // len(SPECS)], SPECS[k % len(SPECS)]
+            return client.generate(prompt, sampling_params={"max_new_tokens": 16, "temperature": 0.0,
+                                                            "ignore_eos": True}, speculative=spec)["output_ids"]
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(one, range(len(want)))) == want
+        # Every request's first token is counted once, whichever process served it and was polled.
+        for _ in range(600):  # counted polls: each worker sends its counts every half second
+            time.sleep(0.05)
+            metrics = httpx.get(srv.url + "/metrics").text
+            if f"time_to_first_token_seconds_count{{model_name=\"{info['served_model_name']}\"}} " \
+               f"{float(2 * len(want))}" in metrics:
+                break
+        else:
+            pytest.fail(f"TTFT never counted {2 * len(want)} requests:\n{metrics[-2000:]}")
+        srv.proc.terminate()  # the server alone, not its group: it stops its workers itself
+        assert srv.proc.wait(90) == 0, srv.log_tail()
+        assert all(gone(p) for p in children), "a worker or the engine outlived the server"
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("extra", [["--tokenizer-worker-num", "0"], ["--tokenizer-worker-num", "99"],
+                                   ["--tokenizer-worker-num", "2", "--engine-loop", "thread"]])
+def test_a_bad_worker_count_is_refused_in_one_line_before_loading(extra):
+    out = subprocess.run([*SERVER, *extra], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "--tokenizer-worker-num" in out.stderr
