@@ -397,8 +397,14 @@ def _version() -> str:
 
 # -- process -------------------------------------------------------------------------------------
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Binds (host, port) now; port 0 picks a free one with no window for another process to take it."""
+def bind_socket(host: str, port: int, *, shared: bool = False) -> socket.socket:
+    """Binds (host, port) now; port 0 picks a free one with no window for another process to take it.
+
+    shared: with SO_REUSEPORT, for the HTTP workers (--tokenizer-worker-num), each of which binds
+    its own socket to the port: the kernel then spreads new connections over them by address
+    hash. On one shared socket the process that woke first accepted a whole burst of them
+    (asyncio accepts until the backlog is empty): 2 workers at c=32 put 70 of 98 us a token in
+    one (bench/RESULTS.md)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
@@ -410,6 +416,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     # over a kept-alive connection.
     sock = socket.socket(family, socket.SOCK_STREAM, proto or socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind(address)
     except OSError as exc:
@@ -553,8 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graceful-timeout", type=float, default=60.0,
                    help="seconds in-flight requests get to finish after SIGTERM (default: 60)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
-    # Set by the server for the HTTP workers it starts (--tokenizer-worker-num): the listening
-    # socket's fd, the engine socket's fd, the server's pid.
+    # Set by the server for the HTTP workers it starts (--tokenizer-worker-num): the port, the
+    # engine socket's fd, the server's pid.
     p.add_argument("--http-worker-of", default=None, help=argparse.SUPPRESS)
     p.add_argument("--trace-turns", metavar="PATH", default=None,
                    help="append one JSON line per scheduler turn to PATH: its seconds and those inside the "
@@ -720,16 +728,24 @@ def engine_loop_main(conns: list, args: argparse.Namespace, parent_pid: int) -> 
     engine_loop.host(conns, engine, config, engine_thread)
 
 
-def start_workers(argv: list[str], sock: socket.socket, conns: list) -> list[subprocess.Popen]:
+def bind_shared(host: str, port: int) -> socket.socket:
+    """The server's socket when HTTP workers share its port (bind_socket's shared). Checked first
+    without SO_REUSEPORT, so that a port another server holds (this one's twin included, which
+    would otherwise share it silently) is refused as usual; port 0 picks a free one there."""
+    probe = bind_socket(host, port)
+    port = probe.getsockname()[1]
+    probe.close()
+    return bind_socket(host, port, shared=True)
+
+
+def start_workers(argv: list[str], port: int, conns: list) -> list[subprocess.Popen]:
     """Start an HTTP worker for each of `conns` (the engine's sockets past the first), on this
-    server's command line and listening socket: the kernel hands each new connection to one of
-    the processes that wait on it."""
+    server's command line; each binds its own socket to `port` (bind_socket's shared)."""
     workers = []
     for conn in conns:
-        fds = (sock.fileno(), conn.fileno())
-        tag = f"{fds[0]},{fds[1]},{os.getpid()}"
+        tag = f"{port},{conn.fileno()},{os.getpid()}"
         workers.append(subprocess.Popen([sys.executable, "-m", BUILTIN_MODULE, *argv, "--http-worker-of", tag],
-                                        pass_fds=fds))
+                                        pass_fds=(conn.fileno(),)))
         conn.close()
     return workers
 
@@ -754,9 +770,14 @@ def worker_main(args: argparse.Namespace) -> int:
     """An HTTP worker (--tokenizer-worker-num): serve the server's port beside it, through the
     engine socket it was handed. It exits with the server (PR_SET_PDEATHSIG) and prints nothing:
     the server announces, and says why when the engine fails."""
-    listen_fd, conn_fd, server_pid = (int(part) for part in args.http_worker_of.split(","))
+    port, conn_fd, server_pid = (int(part) for part in args.http_worker_of.split(","))
     engine_loop.die_with_parent(server_pid)
     conn = Connection(conn_fd)
+    try:
+        sock = bind_socket(args.host, port, shared=True)
+    except EngineError as exc:  # the server serves on without this worker
+        log.error("an HTTP worker could not listen: %s", exc)
+        return 1
     try:
         message = conn.recv()
     except (EOFError, OSError):
@@ -772,7 +793,7 @@ def worker_main(args: argparse.Namespace) -> int:
                                             on_failure=engine_failed, workers=args.tokenizer_worker_num)
     api = Api(facts, config, None, scheduler)
     server = _uvicorn_server(build_app(api), api, lambda: None, args.graceful_timeout)
-    server.run(sockets=[socket.socket(fileno=listen_fd)])
+    server.run(sockets=[sock])
     return 1 if scheduler.failure is not None else 0
 
 
@@ -800,8 +821,8 @@ def main(argv: list[str] | None = None) -> int:
             # serves HTTP and runs no model.
             workers = args.tokenizer_worker_num
             process, conns, engine, config = engine_loop.start(f"{BUILTIN_MODULE}:engine_loop_main", args, workers)
-            sock = bind_socket(args.host, args.port)
-            helpers = start_workers(argv, sock, conns[1:])
+            sock = bind_socket(args.host, args.port) if workers == 1 else bind_shared(args.host, args.port)
+            helpers = start_workers(argv, sock.getsockname()[1], conns[1:])
             scheduler = engine_loop.RemoteScheduler(
                 process, conns[0], max_running=config.max_running, max_queued=config.max_queued,
                 on_failure=engine_failed, workers=workers,
