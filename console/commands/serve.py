@@ -43,6 +43,7 @@ def server_argv(args: argparse.Namespace) -> list[str]:
                         stream_interval=getattr(args, "stream_interval", None),
                         max_prefill_tokens=getattr(args, "max_prefill_tokens", None),
                         tokenizer_worker_num=getattr(args, "tokenizer_worker_num", None),
+                        incremental_streaming_output=bool(getattr(args, "incremental_streaming_output", False)),
                         enable_mixed_chunk=bool(getattr(args, "enable_mixed_chunk", False)))
 
 

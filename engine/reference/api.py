@@ -70,6 +70,8 @@ class ServerConfig:
     stream_interval: int = 1
     #: A file that gets one JSON line per scheduler turn (Scheduler's trace_turns), or None.
     trace_turns: str | None = None
+    #: /generate streams each chunk's new text and ids only, not all so far (SGLang's flag).
+    incremental_streaming_output: bool = False
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:

@@ -224,6 +224,7 @@ def build_app(api: Api) -> Starlette:
             "enable_mixed_chunk": engine.mixed_chunk,
             "max_prefill_tokens": engine.max_prefill_tokens,
             "stream_interval": config.stream_interval,
+            "incremental_streaming_output": config.incremental_streaming_output,
             "kv_pool": snap.pool,
             "chat_template": "model" if api.has_chat_template else "fallback",
             "uptime_s": time.time() - api.started_at,
@@ -271,10 +272,17 @@ def build_app(api: Api) -> Starlette:
                                  "meta_info": api.meta_info(req, run, final=True)})
 
         async def chunks() -> AsyncIterator[bytes]:
+            # Each chunk carries all the text and ids so far, or with --incremental-streaming-output
+            # only what is new: at 512 tokens the whole so far made every chunk ~2 kB of JSON.
+            text_sent = ids_sent = 0
             try:
                 async for r in run.updates():
-                    yield _sse({"text": r.text, "output_ids": list(r.ids),
-                                "meta_info": api.meta_info(req, r, final=r.done)})
+                    if api.config.incremental_streaming_output:
+                        text, ids = r.text[text_sent:], r.ids[ids_sent:]
+                        text_sent, ids_sent = len(r.text), len(r.ids)
+                    else:
+                        text, ids = r.text, list(r.ids)
+                    yield _sse({"text": text, "output_ids": ids, "meta_info": api.meta_info(req, r, final=r.done)})
             except EngineError as exc:
                 yield _sse({"error": {"message": str(exc)}})
             yield SSE_DONE
@@ -699,6 +707,7 @@ def settle_config(args: argparse.Namespace, engine: Engine, model_path: str, dra
                         graceful_timeout_s=args.graceful_timeout,
                         batch=DEFAULT_BATCH if args.batch is None else args.batch,
                         stream_interval=args.stream_interval, trace_turns=args.trace_turns,
+                        incremental_streaming_output=bool(args.incremental_streaming_output),
                         capture_budgets=tuple(b for b in args.capture_budgets
                                               if engine.max_budget is None or b <= engine.max_budget))
 

@@ -205,7 +205,8 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
                  kv_pool_gb: float | None = None, engine_loop: str | None = None,
                  chunked_prefill_size: int | None = None, stream_interval: int | None = None,
                  enable_mixed_chunk: bool | None = False, max_prefill_tokens: int | None = None,
-                 tokenizer_worker_num: int | None = None) -> list[str]:
+                 tokenizer_worker_num: int | None = None,
+                 incremental_streaming_output: bool | None = False) -> list[str]:
     """The builtin server's command line. Options left None are not passed (the server's default
     applies); model None is the server's demo pair."""
     argv = [python or sys.executable, "-m", BUILTIN_MODULE]
@@ -231,6 +232,8 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
         argv.append("--batch" if batch else "--no-batch")
     if enable_mixed_chunk:
         argv.append("--enable-mixed-chunk")
+    if incremental_streaming_output:
+        argv.append("--incremental-streaming-output")
     return argv
 
 
@@ -384,6 +387,10 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                              "process a chunk, so at high token rates a larger value serves more tokens/s, in "
                              "coarser steps; the first token and the end are sent at once (default: 1, every "
                              "round; as SGLang's flag of that name)")
+    parser.add_argument("--incremental-streaming-output", action="store_true", default=default(False),
+                        help="/generate streams each chunk's new text and output_ids only, instead of all so far: "
+                             "less to encode and send per chunk on long outputs; clients must join the pieces "
+                             "(meta_info's counts stay totals; as SGLang's flag of that name)")
     parser.add_argument("--engine-loop", choices=("process", "thread"), default=default("process"),
                         help="where the rounds run: process (default), a process of their own beside the HTTP one, "
                              "as SGLang's scheduler; thread, on a thread of the HTTP process, sharing its GIL")

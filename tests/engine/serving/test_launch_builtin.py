@@ -50,4 +50,8 @@ def test_mixed_chunks_pass_on_when_asked():
     args = serve_parser().parse_args(["--enable-mixed-chunk", "--chunked-prefill-size", "64"])
     argv = builtin_argv(**{k.replace("-", "_"): v for k, v in vars(args).items() if k != "draft"}, draft=args.draft)
     assert "--enable-mixed-chunk" in argv and argv[argv.index("--chunked-prefill-size") + 1] == "64"
+    assert "--incremental-streaming-output" not in argv
+    args = serve_parser().parse_args(["--incremental-streaming-output"])
+    argv = builtin_argv(**{k.replace("-", "_"): v for k, v in vars(args).items() if k != "draft"}, draft=args.draft)
+    assert "--incremental-streaming-output" in argv
     assert "--enable-mixed-chunk" not in builtin_argv()

@@ -115,10 +115,11 @@ def test_each_process_gets_its_own_requests_and_one_that_leaves_is_let_go(hosted
 def test_the_server_starts_its_workers_answers_the_same_and_stops_them(tiny_pair, tmp_path):
     target, drafter = tiny_pair
     srv = ServerProcess([*SERVER, "--model", str(target), "--draft", str(drafter), "--port", "0", "--budget", "4",
-                         "--tokenizer-worker-num", "2"], tmp_path / "server.log")
+                         "--tokenizer-worker-num", "2", "--incremental-streaming-output"], tmp_path / "server.log")
     try:
         info = httpx.get(srv.url + "/server_info").json()
         assert info["tokenizer_worker_num"] == 2 and info["engine_loop"] == "process"
+        assert info["incremental_streaming_output"] is True
         children = psutil.Process(srv.proc.pid).children()
         kinds = sorted(p.cmdline()[2] for p in children)
         assert kinds == ["ddtree.engine.reference.engine_loop", "ddtree.engine.reference.server"]
@@ -133,15 +134,29 @@ def test_the_server_starts_its_workers_answers_the_same_and_stops_them(tiny_pair
 
         with ThreadPoolExecutor(8) as pool:
             assert list(pool.map(one, range(len(want)))) == want
+        # --incremental-streaming-output: each chunk has only what is new; the pieces join to the
+        # whole, with a stop string too (streaming holds back what may start one).
+        params = {"max_new_tokens": 30, "temperature": 0.0, "ignore_eos": True}
+        spec = {"algorithm": "ddtree", "budget": 4}
+        whole = client.generate(PROMPTS[1], sampling_params=params, speculative=spec)
+        for extra in ({}, {"stop": [whole["text"][12:15]]}):
+            ask = {**params, **extra}
+            chunks = list(client.generate_stream(PROMPTS[1], sampling_params=ask, speculative=spec))
+            plain = client.generate(PROMPTS[1], sampling_params=ask, speculative=spec)
+            assert len(chunks) > 2 and "".join(c["text"] for c in chunks) == plain["text"]
+            assert [t for c in chunks for t in c["output_ids"]] == plain["output_ids"]
+            assert chunks[-1]["meta_info"]["completion_tokens"] == len(plain["output_ids"])
+        assert len(plain["output_ids"]) < 30  # the stop string was met
         # Every request's first token is counted once, whichever process served it and was polled.
+        requests = 2 * len(want) + 5
         for _ in range(600):  # counted polls: each worker sends its counts every half second
             time.sleep(0.05)
             metrics = httpx.get(srv.url + "/metrics").text
             if f"time_to_first_token_seconds_count{{model_name=\"{info['served_model_name']}\"}} " \
-               f"{float(2 * len(want))}" in metrics:
+               f"{float(requests)}" in metrics:
                 break
         else:
-            pytest.fail(f"TTFT never counted {2 * len(want)} requests:\n{metrics[-2000:]}")
+            pytest.fail(f"TTFT never counted {requests} requests:\n{metrics[-2000:]}")
         srv.proc.terminate()  # the server alone, not its group: it stops its workers itself
         assert srv.proc.wait(90) == 0, srv.log_tail()
         assert all(gone(p) for p in children), "a worker or the engine outlived the server"
