@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from sqlite_utils import Database
@@ -69,17 +70,26 @@ def open_downloads_of(db: Database, repo_id: str, local_dir: str | None, *, cach
     """The open rows fetching `repo_id` into the same place (a local folder, or for None the HF
     cache `cache_dir`, which only the job's spec records), other than job `besides`'s, whose job
     has not ended (a runner killed outright leaves its row open): files both want wait on
-    huggingface_hub's file locks."""
-    if local_dir is not None:
-        where, place = "d.local_dir = ?", [local_dir]
-    else:
-        where, place = "d.local_dir IS NULL AND json_extract(j.spec, '$.cache_dir') IS ?", [cache_dir]
+    huggingface_hub's file locks. Places are compared with symlinks resolved: one folder reached
+    by two paths is one place."""
+    into = "d.local_dir IS NOT NULL" if local_dir is not None else "d.local_dir IS NULL"
     open_states = ", ".join("?" for _ in OPEN_DOWNLOAD_STATES)
     ended_states = ", ".join("?" for _ in TERMINAL_STATES)
-    return fetch_rows(db, f"SELECT d.* FROM downloads d JOIN jobs j ON j.id = d.job_id WHERE d.repo_id = ? "
-                          f"AND {where} AND d.job_id IS NOT ? AND d.state IN ({open_states}) "
-                          f"AND j.state NOT IN ({ended_states}) ORDER BY d.id",
-                      [repo_id, *place, besides, *OPEN_DOWNLOAD_STATES, *sorted(TERMINAL_STATES)])
+    rows = fetch_rows(db, f"SELECT d.*, json_extract(j.spec, '$.cache_dir') AS spec_cache_dir FROM downloads d "
+                          f"JOIN jobs j ON j.id = d.job_id WHERE d.repo_id = ? AND {into} AND d.job_id IS NOT ? "
+                          f"AND d.state IN ({open_states}) AND j.state NOT IN ({ended_states}) ORDER BY d.id",
+                      [repo_id, besides, *OPEN_DOWNLOAD_STATES, *sorted(TERMINAL_STATES)])
+    place = _place(local_dir if local_dir is not None else cache_dir)
+    same = []
+    for row in rows:
+        theirs = row.pop("spec_cache_dir")
+        if _place(row["local_dir"] if local_dir is not None else theirs) == place:
+            same.append(row)
+    return same
+
+
+def _place(path: str | None) -> str | None:
+    return None if path is None else os.path.realpath(os.path.expanduser(path))
 
 
 def recent_downloads(db: Database, limit: int) -> list[dict[str, Any]]:

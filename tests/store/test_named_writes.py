@@ -117,7 +117,7 @@ def test_telemetry_writer_labels_rows_and_prunes_past_the_retention(db):
         TelemetryWriter(db, retention_s=0)
 
 
-def test_downloads_sharing_a_place_are_those_into_the_same_cache_or_folder_of_live_jobs(db):
+def test_downloads_sharing_a_place_are_those_into_the_same_cache_or_folder_of_live_jobs(db, tmp_path):
     from ddtree.store.downloads import open_downloads_of
 
     def download(cache_dir, local_dir=None, job_state="running"):
@@ -137,3 +137,9 @@ def test_downloads_sharing_a_place_are_those_into_the_same_cache_or_folder_of_li
     assert [r["job_id"] for r in open_downloads_of(db, "acme/m", None, cache_dir="/c/two")] == [there]
     assert [r["job_id"] for r in open_downloads_of(db, "acme/m", "/m")] == [folder]
     assert open_downloads_of(db, "acme/m", None, cache_dir="/c/one", besides=here) == []
+    # One folder by two paths (a symlink) is one place.
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    linked = download(None, local_dir=str(tmp_path / "link"))
+    assert [r["job_id"] for r in open_downloads_of(db, "acme/m", str(tmp_path / "real"))] == [linked]
+    assert "spec_cache_dir" not in open_downloads_of(db, "acme/m", str(tmp_path / "real"))[0]
