@@ -335,7 +335,8 @@ def _builtin_argv(recipe: Recipe, algorithm: str, budget: int | None) -> tuple[s
     return tuple(builtin_argv(python=engine.python, model=model, draft=draft,
                               algorithm=algorithm, budget=budget,
                               block_size=engine.block_size, device=engine.device, backend=engine.backend,
-                              max_running_requests=widest if widest > DEFAULT_MAX_RUNNING else None))
+                              max_running_requests=widest if widest > DEFAULT_MAX_RUNNING else None)) \
+        + tuple(engine.extra_args)
 
 
 def _unless_demo(path: str | None, which: int) -> str | None:

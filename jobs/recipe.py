@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree.engine.serving.launch import ALGORITHMS, BACKENDS
+from ddtree.engine.serving.launch import ALGORITHMS, BACKENDS, check_builtin_extra_args
+from ddtree.engine.serving.probe import LaunchConfigError
 from ddtree.engine.serving.launch import KINDS as ENGINE_KINDS
 from ddtree.jobs.errors import BadSpec
 
@@ -302,8 +303,10 @@ class Recipe:
                                   "leave sweep.tp out for kind = \"builtin\"")
             if sweep.gpus or len(engine.gpus) > 1:
                 raise RecipeError("the builtin engine runs on one device", "give at most one GPU in engine.gpus")
-            if engine.extra_args:
-                raise RecipeError("engine.extra_args applies to sglang and vllm only")
+            try:
+                check_builtin_extra_args(engine.extra_args)
+            except LaunchConfigError as exc:
+                raise RecipeError(exc.message, exc.hint) from None
         pool = len(engine.gpus)
         for tp in sweep.tp:
             if pool and not sweep.gpus and tp > pool:

@@ -402,17 +402,45 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                              f"name, 1..{MAX_HTTP_WORKERS})")
 
 
+#: The builtin server's flags a recipe's own keys set (or the sweep, from its concurrency axis):
+#: engine.extra_args may not set them, or the run would not be what the store says it is.
+BUILTIN_MANAGED = ("--model", "--draft", "--algorithm", "--budget", "--block-size", "--device", "--backend",
+                   "--host", "--port", "--max-running-requests")
+
+
+class _NoExit(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise LaunchConfigError(message)
+
+
+def check_builtin_extra_args(extra_args: Sequence[str]) -> None:
+    """Refuse, in one line, builtin engine.extra_args that set a managed flag or that the
+    server's own options would not take (an unknown flag, a value out of range)."""
+    for name in (a.split("=", 1)[0] for a in extra_args if a.startswith("--")):
+        if name in BUILTIN_MANAGED:
+            raise LaunchConfigError(f"engine.extra_args sets {name}, which the console manages",
+                                    "take it out; the recipe's own keys and the sweep's concurrency set it")
+    parser = _NoExit(prog="builtin", add_help=False)
+    add_builtin_options(parser, passthrough=True)
+    try:
+        parser.parse_args(list(extra_args))
+    except LaunchConfigError as exc:
+        raise LaunchConfigError(f"engine.extra_args for the builtin engine: {exc.message}",
+                                "see `ddtree-console serve --help` for its options") from None
+
+
 def _builtin(table: dict, *, algorithm: str, budget, tp: int, gpus, port: int) -> tuple[list[str], dict, list[str]]:
     if tp != 1:
         raise LaunchConfigError(f"the builtin engine runs on one device, tp {tp} asked", "use tp = 1 for builtin")
     if table.get("numa_bind") not in (None, "off"):
         raise LaunchConfigError("engine.numa_bind applies to sglang and vllm only", "leave it out for builtin")
-    if table.get("extra_args"):
-        raise LaunchConfigError("engine.extra_args applies to sglang and vllm only", "leave it out for builtin")
     device = table.get("device") or ("cuda" if gpus else "cpu")
     argv = builtin_argv(python=table.get("python"), model=table.get("model"), draft=table.get("draft_model"),
                         algorithm=algorithm, budget=budget, block_size=table.get("block_size"), device=device,
                         backend=table.get("backend"), port=port)
+    extra = tuple(table.get("extra_args") or ())
+    check_builtin_extra_args(extra)
+    argv += extra
     env = {}
     if gpus and device.startswith("cuda"):
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)

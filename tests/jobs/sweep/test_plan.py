@@ -177,3 +177,25 @@ def test_a_grid_past_the_hard_cap_is_refused_even_with_yes_large():
     with pytest.raises(UnsupportedEngine):
         check_size(between)
     check_size(between, allow_large=True)
+
+
+def test_builtin_extra_args_reach_the_server_and_bad_ones_are_refused_in_one_line():
+    import pytest
+
+    from ddtree.jobs.recipe import RecipeError
+
+    extra = 'draft_model = "/m/drafter"\nextra_args = ["--tokenizer-worker-num", "4", "--incremental-streaming-output"]'
+    argv = list(make_plan(parse_recipe(BUILTIN.replace('draft_model = "/m/drafter"', extra))).launches[0].argv)
+    assert argv[-3:] == ["--tokenizer-worker-num", "4", "--incremental-streaming-output"]
+    server = pytest.importorskip("ddtree.engine.reference.server")
+    args = server.build_parser().parse_args(argv[3:])  # the server reads it back
+    assert args.tokenizer_worker_num == 4 and args.incremental_streaming_output
+    for bad, said in ((["--port", "9"], "--port, which the console manages"),
+                      (["--max-running-requests=2"], "--max-running-requests, which the console manages"),
+                      (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+                      (["--tokenizer-worker-num", "0"], "--tokenizer-worker-num")):
+        text = BUILTIN.replace('draft_model = "/m/drafter"', f'draft_model = "/m/drafter"\nextra_args = {bad!r}'
+                               .replace("'", '"'))
+        with pytest.raises(RecipeError) as caught:
+            parse_recipe(text)
+        assert said in str(caught.value) and "\n" not in str(caught.value) and caught.value.exit_code == 2
