@@ -17,14 +17,16 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from ddtree.engine.errors import EngineError
-from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
-from ddtree.engine.reference.params import ALGORITHMS
+from ddtree.engine.reference.params import ALGORITHMS, GenParams, SpecParams
 from ddtree.engine.reference.scheduler import (EngineThread, Scheduler, ShuttingDown, Snapshot, Update,
                                                proposed_per_round)
 from ddtree.engine.serving.launch import DEFAULT_BUDGET
+
+if TYPE_CHECKING:  # torch: the HTTP processes never load it (the engine process does)
+    from ddtree.engine.reference.engine import Engine
 
 #: The chat roles OpenAI's API defines (SGLang's chat endpoint takes the same).
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})

@@ -219,13 +219,16 @@ class _Outbox:
         return True
 
 
-def host(conns: list, engine: Any, config: Any, thread: EngineThread) -> None:
+def host(conns: list, engine: Any, config: Any, thread: EngineThread, greeting: tuple = ()) -> None:
     """Run `engine`'s rounds for the requests that arrive on `conns` (one per HTTP process), until
     each has said "stop" or gone away. Call after the engine is loaded and warmed up, on `thread`.
 
     Several HTTP processes (--tokenizer-worker-num) share the one engine: a request is known by
     (its process's index, its id there), its updates go back on its own process's socket, and an
-    HTTP process that stops or dies takes its unfinished requests with it while the others run on."""
+    HTTP process that stops or dies takes its unfinished requests with it while the others run on.
+    A worker's first message, ("hello",), is answered ("ready", *greeting): the loaded engine's
+    facts go to each worker when it asks, through its outbox, so a worker that is slow to start or
+    dies first holds up nothing and takes nothing down."""
     # A GPU round waits with the GIL released, and a sender thread then hides the writes; a CPU
     # round is the CPU's own work, which a second thread would only compete for.
     threaded = str(getattr(engine, "device", "cpu")).startswith("cuda")
@@ -237,8 +240,9 @@ def host(conns: list, engine: Any, config: Any, thread: EngineThread) -> None:
 
     scheduler = Scheduler.for_server(engine, config, thread=thread, on_publish=publish)
     tickets: dict[tuple[int, int], Ticket] = {}
-    # Each HTTP process's TTFT and ITL as it last sent them: a /metrics poll reaches one process,
-    # which adds its own to the others' (RemoteScheduler._answer).
+    # Each HTTP process's TTFT and ITL as it last sent them (it sends its own right before each
+    # snapshot it asks for), kept after it leaves: every term only grows, so the sum /metrics
+    # shows never falls, whichever process a poll reaches.
     observed: dict[int, tuple[Histogram, Histogram]] = {}
 
     def relay(key: tuple[int, int], ticket: Ticket, update: Update) -> None:
@@ -256,20 +260,18 @@ def host(conns: list, engine: Any, config: Any, thread: EngineThread) -> None:
                 outbox.drain(10.0)
             os._exit(1)
 
-    def others_observed(asker: int) -> tuple[Histogram, Histogram]:
+    def all_observed() -> tuple[Histogram, Histogram]:
         ttft, itl = Histogram(), Histogram()
-        for index, (their_ttft, their_itl) in observed.items():
-            if index != asker:
-                ttft, itl = ttft.merged(their_ttft), itl.merged(their_itl)
+        for their_ttft, their_itl in observed.values():
+            ttft, itl = ttft.merged(their_ttft), itl.merged(their_itl)
         return ttft, itl
 
     def let_go(index: int) -> None:
         # An HTTP process that stops or dies while others serve: nobody reads its requests now.
-        for key in [key for key in tickets if key[0] == index]:
-            ticket = tickets.get(key)
-            if ticket is not None:
+        # (A copy first: the engine's thread retires finished tickets from the dict meanwhile.)
+        for key, ticket in list(tickets.items()):
+            if key[0] == index:
                 ticket.cancel("abort")
-        observed.pop(index, None)
 
     scheduler.start().add_done_callback(loop_ended)
     live = dict(enumerate(conns))
@@ -297,12 +299,17 @@ def host(conns: list, engine: Any, config: Any, thread: EngineThread) -> None:
                 if ticket is not None:
                     ticket.cancel(message[2])
             elif kind == "observed":
-                observed[index] = (message[1], message[2])
+                seen = observed.get(index)
+                # Sent by two of its threads (its snapshot's and its timer's): keep the newer.
+                if seen is None or message[1].count + message[2].count >= seen[0].count + seen[1].count:
+                    observed[index] = (message[1], message[2])
             elif kind == "snapshot":
                 snap = scheduler.snapshot(time.perf_counter())
-                ttft, itl = others_observed(index)
+                ttft, itl = all_observed()
                 snap = replace(snap, stats=replace(snap.stats, ttft=ttft, itl=itl))
                 outboxes[index].send(("snapshot", message[1], snap))
+            elif kind == "hello":
+                outboxes[index].send(("ready", *greeting))
             elif kind == "stop":
                 del live[index]
                 answer = len(message) < 3 or message[2]
@@ -334,7 +341,7 @@ def start(target: str, args: Any, workers: int = 1) -> tuple[Any, list, EngineFa
     """Start the engine process, which calls `target` ("module:function") with (conns, args,
     parent_pid), and wait until it has loaded and warmed up the engine. `workers` sockets join
     it to the HTTP processes: the first is this process's, the others go to the workers it starts
-    (worker_argv), and the engine says "ready" on each.
+    (server.start_workers), which each say "hello" for their "ready" (host()).
     Returns (process, conns, facts, config); raises EngineStartFailed."""
     pairs = [socket.socketpair() for _ in range(workers)]
     fds = [theirs.fileno() for _, theirs in pairs]
@@ -361,12 +368,6 @@ def start(target: str, args: Any, workers: int = 1) -> tuple[Any, list, EngineFa
         raise EngineStartFailed(message[2], message[1])
     _, facts, config = message
     return process, conns, facts, config
-
-
-def ready(conns: list, facts: EngineFacts, config: Any) -> None:
-    """The engine process's word that it is loaded and warm, to every HTTP process."""
-    for conn in conns:
-        conn.send(("ready", facts, config))
 
 
 def _child(fds: str) -> None:
@@ -487,7 +488,8 @@ class RemoteScheduler:
         return ticket
 
     def snapshot(self, now: float) -> Future:
-        """A future of the engine's Snapshot, with this side's TTFT and ITL in it."""
+        """A future of the engine's Snapshot, with the TTFT and ITL of every HTTP process in it
+        (this one's sent just before, on the same socket, so it is current)."""
         future: Future = Future()
         with self._lock:
             if self._failure is not None:
@@ -495,7 +497,8 @@ class RemoteScheduler:
                 return future
             qid = next(self._ids)
             self._queries[qid] = future
-        if not self._send(("snapshot", qid)):
+        view = self.stats.view(now)
+        if not (self._send(("observed", view.ttft, view.itl)) and self._send(("snapshot", qid))):
             with self._lock:
                 mine = self._queries.pop(qid, None)
             if mine is not None:  # else the reader's _ended has failed it already
@@ -578,10 +581,7 @@ class RemoteScheduler:
             future = self._queries.pop(qid, None)
         if future is None:
             return
-        # The engine sends the other HTTP processes' TTFT and ITL (none where this is the only one).
-        local, others = self.stats.view(time.perf_counter()), snapshot.stats
-        _settle(future, replace(snapshot, stats=replace(others, ttft=local.ttft.merged(others.ttft),
-                                                        itl=local.itl.merged(others.itl))))
+        _settle(future, snapshot)  # TTFT and ITL in it: every HTTP process's, this one's included
 
     def _ended(self, wait: bool = True) -> None:
         """The engine process is gone (stopped, or died), or sent what this side cannot read

@@ -31,14 +31,13 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from multiprocessing.connection import Connection
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -48,13 +47,17 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ddtree.engine.errors import EngineError
-from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
+from ddtree.engine.reference.params import GenParams, SpecParams
 from ddtree.engine.reference.scheduler import EngineThread, QueueFull, ShuttingDown, render_metrics
 from ddtree.engine.reference import engine_loop
 from ddtree.engine.reference.access import AccessLog, access_log
+from ddtree.engine.reference.http_workers import HttpWorkers
 from ddtree.engine.reference.api import DEFAULT_BUDGET, Api, BadRequest, Reply, ServerConfig
 from ddtree.engine.serving.launch import BUILTIN_MODULE, MAX_HTTP_WORKERS, add_builtin_options
 from ddtree.engine.serving.names import display_name
+
+if TYPE_CHECKING:  # torch: an HTTP process with the engine in another never loads it
+    from ddtree.engine.reference.engine import Engine
 
 log = logging.getLogger("ddtree.engine.server")
 
@@ -220,6 +223,7 @@ def build_app(api: Api) -> Starlette:
             "max_running_requests": config.max_running, "max_queued_requests": config.max_queued,
             "batch": config.batch, "engine_loop": api.engine_loop,
             "tokenizer_worker_num": getattr(api.scheduler, "workers", 1),
+            "http_pid": os.getpid(),  # which HTTP process answered (with several, each has its own)
             "chunked_prefill_size": engine.prefill_chunk or -1,
             "enable_mixed_chunk": engine.mixed_chunk,
             "max_prefill_tokens": engine.max_prefill_tokens,
@@ -512,7 +516,12 @@ def _warm_batch(engine: Engine, prompts: list[list[int]], gen: GenParams, spec: 
             s.close()
 
 
-def _uvicorn_server(app: Starlette, api: Api, announce: Any, graceful_timeout_s: float) -> Any:
+def _uvicorn_server(app: Starlette, api: Api, announce: Any, graceful_timeout_s: float, on_signal: Any = None,
+                    quiet_after: bool = False) -> Any:
+    """uvicorn's server for `app` with our signal handling: a first SIGINT or SIGTERM drains (and
+    calls on_signal: the HTTP workers drain with it), a second SIGINT stops at once. quiet_after
+    (an HTTP worker): once it has stopped serving, SIGINT and SIGTERM are ignored, so the group's
+    signal and the server's, arriving apart, cannot kill a worker that is exiting cleanly."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -533,10 +542,12 @@ def _uvicorn_server(app: Starlette, api: Api, announce: Any, graceful_timeout_s:
                 yield
             finally:
                 for sig, handler in previous.items():
-                    signal.signal(sig, handler)
+                    signal.signal(sig, signal.SIG_IGN if quiet_after else handler)
 
         def on_signal(self, sig: int, frame: Any) -> None:
             api.draining = True
+            if on_signal is not None:
+                on_signal()
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
             self.should_exit = True
@@ -618,6 +629,8 @@ def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
     batch = DEFAULT_BATCH if args.batch is None else args.batch
     pool_bytes = None if args.kv_pool_gb is None else int(args.kv_pool_gb * 2**30)
     # The fast backend batches in place from one KV pool: one slot per request it runs at once.
+    from ddtree.engine.reference.engine import Engine
+
     engine = Engine.load(model, draft, device=args.device, dtype=dtype, backend=args.backend,
                          context_window=args.context_window,
                          pool_slots=args.max_running_requests if batch else 0, pool_bytes=pool_bytes)
@@ -733,61 +746,52 @@ def engine_loop_main(conns: list, args: argparse.Namespace, parent_pid: int) -> 
         log.exception("loading the engine failed")
         conn.send(("failed", 1, f"loading the engine failed: {type(exc).__name__}: {exc}"))
         return
-    engine_loop.ready(conns, engine_loop.EngineFacts.of(engine), config)
-    engine_loop.host(conns, engine, config, engine_thread)
+    facts = engine_loop.EngineFacts.of(engine)
+    conn.send(("ready", facts, config))
+    engine_loop.host(conns, engine, config, engine_thread, greeting=(facts, config))
 
 
 def bind_shared(host: str, port: int) -> socket.socket:
     """The server's socket when HTTP workers share its port (bind_socket's shared). Checked first
     without SO_REUSEPORT, so that a port another server holds (this one's twin included, which
-    would otherwise share it silently) is refused as usual; port 0 picks a free one there."""
-    probe = bind_socket(host, port)
-    port = probe.getsockname()[1]
-    probe.close()
+    would otherwise share it silently) is refused as usual; port 0 picks a free one there. The
+    check binds only: nothing connects to it."""
+    try:
+        family, _, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise BadRequest(f"cannot resolve host {host!r}: {exc}") from None
+    with socket.socket(family, socket.SOCK_STREAM, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise EngineError(f"cannot listen on {host}:{port}: {exc.strerror}",
+                              hint="pick another --port, or 0") from None
+        port = probe.getsockname()[1]
     return bind_socket(host, port, shared=True)
 
 
-def start_workers(argv: list[str], port: int, conns: list) -> list[subprocess.Popen]:
-    """Start an HTTP worker for each of `conns` (the engine's sockets past the first), on this
-    server's command line; each binds its own socket to `port` (bind_socket's shared)."""
-    workers = []
-    for conn in conns:
-        tag = f"{port},{conn.fileno()},{os.getpid()}"
-        workers.append(subprocess.Popen([sys.executable, "-m", BUILTIN_MODULE, *argv, "--http-worker-of", tag],
-                                        pass_fds=(conn.fileno(),)))
-        conn.close()
-    return workers
-
-
-def stop_workers(workers: list[subprocess.Popen], timeout_s: float) -> None:
-    """Have the HTTP workers drain and exit (SIGTERM, as a signal to the process group already
-    does), and wait for them: the engine serves their requests until they say stop."""
-    for worker in workers:
-        if worker.poll() is None:
-            worker.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for worker in workers:
-        try:
-            worker.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("an HTTP worker (pid %s) did not stop; killing it", worker.pid)
-            worker.kill()
-            worker.wait()
-
-
 def worker_main(args: argparse.Namespace) -> int:
-    """An HTTP worker (--tokenizer-worker-num): serve the server's port beside it, through the
-    engine socket it was handed. It exits with the server (PR_SET_PDEATHSIG) and prints nothing:
-    the server announces, and says why when the engine fails."""
+    """An HTTP worker (--tokenizer-worker-num; http_workers.py): serve the server's port beside
+    it, through the engine socket it was handed. It exits with the server (PR_SET_PDEATHSIG) and
+    prints nothing: the server announces, and says why when the engine fails."""
+    try:
+        return _worker(args)
+    except KeyboardInterrupt:  # Ctrl-C while it starts: the server says what there is to say
+        return 130
+
+
+def _worker(args: argparse.Namespace) -> int:
     port, conn_fd, server_pid = (int(part) for part in args.http_worker_of.split(","))
     engine_loop.die_with_parent(server_pid)
     conn = Connection(conn_fd)
     try:
         sock = bind_socket(args.host, port, shared=True)
-    except EngineError as exc:  # the server serves on without this worker
+    except EngineError as exc:  # the server serves on without this worker (and logs its exit)
         log.error("an HTTP worker could not listen: %s", exc)
         return 1
     try:
+        conn.send(("hello",))
         message = conn.recv()
     except (EOFError, OSError):
         return 1
@@ -801,7 +805,7 @@ def worker_main(args: argparse.Namespace) -> int:
     scheduler = engine_loop.RemoteScheduler(None, conn, max_running=config.max_running, max_queued=config.max_queued,
                                             on_failure=engine_failed, workers=args.tokenizer_worker_num)
     api = Api(facts, config, None, scheduler)
-    server = _uvicorn_server(build_app(api), api, lambda: None, args.graceful_timeout)
+    server = _uvicorn_server(build_app(api), api, lambda: None, args.graceful_timeout, quiet_after=True)
     server.run(sockets=[sock])
     return 1 if scheduler.failure is not None else 0
 
@@ -810,13 +814,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     _setup_logging(args)
-    if args.http_worker_of is not None:
-        return worker_main(args)
     # Request lines at INFO whatever --log-level says, unless it asks for errors only: they are what
     # makes following the engine's log worth it.
     access_log.setLevel(logging.ERROR if args.log_level == "error" else logging.INFO)
+    if args.http_worker_of is not None:
+        return worker_main(args)
     failed: list[str] = []
     server: Any = None
+    helpers: HttpWorkers | None = None
 
     def engine_failed(reason: str) -> None:
         failed.append(reason)
@@ -831,11 +836,12 @@ def main(argv: list[str] | None = None) -> int:
             workers = args.tokenizer_worker_num
             process, conns, engine, config = engine_loop.start(f"{BUILTIN_MODULE}:engine_loop_main", args, workers)
             sock = bind_socket(args.host, args.port) if workers == 1 else bind_shared(args.host, args.port)
-            helpers = start_workers(argv, sock.getsockname()[1], conns[1:])
+            if workers > 1:
+                helpers = HttpWorkers(BUILTIN_MODULE, argv, sock.getsockname()[1], conns[1:])
             scheduler = engine_loop.RemoteScheduler(
                 process, conns[0], max_running=config.max_running, max_queued=config.max_queued,
                 on_failure=engine_failed, workers=workers,
-                before_stop=partial(stop_workers, helpers, args.graceful_timeout + 15))
+                before_stop=partial(helpers.stop, args.graceful_timeout + 15) if helpers else None)
             api_args: tuple = (engine, config, None, scheduler)
         else:
             # Loading, warm-up and every round run on this one thread, so torch keeps one OpenMP
@@ -859,7 +865,8 @@ def main(argv: list[str] | None = None) -> int:
                           "backend": engine.backend}), flush=True)
 
     api = Api(*api_args)
-    server = _uvicorn_server(build_app(api), api, announce, args.graceful_timeout)
+    server = _uvicorn_server(build_app(api), api, announce, args.graceful_timeout,
+                             on_signal=helpers.drain if helpers else None)
     server.run(sockets=[sock])
     if failed:
         print(f"error: {failed[0]}", file=sys.stderr)

@@ -84,11 +84,12 @@ def test_each_process_gets_its_own_requests_and_one_that_leaves_is_let_go(hosted
     for (mine, theirs), ids in zip(results, prompts):
         assert mine == theirs and mine[1] == "length" and len(mine[0]) == 12
 
-    # Each sends its TTFT and ITL; a poll on one adds the other's to its own.
+    # Each sends its TTFT and ITL before its poll; a poll on one has the other's too.
     first.stats.observe_ttft(0.5)
     second.stats.observe_ttft(0.25)
     second.stats.observe_ttft(0.25)
-    second._send(("observed", second.stats.view(0.0).ttft, second.stats.view(0.0).itl))
+    first.snapshot(0.0).result(timeout=60)  # a round trip: the first's count has reached the engine
+    assert second.snapshot(0.0).result(timeout=60).stats.ttft.count == 3  # its own and the first's
     polled = first.snapshot(0.0).result(timeout=60)
     assert polled.stats.ttft.count == 3 and polled.stats.ttft.sum == pytest.approx(1.0)
 
@@ -106,7 +107,7 @@ def test_each_process_gets_its_own_requests_and_one_that_leaves_is_let_go(hosted
         if snap.running == 0 and snap.queued == 0:
             break
     assert (snap.running, snap.queued) == (0, 0)
-    assert snap.stats.ttft.count == 1  # the second's no longer counted once it left
+    assert snap.stats.ttft.count == 3  # the second's still counted after it left: a counter never falls
     again = Collected()
     first.submit(prompts[2], GEN, spec, again)
     assert again.result() == results[2][0]
@@ -123,6 +124,16 @@ def test_the_server_starts_its_workers_answers_the_same_and_stops_them(tiny_pair
         children = psutil.Process(srv.proc.pid).children()
         kinds = sorted(p.cmdline()[2] for p in children)
         assert kinds == ["ddtree.engine.reference.engine_loop", "ddtree.engine.reference.server"]
+        (worker,) = [p for p in children if "--http-worker-of" in p.cmdline()]
+        # Both processes answer on the port (new connections, spread by address hash), the worker
+        # once it has started: counted polls until both have.
+        answered = set()
+        for _ in range(600):
+            answered.add(httpx.get(srv.url + "/server_info", headers={"Connection": "close"}).json()["http_pid"])
+            if answered == {srv.proc.pid, worker.pid}:
+                break
+            time.sleep(0.05)
+        assert answered == {srv.proc.pid, worker.pid}
         want = greedy_outputs(srv.url)
         # Many connections at once: the kernel hands them to both processes.
         client = EngineClient(srv.url)
@@ -160,6 +171,10 @@ def test_the_server_starts_its_workers_answers_the_same_and_stops_them(tiny_pair
         srv.proc.terminate()  # the server alone, not its group: it stops its workers itself
         assert srv.proc.wait(90) == 0, srv.log_tail()
         assert all(gone(p) for p in children), "a worker or the engine outlived the server"
+        log = srv.log_path.read_text()
+        assert "exited with code" not in log, log[-2000:]
+        # Every request has its access line, whichever process served it.
+        assert log.count("POST /generate 200") == requests, log[-2000:]
     finally:
         srv.stop()
 

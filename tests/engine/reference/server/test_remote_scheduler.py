@@ -74,7 +74,11 @@ def snapshot(turns: int = 0) -> Snapshot:
 
 def test_updates_reach_their_ticket_and_a_late_answer_to_a_dropped_poll_is_ignored(pair):
     sched, engine, _ = pair
+    sched.stats.observe_ttft(0.5)
     poll = sched.snapshot(0.0)
+    # This side's TTFT and ITL go first, on the same socket, so the engine's sum has them.
+    observed = engine.recv()
+    assert observed[0] == "observed" and observed[1].count == 1 and observed[2].count == 0
     assert engine.recv()[0] == "snapshot"
     poll.cancel()  # the /metrics poll timed out, or its client left
     ticket, got = submit(sched)
@@ -85,6 +89,7 @@ def test_updates_reach_their_ticket_and_a_late_answer_to_a_dropped_poll_is_ignor
     assert [got.get(timeout=30).new_ids, got.get(timeout=30).new_ids] == [(5,), (6,)]
     assert ticket.submitted_turn == 3 and ticket.finished
     answer = sched.snapshot(0.0)  # the reader is alive and answers the next poll
+    assert engine.recv()[0] == "observed"
     _, qid = engine.recv()
     engine.send(("snapshot", qid, snapshot(turns=2)))
     assert answer.result(timeout=30).running == 2

@@ -1,0 +1,62 @@
+"""The HTTP workers a builtin server starts beside itself (--tokenizer-worker-num): each is the
+server's own command line with `--http-worker-of PORT,FD,PID`, binds its own socket to the port
+(SO_REUSEPORT) and talks to the one engine process over the socket FD. The server tells them to
+drain when it is told to, waits for them before its engine stops, and logs one that dies.
+Nothing here imports torch."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+log = logging.getLogger("ddtree.engine.server")
+
+
+class HttpWorkers:
+    def __init__(self, module: str, argv: list[str], port: int, conns: list) -> None:
+        """Start a worker for each of `conns` (the engine's sockets past the server's own)."""
+        self.stopping = threading.Event()
+        self.procs: list[subprocess.Popen] = []
+        for conn in conns:
+            tag = f"{port},{conn.fileno()},{os.getpid()}"
+            self.procs.append(subprocess.Popen([sys.executable, "-m", module, *argv, "--http-worker-of", tag],
+                                               pass_fds=(conn.fileno(),)))
+            conn.close()
+        for proc in self.procs:
+            threading.Thread(target=self._watch, args=(proc,), name="http-worker-watch", daemon=True).start()
+
+    def _watch(self, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if not self.stopping.is_set():
+            log.warning("an HTTP worker (pid %s) exited with code %s; the server serves on without it",
+                        proc.pid, code)
+
+    def drain(self) -> None:
+        """Pass the server's stop on (SIGTERM, as a signal to the process group already does):
+        each worker stops accepting and finishes its requests while the server does."""
+        if self.stopping.is_set():
+            return  # once: a worker past its drain has its default handlers back, and would die of a second
+        self.stopping.set()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float) -> None:
+        """Drain them and wait until they have gone, at most timeout_s (then kill): the engine
+        serves their requests until then."""
+        self.drain()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                code = proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("an HTTP worker (pid %s) did not stop; killing it", proc.pid)
+                proc.kill()
+                code = proc.wait()
+            if code != 0:
+                log.warning("an HTTP worker (pid %s) exited with code %s", proc.pid, code)
