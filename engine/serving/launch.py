@@ -395,6 +395,7 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                         help="where the rounds run: process (default), a process of their own beside the HTTP one, "
                              "as SGLang's scheduler; thread, on a thread of the HTTP process, sharing its GIL")
     parser.add_argument("--tokenizer-worker-num", type=_worker_count if passthrough else int, default=default(1),
+                        metavar="N",
                         help="HTTP processes that share the port and the one engine process (--engine-loop process "
                              "only): each parses, tokenizes, detokenizes and streams its own connections, so a small "
                              "model's token rate is not capped by one process's CPU; each admits its share of "
