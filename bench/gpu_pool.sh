@@ -12,7 +12,8 @@
 #   PART=mixed SHAPE=1.7b bash bench/gpu_pool.sh # the grid without, then with --enable-mixed-chunk
 #       (grid-$SHAPE-mix-{off,on}.*), side by side in one call.
 #   TRACE=1 with a grid: the server's --trace-turns, summarised by bench/turn_trace.py at the
-#       end of grid-NAME.txt (the trace gzipped beside it, turns-NAME-process.jsonl.gz). A cold machine's first server start
+#       end of grid-NAME.txt (the trace gzipped beside it, turns-NAME-LOOP.jsonl.gz, one per
+#       --engine-loops value in GRID_ARGS: process, process-w4 for 4 HTTP processes, thread). A cold machine's first server start
 #       takes 110-200 s on the 1.7B shape (48-73 s once its kernel caches are warm), the in-process
 #       engine's warm-up 40-60 s more: the server's cells get half of what is left of 90% of
 #       TIME_BUDGET once it is up, so on a cold machine give a grid 480 s or more, and put the
@@ -46,12 +47,14 @@ grid() {  # grid NAME EXTRA_ARGS...: one bench_server.py --grid run, written as 
         | grep -v "Loading weights\|Writing model" | tee "$OUT/grid-$name.txt"
     # A call brings back only a few files: the trace's summary and the server log's lines other
     # than its access log go at the end of grid-NAME.txt, the trace itself gzipped beside it.
-    if [ -n "$trace" ] && [ -f "$OUT/turns-$name-process.jsonl" ]; then
-        echo "== bench/turn_trace.py" >> "$OUT/grid-$name.txt"
-        python3 bench/turn_trace.py "$OUT/turns-$name-process.jsonl" --grid "$OUT/grid-$name.json" \
-            >> "$OUT/grid-$name.txt" 2>&1
-        gzip -f "$OUT/turns-$name-process.jsonl"
-    fi
+    # One trace per --engine-loops value (turns-NAME-process.jsonl, turns-NAME-process-w4.jsonl, ...).
+    for tr in "$OUT"/turns-"$name"-*.jsonl; do
+        [ -n "$trace" ] && [ -f "$tr" ] || continue
+        loop=${tr#"$OUT/turns-$name-"}; loop=${loop%.jsonl}
+        echo "== bench/turn_trace.py --loop $loop" >> "$OUT/grid-$name.txt"
+        python3 bench/turn_trace.py "$tr" --grid "$OUT/grid-$name.json" --loop "$loop" >> "$OUT/grid-$name.txt" 2>&1
+        gzip -f "$tr"
+    done
     for log in /tmp/bench-server-*/server-grid*.log; do
         [ -f "$log" ] || continue
         echo "== $(basename "$log"), access lines left out" >> "$OUT/grid-$name.txt"
