@@ -22,6 +22,7 @@ class HttpWorkers:
         """Start a worker for each of `conns` (the engine's sockets past the server's own)."""
         self.stopping = threading.Event()
         self.procs: list[subprocess.Popen] = []
+        self.lost: set[int] = set()  # pids of workers that died while the server ran (logged then)
         for conn in conns:
             tag = f"{port},{conn.fileno()},{os.getpid()}"
             self.procs.append(subprocess.Popen([sys.executable, "-m", module, *argv, "--http-worker-of", tag],
@@ -33,6 +34,7 @@ class HttpWorkers:
     def _watch(self, proc: subprocess.Popen) -> None:
         code = proc.wait()
         if not self.stopping.is_set():
+            self.lost.add(proc.pid)
             log.warning("an HTTP worker (pid %s) exited with code %s; the server serves on without it",
                         proc.pid, code)
 
@@ -58,5 +60,5 @@ class HttpWorkers:
                 log.warning("an HTTP worker (pid %s) did not stop; killing it", proc.pid)
                 proc.kill()
                 code = proc.wait()
-            if code != 0:
+            if code != 0 and proc.pid not in self.lost:
                 log.warning("an HTTP worker (pid %s) exited with code %s", proc.pid, code)

@@ -4,6 +4,7 @@ run on, and adds up their TTFT and ITL for /metrics; the server starts and stops
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import subprocess
@@ -168,13 +169,38 @@ def test_the_server_starts_its_workers_answers_the_same_and_stops_them(tiny_pair
                 break
         else:
             pytest.fail(f"TTFT never counted {requests} requests:\n{metrics[-2000:]}")
+        # Every request has its access line, whichever process served it.
+        assert srv.log_path.read_text().count("POST /generate 200") == requests
+        # A worker that dies mid-stream: its request is let go, and the server serves on, alone.
+        (engine,) = [p for p in children if p is not worker]
+        for _ in range(200):  # counted tries: a new connection reaches the worker by address hash
+            kept = httpx.Client(base_url=srv.url, timeout=120)
+            if kept.get("/server_info").json()["http_pid"] == worker.pid:
+                break
+            kept.close()
+        else:
+            pytest.fail("no connection reached the worker")
+        body = {"text": PROMPTS[0], "stream": True, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+        with contextlib.suppress(httpx.HTTPError), kept.stream("POST", "/generate", json=body) as response:
+            next(line for line in response.iter_lines() if line.startswith("data:"))  # on the worker, streaming
+            engine.suspend()  # so that the stream cannot end before its worker does
+            worker.kill()
+            assert gone(worker)
+            engine.resume()
+        kept.close()
+        for _ in range(600):  # counted polls until the engine has let the request go (or it ended)
+            if httpx.get(srv.url + "/server_info").json()["internal_states"][0]["num_running_reqs"] == 0:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the dead worker's request still runs")
+        assert one(0) == want[0]  # it serves on: greedy, so the same tokens as before
         srv.proc.terminate()  # the server alone, not its group: it stops its workers itself
         assert srv.proc.wait(90) == 0, srv.log_tail()
         assert all(gone(p) for p in children), "a worker or the engine outlived the server"
         log = srv.log_path.read_text()
-        assert "exited with code" not in log, log[-2000:]
-        # Every request has its access line, whichever process served it.
-        assert log.count("POST /generate 200") == requests, log[-2000:]
+        assert log.count("exited with code") == 1, log[-2000:]
+        assert f"an HTTP worker (pid {worker.pid}) exited with code -9; the server serves on without it" in log
     finally:
         srv.stop()
 
