@@ -150,15 +150,18 @@ def test_the_server_starts_its_workers_answers_the_same_and_stops_them(tiny_pair
         # whole, with a stop string too (streaming holds back what may start one).
         params = {"max_new_tokens": 30, "temperature": 0.0, "ignore_eos": True}
         spec = {"algorithm": "ddtree", "budget": 4}
-        whole = client.generate(PROMPTS[1], sampling_params=params, speculative=spec)
-        for extra in ({}, {"stop": [whole["text"][12:15]]}):
+        text = client.generate(PROMPTS[1], sampling_params=params, speculative=spec)["text"]
+        # A stop string first met in the text's second half (the tiny pair's weights are random).
+        half = len(text) // 2
+        stop = next((text[k:k + 3] for k in range(half, len(text) - 3) if text.find(text[k:k + 3]) == k), text[-3:])
+        for extra in ({}, {"stop": [stop]}):
             ask = {**params, **extra}
             chunks = list(client.generate_stream(PROMPTS[1], sampling_params=ask, speculative=spec))
             plain = client.generate(PROMPTS[1], sampling_params=ask, speculative=spec)
-            assert len(chunks) > 2 and "".join(c["text"] for c in chunks) == plain["text"]
+            assert len(chunks) > 1 and "".join(c["text"] for c in chunks) == plain["text"]
             assert [t for c in chunks for t in c["output_ids"]] == plain["output_ids"]
             assert chunks[-1]["meta_info"]["completion_tokens"] == len(plain["output_ids"])
-        assert len(plain["output_ids"]) < 30  # the stop string was met
+        assert plain["meta_info"]["finish_reason"]["type"] == "stop"
         # Every request's first token is counted once, whichever process served it and was polled.
         requests = 2 * len(want) + 5
         for _ in range(600):  # counted polls: each worker sends its counts every half second
