@@ -589,6 +589,14 @@ class Reply:
         self._detok = IncrementalText(api.stream_decoders[req.skip_special_tokens])
         self.ticket = api.scheduler.submit(req.input_ids, req.gen, req.spec, self._sink, hold=not req.stops)
 
+    async def admission(self) -> None:
+        """Wait for the engine to hold this request where another process decides that (several
+        HTTP processes: engine_loop.RemoteScheduler), so that a refusal (QueueFull) can still be
+        the response's status; elsewhere submitting decided it already."""
+        admitted = getattr(self.ticket, "admitted", None)
+        if admitted is not None:
+            await asyncio.wrap_future(admitted)
+
     def _sink(self, update: Update) -> None:
         # Called on the scheduler's delivering thread; the courier hands it to the event loop.
         self.api.courier(self.loop).put(self.queue, update)

@@ -291,9 +291,12 @@ def host(conns: list, engine: Any, config: Any, thread: EngineThread, greeting: 
                 tickets[key] = ticket
                 try:
                     scheduler.enqueue(ticket)
-                except EngineError as exc:  # the HTTP side caps what it sends, so only a race gets here
+                except EngineError as exc:  # one HTTP process: it caps what it sends, so only a race gets here
                     relay(key, ticket, Update(done=True, finish_reason="abort", error=exc))
                     outboxes[index].flush()
+                else:
+                    if len(conns) > 1:  # several: this is where admission is decided (RemoteScheduler)
+                        outboxes[index].send(("admitted", tid))
             elif kind == "cancel":
                 ticket = tickets.get((index, message[1]))
                 if ticket is not None:
@@ -388,6 +391,13 @@ class _RemoteTicket(Ticket):
     def __init__(self, owner: "RemoteScheduler", tid: int, *args: Any) -> None:
         super().__init__(*args)
         self.owner, self.tid = owner, tid
+        #: With several HTTP processes: the engine's word that it holds this request (True), or
+        #: why not (QueueFull, ...), whichever comes first, its "admitted" or the first update.
+        self.admitted: Future | None = Future() if owner.confirms_admission else None
+
+    def settle_admission(self, error: BaseException | None = None) -> None:
+        if self.admitted is not None and not self.admitted.done():
+            _settle(self.admitted, True, error)
 
     def cancel(self, reason: str = "abort") -> None:
         first = not self.cancelled
@@ -424,10 +434,12 @@ class RemoteScheduler:
         # owns the engine; this side only talks to it).
         self.process, self.conn = process, conn
         self.max_running, self.max_queued = max_running, max_queued
-        # Each of `workers` HTTP processes admits its share, so that together they never send
-        # the engine more than it holds.
-        self.capacity = max(1, (max_running + max_queued) // workers)
+        # One HTTP process admits here, at once. With several, none knows what the others hold:
+        # each sends up to all of it, the engine admits or refuses (host()), and a streamed
+        # response starts only once it has (Reply.admission), so a refusal is still a 503.
+        self.capacity = max_running + max_queued
         self.workers = workers
+        self.confirms_admission = workers > 1
         self._before_stop = before_stop
         #: TTFT and ITL, observed where the tokens reach the client; the rest comes with snapshot().
         self.stats = Stats()
@@ -471,11 +483,8 @@ class RemoteScheduler:
             # so it never refuses what this side lets through; this side may refuse a little
             # early (final updates still on their way, at most the engine outbox's queue).
             if len(self._tickets) >= self.capacity:
-                held = f"{len(self._tickets)} requests held"
-                if self.workers > 1:
-                    held += f" by this one of {self.workers} HTTP processes (each admits its share)"
                 raise QueueFull(
-                    f"{held} ({self.max_running} running in all, the rest queued)",
+                    f"{len(self._tickets)} requests held ({self.max_running} running, the rest queued)",
                     hint="retry later, or start the server with a larger --max-queued-requests",
                 )
             tid = next(self._ids)
@@ -551,6 +560,10 @@ class RemoteScheduler:
                 self._deliver(message[1])
             elif kind == "snapshot":
                 self._answer(message[1], message[2])
+            elif kind == "admitted":
+                ticket = self._tickets.get(message[1])
+                if ticket is not None:
+                    ticket.settle_admission()
             elif kind == "dead":  # the engine's loop raised; its process exits next
                 self._failure = message[1]
             elif kind == "stopped":
@@ -564,6 +577,7 @@ class RemoteScheduler:
                 continue
             update = Update._make(fields)
             ticket.submitted_turn = turn
+            ticket.settle_admission(update.error)
             if update.done or update.error is not None:
                 ticket.finished = True
                 with self._lock:
@@ -602,6 +616,7 @@ class RemoteScheduler:
             _settle(future, error=error)
         for ticket in tickets:
             ticket.finished = True
+            ticket.settle_admission(ShuttingDown(str(error)))
             try:
                 ticket.sink(Update(done=True, finish_reason="abort", error=EngineError(str(error))))
             except Exception:

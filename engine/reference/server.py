@@ -270,6 +270,7 @@ def build_app(api: Api) -> Starlette:
         body, size = await _json_body(request)
         req = await _off_loop(size, api.parse_generate, body)
         run = api.submit(req)
+        await run.admission()  # a refusal is still this response's status (503)
         if not req.stream:
             await _collect(run, request)
             return JSONResponse({"text": run.text, "output_ids": run.ids,
@@ -309,6 +310,7 @@ def build_app(api: Api) -> Starlette:
         rid = ("chatcmpl-" if chat else "cmpl-") + req.rid
         created = int(time.time())
         run = api.submit(req)
+        await run.admission()  # a refusal is still this response's status (503)
 
         def usage() -> dict:
             n_in, n_out = len(req.input_ids), len(run.ids)
@@ -786,16 +788,17 @@ def _worker(args: argparse.Namespace) -> int:
     engine_loop.die_with_parent(server_pid)
     conn = Connection(conn_fd)
     try:
-        sock = bind_socket(args.host, port, shared=True)
-    except EngineError as exc:  # the server serves on without this worker (and logs its exit)
-        log.error("an HTTP worker could not listen: %s", exc)
-        return 1
-    try:
         conn.send(("hello",))
         message = conn.recv()
     except (EOFError, OSError):
         return 1
     _, facts, config = message
+    # Listening only now, when it can serve: connections the kernel hands to its socket wait there.
+    try:
+        sock = bind_socket(args.host, port, shared=True)
+    except EngineError as exc:  # the server serves on without this worker (and logs its exit)
+        log.error("an HTTP worker could not listen: %s", exc)
+        return 1
     server: Any = None
 
     def engine_failed(reason: str) -> None:

@@ -398,10 +398,9 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                         metavar="N",
                         help="HTTP processes that share the port and the one engine process (--engine-loop process "
                              "only): each parses, tokenizes, detokenizes and streams its own connections, so a small "
-                             "model's token rate is not capped by one process's CPU; each admits its share of "
-                             "--max-running-requests + --max-queued-requests, so a burst that lands unevenly may "
-                             "be answered 503 before the engine is full; each costs CPU of its own (default: 1; "
-                             f"as SGLang's flag of that name, 1..{MAX_HTTP_WORKERS})")
+                             "model's token rate is not capped by one process's CPU; the engine admits each request "
+                             "(503 past its queue) before its response starts; each process costs CPU of its own "
+                             f"(default: 1; as SGLang's flag of that name, 1..{MAX_HTTP_WORKERS})")
 
 
 #: The builtin server's flags a recipe's own keys set (or the sweep, from its concurrency axis):

@@ -73,7 +73,8 @@ def hosted(tiny_pair):
 
 def test_each_process_gets_its_own_requests_and_one_that_leaves_is_let_go(hosted, tiny_pair):
     engine, config, (first, second) = hosted
-    assert first.capacity == second.capacity == 4  # (4 running + 4 queued) / 2 processes
+    # Each may send the engine all it holds; the engine admits (an "admitted" answer per request).
+    assert first.capacity == second.capacity == 8 and first.confirms_admission
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     spec = SpecParams(algorithm="ddtree", budget=4)
     sinks = [(Collected(), Collected()) for _ in prompts]
@@ -126,15 +127,7 @@ def test_the_server_starts_its_workers_answers_the_same_and_stops_them(tiny_pair
         kinds = sorted(p.cmdline()[2] for p in children)
         assert kinds == ["ddtree.engine.reference.engine_loop", "ddtree.engine.reference.server"]
         (worker,) = [p for p in children if "--http-worker-of" in p.cmdline()]
-        # Both processes answer on the port (new connections, spread by address hash), the worker
-        # once it has started: counted polls until both have.
-        answered = set()
-        for _ in range(600):
-            answered.add(httpx.get(srv.url + "/server_info", headers={"Connection": "close"}).json()["http_pid"])
-            if answered == {srv.proc.pid, worker.pid}:
-                break
-            time.sleep(0.05)
-        assert answered == {srv.proc.pid, worker.pid}
+        both_answer(srv)
         want = greedy_outputs(srv.url)
         # Many connections at once: the kernel hands them to both processes.
         client = EngineClient(srv.url)
@@ -214,3 +207,56 @@ def test_a_bad_worker_count_is_refused_in_one_line_before_loading(extra):
     out = subprocess.run([*SERVER, *extra], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and "--tokenizer-worker-num" in out.stderr
+
+
+def test_with_several_processes_the_engine_admits_and_a_refusal_is_still_a_503(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    srv = ServerProcess([*SERVER, "--model", str(target), "--draft", str(drafter), "--port", "0",
+                         "--tokenizer-worker-num", "2", "--max-running-requests", "2", "--max-queued-requests", "2"],
+                        tmp_path / "server.log")
+    try:
+        main = psutil.Process(srv.proc.pid)
+        (engine,) = [p for p in main.children() if "--http-worker-of" not in p.cmdline()]
+        both_answer(srv)
+        body = {"text": PROMPTS[0], "stream": True, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+
+        def stream(_) -> tuple[int, int]:
+            with httpx.stream("POST", srv.url + "/generate", json=body, timeout=120) as response:
+                chunks = [line for line in response.iter_lines() if line.startswith("data:")]
+                return response.status_code, len(chunks)
+
+        # Six at once, while the engine is frozen, so that all six reach it before any ends: it
+        # holds four (2 running, 2 queued) whichever process each came through, and refuses two.
+        engine.suspend()
+        try:
+            with ThreadPoolExecutor(6) as pool:
+                results = pool.map(stream, range(6))
+                for _ in range(600):  # counted polls until both processes hold all six connections
+                    held = sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == srv.port
+                               for p in [main, *main.children()] for c in p.net_connections(kind="tcp"))
+                    if held == 6:
+                        break
+                    time.sleep(0.05)
+                else:
+                    pytest.fail(f"{held} of the 6 connections reached the server")
+                engine.resume()
+                statuses = sorted(status for status, _ in results)
+        finally:
+            engine.resume()
+        assert statuses == [200, 200, 200, 200, 503, 503]
+    finally:
+        srv.stop()
+
+
+def both_answer(srv: ServerProcess) -> None:
+    """Counted polls until both HTTP processes have answered on the port (new connections, spread
+    by address hash; the worker listens once it has started)."""
+    main = psutil.Process(srv.proc.pid)
+    (worker,) = [p for p in main.children() if "--http-worker-of" in p.cmdline()]
+    answered = set()
+    for _ in range(600):
+        answered.add(httpx.get(srv.url + "/server_info", headers={"Connection": "close"}).json()["http_pid"])
+        if answered == {main.pid, worker.pid}:
+            return
+        time.sleep(0.05)
+    assert answered == {main.pid, worker.pid}
