@@ -1,13 +1,15 @@
 """The HTTP workers a builtin server starts beside itself (--tokenizer-worker-num): each is the
-server's own command line with `--http-worker-of PORT,FD,PID`, binds its own socket to the port
-(SO_REUSEPORT) and talks to the one engine process over the socket FD. The server tells them to
-drain when it is told to, waits for them before its engine stops, and logs one that dies.
-Nothing here imports torch."""
+server's own command line with `--http-worker-of PORT,FD,PID,READY`, binds its own socket to the
+port (SO_REUSEPORT) and talks to the one engine process over the socket FD; it writes a byte to
+the pipe READY once it serves. The server announces itself only after every worker has (so a
+client's first connections are spread over all of them), tells them to drain when it is told to,
+waits for them before its engine stops, and logs one that dies. Nothing here imports torch."""
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -23,13 +25,28 @@ class HttpWorkers:
         self.stopping = threading.Event()
         self.procs: list[subprocess.Popen] = []
         self.lost: set[int] = set()  # pids of workers that died while the server ran (logged then)
+        self._ready: list[int] = []  # each worker's end of its READY pipe, ours to read
         for conn in conns:
-            tag = f"{port},{conn.fileno()},{os.getpid()}"
+            ready, told = os.pipe()
+            tag = f"{port},{conn.fileno()},{os.getpid()},{told}"
             self.procs.append(subprocess.Popen([sys.executable, "-m", module, *argv, "--http-worker-of", tag],
-                                               pass_fds=(conn.fileno(),)))
+                                               pass_fds=(conn.fileno(), told)))
             conn.close()
+            os.close(told)
+            self._ready.append(ready)
         for proc in self.procs:
             threading.Thread(target=self._watch, args=(proc,), name="http-worker-watch", daemon=True).start()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until every worker serves, or has failed to (logged), at most timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        for proc, ready in zip(self.procs, self._ready):
+            readable, _, _ = select.select([ready], [], [], max(0.0, deadline - time.monotonic()))
+            if not readable or not os.read(ready, 1):
+                log.warning("an HTTP worker (pid %s) did not start serving; the server goes on without it",
+                            proc.pid)
+            os.close(ready)
+        self._ready = []
 
     def _watch(self, proc: subprocess.Popen) -> None:
         code = proc.wait()

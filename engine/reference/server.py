@@ -583,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM (default: 60)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     # Set by the server for the HTTP workers it starts (--tokenizer-worker-num): the port, the
-    # engine socket's fd, the server's pid.
+    # engine socket's fd, the server's pid, the fd of the pipe it says it serves on.
     p.add_argument("--http-worker-of", default=None, help=argparse.SUPPRESS)
     p.add_argument("--trace-turns", metavar="PATH", default=None,
                    help="append one JSON line per scheduler turn to PATH: its seconds and those inside the "
@@ -773,6 +773,10 @@ def bind_shared(host: str, port: int) -> socket.socket:
     return bind_socket(host, port, shared=True)
 
 
+#: Seconds the server waits for its HTTP workers to serve before it announces itself without them.
+WORKER_START_S = 120.0
+
+
 def worker_main(args: argparse.Namespace) -> int:
     """An HTTP worker (--tokenizer-worker-num; http_workers.py): serve the server's port beside
     it, through the engine socket it was handed. It exits with the server (PR_SET_PDEATHSIG) and
@@ -784,7 +788,7 @@ def worker_main(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    port, conn_fd, server_pid = (int(part) for part in args.http_worker_of.split(","))
+    port, conn_fd, server_pid, ready_fd = (int(part) for part in args.http_worker_of.split(","))
     engine_loop.die_with_parent(server_pid)
     conn = Connection(conn_fd)
     try:
@@ -808,7 +812,11 @@ def _worker(args: argparse.Namespace) -> int:
     scheduler = engine_loop.RemoteScheduler(None, conn, max_running=config.max_running, max_queued=config.max_queued,
                                             on_failure=engine_failed, workers=args.tokenizer_worker_num)
     api = Api(facts, config, None, scheduler)
-    server = _uvicorn_server(build_app(api), api, lambda: None, args.graceful_timeout, quiet_after=True)
+    def serving() -> None:  # the server waits for this before it announces itself
+        os.write(ready_fd, b"1")
+        os.close(ready_fd)
+
+    server = _uvicorn_server(build_app(api), api, serving, args.graceful_timeout, quiet_after=True)
     server.run(sockets=[sock])
     return 1 if scheduler.failure is not None else 0
 
@@ -841,6 +849,7 @@ def main(argv: list[str] | None = None) -> int:
             sock = bind_socket(args.host, args.port) if workers == 1 else bind_shared(args.host, args.port)
             if workers > 1:
                 helpers = HttpWorkers(BUILTIN_MODULE, argv, sock.getsockname()[1], conns[1:])
+                helpers.wait_ready(WORKER_START_S)
             scheduler = engine_loop.RemoteScheduler(
                 process, conns[0], max_running=config.max_running, max_queued=config.max_queued,
                 on_failure=engine_failed, workers=workers,
