@@ -439,7 +439,6 @@ class RemoteScheduler:
         # response starts only once it has (Reply.admission), so a refusal is still a 503.
         self.capacity = max_running + max_queued
         self.workers = workers
-        self.confirms_admission = workers > 1
         self._before_stop = before_stop
         #: TTFT and ITL, observed where the tokens reach the client; the rest comes with snapshot().
         self.stats = Stats()
@@ -473,6 +472,11 @@ class RemoteScheduler:
     @property
     def failure(self) -> str | None:
         return self._failure
+
+    @property
+    def confirms_admission(self) -> bool:
+        """Whether the engine admits each request (several HTTP processes; see __init__)."""
+        return self.workers > 1
 
     def submit(self, input_ids: list[int], gen: Any, spec: Any, sink: Callable[[Update], None], *,
                hold: bool = True) -> Ticket:

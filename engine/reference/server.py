@@ -411,8 +411,9 @@ def _version() -> str:
 
 # -- process -------------------------------------------------------------------------------------
 
-def bind_socket(host: str, port: int, *, shared: bool = False) -> socket.socket:
+def bind_socket(host: str, port: int, *, shared: bool = False, listen: bool = True) -> socket.socket:
     """Binds (host, port) now; port 0 picks a free one with no window for another process to take it.
+    listen False: bound only (bind_shared's check), so nothing can connect to it.
 
     shared: with SO_REUSEPORT, for the HTTP workers (--tokenizer-worker-num), each of which binds
     its own socket to the port: the kernel then spreads new connections over them by address
@@ -437,7 +438,8 @@ def bind_socket(host: str, port: int, *, shared: bool = False) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise EngineError(f"cannot listen on {host}:{port}: {exc.strerror}", hint="pick another --port, or 0") from None
-    sock.listen(128)
+    if listen:
+        sock.listen(128)
     sock.set_inheritable(True)
     return sock
 
@@ -758,17 +760,7 @@ def bind_shared(host: str, port: int) -> socket.socket:
     without SO_REUSEPORT, so that a port another server holds (this one's twin included, which
     would otherwise share it silently) is refused as usual; port 0 picks a free one there. The
     check binds only: nothing connects to it."""
-    try:
-        family, _, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as exc:
-        raise BadRequest(f"cannot resolve host {host!r}: {exc}") from None
-    with socket.socket(family, socket.SOCK_STREAM, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            raise EngineError(f"cannot listen on {host}:{port}: {exc.strerror}",
-                              hint="pick another --port, or 0") from None
+    with bind_socket(host, port, listen=False) as probe:
         port = probe.getsockname()[1]
     return bind_socket(host, port, shared=True)
 
