@@ -344,7 +344,7 @@ def start(target: str, args: Any, workers: int = 1) -> tuple[Any, list, EngineFa
     """Start the engine process, which calls `target` ("module:function") with (conns, args,
     parent_pid), and wait until it has loaded and warmed up the engine. `workers` sockets join
     it to the HTTP processes: the first is this process's, the others go to the workers it starts
-    (server.start_workers), which each say "hello" for their "ready" (host()).
+    (http_workers.HttpWorkers), which each say "hello" for their "ready" (host()).
     Returns (process, conns, facts, config); raises EngineStartFailed."""
     pairs = [socket.socketpair() for _ in range(workers)]
     fds = [theirs.fileno() for _, theirs in pairs]
