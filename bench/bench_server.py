@@ -430,6 +430,10 @@ def main() -> int:
     p.add_argument("--trace-turns", metavar="STEM", default=None,
                    help="--grid: the server's --trace-turns, into STEM-LOOP.jsonl per engine loop; each cell "
                         "keeps its turn_range there (bench/turn_trace.py reads both)")
+    p.add_argument("--py-spy", metavar="STEM", default=None,
+                   help="--grid: py-spy samples each cell's measured part, the server's engine process and "
+                        "this process in process, into STEM-LABEL-cC-ALGORITHM{,-gil}.txt (bench/py_spy.py; "
+                        "bench/py_spy_summary.py reads them)")
     p.add_argument("--skip-inprocess", action="store_true", help="--grid: skip the in-process side")
     p.add_argument("--skip-batching", action="store_true", help="skip the batched-verify timings (not --grid's)")
     p.add_argument("--out", default=None, help="JSON results (default: bench_server.json in a temp folder)")

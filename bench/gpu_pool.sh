@@ -5,6 +5,7 @@
 # 3.12 there) in .whl/ first, here:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
 #       -d .whl starlette==<venv's> uvicorn==<venv's> uvloop==<venv's> httptools==<venv's>
+#   and for a grid with --py-spy in GRID_ARGS, py-spy's (the same with --platform manylinux2014_x86_64 py-spy)
 #   PART=tests bash bench/gpu_pool.sh        # the CUDA tests (cuda-pool-tests.txt)
 #   PART=grid SHAPE=1.7b bash bench/gpu_pool.sh  # the grid (grid-$SHAPE.{json,txt}); random weights
 #   PART=grid SHAPE=pair bash bench/gpu_pool.sh  # the trained demo pair (its real acceptance)

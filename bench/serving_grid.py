@@ -23,6 +23,7 @@ skipped; the JSON is rewritten after every cell, so a cut-off run keeps what it 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import deque
@@ -96,7 +97,9 @@ POINT_KEYS = ("requests_ok", "requests_failed", "output_tokens", "duration_s", "
 # -- the server side -----------------------------------------------------------------------------
 
 
-def server_cell(url: str, args, concurrency: int, spec: dict) -> dict:
+def server_cell(url: str, args, concurrency: int, spec: dict, engine_pid: int | None = None, name: str = "") -> dict:
+    from py_spy import sampled
+
     from ddtree.engine.serving.bench import BenchConfig, run_point
 
     prompts, warm = prompts_for(args, concurrency)
@@ -104,7 +107,8 @@ def server_cell(url: str, args, concurrency: int, spec: dict) -> dict:
                       speculative=spec)
     warmed = run_point(url, warm, cfg)  # the warm-up apart, so the turn counters below see only the cell
     before = engine_turns(url)
-    result = run_point(url, prompts, cfg)
+    with sampled(getattr(args, "py_spy", None), engine_pid, name):
+        result = run_point(url, prompts, cfg)
     cell = {k: result.metrics.get(k) for k in POINT_KEYS}
     cell.update(turn_figures(before, engine_turns(url)))
     # Since the server's warm-up: a count that grows in a cell is a first-use stall in it.
@@ -119,6 +123,17 @@ def server_cell(url: str, args, concurrency: int, spec: dict) -> dict:
     if failed:
         cell["first_failure"] = f"{failed[0].error}: {failed[0].detail}"
     return cell
+
+
+def engine_pid(proc) -> int | None:
+    """The server's engine process (--engine-loop process): its child that is not an HTTP worker."""
+    import psutil
+
+    pid = getattr(getattr(proc, "proc", None), "pid", None)
+    if pid is None:
+        return None
+    children = [p for p in psutil.Process(pid).children() if "--http-worker-of" not in p.cmdline()]
+    return children[0].pid if len(children) == 1 else None
 
 
 def worst_first_tokens(requests, n: int = 4) -> list[list[float]]:
@@ -173,9 +188,11 @@ def server_info(url: str) -> dict | None:
 
 
 def server_grid(args, url: str, specs, concurrencies: list[int], clock: Clock, save: Callable[[], None],
-                cells: list[dict], share: float = SERVER_SHARE, label: str = "server") -> None:
+                cells: list[dict], share: float = SERVER_SHARE, label: str = "server",
+                engine_pid: int | None = None) -> None:
     """Appends one cell per (concurrency, algorithm) to `cells`, in the order measured; no cell
-    starts past `share` of the time left once the server is up (Clock.spent_after)."""
+    starts past `share` of the time left once the server is up (Clock.spent_after). engine_pid:
+    the server's engine process, which --py-spy samples during each cell."""
     from ddtree.engine.serving.bench import BenchConfig, run_point
 
     ready = clock.elapsed()
@@ -193,7 +210,8 @@ def server_grid(args, url: str, specs, concurrencies: list[int], clock: Clock, s
                 cells.append({"concurrency": c, "algorithm": name, "skipped": "time budget"})
                 continue
             t0 = time.perf_counter()
-            cell = {"concurrency": c, "algorithm": name, **server_cell(url, args, c, spec),
+            cell = {"concurrency": c, "algorithm": name,
+                    **server_cell(url, args, c, spec, engine_pid, f"{label}-c{c}-{name}"),
                     "wall_s": round(time.perf_counter() - t0, 2)}
             cells.append(cell)
             save()
@@ -329,6 +347,8 @@ def inprocess_grid(args, engine, specs, concurrencies: list[int], server_cells: 
                    clock: Clock, save: Callable[[], None], cells: list[dict]) -> None:
     """The cells the server side measured (every cell without one), each after a warm-up run of
     its warm-up prompts, as the sweep client warms a point up."""
+    from py_spy import sampled
+
     from ddtree.engine.reference.engine import GenParams, SpecParams
 
     encode = engine.tokenizer.encode  # as the server's /generate tokenizes text
@@ -353,8 +373,10 @@ def inprocess_grid(args, engine, specs, concurrencies: list[int], server_cells: 
             running = running_cap(engine, c)
             drive(engine, warm_ids, gen, spec, min(running, len(warm_ids)), warm_lengths)
             t0 = time.perf_counter()
+            with sampled(getattr(args, "py_spy", None), os.getpid(), f"in-process-c{c}-{name}"):
+                driven = drive(engine, ids, gen, spec, running, lengths)
             cell = {"concurrency": c, "algorithm": name, "prompts": len(ids), "running_cap": running,
-                    **drive(engine, ids, gen, spec, running, lengths), "wall_s": round(time.perf_counter() - t0, 2)}
+                    **driven, "wall_s": round(time.perf_counter() - t0, 2)}
             cells.append(cell)
             save()
             print(f"  in-process c={c:3d} {name:10s} {line(cell)}", flush=True)
@@ -546,7 +568,8 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
                       flush=True)
                 t0 = time.perf_counter()
                 server_grid(args, proc.url, specs, concurrencies, clock, save, cells,
-                            share=SERVER_SHARE * (k + 1) / len(loops), label=f"srv-{loop}")
+                            share=SERVER_SHARE * (k + 1) / len(loops), label=f"srv-{loop}",
+                            engine_pid=engine_pid(proc))
                 grid.setdefault("server_info", {})[loop] = server_info(proc.url)
                 timings[f"server_cells_{loop}"] = round(time.perf_counter() - t0, 1)
             finally:
