@@ -9,7 +9,12 @@ reports the CPU time of this process per turn: the scheduler's own cost, with no
 
 With --engine-ms X each round first waits X ms with the GIL released, as a GPU round waits for its
 walks, and the table adds the wall time per turn beyond that wait: the part of the scheduler's work
-that the round does not hide (the outbox's sender thread runs during the wait).
+that the round does not hide (the outbox's sender thread runs during the wait). With
+--engine-host-ms H the round also runs H ms of Python before and after the wait (half each), as a
+fast round stages its rows and reads its walks, and the table adds how much longer the engine's
+calls took than H + X: the time the engine thread waited for the GIL that the outbox's threads
+held. --outboxes N spreads the requests over N outboxes, one per HTTP process of
+--tokenizer-worker-num N, each with its sender thread and its reader.
 
     .venv/bin/python bench/bench_scheduler_turn.py [--sessions 64] [--turns 300] [--repeats 5]
         [--engine-ms X] [--baseline REV] [--out FILE.json]
@@ -60,50 +65,70 @@ class _Session:
 class _Engine:
     block_size = 4
 
-    def __init__(self, wait_s: float = 0.0) -> None:
-        self.wait_s = wait_s
+    def __init__(self, wait_s: float = 0.0, host_s: float = 0.0) -> None:
+        self.wait_s, self.host_s = wait_s, host_s
 
     def start(self, ids, gen, spec) -> _Session:
         return _Session(gen.max_new_tokens)
 
     def step_many(self, sessions) -> list[list[int]]:
+        _python_for(self.host_s / 2)  # staging the rows
         if self.wait_s:
             # A GPU round's wait for its walks, with the GIL released (fast/batch_graph.py _replay).
             time.sleep(self.wait_s)
+        _python_for(self.host_s / 2)  # reading the walks
         return [s.step() for s in sessions]
 
 
-def measure(sessions: int, turns: int, outbox: bool, engine_ms: float = 0.0) -> dict:
+def _python_for(seconds: float) -> None:
+    """Python bytecode, holding the GIL (bar the interpreter's switches), for this long."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(50))
+
+
+def measure(sessions: int, turns: int, outbox: bool, engine_ms: float = 0.0, host_ms: float = 0.0,
+            outboxes: int = 1) -> dict:
     """One run in this process: CPU and wall seconds per turn."""
     from multiprocessing.connection import Connection
 
     from ddtree.engine.reference.params import GenParams, SpecParams
     from ddtree.engine.reference.scheduler import Scheduler
 
-    sender = reader = None
-    if outbox:
-        from ddtree.engine.reference.engine_loop import _Outbox
-
-        a, b = socket.socketpair()
+    senders, readers = [], []
+    pairs = [socket.socketpair() for _ in range(outboxes if outbox else 0)]
+    for i, (a, b) in enumerate(pairs):
         reader = os.fork()
         if reader == 0:  # the HTTP side's stand-in: reads and drops every message
-            a.close()
+            for j, (other_a, other_b) in enumerate(pairs):  # no one else's end, so each sees its EOF
+                other_a.close()
+                if j != i:
+                    other_b.close()
             conn = Connection(b.detach())
             try:
                 while True:
                     conn.recv()
             except (EOFError, OSError):
                 os._exit(0)
+        readers.append(reader)
+    for a, b in pairs:
+        from ddtree.engine.reference.engine_loop import _Outbox
+
         b.close()
-        sender = _Outbox(Connection(a.detach()))
-    sched = Scheduler(_Engine(engine_ms / 1000), max_running=sessions, max_queued=0, batch=True,
-                      on_publish=sender.flush if sender else None)
+        senders.append(_Outbox(Connection(a.detach())))
+
+    def publish() -> None:
+        for sender in senders:
+            sender.flush()
+
+    sched = Scheduler(_Engine(engine_ms / 1000, host_ms / 1000), max_running=sessions, max_queued=0, batch=True,
+                      on_publish=publish if senders else None)
     finished = threading.Semaphore(0)
     tickets: dict[int, object] = {}
 
     def sink(tid: int, update) -> None:
-        if sender is not None:
-            sender.put(tid, tickets[tid], update)
+        if senders:
+            senders[tid % len(senders)].put(tid, tickets[tid], update)
         if update.done:
             finished.release()
 
@@ -115,19 +140,23 @@ def measure(sessions: int, turns: int, outbox: bool, engine_ms: float = 0.0) -> 
     for _ in range(sessions):
         finished.acquire()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    engine_s = getattr(sched.stats, "engine_seconds_total", 0.0)
     sched.stop()
-    if reader:
+    for sender, reader in zip(senders, readers):
         if hasattr(sender, "drain"):  # this tree's outbox sends on a thread of its own
             sender.drain(10.0)
         sender.conn.close()
         os.waitpid(reader, 0)
     return {"cpu_us_per_turn": cpu / turns * 1e6, "wall_us_per_turn": wall / turns * 1e6,
-            "exposed_us_per_turn": wall / turns * 1e6 - engine_ms * 1000}
+            "exposed_us_per_turn": wall / turns * 1e6 - (engine_ms + host_ms) * 1000,
+            # the engine's calls beyond what they were given to do: waits for the GIL
+            "engine_excess_us_per_turn": engine_s / turns * 1e6 - (engine_ms + host_ms) * 1000}
 
 
 def child_run(args: argparse.Namespace, env: dict | None, outbox: bool) -> dict:
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--sessions", str(args.sessions),
-            "--turns", str(args.turns), "--engine-ms", str(args.engine_ms)] + (["--outbox"] if outbox else [])
+            "--turns", str(args.turns), "--engine-ms", str(args.engine_ms), "--engine-host-ms", str(args.engine_host_ms),
+            "--outboxes", str(args.outboxes)] + (["--outbox"] if outbox else [])
     done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
     if done.returncode:
         raise RuntimeError(f"a measurement failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -142,15 +171,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-ms", type=float, default=0.0,
                    help="each round waits this long with the GIL released, as a GPU round waits for its "
                         "walks; then the table also gives the wall time per turn beyond that wait (default: 0)")
+    p.add_argument("--engine-host-ms", type=float, default=0.0,
+                   help="each round also runs this much Python, half before and half after its wait, as a fast "
+                        "round stages its rows and reads its walks (default: 0)")
+    p.add_argument("--outboxes", type=int, default=1,
+                   help="outboxes the requests are spread over, one per HTTP process (default: 1)")
     p.add_argument("--baseline", metavar="REV", help="also measure the scheduler of a git worktree of REV")
     p.add_argument("--out", metavar="FILE.json", help="write every measurement and the medians here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--outbox", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if min(args.sessions, args.turns, args.repeats) < 1:
-        p.error("--sessions, --turns and --repeats must be >= 1")
+    if min(args.sessions, args.turns, args.repeats, args.outboxes) < 1:
+        p.error("--sessions, --turns, --repeats and --outboxes must be >= 1")
     if args.child:
-        print(json.dumps(measure(args.sessions, args.turns, args.outbox, args.engine_ms)))
+        print(json.dumps(measure(args.sessions, args.turns, args.outbox, args.engine_ms, args.engine_host_ms,
+                                 args.outboxes)))
         return 0
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
     print(f"machine: {os.cpu_count()} cpus, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
@@ -170,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {r} {label:>20} {'outbox' if outbox else 'scheduler only':>15}: "
                           f"{point['cpu_us_per_turn']:7.0f} us CPU per turn"
                           + (f", {point['exposed_us_per_turn']:7.0f} us of wall beyond the round's wait"
-                             if args.engine_ms else ""), flush=True)
+                             if args.engine_ms else "")
+                          + (f", the engine's calls {point.get('engine_excess_us_per_turn', 0):5.0f} us over"
+                             if args.engine_host_ms else ""), flush=True)
     rows = []
     for outbox in (False, True):
         first = None
@@ -181,15 +218,18 @@ def main(argv: list[str] | None = None) -> int:
             first = first or med
             rows.append({"side": label, "outbox": outbox, "cpu_us_per_turn": med, "min": min(cpu),
                          "max": max(cpu), "ratio": med / first,
-                         "exposed_us_per_turn": statistics.median(q["exposed_us_per_turn"] for q in mine)})
+                         "exposed_us_per_turn": statistics.median(q["exposed_us_per_turn"] for q in mine),
+                         "engine_excess_us_per_turn": statistics.median(q.get("engine_excess_us_per_turn", 0)
+                                                                        for q in mine)})
     print(f"\n{args.sessions} requests, {args.turns} turns, medians of {args.repeats}; CPU us per turn"
           + (f"; exposed: wall us per turn beyond the round's {args.engine_ms:g} ms wait" if args.engine_ms else ""))
     print(f"{'side':>22} {'what':>15} {'median':>8} {'min-max':>13} {'/ this tree':>12}"
-          + (f" {'exposed':>8}" if args.engine_ms else ""))
+          + (f" {'exposed':>8}" if args.engine_ms else "") + (f" {'engine+':>8}" if args.engine_host_ms else ""))
     for row in rows:
         print(f"{row['side']:>22} {'+ outbox' if row['outbox'] else 'scheduler only':>15} {row['cpu_us_per_turn']:8.0f} "
               f"{row['min']:6.0f}-{row['max']:<6.0f} {row['ratio']:12.3f}"
-              + (f" {row['exposed_us_per_turn']:8.0f}" if args.engine_ms else ""))
+              + (f" {row['exposed_us_per_turn']:8.0f}" if args.engine_ms else "")
+              + (f" {row['engine_excess_us_per_turn']:8.0f}" if args.engine_host_ms else ""))
     if args.engine_ms:
         # The outbox's own exposed cost, each repeat's outbox run less its scheduler-only run:
         # pairs taken close in time, so the machine's drift between repeats cancels.
