@@ -126,14 +126,16 @@ def server_cell(url: str, args, concurrency: int, spec: dict, engine_pid: int | 
 
 
 def engine_pid(proc) -> int | None:
-    """The server's engine process (--engine-loop process): its child that is not an HTTP worker."""
+    """The process that runs the server's rounds: its engine process (`python -m
+    ddtree.engine.reference.engine_loop`, engine_loop.start) with --engine-loop process, else the
+    server itself (--engine-loop thread)."""
     import psutil
 
     pid = getattr(getattr(proc, "proc", None), "pid", None)
     if pid is None:
         return None
-    children = [p for p in psutil.Process(pid).children() if "--http-worker-of" not in p.cmdline()]
-    return children[0].pid if len(children) == 1 else None
+    engines = [p.pid for p in psutil.Process(pid).children() if "ddtree.engine.reference.engine_loop" in p.cmdline()]
+    return engines[0] if engines else pid
 
 
 def worst_first_tokens(requests, n: int = 4) -> list[list[float]]:
