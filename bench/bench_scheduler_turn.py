@@ -12,12 +12,12 @@ walks, and the table adds the wall time per turn beyond that wait: the part of t
 that the round does not hide (the outbox's sender thread runs during the wait). With
 --engine-host-ms H the round also runs H ms of Python before and after the wait (half each), as a
 fast round stages its rows and reads its walks, and the table adds how much longer the engine's
-calls took than H + X: the time the engine thread waited for the GIL that the outbox's threads
-held. --outboxes N spreads the requests over N outboxes, one per HTTP process of
+calls took than H + X ("engine+"): the sleep's overshoot alone, and with the outboxes, any wait
+of the engine's thread for the GIL that their threads held on top. --outboxes N spreads the requests over N outboxes, one per HTTP process of
 --tokenizer-worker-num N, each with its sender thread and its reader.
 
     .venv/bin/python bench/bench_scheduler_turn.py [--sessions 64] [--turns 300] [--repeats 5]
-        [--engine-ms X] [--baseline REV] [--out FILE.json]
+        [--engine-ms X] [--engine-host-ms H] [--outboxes N] [--baseline REV] [--out FILE.json]
 
 Each measurement runs in a fresh subprocess; with --baseline REV the same measurement also runs
 against a git worktree of REV (bench_http_side's baseline_tree), interleaved A B A B, and the table
@@ -95,6 +95,8 @@ def measure(sessions: int, turns: int, outbox: bool, engine_ms: float = 0.0, hos
     from ddtree.engine.reference.params import GenParams, SpecParams
     from ddtree.engine.reference.scheduler import Scheduler
 
+    from ddtree.engine.reference.engine_loop import _Outbox
+
     senders, readers = [], []
     pairs = [socket.socketpair() for _ in range(outboxes if outbox else 0)]
     for i, (a, b) in enumerate(pairs):
@@ -112,8 +114,6 @@ def measure(sessions: int, turns: int, outbox: bool, engine_ms: float = 0.0, hos
                 os._exit(0)
         readers.append(reader)
     for a, b in pairs:
-        from ddtree.engine.reference.engine_loop import _Outbox
-
         b.close()
         senders.append(_Outbox(Connection(a.detach())))
 
