@@ -6,7 +6,7 @@ issue 15's table: one batching server against the same loop in process.
         [--device cpu|cuda] [--backend auto|fast|transformers] [--dtype auto|float32|bfloat16]
         [--concurrency 1,4,8] [--budgets 4,8,16,32] [--algorithms ar,dflash,ddtree]
         [--num-prompts 16] [--max-new-tokens 64] [--threads 1] [--skip-serving] [--skip-batching]
-        [--grid [--skip-inprocess]] [--verify-grid [--verify-b 1,4,16,64] [--verify-q 1,17,65]]
+        [--grid [--skip-inprocess] [--busy-cores N]] [--verify-grid [--verify-b 1,4,16,64] [--verify-q 1,17,65]]
         [--time-budget SECONDS] [--out FILE.json]
 
 On a GPU, for the issue-5 figures (bench/RESULTS.md):
@@ -435,6 +435,9 @@ def main() -> int:
                         "this process in process, into STEM-LABEL-cC-ALGORITHM{,-gil}.txt (bench/py_spy.py; "
                         "bench/py_spy_summary.py reads them)")
     p.add_argument("--skip-inprocess", action="store_true", help="--grid: skip the in-process side")
+    p.add_argument("--busy-cores", type=int, default=0, metavar="N",
+                   help="--grid: run each in-process cell again with N processes spinning beside it "
+                        "(grid.inprocess_busy), as the server's HTTP process and client keep cores busy")
     p.add_argument("--skip-batching", action="store_true", help="skip the batched-verify timings (not --grid's)")
     p.add_argument("--out", default=None, help="JSON results (default: bench_server.json in a temp folder)")
     args = p.parse_args()

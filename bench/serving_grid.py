@@ -23,13 +23,16 @@ skipped; the JSON is rewritten after every cell, so a cut-off run keeps what it 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 # Shares of --time-budget (from the script's start) past which no new cell of a part starts: the
 # server cells first, then the in-process ones (which take about as long), the verify grid last.
@@ -346,9 +349,11 @@ def running_cap(engine, concurrency: int) -> int:
 
 
 def inprocess_grid(args, engine, specs, concurrencies: list[int], server_cells: list[dict] | None,
-                   clock: Clock, save: Callable[[], None], cells: list[dict]) -> None:
+                   clock: Clock, save: Callable[[], None], cells: list[dict],
+                   busy_cells: list[dict] | None = None) -> None:
     """The cells the server side measured (every cell without one), each after a warm-up run of
-    its warm-up prompts, as the sweep client warms a point up."""
+    its warm-up prompts, as the sweep client warms a point up. With --busy-cores N, each cell
+    again with N spinning processes beside it, into busy_cells."""
     from py_spy import sampled
 
     from ddtree.engine.reference.engine import GenParams, SpecParams
@@ -382,6 +387,28 @@ def inprocess_grid(args, engine, specs, concurrencies: list[int], server_cells: 
             cells.append(cell)
             save()
             print(f"  in-process c={c:3d} {name:10s} {line(cell)}", flush=True)
+            busy = getattr(args, "busy_cores", 0)
+            if busy and busy_cells is not None:
+                t0 = time.perf_counter()
+                with spinning(busy):
+                    driven = drive(engine, ids, gen, spec, running, lengths)
+                cell = {**cell, **driven, "busy_cores": busy, "wall_s": round(time.perf_counter() - t0, 2)}
+                busy_cells.append(cell)
+                save()
+                print(f"  in-process c={c:3d} {name:10s} {line(cell)}  ({busy} cores kept busy)", flush=True)
+
+
+@contextlib.contextmanager
+def spinning(n: int) -> Iterator[None]:
+    """n processes that only spin, as the server's HTTP process and client keep cores busy beside
+    its engine: whether busier cores alone (a lower clock, shared caches) slow the rounds."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
 
 
 # -- the summary ---------------------------------------------------------------------------------
@@ -587,8 +614,11 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
                                       "cuda_graphs": engine.graphs, "kv_pool": pool_usage(engine)}
     if args.grid and not args.skip_inprocess:
         grid["inprocess"] = []
+        if getattr(args, "busy_cores", 0):
+            grid["inprocess_busy"] = []
         t0 = time.perf_counter()
-        inprocess_grid(args, engine, specs, concurrencies, server_cells, clock, save, grid["inprocess"])
+        inprocess_grid(args, engine, specs, concurrencies, server_cells, clock, save, grid["inprocess"],
+                       grid.get("inprocess_busy"))
         timings["inprocess_cells"] = round(time.perf_counter() - t0, 1)
     if args.grid:
         by_loop = grid.get("servers") or {loops[0]: None}
