@@ -6,7 +6,7 @@ issue 15's table: one batching server against the same loop in process.
         [--device cpu|cuda] [--backend auto|fast|transformers] [--dtype auto|float32|bfloat16]
         [--concurrency 1,4,8] [--budgets 4,8,16,32] [--algorithms ar,dflash,ddtree]
         [--num-prompts 16] [--max-new-tokens 64] [--threads 1] [--skip-serving] [--skip-batching]
-        [--grid [--skip-inprocess] [--busy-cores N]] [--verify-grid [--verify-b 1,4,16,64] [--verify-q 1,17,65]]
+        [--grid [--skip-inprocess] [--again thread,busy2]] [--verify-grid [--verify-b 1,4,16,64] [--verify-q 1,17,65]]
         [--time-budget SECONDS] [--out FILE.json]
 
 On a GPU, for the issue-5 figures (bench/RESULTS.md):
@@ -435,9 +435,10 @@ def main() -> int:
                         "this process in process, into STEM-LABEL-cC-ALGORITHM{,-gil}.txt (bench/py_spy.py; "
                         "bench/py_spy_summary.py reads them)")
     p.add_argument("--skip-inprocess", action="store_true", help="--grid: skip the in-process side")
-    p.add_argument("--busy-cores", type=int, default=0, metavar="N",
-                   help="--grid: run each in-process cell again with N processes spinning beside it "
-                        "(grid.inprocess_busy), as the server's HTTP process and client keep cores busy")
+    p.add_argument("--again", default="", metavar="V[,V]",
+                   help="--grid: run each in-process cell again per variant, as the server's engine process "
+                        "runs: thread (driven from a thread of its own), busyN (N processes spinning beside "
+                        "it); into grid.inprocess_again")
     p.add_argument("--skip-batching", action="store_true", help="skip the batched-verify timings (not --grid's)")
     p.add_argument("--out", default=None, help="JSON results (default: bench_server.json in a temp folder)")
     args = p.parse_args()
@@ -446,6 +447,9 @@ def main() -> int:
     args.budgets = args.budgets or ("16,64" if grid_mode else "4,8,16,32")
     args.concurrency_list, args.budget_list = int_list(args.concurrency), int_list(args.budgets)
     args.engine_loops = [part.strip() for part in args.engine_loops.split(",") if part.strip()]
+    args.again = [part.strip() for part in args.again.split(",") if part.strip()]
+    if any(not re.fullmatch(r"thread|busy[1-9][0-9]?", v) for v in args.again):
+        p.error(f"--again takes thread or busyN, got {','.join(args.again)}")
     if not args.engine_loops or any(not re.fullmatch(r"thread|process(-w[1-9][0-9]?)?", loop)
                                     for loop in args.engine_loops):
         p.error(f"--engine-loops takes thread, process or process-wN, got {','.join(args.engine_loops) or 'nothing'}")

@@ -28,6 +28,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -350,10 +351,10 @@ def running_cap(engine, concurrency: int) -> int:
 
 def inprocess_grid(args, engine, specs, concurrencies: list[int], server_cells: list[dict] | None,
                    clock: Clock, save: Callable[[], None], cells: list[dict],
-                   busy_cells: list[dict] | None = None) -> None:
+                   again_cells: list[dict] | None = None) -> None:
     """The cells the server side measured (every cell without one), each after a warm-up run of
-    its warm-up prompts, as the sweep client warms a point up. With --busy-cores N, each cell
-    again with N spinning processes beside it, into busy_cells."""
+    its warm-up prompts, as the sweep client warms a point up. With --again, each cell again per
+    variant (see again()), into again_cells."""
     from py_spy import sampled
 
     from ddtree.engine.reference.engine import GenParams, SpecParams
@@ -387,15 +388,31 @@ def inprocess_grid(args, engine, specs, concurrencies: list[int], server_cells: 
             cells.append(cell)
             save()
             print(f"  in-process c={c:3d} {name:10s} {line(cell)}", flush=True)
-            busy = getattr(args, "busy_cores", 0)
-            if busy and busy_cells is not None:
+            for variant in getattr(args, "again", None) or []:
+                if again_cells is None:
+                    break
                 t0 = time.perf_counter()
-                with spinning(busy):
-                    driven = drive(engine, ids, gen, spec, running, lengths)
-                cell = {**cell, **driven, "busy_cores": busy, "wall_s": round(time.perf_counter() - t0, 2)}
-                busy_cells.append(cell)
+                driven = again(variant, lambda: drive(engine, ids, gen, spec, running, lengths))
+                cell = {**cell, **driven, "variant": variant, "wall_s": round(time.perf_counter() - t0, 2)}
+                again_cells.append(cell)
                 save()
-                print(f"  in-process c={c:3d} {name:10s} {line(cell)}  ({busy} cores kept busy)", flush=True)
+                print(f"  in-process c={c:3d} {name:10s} {line(cell)}  (again: {variant})", flush=True)
+
+
+def again(variant: str, run: Callable[[], dict]) -> dict:
+    """One in-process cell run again in a setting of the server's engine process: "thread" drives
+    it from a thread of its own (the server's rounds run on its EngineThread), "busyN" with N
+    processes spinning beside it (the server's HTTP process and client keep cores busy)."""
+    if variant == "thread":
+        out: list = []
+        worker = threading.Thread(target=lambda: out.append(run()), name="drive")
+        worker.start()
+        worker.join()
+        if not out:
+            raise RuntimeError("the drive thread failed (its traceback is above)")
+        return out[0]
+    with spinning(int(variant[len("busy"):])):
+        return run()
 
 
 @contextlib.contextmanager
@@ -614,11 +631,11 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
                                       "cuda_graphs": engine.graphs, "kv_pool": pool_usage(engine)}
     if args.grid and not args.skip_inprocess:
         grid["inprocess"] = []
-        if getattr(args, "busy_cores", 0):
-            grid["inprocess_busy"] = []
+        if getattr(args, "again", None):
+            grid["inprocess_again"] = []
         t0 = time.perf_counter()
         inprocess_grid(args, engine, specs, concurrencies, server_cells, clock, save, grid["inprocess"],
-                       grid.get("inprocess_busy"))
+                       grid.get("inprocess_again"))
         timings["inprocess_cells"] = round(time.perf_counter() - t0, 1)
     if args.grid:
         by_loop = grid.get("servers") or {loops[0]: None}
