@@ -572,9 +572,27 @@ def verify_grid(args, engine, transformers_verifier) -> dict:
 
 def loop_flags(loop: str) -> list[str]:
     """The server flags of one --engine-loops value: thread, process, or process-wN (process with N
-    HTTP processes, --tokenizer-worker-num N)."""
-    where, _, workers = loop.partition("-w")
+    HTTP processes, --tokenizer-worker-num N); +MODE after either names the engine process's
+    outbox mode (loop_env)."""
+    where, _, workers = loop.partition("+")[0].partition("-w")
     return ["--engine-loop", where] + (["--tokenizer-worker-num", workers] if workers else [])
+
+
+@contextlib.contextmanager
+def loop_env(loop: str) -> Iterator[None]:
+    """DDTREE_OUTBOX for a server started inside, from a loop value's +MODE (wait, thread or
+    inline: engine_loop._Outbox), so one grid measures one mode against another."""
+    mode = loop.partition("+")[2]
+    saved = os.environ.get("DDTREE_OUTBOX")
+    if mode:
+        os.environ["DDTREE_OUTBOX"] = mode
+    try:
+        yield
+    finally:
+        if mode:
+            os.environ.pop("DDTREE_OUTBOX", None)
+            if saved is not None:
+                os.environ["DDTREE_OUTBOX"] = saved
 
 
 def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Callable[[list[str], str], object],
@@ -607,7 +625,8 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
             if getattr(args, "trace_turns", None):  # the server appends: a file of this run only
                 trace = ["--trace-turns", f"{args.trace_turns}-{loop}.jsonl"]
                 Path(trace[1]).unlink(missing_ok=True)
-            proc = start_server(flags + loop_flags(loop) + trace, f"server-grid-{loop}.log")
+            with loop_env(loop):
+                proc = start_server(flags + loop_flags(loop) + trace, f"server-grid-{loop}.log")
             try:
                 timings[f"server_start_{loop}"] = round(time.perf_counter() - t0, 1)
                 print(f"server ({' '.join(loop_flags(loop))}) up in {timings[f'server_start_{loop}']} s at {proc.url}",

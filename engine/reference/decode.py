@@ -169,7 +169,9 @@ class Session:
         features = self.mode != "ar"
         out = target.forward(ids, positions, self._cache, features=features)
         t1 = self.engine.clock()
-        token = int(self._choose(out.logits)[0])
+        choice = self._choose(out.logits)
+        self.engine.gpu_busy()
+        token = int(choice[0])
         if features:
             self._pending = torch.cat((self._pending, out.features), dim=0)
         self._start += 1

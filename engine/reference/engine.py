@@ -176,6 +176,15 @@ class Engine:
             return
         self.impl.warmup(progress, tuple(b for b in budgets if 0 < b <= self.max_budget))
 
+    #: Called on the engine's thread right before a round blocks on the GPU, which is busy
+    #: then: the server's engine process writes its held updates there (engine_loop._Outbox).
+    on_gpu_wait = None
+
+    def gpu_busy(self) -> None:
+        """The host is about to wait for the GPU: hand that time to on_gpu_wait."""
+        if self.on_gpu_wait is not None:
+            self.on_gpu_wait()
+
     def clock(self) -> float:
         """perf_counter for the per-stage timings; waits for the GPU first when sync_timings is on."""
         if self.sync_timings and self.target.device.type == "cuda":

@@ -53,6 +53,10 @@ from ddtree.engine.reference.scheduler import (EngineThread, Histogram, QueueFul
 
 log = logging.getLogger(__name__)
 
+#: How the engine process writes to the HTTP side (_Outbox's modes): DDTREE_OUTBOX=wait|thread|inline
+#: overrides the choice by device, to measure one against another (bench_server.py).
+OUTBOX_MODE = os.environ.get("DDTREE_OUTBOX", "")
+
 
 @dataclass(frozen=True)
 class EngineFacts:
@@ -74,6 +78,7 @@ class EngineFacts:
     mixed_chunk: bool = False
     max_prefill_tokens: int = 0
     cpu_threads: int | None = None
+    outbox: str = ""  # how the engine process sends its updates (outbox_mode)
 
     @classmethod
     def of(cls, engine: Any) -> "EngineFacts":
@@ -84,7 +89,7 @@ class EngineFacts:
                    graphs=bool(engine.graphs),
                    prefill_chunk=engine.prefill_chunk, mixed_chunk=bool(engine.mixed_chunk),
                    max_prefill_tokens=int(getattr(engine, "max_prefill_tokens", 0)),
-                   cpu_threads=engine.cpu_threads)
+                   cpu_threads=engine.cpu_threads, outbox=outbox_mode(engine))
 
 
 # -- the engine process ------------------------------------------------------------------------
@@ -103,26 +108,37 @@ def die_with_parent(parent_pid: int) -> None:
 
 class _Outbox:
     """The engine side of the socket. The updates gathered since the last flush leave as one
-    message; messages leave in the order they were queued.
+    message; messages leave in the order they were queued. Three ways to write them (`mode`):
 
-    threaded (an engine on a GPU): a thread of their own pickles and writes them, so that work
-    overlaps the next turn: a GPU round waits for its walks on an event with the GIL released
-    (fast/batch_graph.py `_replay`), and this thread runs then. On the engine's thread a turn only
-    appends its updates and queues them; turns whose updates queue up while a send is in flight go
-    out together, in one message. At most MAX_QUEUED messages wait: past that the engine's thread
-    waits too, as it did on a full socket when it wrote itself, so an HTTP side that falls behind
-    slows the rounds rather than the backlog growing without bound.
-    Not threaded (an engine on the CPU): the caller writes, as the round is the CPU's own work and
-    a second thread only competes for it (measured: 5-10% longer AR steps on this 2-core box)."""
+    "wait" (an engine on a GPU, the default there): the engine's own thread writes a turn's
+    updates while the GPU runs the next round. flush() holds them back; the engine calls push()
+    right before it blocks on the GPU (Engine.on_gpu_wait: a graphed round, a batched prefill,
+    an AR step), and the scheduler calls it when it runs out of work. Updates held for HOLD_S
+    go at the next flush, so a turn with no such wait delays them by one turn at most. Measured
+    on a GPU (bench/RESULTS.md): with a sender thread, the engine's calls ran 14% longer than
+    in process at c=64; py-spy put the engine thread in frames without the GIL while the
+    sender pickled (every torch call releases the GIL, and the sender took it then).
+    "thread": a thread of their own pickles and writes them, overlapping the next turn. At most
+    MAX_QUEUED messages wait: past that the engine's thread waits too, so an HTTP side that
+    falls behind slows the rounds rather than the backlog growing without bound.
+    "inline" (an engine on the CPU): the caller writes at once, as the round is the CPU's own
+    work and a second thread only competes for it (measured: 5-10% longer AR steps on this
+    2-core box).
+    Messages other than updates (snapshots, "ready", "stopped", ...) come from the main thread
+    and are written by it (by the sender thread in "thread" mode), after what was held."""
 
     MAX_QUEUED = 64
+    HOLD_S = 0.002
 
-    def __init__(self, conn: Any, threaded: bool = True) -> None:
+    def __init__(self, conn: Any, mode: str = "thread") -> None:
+        if mode not in ("wait", "thread", "inline"):
+            raise ValueError(f"outbox mode must be wait, thread or inline, got {mode!r}")
         self.conn = conn
-        self.threaded = threaded
+        self.mode = mode
         self._lock = threading.Lock()
         self._items: list[tuple[int, int, Update]] = []
-        if threaded:
+        self._first = 0.0  # when the oldest of _items was put ("wait")
+        if mode == "thread":
             # A C queue: putting costs the engine's thread far less than a Condition's notify.
             self._queue: queue.SimpleQueue = queue.SimpleQueue()
             self._room = threading.Semaphore(self.MAX_QUEUED)
@@ -130,9 +146,19 @@ class _Outbox:
 
     def put(self, tid: int, ticket: Ticket, update: Update) -> None:
         with self._lock:
+            if not self._items:
+                self._first = time.perf_counter()
             self._items.append((tid, ticket.submitted_turn, update))
 
     def flush(self) -> None:
+        """The updates put so far are ready to leave together ("wait": they are held a while)."""
+        with self._lock:
+            if self.mode == "wait" and self._items and time.perf_counter() - self._first < self.HOLD_S:
+                return
+            self._queue_items()
+
+    def push(self) -> None:
+        """Send what is held, now."""
         with self._lock:
             self._queue_items()
 
@@ -145,7 +171,8 @@ class _Outbox:
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far has been written, or has failed to be (the HTTP
         side is gone); False if that took longer than timeout."""
-        if not self.threaded:
+        if self.mode != "thread":
+            self.push()
             return True  # written by the callers themselves
         done = threading.Event()
         self._queue.put(done)
@@ -157,7 +184,7 @@ class _Outbox:
             self._items = []
 
     def _enqueue(self, message: tuple) -> None:
-        if not self.threaded:
+        if self.mode != "thread":
             self._deliver(message)  # under self._lock, so writers take turns
             return
         self._room.acquire()
@@ -219,6 +246,18 @@ class _Outbox:
         return True
 
 
+def outbox_mode(engine: Any) -> str:
+    """_Outbox's mode for this engine, unless DDTREE_OUTBOX names one. A fast GPU round leaves
+    the host idle while it waits: the engine's thread writes then (the transformers path marks
+    no such waits: a sender thread). A CPU round is the CPU's own work, which a second thread
+    would only compete for."""
+    if OUTBOX_MODE in ("wait", "thread", "inline"):
+        return OUTBOX_MODE
+    if not str(getattr(engine, "device", "cpu")).startswith("cuda"):
+        return "inline"
+    return "wait" if getattr(engine, "backend", "") == "fast" else "thread"
+
+
 def host(conns: list, engine: Any, config: Any, thread: EngineThread, greeting: tuple = ()) -> None:
     """Run `engine`'s rounds for the requests that arrive on `conns` (one per HTTP process), until
     each has said "stop" or gone away. Call after the engine is loaded and warmed up, on `thread`.
@@ -229,16 +268,20 @@ def host(conns: list, engine: Any, config: Any, thread: EngineThread, greeting: 
     A worker's first message, ("hello",), is answered ("ready", *greeting): the loaded engine's
     facts go to each worker when it asks, through its outbox, so a worker that is slow to start or
     dies first holds up nothing and takes nothing down."""
-    # A GPU round waits with the GIL released, and a sender thread then hides the writes; a CPU
-    # round is the CPU's own work, which a second thread would only compete for.
-    threaded = str(getattr(engine, "device", "cpu")).startswith("cuda")
-    outboxes = [_Outbox(conn, threaded=threaded) for conn in conns]
+    mode = outbox_mode(engine)
+    outboxes = [_Outbox(conn, mode) for conn in conns]
 
     def publish() -> None:
         for outbox in outboxes:
             outbox.flush()
 
-    scheduler = Scheduler.for_server(engine, config, thread=thread, on_publish=publish)
+    def push() -> None:
+        for outbox in outboxes:
+            outbox.push()
+
+    if mode == "wait":
+        engine.on_gpu_wait = push
+    scheduler = Scheduler.for_server(engine, config, thread=thread, on_publish=publish, on_idle=push)
     tickets: dict[tuple[int, int], Ticket] = {}
     # Each HTTP process's TTFT and ITL as it last sent them (it sends its own right before each
     # snapshot it asks for), kept after it leaves: every term only grows, so the sum /metrics
@@ -293,7 +336,7 @@ def host(conns: list, engine: Any, config: Any, thread: EngineThread, greeting: 
                     scheduler.enqueue(ticket)
                 except EngineError as exc:  # one HTTP process: it caps what it sends, so only a race gets here
                     relay(key, ticket, Update(done=True, finish_reason="abort", error=exc))
-                    outboxes[index].flush()
+                    outboxes[index].push()
                 else:
                     if len(conns) > 1:  # several: this is where admission is decided (RemoteScheduler)
                         outboxes[index].send(("admitted", tid))

@@ -356,11 +356,14 @@ class Scheduler:
 
     def __init__(self, engine: Any, *, max_running: int = 8, max_queued: int = 64, stats: Stats | None = None,
                  batch: bool = False, thread: EngineThread | None = None,
-                 on_publish: Callable[[], None] | None = None, stream_interval: int = 1,
+                 on_publish: Callable[[], None] | None = None, on_idle: Callable[[], None] | None = None,
+                 stream_interval: int = 1,
                  trace_turns: str | None = None) -> None:
         """`on_publish` runs on the engine thread wherever updates are ready to leave together:
         after a turn's admissions, after its prefills, after each unbatched step, and at the end
         of the turn (the engine process sends what the sinks gathered, in one message).
+        `on_idle` runs on the engine thread when a turn leaves nothing running or waiting (the
+        engine process then sends what it held back for the GPU's next wait).
         `stream_interval`: a running request's tokens leave once at least this many are unsent
         (its first token and its end at once), as SGLang's --stream-interval.
         `trace_turns`: a file that gets one JSON line per turn (_trace), opened by the loop."""
@@ -384,6 +387,7 @@ class Scheduler:
         #: Turns started so far (each admits, then advances every running session by one round).
         self.turns = 0
         self._on_publish = on_publish
+        self._on_idle = on_idle
         self.stream_interval = stream_interval
         self.trace_turns = trace_turns
         self._trace_file = None  # open while the loop runs, on the engine thread
@@ -399,10 +403,11 @@ class Scheduler:
 
     @classmethod
     def for_server(cls, engine: Any, config: Any, *, thread: EngineThread | None,
-                   on_publish: Callable[[], None] | None = None) -> "Scheduler":
+                   on_publish: Callable[[], None] | None = None,
+                   on_idle: Callable[[], None] | None = None) -> "Scheduler":
         """The scheduler a server's configuration (api.ServerConfig) asks for, wherever it runs."""
         return cls(engine, max_running=config.max_running, max_queued=config.max_queued, batch=config.batch,
-                   thread=thread, on_publish=on_publish, stream_interval=config.stream_interval,
+                   thread=thread, on_publish=on_publish, on_idle=on_idle, stream_interval=config.stream_interval,
                    trace_turns=getattr(config, "trace_turns", None))
 
     # -- any thread ---------------------------------------------------------------------------
@@ -506,6 +511,10 @@ class Scheduler:
 
     def _turns(self) -> None:
         while True:
+            with self._cond:
+                idle = not self._waiting and not self._running and not self._stopping
+            if idle and self._on_idle is not None:
+                self._on_idle()
             with self._cond:
                 while not self._waiting and not self._running and not self._stopping:
                     self._cond.wait()

@@ -222,6 +222,7 @@ def build_app(api: Api) -> Starlette:
             "context_length": engine.context_window,
             "max_running_requests": config.max_running, "max_queued_requests": config.max_queued,
             "batch": config.batch, "engine_loop": api.engine_loop,
+            "engine_outbox": getattr(engine, "outbox", None),  # engine_loop.outbox_mode, with its own process
             "tokenizer_worker_num": getattr(api.scheduler, "workers", 1),
             "http_pid": os.getpid(),  # which HTTP process answered (with several, each has its own)
             "chunked_prefill_size": engine.prefill_chunk or -1,

@@ -273,6 +273,7 @@ def _replay(engine: Engine, stage: RoundStage, key: tuple) -> list[list[int]]:
     graph.replay()
     host.copy_(packed, non_blocking=True)
     stage.done.record()
+    engine.gpu_busy()
     stage.done.synchronize()
     return host.tolist()
 

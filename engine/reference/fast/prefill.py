@@ -156,6 +156,7 @@ def _prefill_group(engine: Engine, stage: PrefillStage, sessions: list[Session],
             logits, feats = found[1], found[2]
         else:
             logits, feats = prefill_static(engine, stage, b, q)
+        engine.gpu_busy()  # the sessions' first tokens below wait for the forward
         # Nothing in a session has changed before this point: a forward that raises leaves them new.
         for j, s in enumerate(sessions):
             n = lengths[j]

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from ....support.client import EngineClient
-from ....support.server import SERVER, ServerProcess
+from ....support.server import SERVER, TEST_ENV, ServerProcess
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "import numpy as np\n", "Once upon a time"]
 SPECS = [{"algorithm": "ar"}, {"algorithm": "dflash"}, {"algorithm": "ddtree", "budget": 4},
@@ -51,6 +51,7 @@ def test_engine_process_serves_the_single_process_tokens_and_dies_with_the_serve
     try:
         info = httpx.get(srv.url + "/server_info").json()
         assert info["engine_loop"] == "process" and info["backend"] == "transformers"
+        assert info["engine_outbox"] == "inline"  # a CPU's round: the engine's thread writes at once
         assert info["chunked_prefill_size"] == 3 and info["stream_interval"] == 4
         assert info["enable_mixed_chunk"] is True and info["max_prefill_tokens"] == 5
         engines = psutil.Process(srv.proc.pid).children()
@@ -73,6 +74,35 @@ def test_engine_process_serves_the_single_process_tokens_and_dies_with_the_serve
         assert gone(engines[0]), "the engine process outlived a killed server"
     finally:
         srv.stop()
+
+
+def test_updates_held_for_the_gpus_wait_all_arrive_in_order(tiny_pair, tmp_path):
+    """The outbox's "wait" mode (a fast engine on a GPU) forced on the CPU's fast backend: the
+    engine's thread writes the held updates where a round would wait for the GPU (a batched
+    prefill, an AR step), at a flush once they are old, and when the work runs out. Requests
+    side by side, every algorithm: each greedy output is AR's, each stream adds up to it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    target, drafter = tiny_pair
+    srv = ServerProcess([*SERVER, "--model", str(target), "--draft", str(drafter), "--port", "0", "--backend", "fast",
+                         "--max-running-requests", "8"], tmp_path / "wait.log",
+                        env={**TEST_ENV, "DDTREE_OUTBOX": "wait"})
+    try:
+        client = EngineClient(srv.url, timeout=120)
+        assert client.server_info()["engine_outbox"] == "wait"
+        params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+        jobs = [(p, s) for p in PROMPTS for s in SPECS]
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda job: client.generate(job[0], sampling_params=params,
+                                                             speculative=job[1])["output_ids"], jobs))
+        ar = {p: out for (p, s), out in zip(jobs, outs) if s["algorithm"] == "ar"}
+        assert all(out == ar[p] for (p, _), out in zip(jobs, outs))
+        chunks = list(client.generate_stream(PROMPTS[2], sampling_params=params, speculative={"algorithm": "ar"}))
+        assert chunks[-1]["output_ids"] == ar[PROMPTS[2]]
+        assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    finally:
+        assert srv.stop() == 0, srv.log_tail()
+
 
 
 def sigterm_mid_stream(srv: ServerProcess) -> dict:

@@ -153,7 +153,7 @@ def test_without_a_thread_the_caller_writes_in_order_and_an_odd_update_ends_only
     """An engine on the CPU: flush and send write at once, on the caller's thread, with the same
     fallback for an update that cannot be pickled."""
     ours, theirs = socket.socketpair()
-    outbox, reader = _Outbox(Connection(ours.detach()), threaded=False), Connection(theirs.detach())
+    outbox, reader = _Outbox(Connection(ours.detach()), "inline"), Connection(theirs.detach())
     try:
         outbox.put(1, ticket(1), Update((5,), (1,), 1))
         outbox.flush()
@@ -171,3 +171,43 @@ def test_without_a_thread_the_caller_writes_in_order_and_an_odd_update_ends_only
     finally:
         outbox.conn.close()
         reader.close()
+
+
+def test_wait_mode_holds_a_turns_updates_for_the_engines_push_and_keeps_the_order(monkeypatch):
+    """An engine on a GPU: flush holds the updates, push (the engine, right before it waits for
+    the GPU) writes them on its own thread; a message from another thread takes what is held
+    first; updates held past HOLD_S go at the next flush. No thread of its own."""
+    ours, theirs = socket.socketpair()
+    threads = set(threading.enumerate())
+    outbox, reader = _Outbox(Connection(ours.detach()), "wait"), Connection(theirs.detach())
+    monkeypatch.setattr(_Outbox, "HOLD_S", 3600.0)  # held until pushed, whatever the machine's pace
+    try:
+        assert set(threading.enumerate()) <= threads
+        outbox.put(1, ticket(1), Update((5,), (1,), 1))
+        outbox.flush()
+        outbox.put(2, ticket(1), Update((6,), (1,), 1))
+        outbox.flush()
+        assert not reader.poll(0)  # held
+        outbox.push()  # both turns' updates, in one message
+        assert reader.recv() == ("updates", [(1, 1, tuple(Update((5,), (1,), 1))),
+                                             (2, 1, tuple(Update((6,), (1,), 1)))])
+        outbox.put(3, ticket(2), Update((7,), (1,), 1))
+        outbox.flush()
+        sender = threading.Thread(target=outbox.send, args=(("snapshot", 4, "s"),))
+        sender.start()
+        sender.join()
+        assert reader.recv() == ("updates", [(3, 2, tuple(Update((7,), (1,), 1)))])
+        assert reader.recv() == ("snapshot", 4, "s")
+        monkeypatch.setattr(_Outbox, "HOLD_S", 0.0)  # a turn without a GPU wait: flush writes
+        outbox.put(5, ticket(3), Update((8,), (1,), 1))
+        outbox.flush()
+        assert reader.recv() == ("updates", [(5, 3, tuple(Update((8,), (1,), 1)))])
+        assert outbox.drain(0) and not reader.poll(0.2)
+    finally:
+        outbox.conn.close()
+        reader.close()
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="wait, thread or inline"):
+        _Outbox(None, "later")

@@ -651,3 +651,29 @@ def test_tokens_held_for_the_interval_are_counted_when_the_request_is_cancelled(
         sched.stop(timeout=5)
     assert [len(u.new_ids) for u in updates] == [2, 0] and updates[-1].finish_reason == "abort"
     assert sched.stats.generation_tokens_total == 6 and sched.stats.verify_calls_total == 3
+
+
+def test_on_idle_runs_after_the_last_update_once_nothing_runs_or_waits():
+    """The engine process holds updates back for the GPU's next wait; when the work runs out
+    there is no next wait, so on_idle (which sends them) must come after the last update."""
+    engine = BatchingEngine()
+    events: list = []
+    done = threading.Event()
+
+    def sink(update):
+        events.append(("update", update.done))
+
+    def idle():
+        events.append("idle")
+        if any(e == ("update", True) for e in events):
+            done.set()
+
+    sched = Scheduler(engine, max_running=4, max_queued=4, batch=True, on_idle=idle)
+    sched.submit([1], Gen(5), Spec(), sink)
+    sched.start()
+    try:
+        assert done.wait(60)
+    finally:
+        sched.stop(timeout=5)
+    last = max(i for i, e in enumerate(events) if e != "idle")
+    assert events[last] == ("update", True) and "idle" in events[last + 1:]
