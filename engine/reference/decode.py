@@ -151,13 +151,16 @@ class Session:
         self.timings["prefill"] += self.engine.clock() - t0
         return committed
 
-    def _prefilled(self, last_logits: torch.Tensor, features: torch.Tensor | None) -> list[int]:
+    def _prefilled(self, last_logits: torch.Tensor | None, features: torch.Tensor | None,
+                   token: int | None = None) -> list[int]:
         """After the prompt is in the cache: choose the first token from the last row's logits
-        [1, V] (float), keep the prompt's features for the first draft, commit the token."""
-        token = self._choose(last_logits)
+        [1, V] (float), or take `token` already chosen for it (a batched prefill's greedy rows,
+        read in one sync), keep the prompt's features for the first draft, commit the token."""
+        if token is None:
+            token = int(self._choose(last_logits)[-1])
         self._pending = features
         self._start = len(self.prompt_ids)
-        self._bonus = int(token[-1])
+        self._bonus = int(token)
         return self._commit([self._bonus])
 
     def _ar_round(self) -> list[int]:

@@ -269,7 +269,7 @@ class FastPath:
             if self.pool is not None:
                 # Lowest slot first: the running sessions then fill slots 0..b-1, the block a
                 # batched round reads (fast/batch.py).
-                at = min(range(len(self._free)), key=lambda i: self.pool.index_of(self._free[i][0]))
+                at = min(range(len(self._free)), key=lambda i: self._free[i][0].slot)
                 slot = self._free.pop(at)
             else:
                 slot = self._free.pop()

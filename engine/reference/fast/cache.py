@@ -86,6 +86,9 @@ class StaticKVCache:
         # The most nodes a walk can accept (a drafter's block: the bonus and its drafts), so a
         # walk moves only that many K/V rows; None: up to the whole query.
         self.max_path: int | None = None
+        # The KV pool slot whose buffers these are (KVPool sets it), or None: read once per
+        # session a round, so an attribute, not a lookup by address.
+        self.slot: int | None = None
 
     @classmethod
     def over(cls, k: torch.Tensor, v: torch.Tensor, length_t: torch.Tensor, *, capacity: int,
@@ -104,6 +107,7 @@ class StaticKVCache:
         cache.length_t = length_t
         cache.stages, cache.graphs, cache.spans, cache.walks = {}, {}, {}, {}
         cache.moved = None
+        cache.slot = None
         cache.sink = None
         cache.max_path = None
         cache.set_length(0)
@@ -120,6 +124,7 @@ class StaticKVCache:
         other.spans = self.spans
         other.sink = self.sink
         other.max_path = self.max_path
+        other.slot = self.slot
         other.moved = None
         other.set_length(0)
         return other

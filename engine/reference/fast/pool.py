@@ -75,6 +75,7 @@ class KVPool:
         for i in range(slots):
             cache = StaticKVCache.over(self.k[:, i], self.v[:, i], self.lengths[i],
                                        capacity=target.context_window, slack=target.buckets[-1])
+            cache.slot = i
             self.caches.append(cache)
         self.draft_caches: list[DraftContextCache | None] = [None] * slots
         self.dk = self.dv = self.dlengths = None
@@ -92,11 +93,11 @@ class KVPool:
                 self.draft_caches[i] = draft
         self.bytes_per_token = bytes_per_token(target, drafter)
         self.slot_tokens = rows
-        self._index = {c.k.data_ptr(): i for i, c in enumerate(self.caches)}
 
     def index_of(self, cache) -> int | None:
-        """The slot whose buffers this target cache views, or None (not a pool cache)."""
-        return self._index.get(cache.k.data_ptr()) if cache is not None else None
+        """The slot whose buffers this target cache views, or None (not a pool cache): the
+        slot each pool cache and its shares carry (StaticKVCache.slot)."""
+        return getattr(cache, "slot", None)
 
     def nbytes(self) -> int:
         total = self.k.numel() * self.k.element_size() * 2

@@ -156,7 +156,13 @@ def _prefill_group(engine: Engine, stage: PrefillStage, sessions: list[Session],
             logits, feats = found[1], found[2]
         else:
             logits, feats = prefill_static(engine, stage, b, q)
+        # The greedy rows' first tokens in one argmax and one sync, not one of each a session
+        # (64 joiners: 64 launches and host waits in a row, with the GPU idle between them).
+        greedy = [j for j, s in enumerate(sessions) if s.gen.greedy]
+        picks = logits[:b].argmax(dim=-1) if len(greedy) > 1 else None
         engine.gpu_busy()  # the sessions' first tokens below wait for the forward
+        every = picks.tolist() if picks is not None else []
+        firsts = {j: every[j] for j in greedy} if every else {}
         # Nothing in a session has changed before this point: a forward that raises leaves them new.
         for j, s in enumerate(sessions):
             n = lengths[j]
@@ -166,7 +172,10 @@ def _prefill_group(engine: Engine, stage: PrefillStage, sessions: list[Session],
                 features = (feats[j * q:j * q + n].clone() if feats is not None else
                             torch.zeros((n, 0), dtype=engine.target.dtype, device=logits.device))
             try:
-                committed.append(s._prefilled(logits[j:j + 1].clone(), features))
+                if j in firsts:
+                    committed.append(s._prefilled(None, features, firsts[j]))
+                else:
+                    committed.append(s._prefilled(logits[j:j + 1].clone(), features))
             except BaseException:
                 s._cache.set_length(0)  # still new: a later step prefills it from row 0
                 raise

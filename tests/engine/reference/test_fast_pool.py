@@ -392,6 +392,26 @@ def test_a_turns_new_prompts_prefill_together_and_decode_as_serial(pair, prefill
                                                 for p, s in zip(prompts, specs)]
 
 
+def test_greedy_and_sampled_joiners_prefill_together_and_decode_as_serial(pair, prefills):
+    """The greedy rows' first tokens come from one argmax over the batch; a sampled row's from
+    its own draw with its own seed, as when it prefills alone."""
+    model, drafter = pair
+    serial = Engine(model, drafter, backend="fast", max_budget=64)
+    pooled = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=4)
+    pooled.impl.batch_static = True
+    prompts = [[3, 4], [5, 9, 1], [1, 2, 3, 7], [9] * 5]
+    gens = [GenParams(max_new_tokens=8), GenParams(max_new_tokens=8, temperature=0.9, seed=11),
+            GenParams(max_new_tokens=8), GenParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=5)]
+    specs = [SpecParams("ar"), SpecParams("ar"), SpecParams("ddtree", 8), SpecParams("dflash")]
+    sessions = [pooled.start(p, g, s) for p, g, s in zip(prompts, gens, specs)]
+    pooled.step_many(sessions)
+    assert prefills == [(4, 16)]  # one forward for all four
+    while not all(s.done for s in sessions):
+        pooled.step_many(sessions)
+    assert [s.output_ids for s in sessions] == [serial.generate(p, g, s).output_ids
+                                                for p, g, s in zip(prompts, gens, specs)]
+
+
 def test_a_batched_prefill_writes_only_its_prompts_rows(pair, prefills):
     """Running sessions' rows, free slots and the new slots past their prompts' padded length
     stay as they were."""
@@ -525,10 +545,10 @@ def test_a_prefill_that_fails_leaves_its_session_new(pair, monkeypatch, prefills
     sessions = [engine.start(p, gen, SpecParams("ddtree", 4)) for p in prompts]
     real = Session._prefilled
 
-    def broken(self, logits, features):
+    def broken(self, logits, features, token=None):
         if self is sessions[1]:
             raise RuntimeError("sampler failed")
-        return real(self, logits, features)
+        return real(self, logits, features, token)
     monkeypatch.setattr(Session, "_prefilled", broken)
     with pytest.raises(RuntimeError):
         engine.step_many(sessions)
