@@ -21,8 +21,8 @@ high token rate one HTTP process's CPU (a socket write per streamed chunk, mostl
 model's throughput: measured on an H100, 117 us of it per token at 8.5k tokens/s (bench/RESULTS.md).
 
 A turn's updates go in one message, so a batched round over 64 requests costs one pickle and one
-write, not 64; with the engine on a GPU, a thread of the engine process sends it while the next
-round runs (_Outbox).
+write, not 64; with the engine on a GPU, the engine's thread sends it while the GPU runs the next
+round (_Outbox).
 Nothing here imports torch.
 """
 
@@ -115,9 +115,10 @@ class _Outbox:
     right before it blocks on the GPU (Engine.on_gpu_wait: a graphed round, a batched prefill,
     an AR step), and the scheduler calls it when it runs out of work. Updates held for HOLD_S
     go at the next flush, so a turn with no such wait delays them by one turn at most. Measured
-    on a GPU (bench/RESULTS.md): with a sender thread, the engine's calls ran 14% longer than
-    in process at c=64; py-spy put the engine thread in frames without the GIL while the
-    sender pickled (every torch call releases the GIL, and the sender took it then).
+    on an H100 (bench/RESULTS.md, 1.7B shape, AR, c=64): with a sender thread the engine's calls
+    ran 14-18% longer than in process, and py-spy put the engine thread in frames without the
+    GIL while the sender pickled (every torch call releases the GIL, and the sender took it
+    then); with this mode 7% longer, and the server gave 0.87 of in process against 0.77.
     "thread": a thread of their own pickles and writes them, overlapping the next turn. At most
     MAX_QUEUED messages wait: past that the engine's thread waits too, so an HTTP side that
     falls behind slows the rounds rather than the backlog growing without bound.
