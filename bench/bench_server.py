@@ -427,7 +427,7 @@ def main() -> int:
                    help="--grid: one server per value, comma-separated (process, thread, process-wN): where the "
                         "server runs its rounds, and process-wN with N HTTP processes (--tokenizer-worker-num N); "
                         "+wait, +thread or +inline after one sets the engine process's outbox mode "
-                        "(DDTREE_OUTBOX); default process")
+                        "(DDTREE_OUTBOX); a value given again runs again, as VALUE#2 (A B A B); default process")
     p.add_argument("--trace-turns", metavar="STEM", default=None,
                    help="--grid: the server's --trace-turns, into STEM-LOOP.jsonl per engine loop; each cell "
                         "keeps its turn_range there (bench/turn_trace.py reads both)")

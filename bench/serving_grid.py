@@ -573,16 +573,26 @@ def verify_grid(args, engine, transformers_verifier) -> dict:
 def loop_flags(loop: str) -> list[str]:
     """The server flags of one --engine-loops value: thread, process, or process-wN (process with N
     HTTP processes, --tokenizer-worker-num N); +MODE after either names the engine process's
-    outbox mode (loop_env)."""
-    where, _, workers = loop.partition("+")[0].partition("-w")
+    outbox mode (loop_env). A value given again is labelled VALUE#2, #3 ... (loop_labels)."""
+    where, _, workers = loop.partition("#")[0].partition("+")[0].partition("-w")
     return ["--engine-loop", where] + (["--tokenizer-worker-num", workers] if workers else [])
+
+
+def loop_labels(loops: list[str]) -> list[str]:
+    """Each --engine-loops value as the grid names its server: a value given again gets #2, #3
+    ..., so one grid can run the same server twice (A B A B)."""
+    labels: list[str] = []
+    for loop in loops:
+        n = loops[:len(labels)].count(loop)
+        labels.append(loop if n == 0 else f"{loop}#{n + 1}")
+    return labels
 
 
 @contextlib.contextmanager
 def loop_env(loop: str) -> Iterator[None]:
     """DDTREE_OUTBOX for a server started inside, from a loop value's +MODE (wait, thread or
     inline: engine_loop._Outbox), so one grid measures one mode against another."""
-    mode = loop.partition("+")[2]
+    mode = loop.partition("#")[0].partition("+")[2]
     saved = os.environ.get("DDTREE_OUTBOX")
     if mode:
         os.environ["DDTREE_OUTBOX"] = mode
@@ -613,7 +623,7 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
     if args.grid:
         report["grid"] = grid
     server_cells: list[dict] | None = None
-    loops = list(getattr(args, "engine_loops", None) or ["process"])
+    loops = loop_labels(list(getattr(args, "engine_loops", None) or ["process"]))
     if args.grid and not args.skip_serving:
         # One server per --engine-loops value, each with its share of the server time, so the
         # engine loop in its own process and on a thread are measured in the same run.
@@ -662,7 +672,7 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
                                    for loop, cells in by_loop.items()}
         save()
         for loop, summary in grid["summary_by_loop"].items():
-            print(f"\n{' '.join(loop_flags(loop))}:")
+            print(f"\n{loop} ({' '.join(loop_flags(loop))}):")
             print_summary(summary)
     if args.verify_grid:
         if clock.spent(1.0):
