@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 #: How the engine process writes to the HTTP side (_Outbox's modes): DDTREE_OUTBOX=wait|thread|inline
 #: overrides the choice by device, to measure one against another (bench_server.py).
+OUTBOX_MODES = ("wait", "thread", "inline")
 OUTBOX_MODE = os.environ.get("DDTREE_OUTBOX", "")
 
 
@@ -132,7 +133,7 @@ class _Outbox:
     HOLD_S = 0.002
 
     def __init__(self, conn: Any, mode: str = "thread") -> None:
-        if mode not in ("wait", "thread", "inline"):
+        if mode not in OUTBOX_MODES:
             raise ValueError(f"outbox mode must be wait, thread or inline, got {mode!r}")
         self.conn = conn
         self.mode = mode
@@ -252,7 +253,7 @@ def outbox_mode(engine: Any) -> str:
     the host idle while it waits: the engine's thread writes then (the transformers path marks
     no such waits: a sender thread). A CPU round is the CPU's own work, which a second thread
     would only compete for."""
-    if OUTBOX_MODE in ("wait", "thread", "inline"):
+    if OUTBOX_MODE in OUTBOX_MODES:
         return OUTBOX_MODE
     if not str(getattr(engine, "device", "cpu")).startswith("cuda"):
         return "inline"
