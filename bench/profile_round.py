@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -184,15 +185,24 @@ def main(argv=None) -> int:
                         "weights, 33+ rows), off by default until measured through a round")
     p.add_argument("--one-row-attention", action="store_true",
                    help="tree attention keeps its one-row tiling at every batch (the rule before its batched one)")
+    p.add_argument("--blas", default="default", choices=("default", "cublaslt", "small-workspace"),
+                   help="cuBLAS as torch sets it up (default); torch's cuBLASLt path "
+                        "(preferred_blas_library); or a 1 KiB cuBLAS workspace, which leaves split-K no room "
+                        "(bench_cublas_rows.py: both drop the 8B down product's split-K reduce at 33-65 rows)")
     p.add_argument("--out")
     args = p.parse_args(argv)
+    if args.blas == "cublaslt":
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    elif args.blas == "small-workspace":  # read at cuBLAS's first use, which is still to come
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":1:1"
     with torch.inference_mode():
         engine, prompt = load(args)
         specs = [("ar", SpecParams("ar")), ("dflash", SpecParams("dflash"))]
         specs += [(f"ddtree-{b}", SpecParams("ddtree", b)) for b in args.budgets]
         result = {"pair": args.pair, "device": args.device, "attention": engine.attention, "batch": args.batch,
                   "pool_slots": args.pool_slots, "one_graph": args.one_graph, "folds": not args.no_folds,
-                  "rows_kernel": not args.no_rows, "wide_rows": args.wide_rows, "one_row_attention": args.one_row_attention, "rows": {}}
+                  "rows_kernel": not args.no_rows, "wide_rows": args.wide_rows, "one_row_attention": args.one_row_attention,
+                  "blas": args.blas, "rows": {}}
         gemv, drafts = engine.target.model.gemv, engine.impl.drafts
         result["few_row_tune"] = {"target": {str(k): v for k, v in sorted(gemv.measured_rows.items())},
                                   "target_picked": {str(k): str(v) for k, v in sorted(gemv.picked_rows.items())},
