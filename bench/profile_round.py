@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-from bench_engine import _sync  # noqa: E402
+from bench_engine import _sync, round_ms  # noqa: E402
 from bench_fast import _hf_random, _random_drafter  # noqa: E402
 
 
@@ -185,16 +184,21 @@ def main(argv=None) -> int:
                         "weights, 33+ rows), off by default until measured through a round")
     p.add_argument("--one-row-attention", action="store_true",
                    help="tree attention keeps its one-row tiling at every batch (the rule before its batched one)")
-    p.add_argument("--blas", default="default", choices=("default", "cublaslt", "small-workspace"),
-                   help="cuBLAS as torch sets it up (default); torch's cuBLASLt path "
-                        "(preferred_blas_library); or a 1 KiB cuBLAS workspace, which leaves split-K no room "
-                        "(bench_cublas_rows.py: both drop the 8B down product's split-K reduce at 33-65 rows)")
+    p.add_argument("--blas", default="engine", choices=("engine", "torch", "cublaslt"),
+                   help="cuBLAS as the engine sets it up (a 1 KiB workspace, fast/blas.py); torch's own "
+                        "default workspace, where cuBLAS splits the 8B verify's down product (the A/B); or "
+                        "torch's cuBLASLt path (preferred_blas_library) with torch's workspace")
+    p.add_argument("--split", action="store_true",
+                   help="after the profiles, each DDTree budget's round split into draft / tree / verify / "
+                        "commit, synchronised (bench_engine.round_ms), 20 rounds")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    if args.blas == "cublaslt":
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-    elif args.blas == "small-workspace":  # read at cuBLAS's first use, which is still to come
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":1:1"
+    if args.blas != "engine":
+        from ddtree.engine.reference.fast import blas
+
+        blas.wanted = False
+        if args.blas == "cublaslt":
+            torch.backends.cuda.preferred_blas_library("cublaslt")
     with torch.inference_mode():
         engine, prompt = load(args)
         specs = [("ar", SpecParams("ar")), ("dflash", SpecParams("dflash"))]
@@ -222,6 +226,11 @@ def main(argv=None) -> int:
                 print(f"    {k['us_per_round']:9.2f} us idle x{k['per_round']:<6} before {k['before']}", flush=True)
             for k in row.get("top_ops", [])[:12]:
                 print(f"    {k['us_per_round']:9.2f} us  x{k['per_round']:<6} {k['op']} {k['shapes']}", flush=True)
+        if args.split:
+            result["split"] = {str(b): row for b, row in round_ms(engine, prompt, args.budgets, 20).items()}
+            for b, row in result["split"].items():
+                print(f"[{args.pair}] ddtree-{b} split, synchronised ms: draft {row['draft']} tree {row['tree']} "
+                      f"verify {row['verify']} commit {row['commit']} round {row['round']}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -84,10 +84,13 @@ class Engine:
         feature_layers = drafter.target_layer_ids if drafter is not None else ()
         cw = context_window or getattr(model.config, "max_position_embeddings", None) or 4096
         if backend == "fast":
+            from ddtree.engine.reference.fast import blas
             from ddtree.engine.reference.fast.backend import decoder_from_hf
             from ddtree.engine.reference.fast.model import DenseDecoder
             from ddtree.engine.reference.fast.target import FastTarget
 
+            if next(model.parameters()).device.type == "cuda":  # before anything here calls cuBLAS
+                self.cublas_workspace = blas.ask_small_workspace()
             self.model = model.eval() if isinstance(model, DenseDecoder) else decoder_from_hf(model)
             cw = context_window or min(int(cw), FAST_CONTEXT)
             query = min(int(max_budget), MAX_GRAPH_QUERY - 1) + 1 if drafter is not None else 1
@@ -267,6 +270,8 @@ class Engine:
         return engine
 
     backend_reason = "chosen by the caller"
+    #: CUBLAS_WORKSPACE_CONFIG as the fast backend on CUDA found or set it (fast/blas.py); None elsewhere.
+    cublas_workspace: str | None = None
     #: torch's CPU threads for the rounds, as the server set them (None: not a server's engine).
     cpu_threads: int | None = None
 

@@ -80,6 +80,7 @@ class EngineFacts:
     max_prefill_tokens: int = 0
     cpu_threads: int | None = None
     outbox: str = ""  # how the engine process sends its updates (outbox_mode)
+    cublas_workspace: str | None = None
 
     @classmethod
     def of(cls, engine: Any) -> "EngineFacts":
@@ -90,7 +91,8 @@ class EngineFacts:
                    graphs=bool(engine.graphs),
                    prefill_chunk=engine.prefill_chunk, mixed_chunk=bool(engine.mixed_chunk),
                    max_prefill_tokens=int(getattr(engine, "max_prefill_tokens", 0)),
-                   cpu_threads=engine.cpu_threads, outbox=outbox_mode(engine))
+                   cpu_threads=engine.cpu_threads, outbox=outbox_mode(engine),
+                   cublas_workspace=getattr(engine, "cublas_workspace", None))
 
 
 # -- the engine process ------------------------------------------------------------------------
