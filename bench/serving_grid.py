@@ -628,8 +628,18 @@ def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Calla
         # One server per --engine-loops value, each with its share of the server time, so the
         # engine loop in its own process and on a thread are measured in the same run.
         grid["servers"] = {}
+        inprocess_next = not args.skip_inprocess
         for k, loop in enumerate(loops):
             cells = grid["servers"][loop] = []
+            if k and inprocess_next and clock.spent(SERVER_SHARE):
+                # A later server would leave the in-process side, the ratio's denominator, no time
+                # (three servers on a cold H100 took 400 s of a 440 s budget, and every in-process
+                # cell was skipped).
+                cells += [{"concurrency": c, "algorithm": name, "skipped": "time budget"}
+                          for c in concurrencies for name, _ in specs]
+                print(f"server ({' '.join(loop_flags(loop))}) not started: past {SERVER_SHARE:.0%} of the "
+                      "time budget, and the in-process side is still to run", flush=True)
+                continue
             t0 = time.perf_counter()
             trace = []
             if getattr(args, "trace_turns", None):  # the server appends: a file of this run only
