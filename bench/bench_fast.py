@@ -382,8 +382,15 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
+    from ddtree.engine.reference.fast import blas
+
     torch.manual_seed(0)
     result = {"device": args.device, "context": args.context, "new_tokens": args.new_tokens}
+    if args.device.startswith("cuda"):
+        # cuBLAS reads its workspace once, at its first use: the engine's setting, asked for before
+        # anything runs, so the fast path here is set up as in a server. The transformers
+        # baselines share the process, and so the setting.
+        result["cublas_workspace"] = blas.ask_small_workspace()
     if args.device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name()
     import transformers
