@@ -89,7 +89,8 @@ class Engine:
             from ddtree.engine.reference.fast.model import DenseDecoder
             from ddtree.engine.reference.fast.target import FastTarget
 
-            if next(model.parameters()).device.type == "cuda":  # before anything here calls cuBLAS
+            weight = next(model.parameters(), None)
+            if weight is not None and weight.device.type == "cuda":  # before anything here calls cuBLAS
                 self.cublas_workspace = blas.ask_small_workspace()
             self.model = model.eval() if isinstance(model, DenseDecoder) else decoder_from_hf(model)
             cw = context_window or min(int(cw), FAST_CONTEXT)
