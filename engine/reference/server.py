@@ -215,7 +215,7 @@ def build_app(api: Api) -> Starlette:
             "max_budget": engine.max_budget, "device": str(engine.device),
             "backend": engine.backend, "backend_reason": engine.backend_reason, "cuda_graphs": engine.graphs,
             "attention_kernel": engine.attention, "cpu_threads": engine.cpu_threads,
-            "cublas_workspace": getattr(engine, "cublas_workspace", None),  # fast/blas.py
+            "cublas_workspace": engine.cublas_workspace,  # fast/blas.py
             "speculative_algorithm": None if config.algorithm == "ar" else config.algorithm.upper(),
             "speculative_ddtree_budget": config.budget if config.algorithm == "ddtree" else None,
             "speculative_dflash_block_size": engine.block_size,

@@ -46,7 +46,7 @@ def test_a_cpu_engine_does_not_ask(no_setting, tiny_target):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_cuda_engine_asks_and_its_greedy_output_is_ar_s(no_setting, tiny_target):
+def test_a_cuda_engine_asks_and_its_greedy_output_is_ar_s():
     """In a process of its own, so that cuBLAS's first use comes after the ask."""
     code = """
 import os, torch

@@ -63,6 +63,7 @@ def test_auto_backend_takes_transformers_on_a_cpu_and_says_why(server, client):
     assert info["backend"] == server.announcement["backend"] == "transformers"
     assert info["backend_reason"].startswith("auto:") and "CUDA" in info["backend_reason"]
     assert info["cuda_graphs"] is False and info["attention_kernel"] == "transformers"
+    assert info["cublas_workspace"] is None  # only the fast backend on CUDA asks (fast/blas.py)
     # A CPU server leaves a core to the HTTP side, unless OMP_NUM_THREADS says otherwise.
     env = os.environ.get("OMP_NUM_THREADS")
     assert info["cpu_threads"] == (int(env) if env else max(1, len(os.sched_getaffinity(0)) - 1))
