@@ -391,7 +391,6 @@ def main(argv=None) -> int:
         # anything runs, so the fast path here is set up as in a server. The transformers
         # baselines share the process, and so the setting.
         result["cublas_workspace"] = blas.ask_small_workspace()
-    if args.device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name()
     import transformers
 

@@ -15,7 +15,10 @@ from ddtree.engine.reference.fast import blas
 
 @pytest.fixture
 def no_setting(monkeypatch):
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    # setenv first: a delenv of an unset name records nothing to undo, and what the ask then
+    # sets would outlive the test
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     monkeypatch.setattr(blas, "wanted", True)
 
 
