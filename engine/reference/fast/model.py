@@ -263,6 +263,10 @@ class BatchPlan:
     for "triton", which reads `lengths` [b] and `tree` [b, q, q] instead (as AttentionPlan's).
     index: [b] long on the device, the pool slot each row attends over, when that is not slot r
     for row r (a prefill chunk riding in a round, MixedPlan); the writes follow `slots` either way.
+    segments: prompts packed into one row (b 1, read 0; fast/prefill.py): [prompts + 1] int32
+    cumulative token counts on the device; each token attends causally within its own prompt.
+    segment_lengths: the same on the host, for the kernels that loop over prompts; None where
+    packed_attention_works (one varlen flash kernel, which a CUDA graph can capture).
     """
     b: int
     q: int
@@ -274,6 +278,8 @@ class BatchPlan:
     lengths: torch.Tensor | None = None
     tree: torch.Tensor | None = None
     index: torch.Tensor | None = None
+    segments: torch.Tensor | None = None
+    segment_lengths: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -302,6 +308,28 @@ def matmul_attention_works(device: torch.device) -> bool:
 
 
 ATTENTION_SETTINGS = ("auto", "sdpa", "matmul", "triton")
+
+
+_PACKED_WORKS: dict[tuple, bool] = {}
+
+
+def packed_attention_works(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                           head_dim: int) -> bool:
+    """Whether flash attention's varlen kernel runs here for this shape (CUDA, half precision,
+    a head size it has): tried once on a few tokens."""
+    key = (device, dtype, heads, kv_heads, head_dim)
+    if key not in _PACKED_WORKS:
+        works = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+        if works:
+            try:
+                q = torch.zeros((4, heads, head_dim), dtype=dtype, device=device)
+                kv = torch.zeros((4, kv_heads, head_dim), dtype=dtype, device=device)
+                cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
+                torch.ops.aten._flash_attention_forward(q, kv, kv, cu, cu, 4, 4, 0.0, True, False)
+            except (RuntimeError, AttributeError, NotImplementedError):
+                works = False
+        _PACKED_WORKS[key] = works
+    return _PACKED_WORKS[key]
 
 
 def choose_attention(setting: str, device: torch.device, head_dim: int) -> str:
@@ -518,6 +546,8 @@ class Attention(nn.Module):
         b, n, d, kvh, g = plan.b, plan.q, self.head_dim, self.num_kv_heads, self.groups
         k_cache[plan.slots, :, plan.rows] = k.view(b, n, kvh, d)
         v_cache[plan.slots, :, plan.rows] = v.view(b, n, kvh, d)
+        if plan.segments is not None:
+            return self._packed(q, k, v, plan)
         if plan.read == 0:
             # Prompts into empty slots: each row attends among its own new rows, causally (no
             # mask, so the flash kernel stays eligible); padding after a prompt sees only itself
@@ -546,6 +576,25 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=plan.mask)
         return out.view(b, kvh, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, self.num_heads * d)
+
+    def _packed(self, q, k, v, plan: BatchPlan) -> torch.Tensor:
+        """Prompts packed into one row: each token attends causally within its own prompt."""
+        n, d = plan.q, self.head_dim
+        if plan.segment_lengths is None:
+            # One kernel for every prompt, its bounds read on the device (flash's varlen form,
+            # which SDPA does not expose on torch 2.11): no padding and no per-prompt launches.
+            out = torch.ops.aten._flash_attention_forward(
+                q.contiguous(), k.contiguous(), v.contiguous(), plan.segments, plan.segments, n, n,
+                0.0, True, False, scale=d ** -0.5)[0]
+            return out.reshape(n, self.num_heads * d)
+        outs, at = [], 0
+        for count in plan.segment_lengths:
+            if count:
+                part = slice(at, at + count)
+                outs.append(self._causal(q[part].transpose(0, 1), k[part].transpose(0, 1),
+                                         v[part].transpose(0, 1)).transpose(0, 1))
+            at += count
+        return torch.cat(outs).reshape(n, self.num_heads * d)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # No mask, so the flash kernel (which handles GQA natively) is eligible on CUDA.

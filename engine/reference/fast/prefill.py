@@ -1,21 +1,23 @@
-"""Prompts of pool sessions prefilled by CUDA graph replays: the new prompts of a turn together,
-one graph per (rows, padded prompt length).
+"""Prompts of pool sessions prefilled together: the new prompts of a turn packed into one
+forward, as CUDA graph replays, one graph per padded token count.
 
 An eager prefill is one forward of a few hundred small kernels: on an H200 about 16 ms for a
 1.7B model whatever the prompt's length, which a server with many short requests pays at every
 join, and which stalls every running stream for that long. A graph replay of one short prompt
-costs about 2.6 ms there, and the requests that join in one turn paid one each, in a row (58 ms
-to the first token at concurrency 16). So the prompts of one padded length (the power of two
-above it, PREFILL_MIN up to the context window, at most PREFILL_MAX) share a forward, in as many
-rows as there are of them where a graph has that many (powers of two and the pool's slots, at
-most PREFILL_BATCH_TOKENS tokens a forward). No prompt is padded further than it would be alone:
-a prefill of a few hundred tokens is compute-bound, and padding four prompts to the longest's
-length left the 1.7B grid's TTFT at concurrency 4 where it was (16 ms). Tokens, lengths and slots
-are device inputs, so one graph per shape serves every slot.
+costs about 2.6 ms there. When many requests join in one turn (a wave of 16 at concurrency 16),
+their prefill is compute-bound: padding each prompt to a power of two and running one forward per
+padded length gave 1.39x the prompts' tokens on the grid's dataset and several forwards, about
+30 ms a wave on an H100, some 15% of the cell. So the prompts go end to end into one row of
+tokens (up to PREFILL_BATCH_TOKENS, then another forward), padded once, to the next of a few
+dozen sizes (pack_sizes); every GEMM takes them all, and attention keeps each token within its
+own prompt (model.BatchPlan.segments: flash's varlen kernel on CUDA in half precision, a loop
+over the prompts elsewhere). Tokens, positions, slots and the prompts' bounds are device inputs,
+so one graph per size serves every mix of prompts and slots.
 
-Each prompt writes K/V rows 0..q-1 of its own slot (the padding past the prompt lands past its
-length, unseen) and attends causally among its own rows only: a fresh slot has no context. The
-logits of each prompt's last real row and the features of every row come back, as
+Each prompt writes K/V rows 0..n-1 of its own slot and attends causally among them: a fresh slot
+has no context. The padding is a prompt of its own, whose rows all land in the last row of the
+first prompt's slot: past its length, unseen, and finite (the matmul kernel multiplies unseen
+rows by zero). The logits of each prompt's last row and the features of every row come back, as
 Session._prefill's forward gives them; each session then goes on as after any prefill.
 """
 
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ddtree.engine.reference.fast.model import BatchPlan
+from ddtree.engine.reference.fast.model import BatchPlan, packed_attention_works
 from ddtree.engine.reference.fast.graphs import record_graph
 
 if TYPE_CHECKING:
@@ -33,55 +35,36 @@ if TYPE_CHECKING:
     from ddtree.engine.reference.engine import Engine
 
 PREFILL_MIN = 16
-PREFILL_MAX = 4096
-# Padded tokens one batched prefill takes at most (a lone prompt may take its whole bucket):
-# bounds the activations and keeps the graphs few.
+# Tokens one packed prefill takes at most: bounds the activations and keeps the graphs few. A
+# prompt longer than this prefills on its own (Session.step).
 PREFILL_BATCH_TOKENS = 4096
 _WARMUP_RUNS = 2
 
 
-def prefill_sizes(context_window: int) -> tuple[int, ...]:
-    """The padded prompt lengths that get a graph: PREFILL_MIN, 2x, ... up to the window."""
-    sizes, size = [], PREFILL_MIN
-    while size < min(context_window, PREFILL_MAX):
-        sizes.append(size)
-        size *= 2
-    sizes.append(min(size, PREFILL_MAX, max(context_window, PREFILL_MIN)))
-    return tuple(sizes)
+def pack_sizes(limit: int) -> tuple[int, ...]:
+    """The token counts a packed prefill pads to, up to limit (at least PREFILL_MIN): each at
+    most 1.5x the one below it, and 1.25x past 256 (steps of 64 up to 1024, of 256 beyond), in 32
+    graphs."""
+    sizes = [16, 32, 48, 64, 96, 128, 192, *range(256, 1025, 64), *range(1280, PREFILL_BATCH_TOKENS + 1, 256)]
+    top = max(PREFILL_MIN, min(limit, PREFILL_BATCH_TOKENS))
+    kept = [size for size in sizes if size < top]
+    return (*kept, next((size for size in sizes if size >= top), PREFILL_BATCH_TOKENS))
 
 
-def batch_rows(slots: int) -> tuple[int, ...]:
-    """The row counts a batched prefill pads to: powers of two below the pool's slots, then the
-    slots (as the graphed rounds' batch sizes)."""
-    rows, b = [], 1
-    while b < slots:
-        rows.append(b)
-        b *= 2
-    return (*rows, slots)
-
-
-def shapes(sizes: tuple[int, ...], rows: tuple[int, ...]) -> list[tuple[int, int]]:
-    """Every (rows, length) a prefill graph has (plan_groups' groups): one prompt at every
-    length, more rows while they fit PREFILL_BATCH_TOKENS."""
-    return [(b, q) for b in rows for q in sizes if b == 1 or b * q <= PREFILL_BATCH_TOKENS]
-
-
-def plan_groups(lengths: list[int], sizes: tuple[int, ...], rows: tuple[int, ...]) -> list[list[int]]:
-    """Indices of these prompt lengths (each at most sizes[-1]) grouped for batched prefills.
-    Only prompts of one padded length share a forward, in as many rows as there are prompts
-    (the most `rows` and PREFILL_BATCH_TOKENS allow, then the rest): a prefill of a few hundred
-    tokens is compute-bound on a GPU, so a group must not pad a prompt further than its own
-    prefill would. Shortest first."""
-    by_size: dict[int, list[int]] = {}
-    for j in sorted(range(len(lengths)), key=lambda j: lengths[j]):
-        by_size.setdefault(next(s for s in sizes if s >= lengths[j]), []).append(j)
-    groups = []
-    for q, members in by_size.items():
-        while members:
-            b = max(r for r in rows if r <= len(members) and (r == 1 or r * q <= PREFILL_BATCH_TOKENS))
-            groups.append(members[:b])
-            members = members[b:]
-    return groups
+def plan_packs(lengths: list[int], limit: int) -> list[list[int]]:
+    """Indices of these prompt lengths grouped into packs of at most `limit` tokens, in order
+    (first come, first in a pack); a prompt longer than limit is in none (it prefills alone)."""
+    packs: list[list[int]] = []
+    used = limit
+    for j, n in enumerate(lengths):
+        if n > limit:
+            continue
+        if used + n > limit:
+            packs.append([])
+            used = 0
+        packs[-1].append(j)
+        used += n
+    return packs
 
 
 class PrefillStage:
@@ -89,88 +72,119 @@ class PrefillStage:
         target = engine.target
         device = target.device
         pool = engine.impl.pool
-        self.sizes = prefill_sizes(engine.context_window)
-        self.rows = batch_rows(pool.slots)
-        self.ids = torch.zeros(max(self.sizes[-1], PREFILL_BATCH_TOKENS), dtype=torch.long, device=device)
-        self.counts = torch.ones(self.rows[-1], dtype=torch.long, device=device)
-        self.slots = torch.zeros(self.rows[-1], dtype=torch.long, device=device)
-        self.steps = torch.arange(self.sizes[-1], device=device)
-        self.graphs: dict[tuple[int, int], tuple] = {}
+        cfg = target.cfg
+        self.sizes = pack_sizes(pool.slots * engine.context_window)
+        self.limit = self.sizes[-1]
+        self.prompts = pool.slots
+        self.scratch_row = pool.k.shape[3] - 1  # the padding's row (see the module docstring)
+        # One kernel for every prompt where flash's varlen form runs; else a loop over the
+        # prompts, which reads their lengths on the host, so no graph can replay it.
+        self.packed_kernel = packed_attention_works(device, target.dtype, cfg.num_attention_heads,
+                                                    cfg.num_key_value_heads, cfg.head_dim)
+        n = self.limit
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.rows = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.zeros(n, dtype=torch.long, device=device)
+        self.bounds = torch.zeros(self.prompts + 2, dtype=torch.int32, device=device)
+        self.last = torch.zeros(self.prompts, dtype=torch.long, device=device)
+        self.graphs: dict[int, tuple] = {}
         self.graph_pool = None
         # Every graph writes its outputs here, so the graphs' own outputs are temporaries that
-        # the next capture reuses: dozens of shapes would otherwise each keep their features.
-        self.logits = torch.zeros((self.rows[-1], target.vocab_size), dtype=torch.float32, device=device)
+        # the next capture reuses: dozens of sizes would otherwise each keep their features.
+        self.logits = torch.zeros((self.prompts, target.vocab_size), dtype=torch.float32, device=device)
         width = len(target.feature_layers) * target.hidden_size
-        self.feats = torch.zeros((self.ids.shape[0], width), dtype=target.dtype, device=device) if width else None
+        self.feats = torch.zeros((n, width), dtype=target.dtype, device=device) if width else None
+
+    def stage(self, prompts: list[list[int]], slots: list[int]) -> tuple[int, tuple[int, ...]]:
+        """Write these prompts, bound for these pool slots, into the inputs: (the padded token
+        count, every prompt's length and then the padding's, in the order packed)."""
+        total = sum(len(p) for p in prompts)
+        size = next(s for s in self.sizes if s >= total)
+        pad = size - total
+        ids, positions, rows, where, bounds, last = [], [], [], [], [0], []
+        for prompt, slot in zip(prompts, slots):
+            ids += prompt
+            positions += range(len(prompt))
+            where += [slot] * len(prompt)
+            bounds.append(bounds[-1] + len(prompt))
+            last.append(bounds[-1] - 1)
+        rows = positions + [self.scratch_row] * pad
+        ids += [0] * pad
+        positions += [0] * pad
+        where += [slots[0]] * pad
+        bounds += [size] * (self.prompts + 2 - len(bounds))
+        last += [0] * (self.prompts - len(last))
+        for buffer, values in ((self.ids, ids), (self.positions, positions), (self.rows, rows), (self.slots, where)):
+            buffer[:size].copy_(torch.tensor(values, dtype=torch.long))
+        self.bounds.copy_(torch.tensor(bounds, dtype=torch.int32))
+        self.last.copy_(torch.tensor(last, dtype=torch.long))
+        return size, (*(len(p) for p in prompts), pad)
 
 
-def prefill_static(engine: Engine, stage: PrefillStage, b: int, q: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The b prompts staged in stage.ids[:b*q] (row j's at j*q, counts[j] long, padded to q) into
-    slots stage.slots[:b]: each row's last real logits [b, V] float32 and every row's features
-    [b*q, K*H] (None without feature layers)."""
+def prefill_static(engine: Engine, stage: PrefillStage, size: int,
+                   lengths: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The prompts staged in stage's first `size` tokens (PrefillStage.stage), into their slots:
+    every prompt's last logits [stage.prompts, V] float32 (rows past the prompts: garbage) and
+    every token's features [size, K*H] (None without feature layers). lengths: the prompts' and
+    the padding's token counts, for the kernel that loops over them (None with the varlen one)."""
     target = engine.target
     pool = engine.impl.pool
-    steps = stage.steps[:q]
-    plan = BatchPlan(b=b, q=q, slots=stage.slots[:b, None].expand(b, q), rows=steps[None].expand(b, q), read=0,
-                     mask=None, kernel=target.attention)
-    hidden, feats = target.model(stage.ids[:b * q], steps.repeat(b), pool.k, pool.v, plan, target.feature_layers)
-    last = torch.arange(b, device=steps.device) * q + stage.counts[:b] - 1
-    return target.lm_head(hidden.index_select(0, last)).float(), feats
+    plan = BatchPlan(b=1, q=size, slots=stage.slots[None, :size], rows=stage.rows[None, :size], read=0,
+                     mask=None, kernel=target.attention, segments=stage.bounds,
+                     segment_lengths=None if stage.packed_kernel else lengths)
+    hidden, feats = target.model(stage.ids[:size], stage.positions[:size], pool.k, pool.v, plan,
+                                 target.feature_layers)
+    return target.lm_head(hidden.index_select(0, stage.last)).float(), feats
 
 
 def prefill_many(engine: Engine, sessions: list[Session], *, graphs: bool) -> list[list[int] | None]:
-    """Session.step()'s prefill of each of these new pool sessions, in as few batched forwards as
-    plan_groups allows; None for a prompt longer than any graph (the caller steps it alone).
-    If a group raises, the groups before it have committed their first tokens (in each session's
-    output_ids, as a prefill that stepped alone would have) and its sessions and the later ones
-    are still new."""
+    """Session.step()'s prefill of each of these new pool sessions, packed into as few forwards
+    as PREFILL_BATCH_TOKENS allows; None for a prompt longer than that (the caller steps it
+    alone). If a pack raises, the packs before it have committed their first tokens (in each
+    session's output_ids, as a prefill that stepped alone would have) and its sessions and the
+    later ones are still new."""
     stage = engine.impl.prefill_stage()
     out: list[list[int] | None] = [None] * len(sessions)
-    fit = [j for j, s in enumerate(sessions) if len(s.prompt_ids) <= stage.sizes[-1]]
-    for group in plan_groups([len(sessions[j].prompt_ids) for j in fit], stage.sizes, stage.rows):
-        members = [fit[k] for k in group]
-        for j, tokens in zip(members, _prefill_group(engine, stage, [sessions[j] for j in members], graphs)):
+    for pack in plan_packs([len(s.prompt_ids) for s in sessions], stage.limit):
+        for j, tokens in zip(pack, _prefill_pack(engine, stage, [sessions[j] for j in pack], graphs)):
             out[j] = tokens
     return out
 
 
-def _prefill_group(engine: Engine, stage: PrefillStage, sessions: list[Session], graphs: bool) -> list[list[int]]:
+def _prefill_pack(engine: Engine, stage: PrefillStage, sessions: list[Session], graphs: bool) -> list[list[int]]:
     t0 = engine.clock()
     pool = engine.impl.pool
     lengths = [len(s.prompt_ids) for s in sessions]
-    b, q = len(sessions), next(size for size in stage.sizes if size >= max(lengths))
-    ids = [0] * (b * q)
-    for j, s in enumerate(sessions):
-        ids[j * q:j * q + lengths[j]] = s.prompt_ids
-    device = stage.ids.device
     committed = []
     with torch.inference_mode():
-        stage.ids[:b * q].copy_(torch.tensor(ids, dtype=torch.long, device=device))
-        stage.counts[:b].copy_(torch.tensor(lengths, dtype=torch.long, device=device))
-        stage.slots[:b].copy_(torch.tensor([pool.index_of(s._cache) for s in sessions], dtype=torch.long, device=device))
-        if graphs:
-            found = stage.graphs.get((b, q))
+        size, counts = stage.stage([s.prompt_ids for s in sessions], [pool.index_of(s._cache) for s in sessions])
+        if graphs and stage.packed_kernel:
+            found = stage.graphs.get(size)
             if found is None:
-                found = stage.graphs[(b, q)] = capture(engine, stage, b, q)
+                found = stage.graphs[size] = capture(engine, stage, size)
             found[0].replay()
             logits, feats = found[1], found[2]
         else:
-            logits, feats = prefill_static(engine, stage, b, q)
+            logits, feats = prefill_static(engine, stage, size, counts)
         # The greedy rows' first tokens in one argmax and one sync, not one of each a session
         # (64 joiners: 64 launches and host waits in a row, with the GPU idle between them).
+        b = len(sessions)
         greedy = [j for j, s in enumerate(sessions) if s.gen.greedy]
         picks = logits[:b].argmax(dim=-1) if len(greedy) > 1 else None
         engine.gpu_busy()  # the sessions' first tokens below wait for the forward
         every = picks.tolist() if picks is not None else []
         firsts = {j: every[j] for j in greedy} if every else {}
         # Nothing in a session has changed before this point: a forward that raises leaves them new.
+        at = 0
         for j, s in enumerate(sessions):
             n = lengths[j]
             s._cache.set_length(n)
             features = None
             if s.mode != "ar":
-                features = (feats[j * q:j * q + n].clone() if feats is not None else
+                features = (feats[at:at + n].clone() if feats is not None else
                             torch.zeros((n, 0), dtype=engine.target.dtype, device=logits.device))
+            at += n
             try:
                 if j in firsts:
                     committed.append(s._prefilled(None, features, firsts[j]))
@@ -185,38 +199,39 @@ def _prefill_group(engine: Engine, stage: PrefillStage, sessions: list[Session],
     return committed
 
 
-def capture(engine: Engine, stage: PrefillStage, b: int, q: int) -> tuple:
-    """Record prefill_static at (b, q). Its warm-up runs write rows 0..q-1 of the staged slots,
-    so the caller points them at a free slot, or at the fresh slots of the sessions about to
-    prefill (whose prompts overwrite them next)."""
+def capture(engine: Engine, stage: PrefillStage, size: int) -> tuple:
+    """Record prefill_static at this size (varlen kernel only). Its warm-up runs write the staged
+    rows, so the caller points them at a free slot, or at the fresh slots of the sessions about
+    to prefill (whose prompts overwrite them next)."""
     if stage.graph_pool is None:
         stage.graph_pool = torch.cuda.graph_pool_handle()
+
     def run():
-        logits, feats = prefill_static(engine, stage, b, q)
-        stage.logits[:b].copy_(logits)
+        logits, feats = prefill_static(engine, stage, size)
+        stage.logits.copy_(logits)
         if feats is None:
-            return stage.logits[:b], None
-        stage.feats[:b * q].copy_(feats)
-        return stage.logits[:b], stage.feats[:b * q]
+            return stage.logits, None
+        stage.feats[:size].copy_(feats)
+        return stage.logits, stage.feats[:size]
 
     graph, (logits, feats) = record_graph(run, stage.graph_pool, stage.ids.device, _WARMUP_RUNS, inference=True)
     return graph, logits, feats
 
 
 def precapture(engine: Engine, progress=None) -> None:
-    """Capture every prefill shape before a server takes requests, on a free slot."""
+    """Capture every pack size before a server takes requests, on a free slot."""
     impl = engine.impl
     stage = impl.prefill_stage()
     free = [impl.pool.index_of(pair[0]) for pair in impl._free]
-    if not free:
+    if not free or not stage.packed_kernel:
         return
-    stage.slots.fill_(max(free))  # every row writes that slot: the warm-ups' rows are garbage
-    stage.counts.fill_(1)
     made = 0
-    for key in shapes(stage.sizes, stage.rows):
-        if key not in stage.graphs:
-            stage.graphs[key] = capture(engine, stage, *key)
+    for size in stage.sizes:
+        if size not in stage.graphs:
+            # One prompt of `size` tokens, every row the scratch row of a free slot: garbage there.
+            stage.stage([[0] * size], [max(free)])
+            stage.rows.fill_(stage.scratch_row)
+            stage.graphs[size] = capture(engine, stage, size)
             made += 1
     if progress is not None:
-        progress(f"captured {made} prefill graphs: prompts up to {stage.sizes[-1]} tokens, "
-                 f"up to {stage.rows[-1]} at once within {PREFILL_BATCH_TOKENS} padded tokens")
+        progress(f"captured {made} prefill graphs: prompts packed up to {stage.limit} tokens a forward")

@@ -368,9 +368,11 @@ def test_a_static_round_moves_every_row_of_a_full_depth_path(pair, monkeypatch):
 # ---- batched prefills (fast/prefill.py), run without graphs -----------------------------------
 @pytest.fixture
 def prefills(monkeypatch):
+    """(padded size, prompts' lengths) of each packed forward."""
     from ddtree.engine.reference.fast import prefill
 
-    return _spy(monkeypatch, prefill, "prefill_static", lambda engine, stage, b, q: (b, q))
+    return _spy(monkeypatch, prefill, "prefill_static", lambda engine, stage, size, lengths=None:
+                (size, lengths[:-1]))
 
 
 def test_a_turns_new_prompts_prefill_together_and_decode_as_serial(pair, prefills):
@@ -384,8 +386,8 @@ def test_a_turns_new_prompts_prefill_together_and_decode_as_serial(pair, prefill
     gen = GenParams(max_new_tokens=12)
     sessions = [pooled.start(p, gen, s) for p, s in zip(prompts, specs)]
     pooled.step_many(sessions)
-    # Four prompts padded to 16 in one forward; the one of 18 alone, padded to 32, not the others.
-    assert prefills == [(4, 16), (1, 32)]
+    # All five end to end in one forward of 31 tokens, padded to 32.
+    assert prefills == [(32, (1, 18, 3, 7, 2))]
     while not all(s.done for s in sessions):
         pooled.step_many(sessions)
     assert [s.output_ids for s in sessions] == [serial.generate(p, gen, s).output_ids
@@ -405,7 +407,7 @@ def test_greedy_and_sampled_joiners_prefill_together_and_decode_as_serial(pair, 
     specs = [SpecParams("ar"), SpecParams("ar"), SpecParams("ddtree", 8), SpecParams("dflash")]
     sessions = [pooled.start(p, g, s) for p, g, s in zip(prompts, gens, specs)]
     pooled.step_many(sessions)
-    assert prefills == [(4, 16)]  # one forward for all four
+    assert prefills == [(16, (2, 3, 4, 5))]  # one forward for all four
     while not all(s.done for s in sessions):
         pooled.step_many(sessions)
     assert [s.output_ids for s in sessions] == [serial.generate(p, g, s).output_ids
@@ -426,54 +428,57 @@ def test_a_batched_prefill_writes_only_its_prompts_rows(pair, prefills):
     k, v = pool.k.clone(), pool.v.clone()
     new = [engine.start(p, gen, SpecParams("ar")) for p in ([1, 2], [3, 4, 5], [6])]
     engine.step_many(new)
-    assert prefills[-2:] == [(2, 16), (1, 16)]  # rows a graph has: 2, then 1
+    assert prefills[-1:] == [(16, (2, 3, 1))]  # packed, and padded once
     slots = [pool.index_of(s._cache) for s in new]
     changed = torch.zeros(pool.k.shape[1:4], dtype=torch.bool)  # [slots, kv_heads, rows]
     for cache, before in ((pool.k, k), (pool.v, v)):
         changed |= (cache != before).any(dim=-1).any(dim=0)
     expected = torch.zeros_like(changed)
-    for r in slots:
-        expected[r, :, :16] = True
+    for r, s in zip(slots, new):
+        expected[r, :, :len(s.prompt_ids)] = True
+    expected[slots[0], :, -1] = True  # the padding's scratch row, past every prompt
     assert changed[slots].any() and not (changed & ~expected).any()
+    assert changed[slots[0], :, -1].all() and pool.k.isfinite().all() and pool.v.isfinite().all()
     assert all(int(pool.lengths[r]) == len(s.prompt_ids) for r, s in zip(slots, new))
 
 
-def test_prefill_groups_fit_the_graph_shapes():
+def test_prefill_packs_fit_the_graph_sizes():
     from ddtree.engine.reference.fast import prefill
 
-    sizes = prefill.prefill_sizes(8192)
-    rows = prefill.batch_rows(48)
-    assert rows == (1, 2, 4, 8, 16, 32, 48) and sizes[0] == prefill.PREFILL_MIN and sizes[-1] == prefill.PREFILL_MAX
+    sizes = prefill.pack_sizes(10**6)
+    assert sizes[0] == prefill.PREFILL_MIN and sizes[-1] == prefill.PREFILL_BATCH_TOKENS and len(sizes) < 40
+    assert list(sizes) == sorted(set(sizes))
+    # Padding adds at most half past 32 tokens, and a quarter past 256.
+    assert all(b / a <= (1.25 if a >= 256 else 1.5) for a, b in zip(sizes[1:], sizes[2:]))
+    assert prefill.pack_sizes(1000)[-1] == 1024 and prefill.pack_sizes(3)[-1] == prefill.PREFILL_MIN
+    assert prefill.pack_sizes(1024) == tuple(s for s in sizes if s <= 1024)
     rng = random.Random(3)
-    for window, slots in [(8192, 48), (3000, 1), (3000, 5), (256, 3), (2048, 64), (40000, 16)]:
-        sizes, rows = prefill.prefill_sizes(window), prefill.batch_rows(slots)
-        allowed = set(prefill.shapes(sizes, rows))
-        assert {(1, q) for q in sizes} <= allowed
-        assert all(b * q <= prefill.PREFILL_BATCH_TOKENS for b, q in allowed if b > 1)
+    for limit in (16, 100, 1024, 4096):
         for _ in range(100):
-            lengths = [rng.choice([rng.randrange(1, 40), rng.randrange(1, sizes[-1] + 1)])
-                       for _ in range(rng.randrange(1, 70))]
-            groups = prefill.plan_groups(lengths, sizes, rows)
-            assert sorted(j for g in groups for j in g) == list(range(len(lengths)))
-            for g in groups:
-                padded = {next(s for s in sizes if s >= lengths[j]) for j in g}
-                assert len(padded) == 1 and (len(g), padded.pop()) in allowed  # no prompt padded further
-    sizes, rows = prefill.prefill_sizes(8192), prefill.batch_rows(48)
-    # Sixty short prompts take three forwards, not sixty.
-    assert [len(g) for g in prefill.plan_groups([20] * 60, sizes, rows)] == [48, 8, 4]
+            lengths = [rng.choice([rng.randrange(1, 40), rng.randrange(1, limit + 40)]) for _ in range(rng.randrange(1, 70))]
+            packs = prefill.plan_packs(lengths, limit)
+            assert [j for p in packs for j in p] == [j for j, n in enumerate(lengths) if n <= limit]  # in order
+            assert all(p and sum(lengths[j] for j in p) <= limit for p in packs)
+            # A pack ends only where the next prompt would not fit.
+            assert all(sum(lengths[j] for j in p) + lengths[q[0]] > limit for p, q in zip(packs, packs[1:]))
+    # Sixty short prompts take one forward, not sixty.
+    assert prefill.plan_packs([20] * 60, 4096) == [list(range(60))]
 
 
-def test_prefill_precapture_covers_every_shape(pair, monkeypatch):
+def test_prefill_precapture_covers_every_size(pair, monkeypatch):
     from ddtree.engine.reference.fast import prefill
 
     model, drafter = pair
     engine = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=5)
-    monkeypatch.setattr(prefill, "capture", lambda engine, stage, b, q: ("graph", b, q))
+    monkeypatch.setattr(prefill, "capture", lambda engine, stage, size: ("graph", size))
     said = []
-    prefill.precapture(engine, said.append)
     stage = engine.impl.prefill_stage()
-    assert set(stage.graphs) == set(prefill.shapes(stage.sizes, stage.rows))
-    assert {b for b, _ in stage.graphs} == {1, 2, 4, 5} and len(said) == 1
+    prefill.precapture(engine, said.append)
+    assert not stage.graphs and not said  # the CPU has no varlen kernel: nothing a graph can replay
+    stage.packed_kernel = True
+    prefill.precapture(engine, said.append)
+    assert set(stage.graphs) == set(stage.sizes) and len(said) == 1
+    assert stage.sizes == prefill.pack_sizes(5 * engine.context_window)
 
 
 def test_prompts_that_join_together_append_to_the_drafter_together(pair, monkeypatch):
@@ -552,7 +557,7 @@ def test_a_prefill_that_fails_leaves_its_session_new(pair, monkeypatch, prefills
     monkeypatch.setattr(Session, "_prefilled", broken)
     with pytest.raises(RuntimeError):
         engine.step_many(sessions)
-    assert prefills == [(2, 16)]
+    assert prefills == [(16, (3, 4))]
     assert sessions[0].output_ids and not sessions[1].output_ids
     assert sessions[1]._cache.length == 0 and int(engine.impl.pool.lengths[engine.impl.pool.index_of(sessions[1]._cache)]) == 0
     monkeypatch.setattr(Session, "_prefilled", real)

@@ -1,0 +1,50 @@
+"""Packed prefills on CUDA in half precision (fast/prefill.py): the varlen flash kernel that a
+graph replays gives what a loop over the prompts gives, and the padding leaves the pool finite.
+Skipped without CUDA; fp32 (the loop) is covered by test_cuda_pool's rounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.engine.reference.engine import Engine
+from ddtree.engine.reference.fast import prefill
+
+from .test_fast_engine import DEMO_DRAFTER, DEMO_TARGET
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def test_the_varlen_kernel_and_its_graph_agree_with_a_loop_over_the_prompts():
+    if not (DEMO_TARGET / "config.json").is_file():
+        pytest.skip("the demo pair is not built")
+    engine = Engine.load(DEMO_TARGET, DEMO_DRAFTER, device="cuda", dtype=torch.bfloat16, backend="fast",
+                         max_budget=16, pool_slots=8)
+    stage = engine.impl.prefill_stage()
+    assert stage.packed_kernel
+    pool = engine.impl.pool
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (1, 37, 5, 120, 16)]
+    slots = [4, 0, 2, 7, 3]
+    with torch.inference_mode():
+        size, counts = stage.stage(prompts, slots)
+        assert size == 192 and counts == (1, 37, 5, 120, 16, 13)
+        varlen = [t.clone() for t in prefill.prefill_static(engine, stage, size)]
+        rows = [pool.k[:, s, :, :len(p)].clone() for p, s in zip(prompts, slots)]
+        stage.packed_kernel = False
+        loop = prefill.prefill_static(engine, stage, size, counts)
+        stage.packed_kernel = True
+        graph, logits, feats = prefill.capture(engine, stage, size)
+        pool.k.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+    n = len(prompts)
+    torch.testing.assert_close(varlen[0][:n], loop[0][:n], atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(varlen[1][:size - 13], loop[1][:size - 13], atol=5e-2, rtol=2e-2)
+    # The replay runs the same kernels on the same inputs.
+    torch.testing.assert_close(logits[:n], varlen[0][:n], atol=1e-3, rtol=0)
+    for p, s, want in zip(prompts, slots, rows):
+        torch.testing.assert_close(pool.k[:, s, :, :len(p)], want, atol=1e-3, rtol=0)
+    assert pool.k.isfinite().all() and pool.v.isfinite().all()
+    assert (pool.k[:, slots[0], :, stage.scratch_row] != 0).any()  # the padding's row
