@@ -1,7 +1,7 @@
 """A wave of joiners' prefill on the fast backend's KV pool, three plans side by side (issue 15).
 
     python bench/bench_prefill.py --device cuda [--shape 1.7b] [--waves 1,4,16,64] [--repeats 7]
-        [--dataset builtin:code] [--out prefill.json]
+        [--dataset builtin:code] [--profile] [--out prefill.json]
 
 When a closed loop's requests finish together, the next wave's prompts prefill in one turn, and at
 concurrency 16 that turn was about 15% of AR's cell (bench/RESULTS.md). For waves of n prompts from
@@ -12,7 +12,8 @@ it times prefill_many, A B C A B C, medians:
   forward, in power-of-two counts: the tokens and forwards of the plan before packing;
 - alone: one forward a prompt.
 Each is graph replays where the device has the varlen kernel, else eager. Prints ms a wave, the
-tokens each plan computes, and packed's gain.
+tokens each plan computes, and packed's gain. --profile adds each wave's packed prefill under
+torch.profiler: GPU-busy ms against wall, kernels, the top kernels, and what the GPU waited for.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import _random_target, _sync  # noqa: E402
+from profile_round import busy_ms, idle_gaps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,6 +81,25 @@ def time_plan(engine, prompts: list[list[int]], plan: str) -> float:
     return took
 
 
+def profile_packed(engine, prompts: list[list[int]], repeats: int, top: int = 8) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        walls = [time_plan(engine, prompts, "packed") for _ in range(repeats)]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"wall_ms": round(statistics.median(walls), 3),
+            "gpu_busy_ms": round(busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / repeats, 3),
+            "kernels": round(len(kernels) / repeats, 1),
+            "top_kernels": [{"name": name[:90], "per_wave": round(len(v) / repeats, 1),
+                             "us_per_wave": round(sum(v) / repeats, 2)} for name, v in ranked],
+            "idle_before": idle_gaps(kernels, repeats, top=5)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
@@ -87,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--dataset", default="builtin:code")
     p.add_argument("--window", type=int, default=2048)
+    p.add_argument("--profile", action="store_true", help="also profile each wave's packed prefill")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
 
@@ -129,6 +151,14 @@ def main(argv=None) -> int:
         print(f"[{args.shape}] wave {n:3d}: {sum(lengths)} prompt tokens | ms a wave: packed {row['packed_ms']:.2f} "
               f"({tokens['packed']} tokens), pow2 {row['pow2_ms']:.2f} ({tokens['pow2']}), alone "
               f"{row['alone_ms']:.2f} ({tokens['alone']}) | pow2/packed {row['pow2_over_packed']:.2f}x", flush=True)
+        if args.profile:
+            row["profile"] = prof = profile_packed(engine, prompts, args.repeats)
+            print(f"[{args.shape}] wave {n:3d} packed, profiled: wall {prof['wall_ms']} ms, GPU busy "
+                  f"{prof['gpu_busy_ms']} ms, {prof['kernels']} kernels", flush=True)
+            for k in prof["top_kernels"]:
+                print(f"    {k['us_per_wave']:9.1f} us x{k['per_wave']:<5} {k['name']}", flush=True)
+            for k in prof["idle_before"]:
+                print(f"    {k['us_per_round']:9.1f} us idle x{k['per_round']:<5} before {k['before']}", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"shape": args.shape, "device": str(engine.target.device),
                                         "repeats": args.repeats, "rows": results}, indent=1))
