@@ -82,12 +82,13 @@ class PrefillStage:
         self.packed_kernel = packed_attention_works(device, target.dtype, cfg.num_attention_heads,
                                                     cfg.num_key_value_heads, cfg.head_dim)
         n = self.limit
-        self.ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.rows = torch.zeros(n, dtype=torch.long, device=device)
-        self.slots = torch.zeros(n, dtype=torch.long, device=device)
-        self.bounds = torch.zeros(self.prompts + 2, dtype=torch.int32, device=device)
-        self.last = torch.zeros(self.prompts, dtype=torch.long, device=device)
+        # Every input in one buffer, so a turn's staging is one host-to-device copy, not six (a
+        # profile of a lone prompt's prefill on an H100 had the GPU idle for each of them).
+        self.host = torch.zeros(4 * n + 2 * self.prompts + 2, dtype=torch.long)
+        self.inputs = torch.zeros_like(self.host, device=device)
+        self.ids, self.positions, self.rows, self.slots = self.inputs[:4 * n].view(4, n)
+        self.last = self.inputs[4 * n:4 * n + self.prompts]
+        self.bounds = self.inputs[4 * n + self.prompts:]  # int64 here; the kernel's int32 in the graph
         self.graphs: dict[int, tuple] = {}
         self.graph_pool = None
         # Every graph writes its outputs here, so the graphs' own outputs are temporaries that
@@ -115,10 +116,11 @@ class PrefillStage:
         where += [slots[0]] * pad
         bounds += [size] * (self.prompts + 2 - len(bounds))
         last += [0] * (self.prompts - len(last))
-        for buffer, values in ((self.ids, ids), (self.positions, positions), (self.rows, rows), (self.slots, where)):
-            buffer[:size].copy_(torch.tensor(values, dtype=torch.long))
-        self.bounds.copy_(torch.tensor(bounds, dtype=torch.int32))
-        self.last.copy_(torch.tensor(last, dtype=torch.long))
+        n, host = self.limit, self.host
+        for k, values in enumerate((ids, positions, rows, where)):
+            host[k * n:k * n + size] = torch.tensor(values, dtype=torch.long)
+        host[4 * n:] = torch.tensor(last + bounds, dtype=torch.long)
+        self.inputs.copy_(host)
         return size, (*(len(p) for p in prompts), pad)
 
 
@@ -131,7 +133,7 @@ def prefill_static(engine: Engine, stage: PrefillStage, size: int,
     target = engine.target
     pool = engine.impl.pool
     plan = BatchPlan(b=1, q=size, slots=stage.slots[None, :size], rows=stage.rows[None, :size], read=0,
-                     mask=None, kernel=target.attention, segments=stage.bounds,
+                     mask=None, kernel=target.attention, segments=stage.bounds.to(torch.int32),
                      segment_lengths=None if stage.packed_kernel else lengths)
     hidden, feats = target.model(stage.ids[:size], stage.positions[:size], pool.k, pool.v, plan,
                                  target.feature_layers)
