@@ -394,6 +394,30 @@ def test_a_turns_new_prompts_prefill_together_and_decode_as_serial(pair, prefill
                                                 for p, s in zip(prompts, specs)]
 
 
+def test_prompts_past_a_pack_go_in_the_next_and_a_prompt_past_every_pack_alone(pair, prefills, monkeypatch):
+    from ddtree.engine.reference.fast import prefill
+
+    model, drafter = pair
+    monkeypatch.setattr(prefill, "PREFILL_BATCH_TOKENS", 32)  # before the stage: packs of 32 tokens
+    serial = Engine(model, drafter, backend="fast", max_budget=16)
+    pooled = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=6)
+    pooled.impl.batch_static = True
+    rng = random.Random(4)
+    prompts = [[rng.randrange(64) for _ in range(n)] for n in (10, 15, 12, 40, 20, 5)]
+    specs = [SpecParams("ar"), SpecParams("ddtree", 8), SpecParams("dflash"), SpecParams("ddtree", 16),
+             SpecParams("ar"), SpecParams("ddtree", 4)]
+    gen = GenParams(max_new_tokens=10)
+    sessions = [pooled.start(p, gen, s) for p, s in zip(prompts, specs)]
+    pooled.step_many(sessions)
+    # First come, first in a pack; the prompt of 40 prefills on its own (Session.step).
+    assert prefills == [(32, (10, 15)), (32, (12, 20)), (16, (5,))]
+    assert all(s.output_ids for s in sessions)
+    while not all(s.done for s in sessions):
+        pooled.step_many(sessions)
+    assert [s.output_ids for s in sessions] == [serial.generate(p, gen, s).output_ids
+                                                for p, s in zip(prompts, specs)]
+
+
 def test_greedy_and_sampled_joiners_prefill_together_and_decode_as_serial(pair, prefills):
     """The greedy rows' first tokens come from one argmax over the batch; a sampled row's from
     its own draw with its own seed, as when it prefills alone."""
