@@ -263,9 +263,10 @@ class BatchPlan:
     for "triton", which reads `lengths` [b] and `tree` [b, q, q] instead (as AttentionPlan's).
     index: [b] long on the device, the pool slot each row attends over, when that is not slot r
     for row r (a prefill chunk riding in a round, MixedPlan); the writes follow `slots` either way.
-    segments: prompts packed into one row (b 1, read 0; fast/prefill.py): [prompts + 1] int32
-    cumulative token counts on the device; each token attends causally within its own prompt.
-    segment_lengths: the same on the host, for the kernels that loop over prompts; None where
+    segments: prompts packed into one row (b 1, read 0; fast/prefill.py): int32 cumulative token
+    counts on the device, one entry more than segments (the padding is the last; entries past it
+    repeat q: empty segments); each token attends causally within its own segment.
+    segment_lengths: the segments' token counts on the host, for the loop over them; None where
     packed_attention_works (one varlen flash kernel, which a CUDA graph can capture).
     """
     b: int
@@ -325,8 +326,9 @@ def packed_attention_works(device: torch.device, dtype: torch.dtype, heads: int,
                 q = torch.zeros((4, heads, head_dim), dtype=dtype, device=device)
                 kv = torch.zeros((4, kv_heads, head_dim), dtype=dtype, device=device)
                 cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
-                torch.ops.aten._flash_attention_forward(q, kv, kv, cu, cu, 4, 4, 0.0, True, False)
-            except (RuntimeError, AttributeError, NotImplementedError):
+                torch.ops.aten._flash_attention_forward(q, kv, kv, cu, cu, 4, 4, 0.0, True, False,
+                                                        scale=head_dim ** -0.5)  # as Attention._packed calls it
+            except (RuntimeError, AttributeError, NotImplementedError, TypeError):
                 works = False
         _PACKED_WORKS[key] = works
     return _PACKED_WORKS[key]
@@ -588,12 +590,14 @@ class Attention(nn.Module):
                 0.0, True, False, scale=d ** -0.5)[0]
             return out.reshape(n, self.num_heads * d)
         outs, at = [], 0
-        for count in plan.segment_lengths:
+        *prompts, pad = plan.segment_lengths
+        for count in prompts:
             if count:
                 part = slice(at, at + count)
                 outs.append(self._causal(q[part].transpose(0, 1), k[part].transpose(0, 1),
                                          v[part].transpose(0, 1)).transpose(0, 1))
             at += count
+        outs.append(q.new_zeros((pad, self.num_heads, d)))  # nobody reads the padding's outputs
         return torch.cat(outs).reshape(n, self.num_heads * d)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

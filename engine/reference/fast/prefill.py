@@ -42,10 +42,10 @@ _WARMUP_RUNS = 2
 
 
 def pack_sizes(limit: int) -> tuple[int, ...]:
-    """The token counts a packed prefill pads to, up to limit (at least PREFILL_MIN): each at
-    most 1.5x the one below it, and 1.25x past 256 (steps of 64 up to 1024, of 256 beyond), in 32
-    graphs."""
-    sizes = [16, 32, 48, 64, 96, 128, 192, *range(256, 1025, 64), *range(1280, PREFILL_BATCH_TOKENS + 1, 256)]
+    """The token counts a packed prefill pads to, up to limit (at least PREFILL_MIN): past 32 each
+    at most 1.5x the one below it, and past 256 at most 1.25x (steps of 64 up to 1024, of 256
+    beyond), in 32 graphs."""
+    sizes = [PREFILL_MIN, 32, 48, 64, 96, 128, 192, *range(256, 1025, 64), *range(1280, PREFILL_BATCH_TOKENS + 1, 256)]
     top = max(PREFILL_MIN, min(limit, PREFILL_BATCH_TOKENS))
     kept = [size for size in sizes if size < top]
     return (*kept, next((size for size in sizes if size >= top), PREFILL_BATCH_TOKENS))
@@ -110,6 +110,8 @@ class PrefillStage:
             where += [slot] * len(prompt)
             bounds.append(bounds[-1] + len(prompt))
             last.append(bounds[-1] - 1)
+        # Every padding token writes the one scratch row: which write lands is unspecified, and
+        # nobody reads it.
         rows = positions + [self.scratch_row] * pad
         ids += [0] * pad
         positions += [0] * pad

@@ -30,7 +30,7 @@ def test_the_varlen_kernel_and_its_graph_agree_with_a_loop_over_the_prompts():
     with torch.inference_mode():
         size, counts = stage.stage(prompts, slots)
         assert size == 192 and counts == (1, 37, 5, 120, 16, 13)
-        varlen = [t.clone() for t in prefill.prefill_static(engine, stage, size)]
+        varlen = [None if t is None else t.clone() for t in prefill.prefill_static(engine, stage, size)]
         rows = [pool.k[:, s, :, :len(p)].clone() for p, s in zip(prompts, slots)]
         stage.packed_kernel = False
         loop = prefill.prefill_static(engine, stage, size, counts)
@@ -41,7 +41,8 @@ def test_the_varlen_kernel_and_its_graph_agree_with_a_loop_over_the_prompts():
         torch.cuda.synchronize()
     n = len(prompts)
     torch.testing.assert_close(varlen[0][:n], loop[0][:n], atol=5e-2, rtol=2e-2)
-    torch.testing.assert_close(varlen[1][:size - 13], loop[1][:size - 13], atol=5e-2, rtol=2e-2)
+    if varlen[1] is not None:  # the demo drafter's feature layers
+        torch.testing.assert_close(varlen[1][:size - 13], loop[1][:size - 13], atol=5e-2, rtol=2e-2)
     # The replay runs the same kernels on the same inputs.
     torch.testing.assert_close(logits[:n], varlen[0][:n], atol=1e-3, rtol=0)
     for p, s, want in zip(prompts, slots, rows):
