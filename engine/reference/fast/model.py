@@ -264,7 +264,7 @@ class BatchPlan:
     index: [b] long on the device, the pool slot each row attends over, when that is not slot r
     for row r (a prefill chunk riding in a round, MixedPlan); the writes follow `slots` either way.
     segments: prompts packed into one row (b 1, read 0; fast/prefill.py): int32 cumulative token
-    counts on the device, one entry more than segments (the padding is the last; entries past it
+    counts on the device, the bounds of the prompts and then of the padding (entries past those
     repeat q: empty segments); each token attends causally within its own segment.
     segment_lengths: the segments' token counts on the host, for the loop over them; None where
     packed_attention_works (one varlen flash kernel, which a CUDA graph can capture).
@@ -584,7 +584,7 @@ class Attention(nn.Module):
         n, d = plan.q, self.head_dim
         if plan.segment_lengths is None:
             # One kernel for every prompt, its bounds read on the device (flash's varlen form,
-            # which SDPA does not expose on torch 2.11): no padding and no per-prompt launches.
+            # through its aten op): no padding and no launch per prompt.
             out = torch.ops.aten._flash_attention_forward(
                 q.contiguous(), k.contiguous(), v.contiguous(), plan.segments, plan.segments, n, n,
                 0.0, True, False, scale=d ** -0.5)[0]

@@ -82,8 +82,7 @@ class PrefillStage:
         self.packed_kernel = packed_attention_works(device, target.dtype, cfg.num_attention_heads,
                                                     cfg.num_key_value_heads, cfg.head_dim)
         n = self.limit
-        # Every input in one buffer, so a turn's staging is one host-to-device copy, not six (a
-        # profile of a lone prompt's prefill on an H100 had the GPU idle for each of them).
+        # Every input in one buffer, so a turn's staging is one host-to-device copy.
         self.host = torch.zeros(4 * n + 2 * self.prompts + 2, dtype=torch.long)
         self.inputs = torch.zeros_like(self.host, device=device)
         self.ids, self.positions, self.rows, self.slots = self.inputs[:4 * n].view(4, n)
