@@ -158,7 +158,6 @@ def prefill_many(engine: Engine, sessions: list[Session], *, graphs: bool) -> li
 def _prefill_pack(engine: Engine, stage: PrefillStage, sessions: list[Session], graphs: bool) -> list[list[int]]:
     t0 = engine.clock()
     pool = engine.impl.pool
-    lengths = [len(s.prompt_ids) for s in sessions]
     committed = []
     with torch.inference_mode():
         size, counts = stage.stage([s.prompt_ids for s in sessions], [pool.index_of(s._cache) for s in sessions])
@@ -181,7 +180,7 @@ def _prefill_pack(engine: Engine, stage: PrefillStage, sessions: list[Session], 
         # Nothing in a session has changed before this point: a forward that raises leaves them new.
         at = 0
         for j, s in enumerate(sessions):
-            n = lengths[j]
+            n = counts[j]
             s._cache.set_length(n)
             features = None
             if s.mode != "ar":
