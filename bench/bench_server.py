@@ -427,7 +427,8 @@ def main() -> int:
                    help="--grid: one server per value, comma-separated (process, thread, process-wN): where the "
                         "server runs its rounds, and process-wN with N HTTP processes (--tokenizer-worker-num N); "
                         "+wait, +thread or +inline after one sets the engine process's outbox mode "
-                        "(DDTREE_OUTBOX); a value given again runs again, as VALUE#2 (A B A B); default process")
+                        "(DDTREE_OUTBOX), then +rideN the rider row width (DDTREE_RIDE_ROW); a value given again "
+                        "runs again, as VALUE#2 (A B A B); default process")
     p.add_argument("--trace-turns", metavar="STEM", default=None,
                    help="--grid: the server's --trace-turns, into STEM-LOOP.jsonl per engine loop; each cell "
                         "keeps its turn_range there (bench/turn_trace.py reads both)")
@@ -451,9 +452,11 @@ def main() -> int:
     args.again = [part.strip() for part in args.again.split(",") if part.strip()]
     if any(not re.fullmatch(r"thread|busy[1-9][0-9]?", v) for v in args.again):
         p.error(f"--again takes thread or busyN, got {','.join(args.again)}")
-    if not args.engine_loops or any(not re.fullmatch(r"(thread|process(-w[1-9][0-9]?)?)(\+(wait|thread|inline))?", loop)
-                                    for loop in args.engine_loops):
-        p.error(f"--engine-loops takes thread, process or process-wN, each with +wait, +thread or +inline or not, got {','.join(args.engine_loops) or 'nothing'}")
+    if not args.engine_loops or any(
+            not re.fullmatch(r"(thread|process(-w[1-9][0-9]?)?)(\+(wait|thread|inline))?(\+ride[1-9][0-9]*)?", loop)
+            for loop in args.engine_loops):
+        p.error("--engine-loops takes thread, process or process-wN, each with +wait, +thread or +inline or not, "
+                f"then +rideN or not, got {','.join(args.engine_loops) or 'nothing'}")
     if args.waves < 1:
         p.error(f"--waves must be at least 1, got {args.waves}")
     if not 0.0 <= args.output_len_ratio <= 1.0:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -572,8 +573,8 @@ def verify_grid(args, engine, transformers_verifier) -> dict:
 
 def loop_flags(loop: str) -> list[str]:
     """The server flags of one --engine-loops value: thread, process, or process-wN (process with N
-    HTTP processes, --tokenizer-worker-num N); +MODE after either names the engine process's
-    outbox mode (loop_env). A value given again is labelled VALUE#2, #3 ... (loop_labels)."""
+    HTTP processes, --tokenizer-worker-num N); +PARTs after either set the server's environment
+    (loop_env). A value given again is labelled VALUE#2, #3 ... (loop_labels)."""
     where, _, workers = loop.partition("#")[0].partition("+")[0].partition("-w")
     return ["--engine-loop", where] + (["--tokenizer-worker-num", workers] if workers else [])
 
@@ -590,19 +591,23 @@ def loop_labels(loops: list[str]) -> list[str]:
 
 @contextlib.contextmanager
 def loop_env(loop: str) -> Iterator[None]:
-    """DDTREE_OUTBOX for a server started inside, from a loop value's +MODE (wait, thread or
-    inline: engine_loop._Outbox), so one grid measures one mode against another."""
-    mode = loop.partition("#")[0].partition("+")[2]
-    saved = os.environ.get("DDTREE_OUTBOX")
-    if mode:
-        os.environ["DDTREE_OUTBOX"] = mode
+    """The environment of a server started inside, from a loop value's +PARTs: wait, thread or
+    inline set DDTREE_OUTBOX (engine_loop._Outbox's mode), rideN sets DDTREE_RIDE_ROW (fast/ride.py's
+    row width when several joiners ride), so one grid measures one setting against another."""
+    env = {}
+    for part in loop.partition("#")[0].split("+")[1:]:
+        ride = re.fullmatch(r"ride([1-9][0-9]*)", part)
+        env["DDTREE_RIDE_ROW" if ride else "DDTREE_OUTBOX"] = ride.group(1) if ride else part
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         yield
     finally:
-        if mode:
-            os.environ.pop("DDTREE_OUTBOX", None)
-            if saved is not None:
-                os.environ["DDTREE_OUTBOX"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Callable[[list[str], str], object],

@@ -16,9 +16,9 @@ part in already first). The riders form R rows of W tokens each (padded), R x W 
 round's allowance: its own rows (b x q) rounded down to a power of two, between 2 x RIDE_MIN and
 RIDE_MAX, so a ridden round costs at most about two plain ones. The shapes a round takes: one
 rider of RIDE_MIN tokens; one of the whole allowance, for a long prompt; and, when several new
-sessions wait, allowance / RIDE_MIN rows of RIDE_MIN tokens (each W also at most C). With the
+sessions wait, allowance / RIDE_ROW rows of RIDE_ROW tokens (each W also at most C). With the
 server's --max-prefill-tokens (engine.max_prefill_tokens) every shape stays within it: a lone
-rider narrows to it, several become as many rows as it holds (fewer than four, or none), and
+rider narrows to it, several become as many rows as it holds (fewer than before, or none), and
 below RIDE_MIN one rider as wide as the cap is all; the joiners that prefill on their own
 instead are capped by fast/batch.step_many. Rows
 without a rider write into a rider's slot past its chunk, rows no one reads (not into its
@@ -60,6 +60,7 @@ length past the chunk first.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -94,6 +95,11 @@ class RiderStage:
 # A rider row's tokens (below this, the round's GEMMs stay near their weight-bound cost whatever
 # the round), and the most rider tokens a round takes.
 RIDE_MIN, RIDE_MAX = 128, 512
+# The width of each row when several new sessions ride: narrower than RIDE_MIN, so that a round's
+# allowance carries more of the short prompts a chat workload sends (the grid's builtin:code
+# prompts are 26-226 tokens, median 45, with the chat template) and fewer joins turn into
+# bursts; a longer prompt rides on in later rounds. DDTREE_RIDE_ROW overrides it, for A/B runs.
+RIDE_ROW = int(os.environ.get("DDTREE_RIDE_ROW") or 64)
 # Riding may take at most this many times the turns that prefilling alone would take to give
 # every waiting prompt its first token; past that the wait is a burst (pick()).
 BURST_ROUNDS = 2
@@ -104,8 +110,8 @@ def shapes(engine: Engine, rows: int) -> list[tuple[int, int]]:
     allowance = RIDE_MIN * 2
     while allowance * 2 <= min(rows, RIDE_MAX):
         allowance *= 2
-    base = min(RIDE_MIN, engine.prefill_chunk)
-    out = [(1, base), (1, min(allowance, engine.prefill_chunk)), (allowance // RIDE_MIN, base)]
+    base, row = min(RIDE_MIN, engine.prefill_chunk), min(RIDE_ROW, engine.prefill_chunk)
+    out = [(1, base), (1, min(allowance, engine.prefill_chunk)), (allowance // RIDE_ROW, row)]
     cap = engine.max_prefill_tokens  # a turn's prompt tokens, riders' included
     if cap > 0:  # a lone rider narrows to the cap; several become as many as it holds
         out = [(1, min(w, cap)) if n == 1 else (min(n, cap // w), w) for n, w in out]

@@ -171,6 +171,7 @@ def test_chunks_riding_in_graphed_rounds_decode_as_serial(pair, spec, monkeypatc
     algorithms."""
     from ddtree.engine.reference.fast import ride
 
+    monkeypatch.setattr(ride, "RIDE_ROW", 128)  # two rider rows a round at most, so joiners wait
     whole, chunked = engines(pair, "fast", pool_slots=8)
     chunked.impl.batch_static = True  # the graphed round's code, without graphs, on a CPU
     chunked.mixed_chunk = True
@@ -269,17 +270,18 @@ def test_a_failing_ridden_round_leaves_the_riders_where_they_were(pair, monkeypa
 
 def test_riders_shapes_and_picks(pair):
     """A round's rider shapes grow with its rows (fast/ride.py); several new sessions ride
-    together as rows of RIDE_MIN tokens, a lone one at the narrowest width that holds its rest."""
+    together as rows of RIDE_ROW tokens, a lone one at the narrowest width that holds its rest."""
     from ddtree.engine.reference.fast import ride
 
     _, engine = engines(pair, "fast", pool_slots=8)
     engine.prefill_chunk = 2048
-    assert ride.shapes(engine, 16) == [(1, 128), (1, 256), (2, 128)]  # AR at concurrency 16
-    assert ride.shapes(engine, 16 * 32) == ride.shapes(engine, 10**6) == [(1, 128), (1, 512), (4, 128)]
+    assert ride.RIDE_ROW == 64
+    assert ride.shapes(engine, 16) == [(1, 128), (1, 256), (4, 64)]  # AR at concurrency 16
+    assert ride.shapes(engine, 16 * 32) == ride.shapes(engine, 10**6) == [(1, 128), (1, 512), (8, 64)]
     engine.prefill_chunk = 200
-    assert ride.shapes(engine, 10**6) == [(1, 128), (1, 200), (4, 128)]
+    assert ride.shapes(engine, 10**6) == [(1, 128), (1, 200), (8, 64)]
     engine.prefill_chunk = CHUNK
-    assert ride.shapes(engine, 10**6) == [(1, CHUNK), (4, CHUNK)]
+    assert ride.shapes(engine, 10**6) == [(1, CHUNK), (8, CHUNK)]
     engine.prefill_chunk = 2048
     gen = GenParams(max_new_tokens=2)
     long = engine.start(list(range(1, 60)) * 5, gen, SpecParams("ar"))
@@ -288,16 +290,17 @@ def test_riders_shapes_and_picks(pair):
     assert ride.pick(engine, [long], 512, 32) == ([long], (1, 512))
     assert ride.pick(engine, [short], 512, 32) == ([short], (1, 128))
     assert ride.pick(engine, [long], 16, 1) == ([long], (1, 256))
-    assert ride.pick(engine, [long, short], 16, 1) == ([long, short], (2, 128))
-    assert ride.pick(engine, [short, *others], 512, 32) == ([short, *others[:3]], (4, 128))
+    assert ride.pick(engine, [long, short], 16, 1) == ([long, short], (4, 64))
+    assert ride.pick(engine, [short, *others], 16, 1) == ([short, *others[:3]], (4, 64))
+    assert ride.pick(engine, [short, *others], 512, 32) == ([short, *others], (8, 64))
     # A burst prefills in a forward of its own: riding would take more than BURST_ROUNDS times
     # the turns that prefilling alone takes (one turn here, a chunk of 2048; long's 295 tokens
     # ride in two rounds of 256 wide, not with 230 more; in a wider round they do).
     more = engine.start(list(range(1, 47)) * 5, gen, SpecParams("ar"))
     assert ride.BURST_ROUNDS == 2 and ride.pick(engine, [long, more], 16, 1) is None
-    assert ride.pick(engine, [long, more], 512, 32) == ([long, more], (4, 128))
-    engine.prefill_chunk = 128  # alone: three turns; riding 128 a row: three rounds
-    assert ride.pick(engine, [long, more], 16, 1) == ([long, more], (2, 128))
+    assert ride.pick(engine, [long, more], 512, 32) == ([long, more], (8, 64))
+    engine.prefill_chunk = 128  # alone: three turns; riding, by burst()'s count, three rounds
+    assert ride.pick(engine, [long, more], 16, 1) == ([long, more], (4, 64))
     engine.prefill_chunk = 2048
     # A lone prompt is never a burst, however many rounds it rides through (burst() reads only
     # the prompts' lengths, so these stand-ins may be longer than this engine's window).
@@ -307,16 +310,18 @@ def test_riders_shapes_and_picks(pair):
     # The chunk and the round's q rows must fit the slot; one that does not stops the pick
     # there (first come, first served), and a first that does not makes the turn prefill.
     rows = engine.target.new_cache_rows()
-    others[1]._prefilled_rows = rows - 128 - 31
-    assert ride.pick(engine, [short, others[0], others[1], others[2]], 512, 32) == ([short, others[0]], (4, 128))
+    others[1]._prefilled_rows = rows - 64 - 31
+    assert ride.pick(engine, [short, others[0], others[1], others[2]], 512, 32) == ([short, others[0]], (8, 64))
     assert ride.pick(engine, [others[1], short], 512, 32) is None
     others[1]._prefilled_rows = rows - 128 - 32
     assert ride.pick(engine, [others[1]], 512, 32) == ([others[1]], (1, 128))
     # Spare rows write past a rider's chunk, in its own slot: one rider needs room for two chunks.
-    assert ride.pick(engine, [others[1], others[2]], 512, 32) == ([others[1], others[2]], (4, 128))
+    assert ride.pick(engine, [others[1], others[2]], 512, 32) == ([others[1], others[2]], (8, 64))
     assert ride.spare(engine, [others[1], others[2]], 128) is others[2]
-    others[2]._prefilled_rows = rows - 128 - 32
-    assert ride.pick(engine, [others[1], others[2]], 512, 32) == ([others[1]], (1, 128))
+    assert ride.spare(engine, [others[1], others[2]], 64) is others[1]
+    others[1]._prefilled_rows = others[2]._prefilled_rows = rows - 127
+    assert ride.spare(engine, [others[1], others[2]], 64) is None
+    assert ride.pick(engine, [others[1], others[2]], 16, 1) is None  # and the first alone does not fit
     others[1]._prefilled_rows = others[2]._prefilled_rows = 0
     stage = ride.RiderStage(engine, 4, 128)
     assert ride.stage(engine, stage, [short, others[0]]) == [50, 3]
@@ -329,13 +334,14 @@ def test_riders_shapes_and_picks(pair):
 
 @pytest.mark.parametrize("spec", [SpecParams("ar"), SpecParams("ddtree", 16)], ids=lambda s: s.algorithm)
 def test_riders_of_every_shape_decode_as_serial(pair, spec, monkeypatch):
-    """The rider widths scaled down (RIDE_MIN 2, RIDE_MAX 8), so that rounds of these tiny
+    """The rider widths scaled down (RIDE_MIN and RIDE_ROW 2, RIDE_MAX 8), so that rounds of these tiny
     batches take lone riders and several riders a round, with rows to spare. Every output is
     still the serial one."""
     from ddtree.engine.reference.fast import ride
 
     monkeypatch.setattr(ride, "RIDE_MIN", 2)
     monkeypatch.setattr(ride, "RIDE_MAX", 8)
+    monkeypatch.setattr(ride, "RIDE_ROW", 2)
     whole, chunked = engines(pair, "fast", pool_slots=4)
     chunked.prefill_chunk = 8
     chunked.impl.batch_static = True
@@ -402,6 +408,7 @@ def test_with_mixed_chunks_joiners_ride_together_under_a_cap_their_whole_chunks_
 
     monkeypatch.setattr(ride, "RIDE_MIN", 2)
     monkeypatch.setattr(ride, "RIDE_MAX", 8)
+    monkeypatch.setattr(ride, "RIDE_ROW", 2)
     whole, capped = engines(pair, "fast", pool_slots=4)
     capped.prefill_chunk, capped.max_prefill_tokens = 8, 8
     capped.impl.batch_static = True
@@ -470,12 +477,12 @@ def test_rider_shapes_stay_within_the_prefill_cap(pair):
 
     _, engine = engines(pair, "fast", pool_slots=2)
     engine.prefill_chunk = 2048
-    assert ride.shapes(engine, 10**6) == [(1, 128), (1, 512), (4, 128)]
+    assert ride.shapes(engine, 10**6) == [(1, 128), (1, 512), (8, 64)]
     engine.max_prefill_tokens = 512
-    assert ride.shapes(engine, 10**6) == [(1, 128), (1, 512), (4, 128)]
-    engine.max_prefill_tokens = 300  # a lone rider as wide as the cap; two rows of 128
-    assert ride.shapes(engine, 10**6) == [(1, 128), (1, 300), (2, 128)]
-    engine.max_prefill_tokens = 200
-    assert ride.shapes(engine, 10**6) == [(1, 128), (1, 200)]
+    assert ride.shapes(engine, 10**6) == [(1, 128), (1, 512), (8, 64)]
+    engine.max_prefill_tokens = 300  # a lone rider as wide as the cap; four rows of 64
+    assert ride.shapes(engine, 10**6) == [(1, 128), (1, 300), (4, 64)]
+    engine.max_prefill_tokens = 100
+    assert ride.shapes(engine, 10**6) == [(1, 64), (1, 100)]
     engine.max_prefill_tokens = 64  # below the narrowest rider: one rider as wide as the cap
     assert ride.shapes(engine, 10**6) == [(1, 64)]

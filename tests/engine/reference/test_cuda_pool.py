@@ -60,12 +60,13 @@ def test_mixed_rounds_and_drops_on_cuda(engines):
 def test_graphed_rounds_with_riding_chunks_equal_serial(engines, spec, monkeypatch):
     """--enable-mixed-chunk: joining prompts ride in the graphed rounds a chunk at a time (the
     rider graphs captured by the warm-up, the chunks' attention over their slots in place). The
-    rider widths scaled down (RIDE_MIN 4, RIDE_MAX 16), so that these small rounds capture every
+    rider widths scaled down (RIDE_MIN 4, RIDE_ROW 2, RIDE_MAX 16), so that these small rounds capture every
     shape and take lone riders and several riders a round."""
     from ddtree.engine.reference.fast import ride
 
     monkeypatch.setattr(ride, "RIDE_MIN", 4)
     monkeypatch.setattr(ride, "RIDE_MAX", 16)
+    monkeypatch.setattr(ride, "RIDE_ROW", 2)
 
     serial, _ = engines
     model = make_target(0).cuda()

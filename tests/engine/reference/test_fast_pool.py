@@ -292,7 +292,7 @@ def test_precapture_with_mixed_chunks_captures_every_key_with_a_rider_too(pair, 
         want = ride.shapes(engine, b * q)
         assert {k[4] for k in keys if k[:4] == (mode, budget, b, span) and k[4]} == set(want)
     # Narrow rounds take riders of up to 256 tokens; wide trees up to 512.
-    assert {k[4] for k in keys} == {0, (1, 128), (1, 256), (2, 128), (1, 512), (4, 128)}
+    assert {k[4] for k in keys} == {0, (1, 128), (1, 256), (4, 64), (1, 512), (8, 64)}
 
 
 def test_a_new_lease_forgets_what_the_stage_held_for_its_slot(pair):
