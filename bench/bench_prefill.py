@@ -1,4 +1,4 @@
-"""A wave of joiners' prefill on the fast backend's KV pool, three plans side by side (issue 15).
+"""A wave of joiners' prefill on the fast backend's KV pool, four plans side by side (issue 15).
 
     python bench/bench_prefill.py --device cuda [--shape 1.7b] [--waves 1,4,16,64] [--repeats 7]
         [--dataset builtin:code] [--profile] [--out prefill.json]
@@ -6,8 +6,10 @@
 When a closed loop's requests finish together, the next wave's prompts prefill in one turn, and at
 concurrency 16 that turn was about 15% of AR's cell (bench/RESULTS.md). For waves of n prompts from
 the grid's dataset (token counts from the demo tokenizer, no chat template), random bf16 weights,
-it times prefill_many, A B C A B C, medians:
+it times prefill_many, A B C D A B C D, medians:
 - packed: the prompts end to end in one forward (fast/prefill.py now);
+- unfused: the same, with each layer's q/k norms, RoPE and K/V writes as separate ops instead of
+  rope_write's one kernel (where it runs: the triton attention kernel's devices);
 - pow2: each prompt padded to its power of two (at least 16) and those of one padded length in one
   forward, in power-of-two counts: the tokens and forwards of the plan before packing;
 - alone: one forward a prompt.
@@ -19,6 +21,7 @@ torch.profiler: GPU-busy ms against wall, kernels, the top kernels, and what the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -55,7 +58,31 @@ def pow2_groups(lengths: list[int]) -> list[list[int]]:
     return groups
 
 
+_UNFUSED_GRAPHS: dict[int, dict] = {}
+
+
+@contextlib.contextmanager
+def unfused(engine):
+    """The layers without rope_write, with graphs of their own (a graph keeps the kernels it
+    was captured with)."""
+    stage = engine.impl.prefill_stage()
+    layers = [layer.self_attn for layer in engine.target.model.model.layers]
+    saved = stage.graphs
+    stage.graphs = _UNFUSED_GRAPHS.setdefault(id(stage), {})
+    for attn in layers:
+        attn.fused_writes = False
+    try:
+        yield
+    finally:
+        stage.graphs = saved
+        for attn in layers:
+            attn.fused_writes = True
+
+
 def time_plan(engine, prompts: list[list[int]], plan: str) -> float:
+    if plan == "unfused":
+        with unfused(engine):
+            return time_plan(engine, prompts, "packed")
     from ddtree.engine.reference.engine import GenParams, SpecParams
     from ddtree.engine.reference.fast.prefill import prefill_many
 
@@ -136,7 +163,8 @@ def main(argv=None) -> int:
                                 for pack in plan_packs(lengths, stage.limit)),
                   "pow2": sum(max(16, 1 << (k - 1).bit_length()) for k in lengths),
                   "alone": sum(next(s for s in stage.sizes if s >= k) for k in lengths)}
-        plans = ("packed", "pow2", "alone")
+        tokens["unfused"] = tokens["packed"]
+        plans = ("packed", "unfused", "pow2", "alone")
         times: dict[str, list[float]] = {plan: [] for plan in plans}
         for plan in plans:  # first use: captures, allocations
             time_plan(engine, prompts, plan)
@@ -147,10 +175,12 @@ def main(argv=None) -> int:
                **{f"{plan}_ms": round(statistics.median(times[plan]), 3) for plan in plans},
                **{f"{plan}_tokens": tokens[plan] for plan in plans}}
         row["pow2_over_packed"] = round(row["pow2_ms"] / row["packed_ms"], 3)
+        row["unfused_over_packed"] = round(row["unfused_ms"] / row["packed_ms"], 3)
         results.append(row)
         print(f"[{args.shape}] wave {n:3d}: {sum(lengths)} prompt tokens | ms a wave: packed {row['packed_ms']:.2f} "
-              f"({tokens['packed']} tokens), pow2 {row['pow2_ms']:.2f} ({tokens['pow2']}), alone "
-              f"{row['alone_ms']:.2f} ({tokens['alone']}) | pow2/packed {row['pow2_over_packed']:.2f}x", flush=True)
+              f"({tokens['packed']} tokens), unfused {row['unfused_ms']:.2f}, pow2 {row['pow2_ms']:.2f} ({tokens['pow2']}), alone "
+              f"{row['alone_ms']:.2f} ({tokens['alone']}) | pow2/packed {row['pow2_over_packed']:.2f}x, unfused/packed "
+              f"{row['unfused_over_packed']:.3f}x", flush=True)
         if args.profile:
             row["profile"] = prof = profile_packed(engine, prompts, args.repeats)
             print(f"[{args.shape}] wave {n:3d} packed, profiled: wall {prof['wall_ms']} ms, GPU busy "

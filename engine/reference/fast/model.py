@@ -323,10 +323,11 @@ def packed_attention_works(device: torch.device, dtype: torch.dtype, heads: int,
         works = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
         if works:
             try:
-                q = torch.zeros((4, heads, head_dim), dtype=dtype, device=device)
-                kv = torch.zeros((4, kv_heads, head_dim), dtype=dtype, device=device)
+                # Views of one [n, heads + 2 kv_heads, d] tensor, as Attention._packed gets them.
+                qkv = torch.zeros((4, heads + 2 * kv_heads, head_dim), dtype=dtype, device=device)
+                q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
                 cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
-                torch.ops.aten._flash_attention_forward(q, kv, kv, cu, cu, 4, 4, 0.0, True, False,
+                torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, 4, 4, 0.0, True, False,
                                                         scale=head_dim ** -0.5)  # as Attention._packed calls it
             except (RuntimeError, AttributeError, NotImplementedError, TypeError):
                 works = False
@@ -455,7 +456,8 @@ class Attention(nn.Module):
         d, kvh, g = self.head_dim, self.num_kv_heads, self.groups
         if self.fused_writes and self.qkv is not None and plan.kernel == "triton" and (
                 isinstance(plan, MixedPlan) or
-                (plan.read != 0 if isinstance(plan, BatchPlan) else not (plan.fresh or isinstance(plan.rows, slice)))):
+                (plan.read != 0 or plan.segments is not None if isinstance(plan, BatchPlan)
+                 else not (plan.fresh or isinstance(plan.rows, slice)))):
             return self._fused(self.linear(x, *self.qkv, norm), cos, sin, k_cache, v_cache, plan, residual)
         if self.qkv is not None:
             q, k, v = self.linear(x, *self.qkv, norm).split([self.num_heads * d, kvh * d, kvh * d], dim=-1)
@@ -519,6 +521,13 @@ class Attention(nn.Module):
             slots, rows = plan.slots.reshape(-1).contiguous(), plan.rows.reshape(-1).contiguous()
         else:
             slots, rows = None, plan.rows
+        if isinstance(plan, BatchPlan) and plan.segments is not None:
+            # Packed prompts: flash reads their keys and values beside the queries, not from the
+            # pool, so the kernel hands them back too.
+            qkv = rope_write(qkv, norms[0], norms[1], cos, sin, norms[2], k_cache, v_cache, slots, rows, heads, kvh,
+                             True)
+            q, k, v = qkv.split([heads, kvh, kvh], dim=1)
+            return self._out(self._packed(q, k, v, plan), residual)
         q = rope_write(qkv, norms[0], norms[1], cos, sin, norms[2], k_cache, v_cache, slots, rows, heads, kvh)
         if isinstance(plan, (BatchPlan, MixedPlan)):
             outs, at = [], 0
@@ -585,9 +594,10 @@ class Attention(nn.Module):
         if plan.segment_lengths is None:
             # One kernel for every prompt, its bounds read on the device (flash's varlen form,
             # through its aten op): no padding and no launch per prompt.
+            # Views do (the kernel wants only the last dimension contiguous): no copies.
+            q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
             out = torch.ops.aten._flash_attention_forward(
-                q.contiguous(), k.contiguous(), v.contiguous(), plan.segments, plan.segments, n, n,
-                0.0, True, False, scale=d ** -0.5)[0]
+                q, k, v, plan.segments, plan.segments, n, n, 0.0, True, False, scale=d ** -0.5)[0]
             return out.reshape(n, self.num_heads * d)
         outs, at = [], 0
         *prompts, pad = plan.segment_lengths

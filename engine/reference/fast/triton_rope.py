@@ -12,13 +12,14 @@ import triton.language as tl
 @triton.jit
 def rope_write(QKV, QW, KW, COS, SIN, KC, VC, SLOTS, ROWS, QOUT, heads, kv_heads, eps,
                s_t, s_cos, sc_s, sc_h, sc_r, sv_s, sv_h, sv_r, so_t, so_h,
-               D: tl.constexpr, HAS_NORM: tl.constexpr, HAS_SLOTS: tl.constexpr):
+               D: tl.constexpr, HAS_NORM: tl.constexpr, HAS_SLOTS: tl.constexpr, KV_OUT: tl.constexpr):
     """One token t x one head of the fused q/k/v product [n, (heads + 2 kv_heads) * D]. Query and
     key heads: RMSNorm over the head (statistics in float32, one rounding to the model dtype
     after the weight, as model.RMSNorm on CUDA), then RoPE: x cos + rotate_half(x) sin, with SIN's
     first half already negated (model.DenseDecoder.forward), computed in float32 and rounded
     once. Queries go to QOUT [n, heads, D]; keys and values to their cache row ROWS[t] of slot
-    SLOTS[t] (slot 0 without HAS_SLOTS). Nothing is bounds-checked: the callers size a forward to
+    SLOTS[t] (slot 0 without HAS_SLOTS), and with KV_OUT to QOUT too, which is then
+    [n, heads + 2 kv_heads, D]. Nothing is bounds-checked: the callers size a forward to
     fit its cache (a static forward's rows end within the cache's slack, a pool round's within
     its slots), as index_copy_ would otherwise have asserted."""
     t = tl.program_id(0)
@@ -33,6 +34,8 @@ def rope_write(QKV, QW, KW, COS, SIN, KC, VC, SLOTS, ROWS, QOUT, heads, kv_heads
     if h >= heads + kv_heads:  # a value head: copied as it is
         v = tl.load(base + dd)
         tl.store(VC + slot * sv_s + (h - heads - kv_heads) * sv_h + row * sv_r + dd, v)
+        if KV_OUT:
+            tl.store(QOUT + t * so_t + h * so_h + dd, v)
     else:
         half = (dd + D // 2) % D  # rotate_half's source lane for each lane
         x = tl.load(base + dd).to(tl.float32)
@@ -54,3 +57,5 @@ def rope_write(QKV, QW, KW, COS, SIN, KC, VC, SLOTS, ROWS, QOUT, heads, kv_heads
             tl.store(QOUT + t * so_t + h * so_h + dd, out)
         else:
             tl.store(KC + slot * sc_s + (h - heads) * sc_h + row * sc_r + dd, out)
+            if KV_OUT:
+                tl.store(QOUT + t * so_t + h * so_h + dd, out)

@@ -72,6 +72,23 @@ def test_kernel_equals_the_plain_ops(n, heads, kv_heads, d, norm, pool, dtype):
     assert torch.equal(vc.cpu(), want_v)  # values are copied bit for bit; untouched rows stay
 
 
+def test_keys_and_values_come_back_with_kv_out():
+    """For a packed prefill's flash attention the kernel hands back the rotated keys and the
+    values beside the queries, as it writes them to the pool."""
+    heads, kv_heads, d, n = 4, 2, 16, 6
+    qkv, weights, cos, sin, caches, rows, slots = _setup(n, heads, kv_heads, d, torch.float32, True, 4, pool=3)
+    want_q, want_k, want_v = _reference(qkv, weights, cos, sin, caches, rows, slots, heads, kv_heads)
+    on = [t.to(DEVICE) for t in (qkv, *weights, cos, sin, *caches, slots, rows)]
+    qkv_d, qw, kw, cos_d, sin_d, kc, vc, slots_d, rows_d = on
+    out = launch(qkv_d, qw, kw, cos_d, sin_d, 1e-6, kc, vc, slots_d, rows_d, heads, kv_heads, kv_out=True)
+    assert out.shape == (n, heads + 2 * kv_heads, d)
+    q, k, v = (t.cpu() for t in out.split([heads, kv_heads, kv_heads], dim=1))
+    assert torch.allclose(q, want_q, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(k, want_k[slots, :, rows], atol=1e-5, rtol=1e-5)
+    assert torch.equal(v, want_v[slots, :, rows]) and torch.equal(v, qkv.view(n, -1, d)[:, heads + kv_heads:])
+    assert torch.allclose(kc.cpu(), want_k, atol=1e-5) and torch.equal(vc.cpu(), want_v)
+
+
 def test_compiled_caller_writes_the_callers_caches():
     """Inside torch.compile the op mutates the caches it is given (the compiled layers pass the
     layer's cache views), and the queries come back as in eager."""
@@ -95,10 +112,11 @@ def test_compiled_caller_writes_the_callers_caches():
 
 
 @pytest.mark.parametrize("qk_norm,bias", [(True, False), (False, True)])
-@pytest.mark.parametrize("pooled", [False, True])
+@pytest.mark.parametrize("pooled", [False, True, "packed"])
 def test_attention_with_the_kernel_equals_attention_without(qk_norm, bias, pooled):
     """model.Attention on the static triton paths, fused_writes on against off: the same output
-    and the same caches, for a Qwen3 (q/k norms) and a Qwen2-like layer (biases, no norms)."""
+    and the same caches, for a Qwen3 (q/k norms) and a Qwen2-like layer (biases, no norms); and
+    for prompts packed into one row (fast/prefill.py), through the loop over them here."""
     heads, kv_heads, d, n = 4, 2, 16, 3
     cfg = DecoderConfig(model_type="qwen3" if qk_norm else "qwen2", vocab_size=8, hidden_size=64,
                         intermediate_size=8, num_hidden_layers=1, num_attention_heads=heads,
@@ -121,7 +139,17 @@ def test_attention_with_the_kernel_equals_attention_without(qk_norm, bias, poole
     tree = torch.ones(b, n, n, dtype=torch.bool, device=DEVICE).tril()
     shape = (3, kv_heads, 24, d) if pooled else (kv_heads, 24, d)
     caches = torch.randn(shape, generator=g).to(DEVICE), torch.randn(shape, generator=g).to(DEVICE)
-    if pooled:
+    if pooled == "packed":  # two prompts of 2 and 1 tokens, then 2 of padding, into slots 2 and 0
+        n = 5
+        x = torch.randn(n, 64, generator=g).to(DEVICE)
+        positions = torch.tensor([0, 1, 0, 0, 1], device=DEVICE)
+        cos, sin = decoder.rope(positions, torch.float32)
+        sin = torch.cat((-sin[..., :d // 2], sin[..., d // 2:]), dim=-1)
+        plan = BatchPlan(b=1, q=n, slots=torch.tensor([[2, 2, 0, 2, 2]], device=DEVICE),
+                         rows=torch.tensor([[0, 1, 0, 22, 23]], device=DEVICE), read=0, mask=None,
+                         kernel="triton", segments=torch.tensor([0, 2, 3, 5], dtype=torch.int32, device=DEVICE),
+                         segment_lengths=(2, 1, 2))
+    elif pooled:
         steps = torch.arange(n, device=DEVICE)
         plan = BatchPlan(b=b, q=n, slots=torch.arange(b, device=DEVICE)[:, None].expand(b, n),
                          rows=lengths[:, None] + steps, read=24, mask=None, kernel="triton",
