@@ -16,12 +16,13 @@ part in already first). The riders form R rows of W tokens each (padded), R x W 
 round's allowance: its own rows (b x q) rounded down to a power of two, between 2 x RIDE_MIN and
 RIDE_MAX, so a ridden round costs at most about two plain ones. The shapes a round takes: one
 rider of RIDE_MIN tokens; one of the whole allowance, for a long prompt; and, when several new
-sessions wait, allowance / RIDE_ROW rows of RIDE_ROW tokens (each W also at most C). With the
+sessions wait, allowance / RIDE_ROW rows of RIDE_ROW tokens (each W also at most C), where each
+rider takes the rows the rest of its prompt needs, up to C tokens, while rows are left. With the
 server's --max-prefill-tokens (engine.max_prefill_tokens) every shape stays within it: a lone
-rider narrows to it, several become as many rows as it holds (fewer than before, or none), and
+rider narrows to it, several become as many rows as it holds (or none), and
 below RIDE_MIN one rider as wide as the cap is all; the joiners that prefill on their own
 instead are capped by fast/batch.step_many. Rows
-without a rider write into a rider's slot past its chunk, rows no one reads (not into its
+without a rider write into a rider's slot past its chunks, rows no one reads (not into its
 chunk's rows: two GEMM rows of the same tokens need not round alike, and which write landed would
 be a race). The turn's other new sessions wait. So while requests run, prefill
 happens inside their rounds only: a later first token for the joiners, no stall for the
@@ -29,7 +30,7 @@ running streams. If the first cannot ride (its chunk would not fit its slot) the
 as without riders. A turn with no graphed round (fewer than two running sessions, or a mix of
 kinds) prefills as before. So does a burst: several prompts whose riding would take more than
 BURST_ROUNDS times the turns that prefilling alone takes, as a cohort of short prompts does
-when it finds few streams running (small rounds take two riders). Prefilled together, all of
+when it finds few streams running (small rounds take four rows). Prefilled together, all of
 them in that turn (or, under the cap, in as few turns as it allows), they cost the running
 streams one gap (or a few); riding, the last of them would wait for many rounds. SGLang leans
 the same way with mixed chunks: a step prefills waiting prompts up to its
@@ -131,10 +132,11 @@ def riders_run(engine: Engine) -> bool:
 def pick(engine: Engine, new: list[Session], rows: int,
          q: int) -> tuple[list[Session], tuple[int, int]] | None:
     """The riders of a round of `rows` rows, q tokens a row wide, from these new sessions in
-    order, and their shape: with several waiting, as many as a multi-row shape holds, else the
-    first alone at the narrowest width that holds the rest of its prompt (else the widest).
-    Each chunk must fit its slot beside the round (the inactive row of its slot writes past the
-    chunk), and with spare rows one rider's slot must hold a second chunk past its own (spare());
+    order, and their shape: with several waiting, as many as a multi-row shape holds, each taking
+    the rows the rest of its prompt needs while rows are left (row_counts), else the first alone
+    at the narrowest width that holds the rest of its prompt (else the widest).
+    Each rider's chunks must fit its slot beside the round (the inactive row of its slot writes
+    past them), and with spare rows one rider's slot must hold a chunk more past its own (spare());
     if the first does not fit, None, and the turn prefills as without riders, so a session that
     cannot ride is never passed over for ever. A burst gets None too (burst())."""
     pool = engine.impl.pool
@@ -149,17 +151,32 @@ def pick(engine: Engine, new: list[Session], rows: int,
     several = [shape for shape in options if shape[0] > 1]
     if len(new) > 1 and several:
         count, width = several[-1]
-        riders = []
-        for s in new[:count]:
-            if not fits(s, width):
+        riders: list[Session] = []
+        for s in new:
+            taken = sum(row_counts(engine, riders, count, width))
+            if taken == count or not fits(s, row_counts(engine, riders + [s], count, width)[-1] * width):
                 break
             riders.append(s)
-        if len(riders) > 1 and (len(riders) == count or spare(engine, riders, width) is not None):
+        if len(riders) > 1 and (sum(row_counts(engine, riders, count, width)) == count
+                                or spare(engine, riders, width, count) is not None):
             return riders, (count, width)
     lone = sorted(width for count, width in options if count == 1)
     rest = len(new[0].prompt_ids) - new[0]._prefilled_rows
     width = next((w for w in lone if w >= rest), lone[-1])
     return ([new[0]], (1, width)) if fits(new[0], width) else None
+
+
+def row_counts(engine: Engine, riders: list[Session], count: int, width: int) -> list[int]:
+    """The rows of a (count, width) shape each rider takes, in order: as many as the rest of its
+    prompt needs, while rows are left, and no more tokens than the prefill chunk. A rider's rows
+    are consecutive chunks of its prompt; the later ones attend to the earlier ones' keys and
+    values, which every layer writes for all the round's tokens before its attention."""
+    out, left, most = [], count, max(1, engine.prefill_chunk // width)
+    for s in riders:
+        need = max(1, -(-(len(s.prompt_ids) - s._prefilled_rows) // width))
+        out.append(min(need, most, left))
+        left -= out[-1]
+    return out
 
 
 def burst(engine: Engine, new: list[Session], options: list[tuple[int, int]]) -> bool:
@@ -200,37 +217,45 @@ def turns_alone(rests: list[int], chunk: int, cap: int, most: int | None = None)
     return turns
 
 
-def spare(engine: Engine, riders: list[Session], width: int) -> Session | None:
-    """The rider whose slot takes the rows of the stage's spare rows: the first with room for a
-    second chunk past its own."""
+def spare(engine: Engine, riders: list[Session], width: int, count: int) -> Session | None:
+    """The rider whose slot takes the writes of the stage's spare rows: the first with room for
+    one chunk more past its own."""
     rows = engine.target.new_cache_rows()
-    return next((s for s in riders if s._prefilled_rows + 2 * width <= rows), None)
+    return next((s for s, k in zip(riders, row_counts(engine, riders, count, width))
+                 if s._prefilled_rows + (k + 1) * width <= rows), None)
 
 
 def stage(engine: Engine, rider: RiderStage, riders: list[Session]) -> list[int]:
-    """Put the riders' next chunks in the stage, the spare rows past a rider's chunk (spare()),
-    and each slot's length past its chunk; their real counts."""
+    """Put the riders' next chunks in the stage (row_counts), the spare rows past a rider's
+    chunks (spare()), and each slot's length past its chunks; the real rows' token counts."""
     w, pool = rider.chunk, engine.impl.pool
     ids, slots, starts, counts = [], [], [], []
-    host = spare(engine, riders, w) if len(riders) < rider.rows else None
-    for r in range(rider.rows):
-        if r < len(riders):
-            s, start = riders[r], riders[r]._prefilled_rows
+    taken = row_counts(engine, riders, rider.rows, w)
+    for s, k in zip(riders, taken):
+        for j in range(k):
+            start = s._prefilled_rows + j * w
             chunk = s.prompt_ids[start:start + w]
-        else:
-            s, start, chunk = host, host._prefilled_rows + w, [0]
-        ids += chunk + [0] * (w - len(chunk))
-        slots.append(pool.index_of(s._cache))
-        starts.append(start)
-        counts.append(len(chunk))
+            ids += chunk + [0] * (w - len(chunk))
+            slots.append(pool.index_of(s._cache))
+            starts.append(start)
+            counts.append(len(chunk))
+    real = len(counts)
+    if real < rider.rows:
+        host = spare(engine, riders, w, rider.rows)
+        k = taken[riders.index(host)]
+        for _ in range(rider.rows - real):
+            ids += [0] * w
+            slots.append(pool.index_of(host._cache))
+            starts.append(host._prefilled_rows + k * w)
+            counts.append(1)
     device = rider.ids.device
     rider.ids.copy_(torch.tensor(ids, dtype=torch.long, device=device))
     rider.slot.copy_(torch.tensor(slots, dtype=torch.long, device=device))
     rider.start.copy_(torch.tensor(starts, dtype=torch.long, device=device))
     rider.count.copy_(torch.tensor(counts, dtype=torch.long, device=device))
-    for s in riders:
-        s._cache.set_length(s._prefilled_rows + w)
-    return counts[:len(riders)]
+    for s, k in zip(riders, taken):
+        s._cache.set_length(s._prefilled_rows + k * w)
+    return counts[:real]
 
 
 def point_at_free_slot(rider: RiderStage, slot: int) -> None:
@@ -264,19 +289,24 @@ def split(target, rider: RiderStage, hidden: torch.Tensor, feats: torch.Tensor |
 
 def finish(engine: Engine, rider: RiderStage, riders: list[Session], counts: list[int],
            seconds: float) -> list[list[int]]:
-    """After the round: each rider's chunk is in its cache; its first token once its prompt is
-    all in. Returns each rider's committed tokens. Every rider's rows and features are in place
-    before any first token is committed, so one that raises leaves no later rider behind."""
+    """After the round: each rider's chunks are in its cache; its first token once its prompt is
+    all in. counts: the real rows' token counts (stage()). Returns each rider's committed tokens.
+    Every rider's rows and features are in place before any first token is committed, so one
+    that raises leaves no later rider behind."""
     done = []
-    for r, (s, count) in enumerate(zip(riders, counts)):
+    first = 0
+    for i, (s, k) in enumerate(zip(riders, row_counts(engine, riders, rider.rows, rider.chunk))):
+        last = first + k - 1
+        count = sum(counts[first:first + k])
         s._prefilled_rows += count
         s._cache.set_length(s._prefilled_rows)
         s.timings["prefill"] += seconds
         features = None
-        if s.mode != "ar":
-            at = r * rider.chunk
+        if s.mode != "ar":  # its rows are consecutive and all but the last full
+            at = first * rider.chunk
             features = (rider.feats[at:at + count].clone() if rider.feats is not None else
                         torch.zeros((count, 0), dtype=engine.target.dtype, device=rider.ids.device))
+        first += k
         if s._prefilled_rows < len(s.prompt_ids):
             if features is not None:
                 s._prefill_features.append(features)
@@ -284,8 +314,8 @@ def finish(engine: Engine, rider: RiderStage, riders: list[Session], counts: lis
         if features is not None and s._prefill_features:
             features = torch.cat([*s._prefill_features, features], dim=0)
         s._prefill_features = []
-        done.append((r, features, rider.logits[r:r + 1].clone()))
+        done.append((i, features, rider.logits[last:last + 1].clone()))
     out: list[list[int]] = [[] for _ in riders]
-    for r, features, logits in done:
-        out[r] = riders[r]._prefilled(logits, features)
+    for i, features, logits in done:
+        out[i] = riders[i]._prefilled(logits, features)
     return out

@@ -290,7 +290,8 @@ def test_riders_shapes_and_picks(pair):
     assert ride.pick(engine, [long], 512, 32) == ([long], (1, 512))
     assert ride.pick(engine, [short], 512, 32) == ([short], (1, 128))
     assert ride.pick(engine, [long], 16, 1) == ([long], (1, 256))
-    assert ride.pick(engine, [long, short], 16, 1) == ([long, short], (4, 64))
+    # long's rest takes every row of a multi-row shape, so it rides alone, first come.
+    assert ride.pick(engine, [long, short], 16, 1) == ([long], (1, 256))
     assert ride.pick(engine, [short, *others], 16, 1) == ([short, *others[:3]], (4, 64))
     assert ride.pick(engine, [short, *others], 512, 32) == ([short, *others], (8, 64))
     # A burst prefills in a forward of its own: riding would take more than BURST_ROUNDS times
@@ -298,9 +299,9 @@ def test_riders_shapes_and_picks(pair):
     # ride in two rounds of 256 wide, not with 230 more; in a wider round they do).
     more = engine.start(list(range(1, 47)) * 5, gen, SpecParams("ar"))
     assert ride.BURST_ROUNDS == 2 and ride.pick(engine, [long, more], 16, 1) is None
-    assert ride.pick(engine, [long, more], 512, 32) == ([long, more], (8, 64))
+    assert ride.pick(engine, [long, more], 512, 32) == ([long, more], (8, 64))  # 5 rows and 3
     engine.prefill_chunk = 128  # alone: three turns; riding, by burst()'s count, three rounds
-    assert ride.pick(engine, [long, more], 16, 1) == ([long, more], (4, 64))
+    assert ride.pick(engine, [long, more], 16, 1) == ([long, more], (4, 64))  # two rows each: the chunk
     engine.prefill_chunk = 2048
     # A lone prompt is never a burst, however many rounds it rides through (burst() reads only
     # the prompts' lengths, so these stand-ins may be longer than this engine's window).
@@ -317,10 +318,10 @@ def test_riders_shapes_and_picks(pair):
     assert ride.pick(engine, [others[1]], 512, 32) == ([others[1]], (1, 128))
     # Spare rows write past a rider's chunk, in its own slot: one rider needs room for two chunks.
     assert ride.pick(engine, [others[1], others[2]], 512, 32) == ([others[1], others[2]], (8, 64))
-    assert ride.spare(engine, [others[1], others[2]], 128) is others[2]
-    assert ride.spare(engine, [others[1], others[2]], 64) is others[1]
+    assert ride.spare(engine, [others[1], others[2]], 128, 4) is others[2]
+    assert ride.spare(engine, [others[1], others[2]], 64, 8) is others[1]
     others[1]._prefilled_rows = others[2]._prefilled_rows = rows - 127
-    assert ride.spare(engine, [others[1], others[2]], 64) is None
+    assert ride.spare(engine, [others[1], others[2]], 64, 8) is None
     assert ride.pick(engine, [others[1], others[2]], 16, 1) is None  # and the first alone does not fit
     others[1]._prefilled_rows = others[2]._prefilled_rows = 0
     stage = ride.RiderStage(engine, 4, 128)
@@ -328,6 +329,13 @@ def test_riders_shapes_and_picks(pair):
     slot = engine.impl.pool.index_of(short._cache)
     assert stage.start.tolist() == [0, 0, 128, 128] and stage.slot.tolist()[2:] == [slot, slot]
     assert short._cache.length == others[0]._cache.length == 128  # past the chunks, until finish
+    # A rider takes the rows the rest of its prompt needs while rows are left, its chunks in a row.
+    short._cache.set_length(0)
+    assert ride.row_counts(engine, [long, short], 4, 128) == [3, 1]
+    assert ride.row_counts(engine, [long, short], 2, 128) == [2, 0]
+    assert ride.stage(engine, stage, [long, short]) == [128, 128, 39, 50]
+    assert stage.start.tolist() == [0, 128, 256, 0] and long._cache.length == 384
+    assert stage.slot.tolist()[:3] == [engine.impl.pool.index_of(long._cache)] * 3
     for sess in (long, short, *others):
         sess.close()
 
