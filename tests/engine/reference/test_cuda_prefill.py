@@ -1,5 +1,6 @@
 """Packed prefills on CUDA in half precision (fast/prefill.py): the varlen flash kernel that a
-graph replays gives what a loop over the prompts gives, and the padding leaves the pool finite.
+graph replays, fed by rope_write, gives what a loop over the prompts gives with the norms, RoPE and
+cache writes as separate ops, and the padding leaves the pool finite.
 Skipped without CUDA; fp32 (the loop) is covered by test_cuda_pool's rounds."""
 
 from __future__ import annotations
@@ -32,8 +33,16 @@ def test_the_varlen_kernel_and_its_graph_agree_with_a_loop_over_the_prompts():
         assert size == 192 and counts == (1, 37, 5, 120, 16, 13)
         varlen = [None if t is None else t.clone() for t in prefill.prefill_static(engine, stage, size)]
         rows = [pool.k[:, s, :, :len(p)].clone() for p, s in zip(prompts, slots)]
+        # The loop without rope_write too: the norms, RoPE and writes as separate ops, so the fused
+        # kernel's keys and values (which flash reads) are checked against another path.
+        attns = [layer.self_attn for layer in engine.target.model.model.layers]
         stage.packed_kernel = False
+        for attn in attns:
+            attn.fused_writes = False
         loop = prefill.prefill_static(engine, stage, size, counts)
+        loop_rows = [pool.k[:, s, :, :len(p)].clone() for p, s in zip(prompts, slots)]
+        for attn in attns:
+            attn.fused_writes = True
         stage.packed_kernel = True
         graph, logits, feats = prefill.capture(engine, stage, size)
         pool.k.zero_()
@@ -45,7 +54,8 @@ def test_the_varlen_kernel_and_its_graph_agree_with_a_loop_over_the_prompts():
         torch.testing.assert_close(varlen[1][:size - 13], loop[1][:size - 13], atol=5e-2, rtol=2e-2)
     # The replay runs the same kernels on the same inputs.
     torch.testing.assert_close(logits[:n], varlen[0][:n], atol=1e-3, rtol=0)
-    for p, s, want in zip(prompts, slots, rows):
+    for p, s, want, other in zip(prompts, slots, rows, loop_rows):
         torch.testing.assert_close(pool.k[:, s, :, :len(p)], want, atol=1e-3, rtol=0)
+        torch.testing.assert_close(other, want, atol=5e-2, rtol=2e-2)
     assert pool.k.isfinite().all() and pool.v.isfinite().all()
     assert (pool.k[:, slots[0], :, stage.scratch_row] != 0).any()  # the padding's row
