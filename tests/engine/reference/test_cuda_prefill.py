@@ -33,13 +33,16 @@ def test_the_varlen_kernel_and_its_graph_agree_with_a_loop_over_the_prompts():
         assert size == 192 and counts == (1, 37, 5, 120, 16, 13)
         varlen = [None if t is None else t.clone() for t in prefill.prefill_static(engine, stage, size)]
         rows = [pool.k[:, s, :, :len(p)].clone() for p, s in zip(prompts, slots)]
-        # The loop without rope_write too: the norms, RoPE and writes as separate ops, so the fused
-        # kernel's keys and values (which flash reads) are checked against another path.
-        attns = [layer.self_attn for layer in engine.target.model.model.layers]
         stage.packed_kernel = False
+        loop = [None if t is None else t.clone() for t in prefill.prefill_static(engine, stage, size, counts)]
+        # The loop without rope_write too: the norms, RoPE and writes as separate ops, so the fused
+        # kernel's keys and values (which flash reads) are checked against another path. Those ops
+        # round to bfloat16 after each step where the kernel rounds once, so logits near 10 may
+        # differ by an ulp or two (0.0625 each) there.
+        attns = [layer.self_attn for layer in engine.target.model.model.layers]
         for attn in attns:
             attn.fused_writes = False
-        loop = prefill.prefill_static(engine, stage, size, counts)
+        unfused = prefill.prefill_static(engine, stage, size, counts)[0].clone()
         loop_rows = [pool.k[:, s, :, :len(p)].clone() for p, s in zip(prompts, slots)]
         for attn in attns:
             attn.fused_writes = True
@@ -50,12 +53,14 @@ def test_the_varlen_kernel_and_its_graph_agree_with_a_loop_over_the_prompts():
         torch.cuda.synchronize()
     n = len(prompts)
     torch.testing.assert_close(varlen[0][:n], loop[0][:n], atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(unfused[:n], varlen[0][:n], atol=0.25, rtol=0.05)
+    assert (unfused[:n] - varlen[0][:n]).abs().mean() < 0.01 * varlen[0][:n].abs().mean()
     if varlen[1] is not None:  # the demo drafter's feature layers
         torch.testing.assert_close(varlen[1][:size - 13], loop[1][:size - 13], atol=5e-2, rtol=2e-2)
     # The replay runs the same kernels on the same inputs.
     torch.testing.assert_close(logits[:n], varlen[0][:n], atol=1e-3, rtol=0)
     for p, s, want, other in zip(prompts, slots, rows, loop_rows):
         torch.testing.assert_close(pool.k[:, s, :, :len(p)], want, atol=1e-3, rtol=0)
-        torch.testing.assert_close(other, want, atol=5e-2, rtol=2e-2)
+        torch.testing.assert_close(other, want, atol=0.25, rtol=0.05)  # unfused: rounded per op
     assert pool.k.isfinite().all() and pool.v.isfinite().all()
     assert (pool.k[:, slots[0], :, stage.scratch_row] != 0).any()  # the padding's row
