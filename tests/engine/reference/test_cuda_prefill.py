@@ -52,9 +52,14 @@ def test_the_varlen_kernel_and_its_graph_agree_with_a_loop_over_the_prompts():
         graph.replay()
         torch.cuda.synchronize()
     n = len(prompts)
-    torch.testing.assert_close(varlen[0][:n], loop[0][:n], atol=5e-2, rtol=2e-2)
+    # bfloat16 through every layer: a logit near 0 may move by several of its ulps where the two
+    # attention kernels round apart (an H100 saw 3 of 20480 logits move by 0.07), so the check
+    # is against the logits' scale, with the mean difference far below it.
+    scale = varlen[0][:n].abs().mean()
+    torch.testing.assert_close(varlen[0][:n], loop[0][:n], atol=0.1, rtol=0.02)
+    assert (loop[0][:n] - varlen[0][:n]).abs().mean() < 0.005 * scale
     torch.testing.assert_close(unfused[:n], varlen[0][:n], atol=0.25, rtol=0.05)
-    assert (unfused[:n] - varlen[0][:n]).abs().mean() < 0.01 * varlen[0][:n].abs().mean()
+    assert (unfused[:n] - varlen[0][:n]).abs().mean() < 0.01 * scale
     if varlen[1] is not None:  # the demo drafter's feature layers
         torch.testing.assert_close(varlen[1][:size - 13], loop[1][:size - 13], atol=5e-2, rtol=2e-2)
     # The replay runs the same kernels on the same inputs.
