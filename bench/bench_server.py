@@ -457,6 +457,8 @@ def main() -> int:
             for loop in args.engine_loops):
         p.error("--engine-loops takes thread, process or process-wN, each with +wait, +thread or +inline or not, "
                 f"then +rideN or not, got {','.join(args.engine_loops) or 'nothing'}")
+    if any(int(m.group(1)) > 256 for m in (re.search(r"\+ride([0-9]+)", loop) for loop in args.engine_loops) if m):
+        p.error("--engine-loops: +rideN takes N from 1 to 256 (fast/ride.py's DDTREE_RIDE_ROW)")
     if args.waves < 1:
         p.error(f"--waves must be at least 1, got {args.waves}")
     if not 0.0 <= args.output_len_ratio <= 1.0:

@@ -690,8 +690,8 @@ class Scheduler:
     def _step_together(self, turn: list[_Active], live: int) -> None:
         """These requests in one engine call, `live` of them running. With mixed chunks on, new
         requests come too: the fast engine then folds new requests' chunks into the running
-        round's forward (up to four) and holds the other new ones back a turn (fast/ride.py), so
-        running streams never wait for a prefill of its own. With a prefill cap the engine caps
+        round's forward (up to eight rows of them) and holds the other new ones back a turn
+        (fast/ride.py), so running streams never wait for a prefill of its own. With a prefill cap the engine caps
         what of the new requests prefills on its own; stepping them one by one after a failure,
         this caps them itself (and holds them all when the failed call prefilled some: a
         failing round leaves the prefills before it done)."""

@@ -99,8 +99,10 @@ RIDE_MIN, RIDE_MAX = 128, 512
 # The width of each row when several new sessions ride: narrower than RIDE_MIN, so that a round's
 # allowance carries more of the short prompts a chat workload sends (the grid's builtin:code
 # prompts are 26-226 tokens, median 45, with the chat template) and fewer joins turn into
-# bursts; a longer prompt rides on in later rounds. DDTREE_RIDE_ROW overrides it, for A/B runs.
-RIDE_ROW = int(os.environ.get("DDTREE_RIDE_ROW") or 64)
+# bursts; a longer prompt takes more rows. DDTREE_RIDE_ROW overrides it, for A/B runs (1 to
+# 2 x RIDE_MIN, the narrowest allowance; a value outside is not taken).
+_ROW = os.environ.get("DDTREE_RIDE_ROW", "")
+RIDE_ROW = int(_ROW) if _ROW.isdigit() and 1 <= int(_ROW) <= 2 * RIDE_MIN else 64
 # Riding may take at most this many times the turns that prefilling alone would take to give
 # every waiting prompt its first token; past that the wait is a burst (pick()).
 BURST_ROUNDS = 2
@@ -116,8 +118,7 @@ def shapes(engine: Engine, rows: int) -> list[tuple[int, int]]:
     cap = engine.max_prefill_tokens  # a turn's prompt tokens, riders' included
     if cap > 0:  # a lone rider narrows to the cap; several become as many as it holds
         out = [(1, min(w, cap)) if n == 1 else (min(n, cap // w), w) for n, w in out]
-        out = [(n, w) for n, w in out if n >= 1]
-    return sorted(set(out))
+    return sorted({(n, w) for n, w in out if n >= 1})
 
 
 def riders_run(engine: Engine) -> bool:
@@ -183,8 +184,8 @@ def burst(engine: Engine, new: list[Session], options: list[tuple[int, int]]) ->
     """Whether these new sessions are a burst: several, and riding would take more than
     BURST_ROUNDS times the turns that prefilling alone takes to give the last of them its first
     token. Alone, each prompt takes a chunk a turn, as many at once as max_prefill_tokens lets
-    (turns_alone); riding, the round's widest shape bounds the tokens a round, and one rider row
-    a session. A lone prompt always rides, however long: a long prompt is what riding spares the
+    (turns_alone); riding, the round's widest shape bounds the tokens a round, and the lone
+    width a session's (a rider of several rows takes no more). A lone prompt always rides, however long: a long prompt is what riding spares the
     running streams from."""
     rests = [max(0, len(s.prompt_ids) - s._prefilled_rows) for s in new]
     if len(rests) < 2:

@@ -372,6 +372,41 @@ def test_riders_of_every_shape_decode_as_serial(pair, spec, monkeypatch):
     assert chunked.pool_usage()["free_slots"] == 4
 
 
+@pytest.mark.parametrize("spec", [SpecParams("ar"), SpecParams("dflash")], ids=lambda s: s.algorithm)
+def test_a_rider_of_several_rows_with_rows_to_spare_decodes_as_serial(pair, spec, monkeypatch):
+    """Rows of one token (RIDE_ROW 1), so that the running streams' round takes several rider rows:
+    a joiner of two tokens takes two, one of one token one more, and the rows left over write past
+    the first rider's chunks. Both prompts are in after that one round, and every output is the
+    serial one."""
+    from ddtree.engine.reference.fast import ride
+
+    monkeypatch.setattr(ride, "RIDE_MIN", 2)
+    monkeypatch.setattr(ride, "RIDE_MAX", 8)
+    monkeypatch.setattr(ride, "RIDE_ROW", 1)
+    whole, engine = engines(pair, "fast", pool_slots=4)
+    engine.impl.batch_static = True
+    engine.mixed_chunk, engine.prefill_chunk = True, 8
+    staged = []
+    real_stage = ride.stage
+    monkeypatch.setattr(ride, "stage", lambda e, rider, riders: (
+        staged.append((rider.rows, ride.row_counts(e, riders, rider.rows, rider.chunk))) or real_stage(e, rider, riders)))
+    gen = GenParams(max_new_tokens=8, ignore_eos=True)
+    running = [engine.start(p, gen, spec) for p in ([1, 2, 3], [4, 5, 6, 7])]
+    engine.step_many(running)  # their prefills: no round to ride yet
+    prompts = [[9, 10], [11]]
+    riders = [engine.start(p, gen, spec) for p in prompts]
+    engine.step_many(running + riders)
+    assert len(staged) == 1 and staged[0][1] == [2, 1] and staged[0][0] > 3  # rows to spare
+    assert all(r._prefilled_rows == len(p) and r._bonus is not None for r, p in zip(riders, prompts))
+    while not all(s.done for s in running + riders):
+        engine.step_many([s for s in running + riders if not s.done])
+    for s, p in zip(running + riders, ([1, 2, 3], [4, 5, 6, 7], *prompts)):
+        assert s.output_ids == whole.generate(p, gen, spec).output_ids
+    for s in running + riders:
+        s.close()
+    assert engine.pool_usage()["free_slots"] == 4
+
+
 @pytest.mark.parametrize("backend,pooled", [("transformers", False), ("fast", False), ("fast", True)])
 def test_step_many_leaves_new_sessions_past_the_prefill_cap_for_a_later_turn(pair, backend, pooled):
     """With max_prefill_tokens, the new sessions whose next prefill step would take the call past

@@ -75,7 +75,7 @@ def test_graphed_rounds_with_riding_chunks_equal_serial(engines, spec, monkeypat
     mixed.prefill_chunk, mixed.mixed_chunk = 16, True
     mixed.warmup()
     stage = mixed.impl.round_stage()
-    shapes = {(1, 4), (1, 8), (2, 4), (1, 16), (4, 4)}
+    shapes = {(1, 4), (1, 8), (4, 2), (1, 16), (8, 2)}
     assert set(stage.riders) == {key[4] for key in stage.graphs} - {0} == shapes
     rides = []
     real_finish = ride.finish

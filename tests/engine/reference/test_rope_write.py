@@ -89,24 +89,33 @@ def test_keys_and_values_come_back_with_kv_out():
     assert torch.allclose(kc.cpu(), want_k, atol=1e-5) and torch.equal(vc.cpu(), want_v)
 
 
-def test_compiled_caller_writes_the_callers_caches():
+@pytest.mark.parametrize("kv_out", [False, True])
+def test_compiled_caller_writes_the_callers_caches(kv_out):
     """Inside torch.compile the op mutates the caches it is given (the compiled layers pass the
-    layer's cache views), and the queries come back as in eager."""
+    layer's cache views), and the queries (with kv_out the keys and values too) come back as in
+    eager."""
     heads, kv_heads, d, n = 4, 2, 16, 2
     qkv, weights, cos, sin, caches, rows, _ = _setup(n, heads, kv_heads, d, torch.float32, True, 9)
     want_q, want_k, want_v = _reference(qkv, weights, cos, sin, caches, rows, None, heads, kv_heads)
-    big_k = torch.zeros((3, *caches[0].shape))
-    big_v = torch.zeros((3, *caches[1].shape))
-    big_k[1], big_v[1] = caches
+    qkv_d, qw, kw, cos_d, sin_d, rows_d = (t.to(DEVICE) for t in (qkv, *weights, cos, sin, rows))
+    big_k = torch.zeros((3, *caches[0].shape), device=DEVICE)
+    big_v = torch.zeros((3, *caches[1].shape), device=DEVICE)
+    big_k[1], big_v[1] = caches[0].to(DEVICE), caches[1].to(DEVICE)
 
     def layer(qkv, k_cache, v_cache):
-        return rope_write(qkv * 1.0, weights[0], weights[1], cos, sin, 1e-6, k_cache, v_cache, None, rows,
-                          heads, kv_heads) + 0.0
+        return rope_write(qkv * 1.0, qw, kw, cos_d, sin_d, 1e-6, k_cache, v_cache, None, rows_d,
+                          heads, kv_heads, kv_out) + 0.0
 
     torch._dynamo.reset()
-    q = torch.compile(layer, fullgraph=True)(qkv, big_k[1], big_v[1])  # inductor, as the engine's layers
+    out = torch.compile(layer, fullgraph=True)(qkv_d, big_k[1], big_v[1]).cpu()  # inductor, as the engine's layers
     torch._dynamo.reset()
+    big_k, big_v = big_k.cpu(), big_v.cpu()
+    q = out[:, :heads]
     assert torch.allclose(q, want_q, atol=1e-5)
+    if kv_out:
+        assert out.shape == (n, heads + 2 * kv_heads, d)
+        assert torch.allclose(out[:, heads:heads + kv_heads], want_k[:, rows].transpose(0, 1), atol=1e-5)
+        assert torch.equal(out[:, heads + kv_heads:], want_v[:, rows].transpose(0, 1))
     assert torch.allclose(big_k[1], want_k, atol=1e-5) and torch.equal(big_v[1], want_v)
     assert not big_k[0].any() and not big_k[2].any() and not big_v[0].any() and not big_v[2].any()
 
@@ -126,8 +135,8 @@ def test_attention_with_the_kernel_equals_attention_without(qk_norm, bias, poole
     with torch.no_grad():
         for p in decoder.parameters():
             p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
-    decoder.fuse()
     decoder = decoder.to(DEVICE)
+    decoder.fuse()  # after the move: the fused weights are tensors of the layer, not parameters
     attn = decoder.model.layers[0].self_attn
     g = torch.Generator().manual_seed(6)
     b = 2 if pooled else 1
