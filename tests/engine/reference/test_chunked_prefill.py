@@ -343,8 +343,8 @@ def test_riders_shapes_and_picks(pair):
 @pytest.mark.parametrize("spec", [SpecParams("ar"), SpecParams("ddtree", 16)], ids=lambda s: s.algorithm)
 def test_riders_of_every_shape_decode_as_serial(pair, spec, monkeypatch):
     """The rider widths scaled down (RIDE_MIN and RIDE_ROW 2, RIDE_MAX 8), so that rounds of these tiny
-    batches take lone riders and several riders a round, with rows to spare. Every output is
-    still the serial one."""
+    batches take lone riders, and several riders a round, some of several rows. Every output is
+    still the serial one. (Rows to spare past a rider of several rows: the test after this.)"""
     from ddtree.engine.reference.fast import ride
 
     monkeypatch.setattr(ride, "RIDE_MIN", 2)
