@@ -427,7 +427,8 @@ def main() -> int:
                    help="--grid: one server per value, comma-separated (process, thread, process-wN): where the "
                         "server runs its rounds, and process-wN with N HTTP processes (--tokenizer-worker-num N); "
                         "+wait, +thread or +inline after one sets the engine process's outbox mode "
-                        "(DDTREE_OUTBOX), then +rideN the rider row width (DDTREE_RIDE_ROW); a value given again "
+                        "(DDTREE_OUTBOX), then +rideN the rider row width (DDTREE_RIDE_ROW) and +burstN ride.BURST_ROUNDS "
+                        "(DDTREE_BURST_ROUNDS); a value given again "
                         "runs again, as VALUE#2 (A B A B); default process")
     p.add_argument("--trace-turns", metavar="STEM", default=None,
                    help="--grid: the server's --trace-turns, into STEM-LOOP.jsonl per engine loop; each cell "
@@ -453,12 +454,15 @@ def main() -> int:
     if any(not re.fullmatch(r"thread|busy[1-9][0-9]?", v) for v in args.again):
         p.error(f"--again takes thread or busyN, got {','.join(args.again)}")
     if not args.engine_loops or any(
-            not re.fullmatch(r"(thread|process(-w[1-9][0-9]?)?)(\+(wait|thread|inline))?(\+ride[1-9][0-9]*)?", loop)
+            not re.fullmatch(r"(thread|process(-w[1-9][0-9]?)?)(\+(wait|thread|inline))?(\+ride[1-9][0-9]*)?"
+                             r"(\+burst[1-9][0-9]*)?", loop)
             for loop in args.engine_loops):
         p.error("--engine-loops takes thread, process or process-wN, each with +wait, +thread or +inline or not, "
-                f"then +rideN or not, got {','.join(args.engine_loops) or 'nothing'}")
+                f"then +rideN and +burstN or not, got {','.join(args.engine_loops) or 'nothing'}")
     if any(int(m.group(1)) > 256 for m in (re.search(r"\+ride([0-9]+)", loop) for loop in args.engine_loops) if m):
         p.error("--engine-loops: +rideN takes N from 1 to 256 (fast/ride.py's DDTREE_RIDE_ROW)")
+    if any(int(m.group(1)) > 64 for m in (re.search(r"\+burst([0-9]+)", loop) for loop in args.engine_loops) if m):
+        p.error("--engine-loops: +burstN takes N from 1 to 64 (fast/ride.py's DDTREE_BURST_ROUNDS)")
     if args.waves < 1:
         p.error(f"--waves must be at least 1, got {args.waves}")
     if not 0.0 <= args.output_len_ratio <= 1.0:

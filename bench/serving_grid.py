@@ -592,12 +592,14 @@ def loop_labels(loops: list[str]) -> list[str]:
 @contextlib.contextmanager
 def loop_env(loop: str) -> Iterator[None]:
     """The environment of a server started inside, from a loop value's +PARTs: wait, thread or
-    inline set DDTREE_OUTBOX (engine_loop._Outbox's mode), rideN sets DDTREE_RIDE_ROW (fast/ride.py's
-    row width when several joiners ride), so one grid measures one setting against another."""
+    inline set DDTREE_OUTBOX (engine_loop._Outbox's mode), rideN DDTREE_RIDE_ROW (fast/ride.py's
+    row width when several joiners ride), burstN DDTREE_BURST_ROUNDS (ride.BURST_ROUNDS), so one
+    grid measures one setting against another."""
+    names = {"ride": "DDTREE_RIDE_ROW", "burst": "DDTREE_BURST_ROUNDS"}
     env = {}
     for part in loop.partition("#")[0].split("+")[1:]:
-        ride = re.fullmatch(r"ride([1-9][0-9]*)", part)
-        env["DDTREE_RIDE_ROW" if ride else "DDTREE_OUTBOX"] = ride.group(1) if ride else part
+        setting = re.fullmatch(r"(ride|burst)([1-9][0-9]*)", part)
+        env[names[setting.group(1)] if setting else "DDTREE_OUTBOX"] = setting.group(2) if setting else part
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:

@@ -99,13 +99,20 @@ RIDE_MIN, RIDE_MAX = 128, 512
 # The width of each row when several new sessions ride: narrower than RIDE_MIN, so that a round's
 # allowance carries more of the short prompts a chat workload sends (the grid's builtin:code
 # prompts are 26-226 tokens, median 45, with the chat template) and fewer joins turn into
-# bursts; a longer prompt takes more rows. DDTREE_RIDE_ROW overrides it, for A/B runs (1 to
-# 2 x RIDE_MIN, the narrowest allowance; a value outside is not taken).
-_ROW = os.environ.get("DDTREE_RIDE_ROW", "")
-RIDE_ROW = int(_ROW) if _ROW.isdigit() and 1 <= int(_ROW) <= 2 * RIDE_MIN else 64
-# Riding may take at most this many times the turns that prefilling alone would take to give
+# bursts; a longer prompt takes more rows.
+# Riding may take at most BURST_ROUNDS times the turns that prefilling alone would take to give
 # every waiting prompt its first token; past that the wait is a burst (pick()).
-BURST_ROUNDS = 2
+
+
+def _setting(name: str, default: int, most: int) -> int:
+    """An A/B run's override of a setting here (bench_server.py --engine-loops +rideN, +burstN):
+    an integer from 1 to `most`, else the default."""
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() and 1 <= int(value) <= most else default
+
+
+RIDE_ROW = _setting("DDTREE_RIDE_ROW", 64, 2 * RIDE_MIN)  # at most the narrowest allowance
+BURST_ROUNDS = _setting("DDTREE_BURST_ROUNDS", 2, 64)
 
 
 def shapes(engine: Engine, rows: int) -> list[tuple[int, int]]:
