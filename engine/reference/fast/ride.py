@@ -96,12 +96,6 @@ class RiderStage:
 # A rider row's tokens (below this, the round's GEMMs stay near their weight-bound cost whatever
 # the round), and the most rider tokens a round takes.
 RIDE_MIN, RIDE_MAX = 128, 512
-# The width of each row when several new sessions ride: narrower than RIDE_MIN, so that a round's
-# allowance carries more of the short prompts a chat workload sends (the grid's builtin:code
-# prompts are 26-226 tokens, median 45, with the chat template) and fewer joins turn into
-# bursts; a longer prompt takes more rows.
-# Riding may take at most BURST_ROUNDS times the turns that prefilling alone would take to give
-# every waiting prompt its first token; past that the wait is a burst (pick()).
 
 
 def _setting(name: str, default: int, most: int) -> int:
@@ -111,7 +105,13 @@ def _setting(name: str, default: int, most: int) -> int:
     return int(value) if value.isdigit() and 1 <= int(value) <= most else default
 
 
-RIDE_ROW = _setting("DDTREE_RIDE_ROW", 64, 2 * RIDE_MIN)  # at most the narrowest allowance
+# The width of each row when several new sessions ride: narrower than RIDE_MIN, so that a round's
+# allowance carries more of the short prompts a chat workload sends (the grid's builtin:code
+# prompts are 26-226 tokens, median 45, with the chat template) and fewer joins turn into
+# bursts; a longer prompt takes more rows. At most the narrowest allowance.
+RIDE_ROW = _setting("DDTREE_RIDE_ROW", 64, 2 * RIDE_MIN)
+# Riding may take at most this many times the turns that prefilling alone would take to give
+# every waiting prompt its first token; past that the wait is a burst (pick()).
 BURST_ROUNDS = _setting("DDTREE_BURST_ROUNDS", 2, 64)
 
 
@@ -192,8 +192,8 @@ def burst(engine: Engine, new: list[Session], options: list[tuple[int, int]]) ->
     BURST_ROUNDS times the turns that prefilling alone takes to give the last of them its first
     token. Alone, each prompt takes a chunk a turn, as many at once as max_prefill_tokens lets
     (turns_alone); riding, the round's widest shape bounds the tokens a round, and the lone
-    width a session's (a rider of several rows takes no more). A lone prompt always rides, however long: a long prompt is what riding spares the
-    running streams from."""
+    width a session's (a rider of several rows takes no more). A lone prompt always rides,
+    however long: a long prompt is what riding spares the running streams from."""
     rests = [max(0, len(s.prompt_ids) - s._prefilled_rows) for s in new]
     if len(rests) < 2:
         return False
