@@ -459,10 +459,14 @@ def main() -> int:
             for loop in args.engine_loops):
         p.error("--engine-loops takes thread, process or process-wN, each with +wait, +thread or +inline or not, "
                 f"then +rideN and +burstN or not, got {','.join(args.engine_loops) or 'nothing'}")
-    if any(int(m.group(1)) > 256 for m in (re.search(r"\+ride([0-9]+)", loop) for loop in args.engine_loops) if m):
-        p.error("--engine-loops: +rideN takes N from 1 to 256 (fast/ride.py's DDTREE_RIDE_ROW)")
-    if any(int(m.group(1)) > 64 for m in (re.search(r"\+burst([0-9]+)", loop) for loop in args.engine_loops) if m):
-        p.error("--engine-loops: +burstN takes N from 1 to 64 (fast/ride.py's DDTREE_BURST_ROUNDS)")
+    settings = [m for loop in args.engine_loops for m in re.finditer(r"\+(ride|burst)([0-9]+)", loop)]
+    if settings:
+        from ddtree.engine.reference.fast.ride import OVERRIDES
+
+        for m in settings:
+            name, most = OVERRIDES[m.group(1)]
+            if int(m.group(2)) > most:
+                p.error(f"--engine-loops: +{m.group(1)}N takes N from 1 to {most} (fast/ride.py's {name})")
     if args.waves < 1:
         p.error(f"--waves must be at least 1, got {args.waves}")
     if not 0.0 <= args.output_len_ratio <= 1.0:

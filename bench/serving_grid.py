@@ -595,11 +595,15 @@ def loop_env(loop: str) -> Iterator[None]:
     inline set DDTREE_OUTBOX (engine_loop._Outbox's mode), rideN DDTREE_RIDE_ROW (fast/ride.py's
     row width when several joiners ride), burstN DDTREE_BURST_ROUNDS (ride.BURST_ROUNDS), so one
     grid measures one setting against another."""
-    names = {"ride": "DDTREE_RIDE_ROW", "burst": "DDTREE_BURST_ROUNDS"}
     env = {}
     for part in loop.partition("#")[0].split("+")[1:]:
         setting = re.fullmatch(r"(ride|burst)([1-9][0-9]*)", part)
-        env[names[setting.group(1)] if setting else "DDTREE_OUTBOX"] = setting.group(2) if setting else part
+        if setting:
+            from ddtree.engine.reference.fast.ride import OVERRIDES
+
+            env[OVERRIDES[setting.group(1)][0]] = setting.group(2)
+        else:
+            env["DDTREE_OUTBOX"] = part
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:

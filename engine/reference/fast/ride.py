@@ -98,9 +98,14 @@ class RiderStage:
 RIDE_MIN, RIDE_MAX = 128, 512
 
 
-def _setting(name: str, default: int, most: int) -> int:
-    """An A/B run's override of a setting here (bench_server.py --engine-loops +rideN, +burstN):
-    an integer from 1 to `most`, else the default."""
+# The settings an A/B run may override (bench_server.py --engine-loops +rideN, +burstN): the
+# part's name -> (the variable, its most; its least is 1).
+OVERRIDES = {"ride": ("DDTREE_RIDE_ROW", 2 * RIDE_MIN), "burst": ("DDTREE_BURST_ROUNDS", 64)}
+
+
+def _setting(part: str, default: int) -> int:
+    """This setting's override where it is an integer in range, else the default."""
+    name, most = OVERRIDES[part]
     value = os.environ.get(name, "")
     return int(value) if value.isdigit() and 1 <= int(value) <= most else default
 
@@ -109,10 +114,10 @@ def _setting(name: str, default: int, most: int) -> int:
 # allowance carries more of the short prompts a chat workload sends (the grid's builtin:code
 # prompts are 26-226 tokens, median 45, with the chat template) and fewer joins turn into
 # bursts; a longer prompt takes more rows. At most the narrowest allowance.
-RIDE_ROW = _setting("DDTREE_RIDE_ROW", 64, 2 * RIDE_MIN)
+RIDE_ROW = _setting("ride", 64)
 # Riding may take at most this many times the turns that prefilling alone would take to give
 # every waiting prompt its first token; past that the wait is a burst (pick()).
-BURST_ROUNDS = _setting("DDTREE_BURST_ROUNDS", 2, 64)
+BURST_ROUNDS = _setting("burst", 2)
 
 
 def shapes(engine: Engine, rows: int) -> list[tuple[int, int]]:
@@ -160,9 +165,8 @@ def pick(engine: Engine, new: list[Session], rows: int,
     if len(new) > 1 and several:
         count, width = several[-1]
         riders: list[Session] = []
-        for s in new:
-            taken = sum(row_counts(engine, riders, count, width))
-            if taken == count or not fits(s, row_counts(engine, riders + [s], count, width)[-1] * width):
+        for s, k in zip(new, row_counts(engine, new, count, width)):  # a rider's rows follow from those before it
+            if k == 0 or not fits(s, k * width):
                 break
             riders.append(s)
         if len(riders) > 1 and (sum(row_counts(engine, riders, count, width)) == count
