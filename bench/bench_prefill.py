@@ -178,9 +178,9 @@ def main(argv=None) -> int:
         row["unfused_over_packed"] = round(row["unfused_ms"] / row["packed_ms"], 3)
         results.append(row)
         print(f"[{args.shape}] wave {n:3d}: {sum(lengths)} prompt tokens | ms a wave: packed {row['packed_ms']:.2f} "
-              f"({tokens['packed']} tokens), unfused {row['unfused_ms']:.2f}, pow2 {row['pow2_ms']:.2f} ({tokens['pow2']}), alone "
-              f"{row['alone_ms']:.2f} ({tokens['alone']}) | pow2/packed {row['pow2_over_packed']:.2f}x, unfused/packed "
-              f"{row['unfused_over_packed']:.3f}x", flush=True)
+              f"({tokens['packed']} tokens), unfused {row['unfused_ms']:.2f}, pow2 {row['pow2_ms']:.2f} "
+              f"({tokens['pow2']}), alone {row['alone_ms']:.2f} ({tokens['alone']}) | pow2/packed "
+              f"{row['pow2_over_packed']:.2f}x, unfused/packed {row['unfused_over_packed']:.3f}x", flush=True)
         if args.profile:
             row["profile"] = prof = profile_packed(engine, prompts, args.repeats)
             print(f"[{args.shape}] wave {n:3d} packed, profiled: wall {prof['wall_ms']} ms, GPU busy "

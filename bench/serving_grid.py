@@ -35,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
+from unittest import mock
 
 # Shares of --time-budget (from the script's start) past which no new cell of a part starts: the
 # server cells first, then the in-process ones (which take about as long), the verify grid last.
@@ -604,16 +605,8 @@ def loop_env(loop: str) -> Iterator[None]:
             env[OVERRIDES[setting.group(1)][0]] = setting.group(2)
         else:
             env["DDTREE_OUTBOX"] = part
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):  # put back as it was after
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def run_grid(args, server_flags: Callable[[int], list[str]], start_server: Callable[[list[str], str], object],
