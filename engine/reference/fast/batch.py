@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -89,27 +89,31 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         kind = batch_graph.eligible(engine, members) if (impl.graphs or impl.batch_static) else None
         if kind is not None and new:
             riders = _riders(engine, members, [sessions[i] for i in new], kind)
+
+    def advance() -> None:  # the running sessions' round, and those that step alone
+        if pooled:
+            with torch.inference_mode():
+                if kind is not None:
+                    results, ridden = batch_graph.graphed_round(engine, members, kind, graphs=impl.graphs,
+                                                                riders=riders)
+                    for s, tokens in zip(riders[0] if riders else [], ridden):
+                        out[sessions.index(s)] = tokens
+                else:
+                    results = batched_round(engine, members)
+            for i, tokens in zip(pooled, results):
+                out[i] = tokens
+        for i in alone:
+            out[i] = sessions[i].step()
+
     if riders is None:
         # What prefills on its own is capped (a rider's chunk is bounded by its shape instead).
         held = engine.held_by_prefill_cap([sessions[i] for i in new])
         engine.turn_held = len(held)
         new = [i for i in new if id(sessions[i]) not in held]
-        for i, tokens in zip(new, _prefill(engine, [sessions[i] for i in new])):
+        for i, tokens in zip(new, _prefill(engine, [sessions[i] for i in new], then=advance)):
             out[i] = tokens
-    # else the riders' chunks are this turn's prefill work; the other new sessions wait a turn
-    if pooled:
-        with torch.inference_mode():
-            if kind is not None:
-                results, ridden = batch_graph.graphed_round(engine, members, kind, graphs=impl.graphs,
-                                                            riders=riders)
-                for s, tokens in zip(riders[0] if riders else [], ridden):
-                    out[sessions.index(s)] = tokens
-            else:
-                results = batched_round(engine, members)
-        for i, tokens in zip(pooled, results):
-            out[i] = tokens
-    for i in alone:
-        out[i] = sessions[i].step()
+    else:  # the riders' chunks are this turn's prefill work; the other new sessions wait a turn
+        advance()
     if pool is not None:
         # A prompt's drafter rows go in with its prefill, as SGLang's draft extend runs with the
         # target's: their eager forwards count in the first token's time, not in the gap to the
@@ -138,20 +142,24 @@ def _riders(engine: Engine, members: list[Session], new: list[Session], kind: tu
     return picked
 
 
-def _prefill(engine: Engine, sessions: list[Session]) -> list[list[int]]:
-    """New sessions' prefills: on pool slots where graphs run, a turn's prompts together as
-    batched graph replays (fast/prefill.py); else, and always for a prefill in chunks, each
-    through Session.step()'s own causal forward."""
+def _prefill(engine: Engine, sessions: list[Session], then: Callable[[], None]) -> list[list[int]]:
+    """New sessions' prefills, with `then` (the turn's running round) run once in their midst: on
+    pool slots where graphs run, a turn's prompts together as batched graph replays, the round
+    launched before their first tokens are read (fast/prefill.py); else, and always for a
+    prefill in chunks, each through Session.step()'s own causal forward, after the round."""
     impl = engine.impl
     out: list[list[int] | None] = [None] * len(sessions)
-    if impl.graphs or impl.batch_static:
-        staged = [j for j, s in enumerate(sessions)
-                  if not s.chunked_prefill and impl.pool.index_of(s._cache) is not None]
-        if staged:
-            from ddtree.engine.reference.fast.prefill import prefill_many
+    staged = [j for j, s in enumerate(sessions)
+              if (impl.graphs or impl.batch_static) and impl.pool is not None and not s.chunked_prefill
+              and impl.pool.index_of(s._cache) is not None]
+    if staged:
+        from ddtree.engine.reference.fast.prefill import prefill_many
 
-            for j, committed in zip(staged, prefill_many(engine, [sessions[j] for j in staged], graphs=impl.graphs)):
-                out[j] = committed
+        firsts = prefill_many(engine, [sessions[j] for j in staged], graphs=impl.graphs, then=then)
+        for j, committed in zip(staged, firsts):
+            out[j] = committed
+    else:
+        then()
     return [s.step() if committed is None else committed for s, committed in zip(sessions, out)]
 
 

@@ -23,7 +23,7 @@ Session._prefill's forward gives them; each session then goes on as after any pr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
@@ -39,6 +39,9 @@ PREFILL_MIN = 16
 # prompt longer than this prefills on its own (Session.step).
 PREFILL_BATCH_TOKENS = 4096
 _WARMUP_RUNS = 2
+# The turn's round launched before the first tokens are read (prefill_many's `then`); False
+# reads them first, as before, for bench/bench_burst.py's A/B.
+ROUND_BEFORE_FIRSTS = True
 
 
 def pack_sizes(limit: int) -> tuple[int, ...]:
@@ -88,6 +91,8 @@ class PrefillStage:
         self.ids, self.positions, self.rows, self.slots = self.inputs[:4 * n].view(4, n)
         self.last = self.inputs[4 * n:4 * n + self.prompts]
         self.bounds = self.inputs[4 * n + self.prompts:]  # int64 here; the kernel's int32 in the graph
+        # The greedy first tokens come back here, each pack in its sessions' places.
+        self.firsts_host = torch.zeros(self.prompts, dtype=torch.long, pin_memory=device.type == "cuda")
         self.graphs: dict[int, tuple] = {}
         self.graph_pool = None
         # Every graph writes its outputs here, so the graphs' own outputs are temporaries that
@@ -141,24 +146,59 @@ def prefill_static(engine: Engine, stage: PrefillStage, size: int,
     return target.lm_head(hidden.index_select(0, stage.last)).float(), feats
 
 
-def prefill_many(engine: Engine, sessions: list[Session], *, graphs: bool) -> list[list[int] | None]:
+def prefill_many(engine: Engine, sessions: list[Session], *, graphs: bool,
+                 then: Callable[[], None] | None = None) -> list[list[int] | None]:
     """Session.step()'s prefill of each of these new pool sessions, packed into as few forwards
     as PREFILL_BATCH_TOKENS allows; None for a prompt longer than that (the caller steps it
-    alone). If a pack raises, the packs before it have committed their first tokens (in each
-    session's output_ids, as a prefill that stepped alone would have) and its sessions and the
-    later ones are still new."""
+    alone).
+
+    `then` runs once every pack is launched and before their first tokens are read: a turn's
+    running round goes there, so its launch overlaps the prefill's forward and the host's
+    bookkeeping of the new sessions waits for the round's sync, not the GPU for the host. The
+    sessions' lengths are set before `then` runs, so the round's rows for their slots (inactive
+    in it) write past their prompts. If anything raises before a pack's first tokens are read,
+    its sessions are still new (length 0); a pack read before that keeps its first tokens."""
     stage = engine.impl.prefill_stage()
     out: list[list[int] | None] = [None] * len(sessions)
-    for pack in plan_packs([len(s.prompt_ids) for s in sessions], stage.limit):
-        for j, tokens in zip(pack, _prefill_pack(engine, stage, [sessions[j] for j in pack], graphs)):
-            out[j] = tokens
+    launched: list[_Launched] = []
+    try:
+        for pack in plan_packs([len(s.prompt_ids) for s in sessions], stage.limit):
+            launched.append(_launch_pack(engine, stage, pack, [sessions[j] for j in pack], graphs))
+        if then is not None and ROUND_BEFORE_FIRSTS:
+            then()
+        while launched:
+            for j, tokens in zip(launched[0].pack, _finish_pack(engine, launched[0])):
+                out[j] = tokens
+            launched.pop(0)
+        if then is not None and not ROUND_BEFORE_FIRSTS:
+            then()
+    except BaseException:
+        for run in launched:
+            for s in run.sessions:
+                if s._bonus is None:
+                    s._cache.set_length(0)  # still new: a later step prefills it from row 0
+        raise
     return out
 
 
-def _prefill_pack(engine: Engine, stage: PrefillStage, sessions: list[Session], graphs: bool) -> list[list[int]]:
+class _Launched(NamedTuple):
+    """A pack whose forward is queued: what _finish_pack needs to read it."""
+    pack: list[int]
+    sessions: list[Session]
+    firsts: torch.Tensor | None  # the greedy rows' argmax (pinned host memory on a GPU)
+    ready: torch.cuda.Event | None
+    greedy: list[int]
+    logits: list[torch.Tensor | None]  # the other rows' last logits, copied out of the stage
+    features: list[torch.Tensor | None]
+    seconds: float
+
+
+def _launch_pack(engine: Engine, stage: PrefillStage, pack: list[int], sessions: list[Session],
+                 graphs: bool) -> _Launched:
+    """Queue one pack's forward and copy out what each session needs (the stage's outputs are
+    the next pack's), without waiting for the GPU."""
     t0 = engine.clock()
     pool = engine.impl.pool
-    committed = []
     with torch.inference_mode():
         size, counts = stage.stage([s.prompt_ids for s in sessions], [pool.index_of(s._cache) for s in sessions])
         if graphs and stage.packed_kernel:
@@ -169,34 +209,48 @@ def _prefill_pack(engine: Engine, stage: PrefillStage, sessions: list[Session], 
             logits, feats = found[1], found[2]
         else:
             logits, feats = prefill_static(engine, stage, size, counts)
-        # The greedy rows' first tokens in one argmax and one sync, not one of each a session
+        # The greedy rows' first tokens in one argmax and one read, not one of each a session
         # (64 joiners: 64 launches and host waits in a row, with the GPU idle between them).
-        b = len(sessions)
         greedy = [j for j, s in enumerate(sessions) if s.gen.greedy]
-        picks = logits[:b].argmax(dim=-1) if len(greedy) > 1 else None
-        engine.gpu_busy()  # the sessions' first tokens below wait for the forward
-        every = picks.tolist() if picks is not None else []
-        firsts = {j: every[j] for j in greedy} if every else {}
-        # Nothing in a session has changed before this point: a forward that raises leaves them new.
-        at = 0
+        firsts = ready = None
+        if len(greedy) > 1:
+            firsts = logits[:len(sessions)].argmax(dim=-1)
+            if firsts.is_cuda:
+                host = stage.firsts_host[pack[0]:pack[0] + len(sessions)]
+                host.copy_(firsts, non_blocking=True)
+                firsts, ready = host, torch.cuda.Event()
+                ready.record()
+        else:
+            greedy = []
+        rows, features, at = [], [], 0
         for j, s in enumerate(sessions):
             n = counts[j]
-            s._cache.set_length(n)
-            features = None
-            if s.mode != "ar":
-                features = (feats[at:at + n].clone() if feats is not None else
+            rows.append(None if j in greedy else logits[j:j + 1].clone())
+            features.append(None if s.mode == "ar" else
+                            feats[at:at + n].clone() if feats is not None else
                             torch.zeros((n, 0), dtype=engine.target.dtype, device=logits.device))
             at += n
-            try:
-                if j in firsts:
-                    committed.append(s._prefilled(None, features, firsts[j]))
-                else:
-                    committed.append(s._prefilled(logits[j:j + 1].clone(), features))
-            except BaseException:
-                s._cache.set_length(0)  # still new: a later step prefills it from row 0
-                raise
-    share = (engine.clock() - t0) / len(sessions)
-    for s in sessions:
+        # Nothing in a session has changed before this point: a forward that raises leaves them new.
+        for j, s in enumerate(sessions):
+            s._cache.set_length(counts[j])
+    return _Launched(pack, sessions, firsts, ready, greedy, rows, features, engine.clock() - t0)
+
+
+def _finish_pack(engine: Engine, run: _Launched) -> list[list[int]]:
+    """Read a launched pack's first tokens (its one wait for the GPU) and commit them."""
+    t0 = engine.clock()
+    if run.ready is not None and not run.ready.query():
+        engine.gpu_busy()
+        run.ready.synchronize()
+    every = run.firsts.tolist() if run.firsts is not None else []
+    committed = []
+    for j, s in enumerate(run.sessions):
+        if j in run.greedy:
+            committed.append(s._prefilled(None, run.features[j], every[j]))
+        else:
+            committed.append(s._prefilled(run.logits[j], run.features[j]))
+    share = (run.seconds + engine.clock() - t0) / len(run.sessions)
+    for s in run.sessions:
         s.timings["prefill"] += share
     return committed
 

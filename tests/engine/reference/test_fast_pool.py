@@ -591,6 +591,61 @@ def test_a_prefill_that_fails_leaves_its_session_new(pair, monkeypatch, prefills
                                                 for p in prompts]
 
 
+def test_a_turns_round_is_launched_between_its_prefill_and_the_first_tokens(pair, monkeypatch):
+    """The running round goes in after the joiners' forward is queued and before their first
+    tokens are read, so on a GPU the host's launch and bookkeeping overlap the prefill."""
+    from ddtree.engine.reference.fast import batch_graph, prefill
+
+    model, drafter = pair
+    engine = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=6)
+    engine.impl.batch_static = True
+    gen = GenParams(max_new_tokens=12, ignore_eos=True)
+    running = [engine.start([7, 8, 9], gen, SpecParams("ddtree", 4)) for _ in range(3)]
+    engine.step_many(running)
+    order = []
+
+    def spied(name, real):
+        def spy(*args, **kwargs):
+            order.append(name)
+            return real(*args, **kwargs)
+        return spy
+    for module, name in ((prefill, "_launch_pack"), (prefill, "_finish_pack"), (batch_graph, "graphed_round")):
+        monkeypatch.setattr(module, name, spied(name, getattr(module, name)))
+    new = [engine.start(p, gen, SpecParams("ar")) for p in ([1, 2], [3, 4, 5])]
+    engine.step_many(running + new)
+    assert order == ["_launch_pack", "graphed_round", "_finish_pack"]
+    assert all(len(s.output_ids) == 1 for s in new) and all(len(s.output_ids) > 1 for s in running)
+
+
+def test_a_round_that_fails_beside_a_prefill_leaves_the_joiners_new(pair, monkeypatch):
+    from ddtree.engine.reference.fast import batch_graph
+
+    model, drafter = pair
+    serial = Engine(model, drafter, backend="fast", max_budget=16)
+    engine = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=6)
+    engine.impl.batch_static = True
+    pool = engine.impl.pool
+    gen = GenParams(max_new_tokens=10)
+    prompts = [[7, 8, 9], [7, 8, 9, 10], [1, 2], [3, 4, 5]]
+    sessions = [engine.start(p, gen, SpecParams("ddtree", 4)) for p in prompts]
+    engine.step_many(sessions[:2])
+    before = [(s._start, list(s.output_ids)) for s in sessions[:2]]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("round failed")
+    monkeypatch.setattr(batch_graph, "static_round", broken)
+    with pytest.raises(RuntimeError):
+        engine.step_many(sessions)
+    assert [(s._start, list(s.output_ids)) for s in sessions[:2]] == before
+    for s in sessions[2:]:
+        assert not s.output_ids and s._cache.length == 0 and int(pool.lengths[pool.index_of(s._cache)]) == 0
+    monkeypatch.undo()
+    while not all(s.done for s in sessions):
+        engine.step_many([s for s in sessions if not s.done])
+    assert [s.output_ids for s in sessions] == [serial.generate(p, gen, SpecParams("ddtree", 4)).output_ids
+                                                for p in prompts]
+
+
 def test_a_prompts_drafter_rows_go_in_with_its_prefill(pair):
     """A prompt longer than a draft block appends its features to its drafter rows in its prefill's
     turn, so the append's time counts in the first token's, not in the gap to the second; the
