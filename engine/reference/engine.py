@@ -322,8 +322,9 @@ class Engine:
         and the others [], untouched; fast/ride.py). Past max_prefill_tokens a new session also
         gets [], untouched, and waits (turn_held counts them). Outputs equal stepping the sessions one by
         one (at temperature 0 token for token; seeded sampling draws the same). If the batched
-        round raises, no session in it has changed, the riding ones included; the prefills before
-        it have happened, each complete.
+        round raises, no session in it has changed, the riding ones included; the new sessions
+        that prefilled beside it are new again (fast/prefill.py: their first tokens are read
+        after the round), and the others' prefills before it have happened, each complete.
         """
         sessions = list(sessions)
         self.turn_note, self.turn_held = "", 0

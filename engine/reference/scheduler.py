@@ -693,8 +693,8 @@ class Scheduler:
         round's forward (up to eight rows of them) and holds the other new ones back a turn
         (fast/ride.py), so running streams never wait for a prefill of its own. With a prefill cap the engine caps
         what of the new requests prefills on its own; stepping them one by one after a failure,
-        this caps them itself (and holds them all when the failed call prefilled some: a
-        failing round leaves the prefills before it done)."""
+        this caps them itself (and holds them all when the failed call got some of them
+        further: a prefill that finished before the failure stays done)."""
         fresh = [a for a in turn if not (a.session.output_ids or a.session.done or a.ticket.cancelled)]
         before = [a.session.next_prefill_tokens() for a in fresh]
         try:

@@ -18,8 +18,9 @@ scatter move every row's accepted K/V into place, and one write sets every lengt
 The rounds are lossless the same way the single path is: every committed token is the target's
 choice at its true prefix, from the same inputs; a batched GEMM only rounds differently, which
 matters at a true tie of the top two logits. If the batched round raises, the lengths are put back
-and no session in it has changed (the scheduler then steps each session alone); prefills and the
-prompt appends before it (step_many) have happened by then, each complete.
+and no session in it has changed (the scheduler then steps each session alone); the prompt
+appends before it (step_many) have happened by then, and the new sessions whose packed prefill
+went in before it are new again (their first tokens are read after the round, _prefill).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from ddtree.engine.reference.fast.batch_tree import (
 )
 from ddtree.engine.reference.fast import ride
 from ddtree.engine.reference.fast.cache import kv_bucket
-from ddtree.engine.reference.fast.graphs import record_graph
+from ddtree.engine.reference.fast.graphs import Staging, record_graph
 
 if TYPE_CHECKING:
     from ddtree.engine.reference.decode import Session
@@ -62,6 +62,7 @@ class RoundStage:
         self.bonus = torch.zeros(slots, dtype=torch.long, device=device)
         self.cap = torch.zeros(slots, dtype=torch.long, device=device)
         self.active = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.staging = (Staging(self.active), Staging(self.cap))
         self.count = torch.zeros(slots, dtype=torch.long, device=device)   # staged feature rows
         self.feats = None
         if drafts is not None:
@@ -76,6 +77,13 @@ class RoundStage:
         self.done = torch.cuda.Event() if device.type == "cuda" else None
         self.riders: dict[tuple[int, int], ride.RiderStage] = {}  # shape -> its buffers (fast/ride.py)
         self._engine = engine
+
+    def stage_rows(self, active: list[bool], caps: list[int]) -> None:
+        """The rows that take part in the next round, and their depth caps, without waiting for
+        the GPU (Staging): a round launched behind a queued prefill is staged while it runs."""
+        for staging, values in zip(self.staging, (active, caps)):
+            staging.write()[:] = torch.tensor(values)
+            staging.upload()
 
     def rider(self, shape: tuple[int, int]) -> ride.RiderStage:
         """The buffers of riders of this (rows, tokens each) shape (made on first use, before any
@@ -115,7 +123,6 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
     span = max(s._start for s in sessions) + q
     cache_rows = target.new_cache_rows()
     span = kv_bucket(cache_rows, span, target.kv_spans(cache_rows)) if target.bucket_kv else cache_rows
-    device = pool.lengths.device
     t0 = engine.clock()
     # What the stage must hold: the active rows, their depth caps and, where a session's
     # features are not already staged (it joined, or ran elsewhere), its bonus and features.
@@ -132,8 +139,7 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
             held = False
         if not held:
             staged.append((s, r))
-    stage.active.copy_(torch.tensor(active, device=device))
-    stage.cap.copy_(torch.tensor(caps, device=device))
+    stage.stage_rows(active, caps)
     for s, r in staged:
         stage.bonus[r] = s._bonus
         if mode != "ar":

@@ -100,3 +100,28 @@ def watch_late_compiles(log) -> bool:
     runtime.jit_post_compile_hook = after
     watching = True
     return True
+
+
+class Staging:
+    """A graph's device input filled from the host without waiting for the GPU. A plain copy
+    from pageable memory synchronizes the stream, so a round staged behind a queued prefill
+    would wait for all of it; this one goes through pinned memory, copied without blocking, and
+    a rewrite waits only for the last copy out of it (an event), not for the work queued before."""
+
+    def __init__(self, device_buffer: torch.Tensor) -> None:
+        self.device_buffer = device_buffer
+        cuda = device_buffer.is_cuda
+        self.host = torch.zeros(device_buffer.shape, dtype=device_buffer.dtype, pin_memory=cuda)
+        self._copied = torch.cuda.Event() if cuda else None
+
+    def write(self) -> torch.Tensor:
+        """The host buffer, free to fill once the last upload from it has run."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.host
+
+    def upload(self) -> None:
+        """Queue the host buffer's copy into the device buffer."""
+        self.device_buffer.copy_(self.host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()

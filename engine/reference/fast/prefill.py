@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 import torch
 
 from ddtree.engine.reference.fast.model import BatchPlan, packed_attention_works
-from ddtree.engine.reference.fast.graphs import record_graph
+from ddtree.engine.reference.fast.graphs import Staging, record_graph
 
 if TYPE_CHECKING:
     from ddtree.engine.reference.decode import Session
@@ -85,9 +85,10 @@ class PrefillStage:
         self.packed_kernel = packed_attention_works(device, target.dtype, cfg.num_attention_heads,
                                                     cfg.num_key_value_heads, cfg.head_dim)
         n = self.limit
-        # Every input in one buffer, so a turn's staging is one host-to-device copy.
-        self.host = torch.zeros(4 * n + 2 * self.prompts + 2, dtype=torch.long)
-        self.inputs = torch.zeros_like(self.host, device=device)
+        # Every input in one buffer, so a turn's staging is one host-to-device copy, and one
+        # that does not wait for the GPU (a pack staged behind another's forward).
+        self.inputs = torch.zeros(4 * n + 2 * self.prompts + 2, dtype=torch.long, device=device)
+        self.staging = Staging(self.inputs)
         self.ids, self.positions, self.rows, self.slots = self.inputs[:4 * n].view(4, n)
         self.last = self.inputs[4 * n:4 * n + self.prompts]
         self.bounds = self.inputs[4 * n + self.prompts:]  # int64 here; the kernel's int32 in the graph
@@ -122,11 +123,11 @@ class PrefillStage:
         where += [slots[0]] * pad
         bounds += [size] * (self.prompts + 2 - len(bounds))
         last += [0] * (self.prompts - len(last))
-        n, host = self.limit, self.host
+        n, host = self.limit, self.staging.write()
         for k, values in enumerate((ids, positions, rows, where)):
             host[k * n:k * n + size] = torch.tensor(values, dtype=torch.long)
         host[4 * n:] = torch.tensor(last + bounds, dtype=torch.long)
-        self.inputs.copy_(host)
+        self.staging.upload()
         return size, (*(len(p) for p in prompts), pad)
 
 
@@ -164,6 +165,8 @@ def prefill_many(engine: Engine, sessions: list[Session], *, graphs: bool,
     try:
         for pack in plan_packs([len(s.prompt_ids) for s in sessions], stage.limit):
             launched.append(_launch_pack(engine, stage, pack, [sessions[j] for j in pack], graphs))
+            for s, n in zip(launched[-1].sessions, launched[-1].counts):
+                s._cache.set_length(n)
         if then is not None and ROUND_BEFORE_FIRSTS:
             then()
         while launched:
@@ -185,6 +188,7 @@ class _Launched(NamedTuple):
     """A pack whose forward is queued: what _finish_pack needs to read it."""
     pack: list[int]
     sessions: list[Session]
+    counts: tuple[int, ...]  # their prompts' token counts
     firsts: torch.Tensor | None  # the greedy rows' argmax (pinned host memory on a GPU)
     ready: torch.cuda.Event | None
     greedy: list[int]
@@ -230,10 +234,9 @@ def _launch_pack(engine: Engine, stage: PrefillStage, pack: list[int], sessions:
                             feats[at:at + n].clone() if feats is not None else
                             torch.zeros((n, 0), dtype=engine.target.dtype, device=logits.device))
             at += n
-        # Nothing in a session has changed before this point: a forward that raises leaves them new.
-        for j, s in enumerate(sessions):
-            s._cache.set_length(counts[j])
-    return _Launched(pack, sessions, firsts, ready, greedy, rows, features, engine.clock() - t0)
+    # Nothing in a session has changed here: a forward that raises leaves them new.
+    return _Launched(pack, sessions, counts[:len(sessions)], firsts, ready, greedy, rows, features,
+                     engine.clock() - t0)
 
 
 def _finish_pack(engine: Engine, run: _Launched) -> list[list[int]]:

@@ -69,3 +69,35 @@ def test_the_varlen_kernel_and_its_graph_agree_with_a_loop_over_the_prompts():
         torch.testing.assert_close(other, want, atol=0.25, rtol=0.05)  # unfused: rounded per op
     assert pool.k.isfinite().all() and pool.v.isfinite().all()
     assert (pool.k[:, slots[0], :, stage.scratch_row] != 0).any()  # the padding's row
+
+
+def test_a_turns_staging_never_waits_for_the_gpu():
+    """A prefill's inputs and a round's rows go up from pinned memory without a stream sync, so
+    a round staged behind a queued prefill does not wait for it (fast/graphs.py Staging); a plain
+    copy from pageable memory would (the check fails on one)."""
+    from ddtree.engine.reference.fast.graphs import Staging
+
+    if not (DEMO_TARGET / "config.json").is_file():
+        pytest.skip("the demo pair is not built")
+    engine = Engine.load(DEMO_TARGET, DEMO_DRAFTER, device="cuda", dtype=torch.bfloat16, backend="fast",
+                         max_budget=16, pool_slots=8)
+    stage, rounds = engine.impl.prefill_stage(), engine.impl.round_stage()
+    buf = torch.zeros(64, dtype=torch.long, device="cuda")
+    staging = Staging(buf)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            buf.copy_(torch.arange(64))  # pageable: a sync, which the mode refuses
+        for k in range(3):
+            staging.write()[:] = torch.arange(64) + k
+            staging.upload()
+        with torch.inference_mode():
+            stage.stage([[5, 6, 7], [8, 9]], [1, 0])
+        rounds.stage_rows([True, False] * 4, list(range(8)))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert buf.tolist() == list(range(2, 66))
+    assert stage.ids[:5].tolist() == [5, 6, 7, 8, 9] and stage.slots[:5].tolist() == [1, 1, 1, 0, 0]
+    assert rounds.active.tolist() == [True, False] * 4 and rounds.cap.tolist() == list(range(8))

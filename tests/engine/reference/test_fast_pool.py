@@ -593,28 +593,42 @@ def test_a_prefill_that_fails_leaves_its_session_new(pair, monkeypatch, prefills
 
 def test_a_turns_round_is_launched_between_its_prefill_and_the_first_tokens(pair, monkeypatch):
     """The running round goes in after the joiners' forward is queued and before their first
-    tokens are read, so on a GPU the host's launch and bookkeeping overlap the prefill."""
+    tokens are read, so on a GPU the host's launch and bookkeeping overlap the prefill. By then
+    the joiners' lengths are set: the round's rows for their slots (inactive in it) write past
+    their prompts, and everyone decodes as serial."""
     from ddtree.engine.reference.fast import batch_graph, prefill
 
     model, drafter = pair
+    serial = Engine(model, drafter, backend="fast", max_budget=16)
     engine = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=6)
     engine.impl.batch_static = True
+    pool = engine.impl.pool
     gen = GenParams(max_new_tokens=12, ignore_eos=True)
-    running = [engine.start([7, 8, 9], gen, SpecParams("ddtree", 4)) for _ in range(3)]
+    prompts = [[7, 8, 9], [7, 8, 10], [9, 8, 7], [1, 2], [3, 4, 5]]
+    specs = [SpecParams("ddtree", 4)] * 3 + [SpecParams("ar")] * 2
+    running = [engine.start(p, gen, s) for p, s in zip(prompts[:3], specs)]
     engine.step_many(running)
+    new = [engine.start(p, gen, s) for p, s in zip(prompts[3:], specs[3:])]
     order = []
 
     def spied(name, real):
         def spy(*args, **kwargs):
             order.append(name)
+            if name == "graphed_round":  # slots 3 and 4: inactive rows of this b=4 round
+                assert [int(pool.lengths[pool.index_of(s._cache)]) for s in new] == [2, 3]
             return real(*args, **kwargs)
         return spy
     for module, name in ((prefill, "_launch_pack"), (prefill, "_finish_pack"), (batch_graph, "graphed_round")):
         monkeypatch.setattr(module, name, spied(name, getattr(module, name)))
-    new = [engine.start(p, gen, SpecParams("ar")) for p in ([1, 2], [3, 4, 5])]
     engine.step_many(running + new)
     assert order == ["_launch_pack", "graphed_round", "_finish_pack"]
     assert all(len(s.output_ids) == 1 for s in new) and all(len(s.output_ids) > 1 for s in running)
+    monkeypatch.undo()
+    sessions = running + new
+    while not all(s.done for s in sessions):
+        engine.step_many([s for s in sessions if not s.done])
+    assert [s.output_ids for s in sessions] == [serial.generate(p, gen, s).output_ids
+                                                for p, s in zip(prompts, specs)]
 
 
 def test_a_round_that_fails_beside_a_prefill_leaves_the_joiners_new(pair, monkeypatch):
