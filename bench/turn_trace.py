@@ -52,13 +52,19 @@ def _span(turns: list[dict]) -> float:
 def summary(turns: list[dict]) -> dict:
     """Turns by kind, and the running streams' gaps with the kinds of their slowest 1%."""
     kinds: dict[str, list[float]] = {}
+    parts: dict[str, dict[str, list[float]]] = {}  # kind -> part -> seconds (turns that have them)
     for t in turns:
         kinds.setdefault(kind(t), []).append(t["s"])
+        for name, seconds in (t.get("parts") or {}).items():
+            parts.setdefault(kind(t), {}).setdefault(name, []).append(seconds)
     gaps = sorted(((t["s"], kind(t)) for t in turns for _ in range(t["running"])), reverse=True)
     tail = gaps[:max(1, len(gaps) // 100)] if gaps else []
     return {
         "turns": len(turns),
-        "kinds": {how: {"count": len(s), "p50_ms": 1000 * percentile(s, 50), "p99_ms": 1000 * percentile(s, 99)}
+        "kinds": {how: {"count": len(s), "p50_ms": 1000 * percentile(s, 50), "p99_ms": 1000 * percentile(s, 99),
+                        # the engine's parts of such a turn (fast/batch.py's turn_parts), p50 ms each
+                        **({"parts_p50_ms": {name: 1000 * percentile(v, 50) for name, v in parts[how].items()}}
+                           if how in parts else {})}
                   for how, s in sorted(kinds.items(), key=lambda kv: -len(kv[1]))},
         "gaps": len(gaps),
         "gap_p50_ms": 1000 * percentile([g for g, _ in gaps], 50) if gaps else None,
@@ -80,6 +86,8 @@ def show(label: str, s: dict) -> None:
     print(f"{label}: {s['turns']} turns, {s['tokens']} tokens, {s['first_tokens']} first tokens{idle}{held}")
     for how, k in s["kinds"].items():
         print(f"  {how:14s} {k['count']:6d} turns  p50 {k['p50_ms']:7.2f} ms  p99 {k['p99_ms']:7.2f} ms")
+        if "parts_p50_ms" in k:
+            print("  " + " " * 14 + " parts p50: " + ", ".join(f"{name} {ms:.2f}" for name, ms in k["parts_p50_ms"].items()) + " ms")
     if s["gaps"]:
         print(f"  stream gaps    {s['gaps']:6d}        p50 {s['gap_p50_ms']:7.2f} ms  p99 {s['gap_p99_ms']:7.2f} ms;"
               f" slowest 1% from {s['tail_kinds']}")

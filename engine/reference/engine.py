@@ -122,6 +122,9 @@ class Engine:
         #: What the last step_many did with new sessions beside a graphed round, for the
         #: scheduler's turn trace: "" (nothing of note), "riders RxW" or "burst" (fast/batch.py).
         self.turn_note = ""
+        #: Where the last step_many's host time went when new sessions prefilled beside a round
+        #: (fast/batch.py), seconds by part, for the turn trace; empty otherwise.
+        self.turn_parts: dict[str, float] = {}
         #: New sessions the last step_many left for a later turn under max_prefill_tokens (the
         #: scheduler adds them to its trace's "held" where it left the cap to the engine).
         self.turn_held = 0
@@ -327,7 +330,7 @@ class Engine:
         after the round), and the others' prefills before it have happened, each complete.
         """
         sessions = list(sessions)
-        self.turn_note, self.turn_held = "", 0
+        self.turn_note, self.turn_held, self.turn_parts = "", 0, {}
         # Checked here once for every backend below: batch.step_many and fast/batch.step_many
         # trust their caller for it.
         if len({id(s) for s in sessions}) != len(sessions):

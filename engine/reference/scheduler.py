@@ -396,6 +396,7 @@ class Scheduler:
         # then caps its prefills; and how many new ones the engine held back under the cap.
         self._engine_caps, self._engine_held = False, 0
         self._note = ""  # what the engine said of a together turn that succeeded (its turn_note)
+        self._parts: dict[str, float] = {}  # and where its time went (its turn_parts), if it said
         # Tokens published but not yet in the counters: booked once per publish point, not once
         # per request (a lock and a deque entry each, 64 a turn at c=64), and before any end.
         self._unbooked = 0
@@ -531,7 +532,7 @@ class Scheduler:
             with self._cond:
                 turn = list(self._running)
             turn, held = self._cap_prefills(turn)
-            self._engine_held, self._note = 0, ""
+            self._engine_held, self._note, self._parts = 0, "", {}
             before = [len(a.session.output_ids) for a in turn] if self._trace_file is not None else []
             if self.batch and len(turn) > 1:
                 self._advance_batch(turn)
@@ -560,7 +561,8 @@ class Scheduler:
             "how": self._how, "note": self._note,
             "admitted": admitted, "new": sum(1 for n in before if n == 0) - self._engine_held,
             "running": sum(1 for n in before if n > 0), "firsts": sum(1 for b, a in zip(before, after) if b == 0 < a),
-            "tokens": sum(after) - sum(before), "held": held}) + "\n"
+            "tokens": sum(after) - sum(before), "held": held,
+            **({"parts": {k: round(v, 6) for k, v in self._parts.items()}} if self._parts else {})}) + "\n"
         try:
             self._trace_file.write(line)
         except (OSError, ValueError) as exc:
@@ -723,6 +725,7 @@ class Scheduler:
         if self._engine_caps:
             self._engine_held += getattr(self.engine, "turn_held", 0)
             self._note = getattr(self.engine, "turn_note", "")
+            self._parts = dict(getattr(self.engine, "turn_parts", None) or {})
 
     def _publish(self, active: _Active, now: float | None = None) -> None:
         """Send the tokens and rounds committed since the last update; retire a finished session.

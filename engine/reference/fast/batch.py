@@ -65,6 +65,7 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
     chunks (engine.mixed_chunk) and a graphed round to ride, new sessions' next chunks go
     into that round instead, and the other new sessions wait (fast/ride.py). Engine.step_many
     has checked that the sessions are distinct and this engine's."""
+    t0 = time.perf_counter()
     out: list[list[int]] = [[] for _ in sessions]
     pool = engine.impl.pool
     new, pooled, alone = [], [], []
@@ -91,7 +92,10 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         if kind is not None and new:
             riders = _riders(engine, members, [sessions[i] for i in new], kind)
 
+    marks = {"decided": time.perf_counter()}
+
     def advance() -> None:  # the running sessions' round, and those that step alone
+        marks["round"] = time.perf_counter()
         if pooled:
             with torch.inference_mode():
                 if kind is not None:
@@ -105,6 +109,7 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
                 out[i] = tokens
         for i in alone:
             out[i] = sessions[i].step()
+        marks["firsts"] = time.perf_counter()
 
     if riders is None:
         # What prefills on its own is capped (a rider's chunk is bounded by its shape instead).
@@ -113,6 +118,7 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         new = [i for i in new if id(sessions[i]) not in held]
         for i, tokens in zip(new, _prefill(engine, [sessions[i] for i in new], then=advance)):
             out[i] = tokens
+        marks["after"] = time.perf_counter()
     else:  # the riders' chunks are this turn's prefill work; the other new sessions wait a turn
         advance()
     if pool is not None:
@@ -123,6 +129,13 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         append_prompts(engine, [s for s in started if s._bonus is not None and not s.done
                                 and pool.index_of(s._cache) is not None])
     engine.impl.refresh_usage()
+    if new and (pooled or alone) and "after" in marks:
+        # Where a turn of prefills beside a round spent its host time: deciding (riders, the
+        # members' appends), launching the prefill, the round (its launch and its wait), reading
+        # the first tokens, and the new sessions' drafter appends after.
+        ends = [t0, marks["decided"], marks["round"], marks["firsts"], marks["after"], time.perf_counter()]
+        engine.turn_parts = {name: b - a for name, a, b in
+                             zip(("decide", "launch", "round", "firsts", "after"), ends, ends[1:])}
     return out
 
 

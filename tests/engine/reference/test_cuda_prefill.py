@@ -60,8 +60,11 @@ def test_the_varlen_kernel_and_its_graph_agree_with_a_loop_over_the_prompts():
     assert (loop[0][:n] - varlen[0][:n]).abs().mean() < 0.005 * scale
     torch.testing.assert_close(unfused[:n], varlen[0][:n], atol=0.25, rtol=0.05)
     assert (unfused[:n] - varlen[0][:n]).abs().mean() < 0.01 * scale
-    if varlen[1] is not None:  # the demo drafter's feature layers
-        torch.testing.assert_close(varlen[1][:size - 13], loop[1][:size - 13], atol=5e-2, rtol=2e-2)
+    if varlen[1] is not None:  # the demo drafter's feature layers: bf16 hidden states, rounded
+        # apart the same way (an H100 saw 13 of 183296 values 0.05-0.09 apart)
+        got, want = varlen[1][:size - 13], loop[1][:size - 13]
+        torch.testing.assert_close(got, want, atol=0.15, rtol=0.02)
+        assert (got - want).abs().mean() < 0.01 * want.abs().mean()
     # The replay runs the same kernels on the same inputs.
     torch.testing.assert_close(logits[:n], varlen[0][:n], atol=1e-3, rtol=0)
     for p, s, want, other in zip(prompts, slots, rows, loop_rows):

@@ -622,6 +622,10 @@ def test_a_turns_round_is_launched_between_its_prefill_and_the_first_tokens(pair
         monkeypatch.setattr(module, name, spied(name, getattr(module, name)))
     engine.step_many(running + new)
     assert order == ["_launch_pack", "graphed_round", "_finish_pack"]
+    parts = engine.turn_parts  # where the turn's host time went, for the server's turn trace
+    assert list(parts) == ["decide", "launch", "round", "firsts", "after"] and min(parts.values()) >= 0
+    engine.step_many(running)
+    assert engine.turn_parts == {}  # a round with no joiners has none
     assert all(len(s.output_ids) == 1 for s in new) and all(len(s.output_ids) > 1 for s in running)
     monkeypatch.undo()
     sessions = running + new

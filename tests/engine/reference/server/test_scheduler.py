@@ -363,6 +363,7 @@ class CappingEngine(BatchingEngine):
         go = within_prefill_cap([s.next_prefill_tokens() for s in new], self.engine_cap)
         held = {id(s) for s, ok in zip(new, go) if not ok}
         self.turn_held = len(held)
+        self.turn_parts = {"launch": 0.001, "round": 0.002} if new and len(new) < len(sessions) else {}
         out = super().step_many([s for s in sessions if id(s) not in held])
         results = iter(out)
         return [[] if id(s) in held else next(results) for s in sessions]
@@ -404,6 +405,9 @@ def test_with_mixed_chunks_the_engine_caps_a_turn_that_steps_joiners_with_the_ro
     assert joined and joined[0] == [1, 2, 4, 5, 6]  # every joiner reached the engine; it held 12
     together = [t for t in turns if t["how"] == "together"]
     assert together and together[0]["new"] == 3 and together[0]["held"] == 1
+    # where the engine's time went, as it said (fast/batch.py's turn_parts)
+    assert together[0]["parts"] == {"launch": 0.001, "round": 0.002}
+    assert not any("parts" in t for t in turns if t["how"] != "together")
 
 
 class FailingTogetherEngine(CappingEngine):
@@ -411,7 +415,8 @@ class FailingTogetherEngine(CappingEngine):
 
     def step_many(self, sessions):
         if any(s.output_ids for s in sessions) and any(not s.output_ids for s in sessions):
-            self.turn_held, self.turn_note = 99, "riders 2x8"  # what a failed call left must not count
+            # what a failed call left must not count
+            self.turn_held, self.turn_note, self.turn_parts = 99, "riders 2x8", {"round": 1.0}
             raise RuntimeError("batched round failed")
         return super().step_many(sessions)
 
@@ -423,6 +428,7 @@ def test_a_failed_together_turn_steps_its_requests_alone_within_the_cap(tmp_path
     turns = joiners_beside_two_streams(engine, tmp_path)
     together = [t for t in turns if t["how"] == "together"]
     assert (together[0]["new"], together[0]["held"], together[0]["firsts"], together[0]["note"]) == (2, 2, 2, "")
+    assert "parts" not in together[0]
 
 
 def test_no_cap_when_the_engine_has_none():
