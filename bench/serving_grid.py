@@ -332,6 +332,7 @@ def load_engine(args, flags: list[str]):
     # sides measure an engine past the same first-use work.
     server.warm_up(engine, server.settle_config(parsed, engine, model_path, draft_path),
                    progress=lambda _message: None)
+    server.freeze_gc()  # as the server's engine process does once ready
     print(f"in-process engine: backend {engine.backend} ({engine.backend_reason}), cuda graphs {engine.graphs}, "
           f"KV pool {pool_usage(engine)}, loaded and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
     return engine

@@ -77,6 +77,10 @@ def summary(turns: list[dict]) -> dict:
         # Turns that held joiners back under the server's --max-prefill-tokens (traces from
         # before that flag have no "held").
         "held_turns": sum(1 for t in turns if t.get("held")),
+        # Turns a garbage collection ran in, and its time (traces from before "gc" have none).
+        "gc_turns": sum(1 for t in turns if t.get("gc")),
+        "gc_ms": 1000 * sum(t.get("gc", 0) for t in turns),
+        "gc_max_ms": 1000 * max((t.get("gc", 0) for t in turns), default=0),
     }
 
 
@@ -88,6 +92,9 @@ def show(label: str, s: dict) -> None:
         print(f"  {how:14s} {k['count']:6d} turns  p50 {k['p50_ms']:7.2f} ms  p99 {k['p99_ms']:7.2f} ms")
         if "parts_p50_ms" in k:
             print("  " + " " * 14 + " parts p50: " + ", ".join(f"{name} {ms:.2f}" for name, ms in k["parts_p50_ms"].items()) + " ms")
+    if s["gc_turns"]:
+        print(f"  garbage collections in {s['gc_turns']} turns: {s['gc_ms']:.1f} ms in all, the longest "
+              f"{s['gc_max_ms']:.1f} ms")
     if s["gaps"]:
         print(f"  stream gaps    {s['gaps']:6d}        p50 {s['gap_p50_ms']:7.2f} ms  p99 {s['gap_p99_ms']:7.2f} ms;"
               f" slowest 1% from {s['tail_kinds']}")

@@ -27,6 +27,7 @@ rather than seconds: a request submitted in turn t is admitted in turn t+1 when 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -397,6 +398,7 @@ class Scheduler:
         self._engine_caps, self._engine_held = False, 0
         self._note = ""  # what the engine said of a together turn that succeeded (its turn_note)
         self._parts: dict[str, float] = {}  # and where its time went (its turn_parts), if it said
+        self._gc_s, self._gc_started = 0.0, None  # this turn's garbage collections (traced only)
         # Tokens published but not yet in the counters: booked once per publish point, not once
         # per request (a lock and a deque entry each, 64 a turn at c=64), and before any end.
         self._unbooked = 0
@@ -497,10 +499,23 @@ class Scheduler:
                 self._trace_file = open(self.trace_turns, "a", buffering=1)
             except OSError as exc:  # a debugging aid: serving goes on without it
                 log.warning("no turn trace: cannot open %s (%s)", self.trace_turns, exc)
+        if self._trace_file is not None:
+            gc.callbacks.append(self._gc_timed)
         try:
             self._turns()
         finally:
+            if self._gc_timed in gc.callbacks:
+                gc.callbacks.remove(self._gc_timed)
             self._stop_trace()
+
+    def _gc_timed(self, phase: str, info: dict) -> None:
+        """gc.callbacks' hook while tracing: the turn's seconds in garbage collections (any
+        thread's: a collection holds the GIL, so the engine's thread waits it out too)."""
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started is not None:
+            self._gc_s += time.perf_counter() - self._gc_started
+            self._gc_started = None
 
     def _stop_trace(self) -> None:
         trace, self._trace_file = self._trace_file, None
@@ -525,7 +540,7 @@ class Scheduler:
                 admit = []
                 while self._waiting and len(self._running) + len(admit) < self.max_running:
                     admit.append(self._waiting.popleft())
-            started, self._engine_s = time.perf_counter(), 0.0
+            started, self._engine_s, self._gc_s = time.perf_counter(), 0.0, 0.0
             for ticket in admit:
                 self._admit(ticket)
             self._published()
@@ -562,7 +577,8 @@ class Scheduler:
             "admitted": admitted, "new": sum(1 for n in before if n == 0) - self._engine_held,
             "running": sum(1 for n in before if n > 0), "firsts": sum(1 for b, a in zip(before, after) if b == 0 < a),
             "tokens": sum(after) - sum(before), "held": held,
-            **({"parts": {k: round(v, 6) for k, v in self._parts.items()}} if self._parts else {})}) + "\n"
+            **({"parts": {k: round(v, 6) for k, v in self._parts.items()}} if self._parts else {}),
+            **({"gc": round(self._gc_s, 6)} if self._gc_s else {})}) + "\n"
         try:
             self._trace_file.write(line)
         except (OSError, ValueError) as exc:

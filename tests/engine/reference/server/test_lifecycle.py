@@ -176,3 +176,13 @@ def test_a_cpu_server_leaves_a_core_to_the_http_side(monkeypatch):
     assert cpu_threads(parse("--device", "cuda"), 16, usable=16) is None  # torch's choice on a GPU box
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     assert cpu_threads(parse(), 4, usable=16) is None  # torch reads it itself
+
+
+def test_a_ready_server_process_keeps_what_lives_then_out_of_later_collections():
+    """server.freeze_gc, which the engine process and the HTTP processes call once ready: in a
+    process of its own, since what it freezes stays for good."""
+    code = ("import gc; from ddtree.engine.reference import server; before = gc.get_freeze_count(); "
+            "server.freeze_gc(); print(before, gc.get_freeze_count())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    before, after = (int(n) for n in out.stdout.split())
+    assert before == 0 and after > 10_000  # the server module's imports alone: tens of thousands

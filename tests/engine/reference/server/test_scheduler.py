@@ -455,6 +455,27 @@ def test_the_turn_trace_accounts_for_every_token_and_request(tmp_path):
     assert all(b["t"] >= a["t"] + a["s"] for a, b in zip(turns, turns[1:]))
 
 
+def test_the_turn_trace_counts_a_garbage_collection_in_the_turn_it_ran(tmp_path):
+    """A collection holds the GIL, so a turn it ran in is that much longer: the trace says so
+    ("gc", seconds), and the hook goes when the loop stops."""
+    import gc
+
+    engine = FakeEngine()
+    trace = tmp_path / "turns.jsonl"
+    sched = Scheduler(engine, max_running=1, max_queued=4, trace_turns=str(trace))
+    steps = []
+    engine.after_step = lambda session: steps.append(1) or (len(steps) == 3 and gc.collect())
+    gc.disable()  # only the collection above, not an automatic one in some other turn
+    try:
+        run_all(sched, [collect(sched, 1, 5)[1]])
+    finally:
+        gc.enable()
+    turns = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [n for n, t in enumerate(turns, 1) if t.get("gc", 0) > 0] == [3]
+    assert turns[2]["gc"] <= turns[2]["s"]
+    assert not any(getattr(cb, "__self__", None) is sched for cb in gc.callbacks)
+
+
 @pytest.mark.parametrize("where", ["/dev/full", "folder"])
 def test_a_trace_that_cannot_be_written_stops_and_serving_goes_on(tmp_path, where, caplog):
     """A full disk (/dev/full takes the open and fails the writes) or a path that is a folder
