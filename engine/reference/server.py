@@ -593,7 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-turns", metavar="PATH", default=None,
                    help="append one JSON line per scheduler turn to PATH: its seconds and those inside the "
                         "engine, the requests it admitted, started and ran, the first tokens and tokens it "
-                        "committed, and how it stepped them (bench/turn_trace.py reads it); off by default")
+                        "committed, how it stepped them, where a turn of prefills beside a round spent its "
+                        "time, and any garbage collection's time in it (bench/turn_trace.py reads it); off by default")
     return p
 
 
