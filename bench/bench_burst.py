@@ -4,8 +4,9 @@
         [--repeats 9] [--profile] [--out burst.json]
 
 Through the server, such a turn (a "burst": several joiners at once, which prefill before the
-round rather than ride in it) cost about 4x a round at c=16 on an H100, some 3 ms more than its
-prefill and its round measured alone (bench/RESULTS.md). This reproduces it in process, AR with
+round rather than ride in it) cost about 4x a round at c=16 on an H100, which looked like some
+3 ms more than its prefill and its round measured alone; measured here, it is their sum
+(bench/RESULTS.md: the server's prompts were longer). This reproduces it in process, AR with
 random bf16 weights: `running` sessions decode, then `joiners` new ones (prompt lengths from the
 grid's dataset) join in one Engine.step_many. It times, A B C D interleaved, medians:
 - together: the joiners' prefill and the running round in one call, the round launched before
