@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import _random_target, _sync  # noqa: E402
 from bench_prefill import wave_lengths  # noqa: E402
-from profile_round import busy_ms, idle_gaps  # noqa: E402
+from profile_round import print_idle, profile_calls  # noqa: E402
 
 VARIANTS = ("together", "firsts_first", "round", "prefill")
 
@@ -56,18 +56,6 @@ def turn(engine, running, prompts, variant: str) -> float:
         prefill.ROUND_BEFORE_FIRSTS = True
         for s in new:
             s.close()
-
-
-def profiled(engine, running, prompts, variant: str, repeats: int) -> dict:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        walls = [turn(engine, running, prompts, variant) for _ in range(repeats)]
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return {"wall_ms": round(statistics.median(walls), 3),
-            "gpu_busy_ms": round(busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / repeats, 3),
-            "kernels": round(len(kernels) / repeats, 1), "idle_before": idle_gaps(kernels, repeats, top=6)}
 
 
 def main(argv=None) -> int:
@@ -132,11 +120,11 @@ def main(argv=None) -> int:
         if args.profile:
             row["profile"] = {}
             for v in VARIANTS:
-                prof = row["profile"][v] = profiled(engine, running, prompts, v, args.repeats)
+                prof = row["profile"][v] = profile_calls(lambda: turn(engine, running, prompts, v), args.repeats,
+                                                         "turn", idle_top=6)
                 print(f"    {v:12s} profiled: wall {prof['wall_ms']} ms, GPU busy {prof['gpu_busy_ms']} ms, "
                       f"{prof['kernels']} kernels", flush=True)
-                for k in prof["idle_before"]:
-                    print(f"    {k['us_per_round']:9.1f} us idle x{k['per_round']:<5} before {k['before']}", flush=True)
+                print_idle(prof["idle_before"])
         rows.append(row)
     if args.out:
         args.out.write_text(json.dumps({"shape": args.shape, "device": str(engine.target.device),

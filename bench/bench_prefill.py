@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import _random_target, _sync  # noqa: E402
-from profile_round import busy_ms, idle_gaps  # noqa: E402
+from profile_round import print_idle, profile_calls  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,22 +109,7 @@ def time_plan(engine, prompts: list[list[int]], plan: str) -> float:
 
 
 def profile_packed(engine, prompts: list[list[int]], repeats: int, top: int = 8) -> dict:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        walls = [time_plan(engine, prompts, "packed") for _ in range(repeats)]
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
-    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
-    return {"wall_ms": round(statistics.median(walls), 3),
-            "gpu_busy_ms": round(busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / repeats, 3),
-            "kernels": round(len(kernels) / repeats, 1),
-            "top_kernels": [{"name": name[:90], "per_wave": round(len(v) / repeats, 1),
-                             "us_per_wave": round(sum(v) / repeats, 2)} for name, v in ranked],
-            "idle_before": idle_gaps(kernels, repeats, top=5)}
+    return profile_calls(lambda: time_plan(engine, prompts, "packed"), repeats, "wave", top=top)
 
 
 def main(argv=None) -> int:
@@ -187,8 +172,7 @@ def main(argv=None) -> int:
                   f"{prof['gpu_busy_ms']} ms, {prof['kernels']} kernels", flush=True)
             for k in prof["top_kernels"]:
                 print(f"    {k['us_per_wave']:9.1f} us x{k['per_wave']:<5} {k['name']}", flush=True)
-            for k in prof["idle_before"]:
-                print(f"    {k['us_per_round']:9.1f} us idle x{k['per_round']:<5} before {k['before']}", flush=True)
+            print_idle(prof["idle_before"])
     if args.out:
         args.out.write_text(json.dumps({"shape": args.shape, "device": str(engine.target.device),
                                         "repeats": args.repeats, "rows": results}, indent=1))

@@ -92,6 +92,36 @@ def idle_gaps(kernels, rounds: int, top: int = 8) -> list[dict]:
             for name, v in ranked]
 
 
+def profile_calls(call, repeats: int, unit: str, top: int = 8, idle_top: int = 5) -> dict:
+    """call() `repeats` times under torch.profiler, each returning its wall ms: the median wall,
+    GPU-busy ms and kernels per call, the kernels that take the most GPU time (per `unit`) and
+    what the GPU waited for (idle_gaps). bench_prefill.py's waves and bench_burst.py's turns."""
+    import statistics
+
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        walls = [call() for _ in range(repeats)]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"wall_ms": round(statistics.median(walls), 3),
+            "gpu_busy_ms": round(busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / repeats, 3),
+            "kernels": round(len(kernels) / repeats, 1),
+            "top_kernels": [{"name": name[:90], f"per_{unit}": round(len(v) / repeats, 1),
+                             f"us_per_{unit}": round(sum(v) / repeats, 2)} for name, v in ranked],
+            "idle_before": idle_gaps(kernels, repeats, top=idle_top)}
+
+
+def print_idle(idle_before: list[dict]) -> None:
+    for k in idle_before:
+        print(f"    {k['us_per_round']:9.1f} us idle x{k['per_round']:<5} before {k['before']}", flush=True)
+
+
 def profile(engine, prompt, spec, rounds: int, device: str, top: int, shapes: bool = False, batch: int = 1,
             one_graph: bool = False) -> dict:
     import torch
