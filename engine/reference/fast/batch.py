@@ -82,6 +82,7 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         alone += pooled
         pooled = []
     kind = riders = None
+    burst = False
     if pooled:
         from ddtree.engine.reference.fast import batch_graph
 
@@ -90,7 +91,7 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         impl = engine.impl
         kind = batch_graph.eligible(engine, members) if (impl.graphs or impl.batch_static) else None
         if kind is not None and new:
-            riders = _riders(engine, members, [sessions[i] for i in new], kind)
+            riders, burst = _riders(engine, members, [sessions[i] for i in new], kind)
 
     marks = {"decided": time.perf_counter()}
 
@@ -111,12 +112,17 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
             out[i] = sessions[i].step()
         marks["firsts"] = time.perf_counter()
 
-    if riders is None:
-        # What prefills on its own is capped (a rider's chunk is bounded by its shape instead).
-        held = engine.held_by_prefill_cap([sessions[i] for i in new])
+    if riders is None or burst:
+        # What prefills on its own is capped (a rider's chunk is bounded by its shape instead,
+        # and counts first).
+        ridden = riders[0] if riders else []
+        rest = [i for i in new if not any(sessions[i] is r for r in ridden)]
+        held = engine.held_by_prefill_cap(ridden + [sessions[i] for i in rest])
+        held -= {id(r) for r in ridden}
         engine.turn_held = len(held)
         new = [i for i in new if id(sessions[i]) not in held]
-        for i, tokens in zip(new, _prefill(engine, [sessions[i] for i in new], then=advance)):
+        rest = [i for i in rest if id(sessions[i]) not in held]
+        for i, tokens in zip(rest, _prefill(engine, [sessions[i] for i in rest], then=advance)):
             out[i] = tokens
         marks["after"] = time.perf_counter()
     else:  # the riders' chunks are this turn's prefill work; the other new sessions wait a turn
@@ -140,20 +146,26 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
 
 
 def _riders(engine: Engine, members: list[Session], new: list[Session], kind: tuple):
-    """The new sessions whose next prefill chunks ride in this graphed round of `members`, and
-    their shape (fast/ride.py), or None: those whose prompt is part in already first."""
+    """(riders, burst): the new sessions whose next prefill chunks ride in this graphed round of
+    `members` and their shape (fast/ride.py), or None, those whose prompt is part in already
+    first; and whether the others are a burst, which prefills beside the round. A burst's
+    riders are only those part in: the packed prefill starts every prompt at row 0, and one
+    left to Session.step() would prefill its rest alone, after the round, outside any graph
+    (a burst turn at concurrency 16 on an H100 took 32-40 ms instead of 9, bench/RESULTS.md)."""
     from ddtree.engine.reference.fast import batch_graph, ride
 
     if not ride.riders_run(engine):
-        return None
+        return None, False
     started = [s for s in new if s._prefilled_rows > 0]
     b, q = batch_graph.round_shape(engine, members, kind)
+    if ride.burst(engine, new, ride.shapes(engine, b * q)):
+        picked = ride.pick(engine, started, b * q, q, burst_check=False) if started else None
+        engine.turn_note = "burst" if picked is None else "burst, riders {}x{}".format(*picked[1])
+        return picked, True
     picked = ride.pick(engine, started + [s for s in new if s._prefilled_rows == 0], b * q, q)
     if picked is not None:
         engine.turn_note = "riders {}x{}".format(*picked[1])
-    elif ride.burst(engine, new, ride.shapes(engine, b * q)):
-        engine.turn_note = "burst"
-    return picked
+    return picked, False
 
 
 def _prefill(engine: Engine, sessions: list[Session], then: Callable[[], None]) -> list[list[int]]:

@@ -36,7 +36,8 @@ streams one gap (or a few); riding, the last of them would wait for many rounds.
 the same way with mixed chunks: a step prefills waiting prompts up to its
 --chunked-prefill-size tokens, the running decodes mixed in (here a burst takes every waiting
 prompt the cap lets through at once, in forwards of at most 4096 padded tokens,
-fast/prefill.py).
+fast/prefill.py). A burst's prompts that are part in already cannot go in that forward (it
+starts every prompt at row 0): they ride in the burst's round, so a burst turn has riders too.
 
 Measured on an H200 (bench/RESULTS.md), 1.7B shape, concurrency 16: a first version that let the
 new sessions of one turn prefill together in a forward of their own, and rode only a lone
@@ -142,8 +143,8 @@ def riders_run(engine: Engine) -> bool:
             and (target.attention == "triton" or target.device.type == "cpu"))
 
 
-def pick(engine: Engine, new: list[Session], rows: int,
-         q: int) -> tuple[list[Session], tuple[int, int]] | None:
+def pick(engine: Engine, new: list[Session], rows: int, q: int, *,
+         burst_check: bool = True) -> tuple[list[Session], tuple[int, int]] | None:
     """The riders of a round of `rows` rows, q tokens a row wide, from these new sessions in
     order, and their shape: with several waiting, as many as a multi-row shape holds, each taking
     the rows the rest of its prompt needs while rows are left (row_counts), else the first alone
@@ -151,11 +152,12 @@ def pick(engine: Engine, new: list[Session], rows: int,
     Each rider's chunks must fit its slot beside the round (the inactive row of its slot writes
     past them), and with spare rows one rider's slot must hold a chunk more past its own (spare());
     if the first does not fit, None, and the turn prefills as without riders, so a session that
-    cannot ride is never passed over for ever. A burst gets None too (burst())."""
+    cannot ride is never passed over for ever. A burst gets None too (burst()), unless
+    burst_check is off: a burst turn's prompts already part in ride that way (fast/batch.py)."""
     pool = engine.impl.pool
     cache_rows = engine.target.new_cache_rows()
     options = shapes(engine, rows)
-    if burst(engine, new, options):
+    if burst_check and burst(engine, new, options):
         return None
 
     def fits(s: Session, width: int) -> bool:

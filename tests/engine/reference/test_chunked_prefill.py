@@ -268,6 +268,48 @@ def test_a_failing_ridden_round_leaves_the_riders_where_they_were(pair, monkeypa
     assert [r.output_ids for r in riders] == [whole.generate(p, gen, SpecParams("ar")).output_ids for p in prompts]
 
 
+def test_a_burst_rides_the_prompts_part_in_and_prefills_the_others_beside_the_round(pair, monkeypatch):
+    """A burst's packed prefill starts every prompt at row 0. A prompt whose first chunk rode
+    already takes its next chunk in the burst's round, rather than a Session.step() of its own
+    after the round (outside any graph: 22-30 ms on an H100). The burst's joiners prefill in the
+    same turn, and everyone decodes as serial."""
+    from ddtree.engine.reference.decode import Session
+    from ddtree.engine.reference.fast import ride
+
+    whole, engine = engines(pair, "fast", pool_slots=18)
+    engine.impl.batch_static = True
+    engine.mixed_chunk = True
+    gen = GenParams(max_new_tokens=8, ignore_eos=True)
+    # 15 joiners of CHUNK tokens: riding, 67 tokens at most 16 a round take 5 rounds; alone, two
+    # turns (the part-in prompt's two chunks left); 5 > BURST_ROUNDS x 2.
+    rng = random.Random(3)
+    joining = [[rng.randrange(64) for _ in range(CHUNK)] for _ in range(15)]
+    prompts = [[1, 2, 3], [4, 5, 6, 7], list(range(5, 8 + 2 * CHUNK)), *joining]
+    running = [engine.start(p, gen, SpecParams("ar")) for p in prompts[:2]]
+    engine.step_many(running)  # their prefills: no round to ride yet
+    part = engine.start(prompts[2], gen, SpecParams("ar"))
+    engine.step_many(running + [part])
+    assert engine.turn_note == "riders 1x4" and part._prefilled_rows == CHUNK and part._bonus is None
+    assert ride.BURST_ROUNDS == 2
+    joiners = [engine.start(p, gen, SpecParams("ar")) for p in prompts[3:]]
+    alone = []
+    real_prefill = Session._prefill
+    monkeypatch.setattr(Session, "_prefill", lambda self: alone.append(self) or real_prefill(self))
+    engine.step_many(running + [part] + joiners)
+    assert engine.turn_note == "burst, riders 1x4" and alone == []
+    assert part._prefilled_rows == 2 * CHUNK and part._bonus is None
+    assert all(len(j.output_ids) == 1 for j in joiners)
+    assert set(engine.turn_parts) == {"decide", "launch", "round", "firsts", "after"}
+    sessions = running + [part] + joiners
+    while not all(s.done for s in sessions):
+        engine.step_many([s for s in sessions if not s.done])
+    assert alone == []
+    for s, p in zip(sessions, prompts):
+        assert s.output_ids == whole.generate(p, gen, SpecParams("ar")).output_ids
+        s.close()
+    assert engine.pool_usage()["free_slots"] == 18
+
+
 def test_riders_shapes_and_picks(pair):
     """A round's rider shapes grow with its rows (fast/ride.py); several new sessions ride
     together as rows of RIDE_ROW tokens, a lone one at the narrowest width that holds its rest."""
