@@ -273,12 +273,18 @@ def test_a_burst_rides_the_prompts_part_in_and_prefills_the_others_beside_the_ro
     already takes its next chunk in the burst's round, rather than a Session.step() of its own
     after the round (outside any graph: 22-30 ms on an H100). The burst's joiners prefill in the
     same turn, and everyone decodes as serial."""
-    from ddtree.engine.reference.decode import Session
-    from ddtree.engine.reference.fast import ride
-
     whole, engine = engines(pair, "fast", pool_slots=18)
     engine.impl.batch_static = True
     engine.mixed_chunk = True
+    burst_beside_a_prompt_part_in(whole, engine, monkeypatch)
+
+
+def burst_beside_a_prompt_part_in(whole: Engine, engine: Engine, monkeypatch) -> None:
+    """The burst test's body, for an engine of 18 pool slots with mixed chunks of CHUNK tokens
+    (test_cuda_pool.py runs it graphed)."""
+    from ddtree.engine.reference.decode import Session
+    from ddtree.engine.reference.fast import ride
+
     gen = GenParams(max_new_tokens=8, ignore_eos=True)
     # 15 joiners of CHUNK tokens: riding, 67 tokens at most 16 a round take 5 rounds; alone, two
     # turns (the part-in prompt's two chunks left); 5 > BURST_ROUNDS x 2.
@@ -307,7 +313,7 @@ def test_a_burst_rides_the_prompts_part_in_and_prefills_the_others_beside_the_ro
     for s, p in zip(sessions, prompts):
         assert s.output_ids == whole.generate(p, gen, SpecParams("ar")).output_ids
         s.close()
-    assert engine.pool_usage()["free_slots"] == 18
+    assert engine.pool_usage()["free_slots"] == engine.impl.pool.slots
 
 
 def test_riders_shapes_and_picks(pair):

@@ -13,6 +13,7 @@ import torch
 from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 
 from .conftest import make_drafter, make_target
+from .test_chunked_prefill import CHUNK, burst_beside_a_prompt_part_in
 from .test_fast_pool import SPECS, _drive, _jobs
 
 pytestmark = [pytest.mark.cuda,
@@ -92,3 +93,17 @@ def test_graphed_rounds_with_riding_chunks_equal_serial(engines, spec, monkeypat
     assert any(rows == 1 for rows, _ in rides) and any(rows > 1 for rows, _ in rides)
     gc.collect()
     assert len(mixed.impl._free) == mixed.impl.pool.slots
+
+
+def test_a_burst_rides_the_prompts_part_in_graphed(engines, monkeypatch):
+    """test_chunked_prefill's burst test with graphs: the part-in prompt's chunk rides in the
+    burst's graphed round, the joiners' packed prefill is replayed beside it, and all decode as
+    serial."""
+    serial, _ = engines
+    model = make_target(0).cuda()
+    engine = Engine(model, make_drafter(model, block_size=8, seed=1), backend="fast", max_budget=64, slots=2,
+                    pool_slots=18, compile=False)
+    engine.prefill_chunk, engine.mixed_chunk = CHUNK, True
+    engine.warmup()
+    assert engine.impl.graphs
+    burst_beside_a_prompt_part_in(serial, engine, monkeypatch)
