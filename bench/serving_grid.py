@@ -273,9 +273,13 @@ def drive(engine, prompts: list[list[int]], gen, spec, concurrency: int,
         finally:
             engine_s += time.perf_counter() - t0
 
+    gpu_wait = 0.0  # blocked on graphed rounds (Engine.turn_waits), to set beside the server's trace
+
     def step(group) -> None:
+        nonlocal gpu_wait
         if len(group) > 1:
             new = timed(engine.step_many, [s for _, s in group])
+            gpu_wait += (getattr(engine, "turn_waits", None) or {}).get("gpu", 0.0)
         else:
             new = [timed(s.step) for _, s in group]
         record(group, new, time.perf_counter())
@@ -318,7 +322,8 @@ def drive(engine, prompts: list[list[int]], gen, spec, concurrency: int,
             "itl_p50": percentile(itls, 50), "itl_p99": percentile(itls, 99),
             "tau_weighted": spec_tokens / verifies if verifies else None,
             "turns": turns, "turn_ms": 1000 * turn_s / turns if turns else None,
-            "engine_ms_per_turn": 1000 * engine_s / turns if turns else None}
+            "engine_ms_per_turn": 1000 * engine_s / turns if turns else None,
+            "gpu_wait_ms_per_turn": 1000 * gpu_wait / turns if turns else None}
 
 
 def load_engine(args, flags: list[str]):
@@ -448,6 +453,7 @@ def line(cell: dict) -> str:
             f"  tau {_num(cell.get('tau_weighted'), '5.2f')}  ({cell.get('wall_s')} s)"
             + (f"  {cell['turns']} turns of {cell['turn_ms']:.2f} ms, {cell['engine_ms_per_turn']:.2f} in the engine"
                if cell.get("turns") else "")
+            + (f", {cell['gpu_wait_ms_per_turn']:.2f} waiting on rounds" if cell.get("gpu_wait_ms_per_turn") else "")
             + (f"  slowest first tokens (start, TTFT ms) {cell['ttft_worst'][:2]}" if cell.get("ttft_worst") else ""))
 
 

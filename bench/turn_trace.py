@@ -53,10 +53,14 @@ def summary(turns: list[dict]) -> dict:
     """Turns by kind, and the running streams' gaps with the kinds of their slowest 1%."""
     kinds: dict[str, list[float]] = {}
     parts: dict[str, dict[str, list[float]]] = {}  # kind -> part -> seconds (turns that have them)
+    waits: dict[str, dict[str, list[float]]] = {}  # kind -> "push" / "gpu" -> seconds (turn_waits)
     for t in turns:
         kinds.setdefault(kind(t), []).append(t["s"])
         for name, seconds in (t.get("parts") or {}).items():
             parts.setdefault(kind(t), {}).setdefault(name, []).append(seconds)
+        if t.get("waits"):
+            for name in ("push", "gpu"):
+                waits.setdefault(kind(t), {}).setdefault(name, []).append(t["waits"].get(name, 0.0))
     gaps = sorted(((t["s"], kind(t)) for t in turns for _ in range(t["running"])), reverse=True)
     tail = gaps[:max(1, len(gaps) // 100)] if gaps else []
     return {
@@ -64,7 +68,11 @@ def summary(turns: list[dict]) -> dict:
         "kinds": {how: {"count": len(s), "p50_ms": 1000 * percentile(s, 50), "p99_ms": 1000 * percentile(s, 99),
                         # the engine's parts of such a turn (fast/batch.py's turn_parts), p50 ms each
                         **({"parts_p50_ms": {name: 1000 * percentile(v, 50) for name, v in parts[how].items()}}
-                           if how in parts else {})}
+                           if how in parts else {}),
+                        # the writes in the GPU's wait, and the wait left after them (turn_waits)
+                        **({"waits_p50_ms": {name: 1000 * percentile(v, 50) for name, v in waits[how].items()},
+                            "gpu_wait_under_0.1ms": sum(1 for v in waits[how]["gpu"] if v < 1e-4)}
+                           if how in waits else {})}
                   for how, s in sorted(kinds.items(), key=lambda kv: -len(kv[1]))},
         "gaps": len(gaps),
         "gap_p50_ms": 1000 * percentile([g for g, _ in gaps], 50) if gaps else None,
@@ -92,6 +100,10 @@ def show(label: str, s: dict) -> None:
         print(f"  {how:14s} {k['count']:6d} turns  p50 {k['p50_ms']:7.2f} ms  p99 {k['p99_ms']:7.2f} ms")
         if "parts_p50_ms" in k:
             print("  " + " " * 14 + " parts p50: " + ", ".join(f"{name} {ms:.2f}" for name, ms in k["parts_p50_ms"].items()) + " ms")
+        if "waits_p50_ms" in k:
+            w = k["waits_p50_ms"]
+            print("  " + " " * 14 + f" writes in the GPU's wait p50 {w['push']:.2f} ms, the wait after them p50 "
+                  f"{w['gpu']:.2f} ms, under 0.1 ms in {k['gpu_wait_under_0.1ms']} turns")
     if s["gc_turns"]:
         print(f"  garbage collections in {s['gc_turns']} turns: {s['gc_ms']:.1f} ms in all, the longest "
               f"{s['gc_max_ms']:.1f} ms")

@@ -125,6 +125,10 @@ class Engine:
         #: Where the last step_many's host time went when new sessions prefilled beside a round
         #: (fast/batch.py), seconds by part, for the turn trace; empty otherwise.
         self.turn_parts: dict[str, float] = {}
+        #: The last step_many's seconds in on_gpu_wait ("push": a server's writes) and blocked on
+        #: the graphed round's GPU work after it ("gpu"): a round whose "gpu" is near 0 had its
+        #: host work, the writes included, on the critical path. For the turn trace and bench.
+        self.turn_waits: dict[str, float] = {}
         #: New sessions the last step_many left for a later turn under max_prefill_tokens (the
         #: scheduler adds them to its trace's "held" where it left the cap to the engine).
         self.turn_held = 0
@@ -190,7 +194,13 @@ class Engine:
     def gpu_busy(self) -> None:
         """The host is about to wait for the GPU: hand that time to on_gpu_wait."""
         if self.on_gpu_wait is not None:
+            t0 = time.perf_counter()
             self.on_gpu_wait()
+            self.count_wait("push", time.perf_counter() - t0)
+
+    def count_wait(self, name: str, seconds: float) -> None:
+        """Add to this step_many's turn_waits."""
+        self.turn_waits[name] = self.turn_waits.get(name, 0.0) + seconds
 
     def clock(self) -> float:
         """perf_counter for the per-stage timings; waits for the GPU first when sync_timings is on."""
@@ -330,7 +340,7 @@ class Engine:
         after the round), and the others' prefills before it have happened, each complete.
         """
         sessions = list(sessions)
-        self.turn_note, self.turn_held, self.turn_parts = "", 0, {}
+        self.turn_note, self.turn_held, self.turn_parts, self.turn_waits = "", 0, {}, {}
         # Checked here once for every backend below: batch.step_many and fast/batch.step_many
         # trust their caller for it.
         if len({id(s) for s in sessions}) != len(sessions):

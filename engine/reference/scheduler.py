@@ -398,6 +398,7 @@ class Scheduler:
         self._engine_caps, self._engine_held = False, 0
         self._note = ""  # what the engine said of a together turn that succeeded (its turn_note)
         self._parts: dict[str, float] = {}  # and where its time went (its turn_parts), if it said
+        self._waits: dict[str, float] = {}  # its writes and GPU waits (turn_waits), if it said
         self._gc_s, self._gc_started = 0.0, None  # this turn's garbage collections (traced only)
         # Tokens published but not yet in the counters: booked once per publish point, not once
         # per request (a lock and a deque entry each, 64 a turn at c=64), and before any end.
@@ -547,7 +548,7 @@ class Scheduler:
             with self._cond:
                 turn = list(self._running)
             turn, held = self._cap_prefills(turn)
-            self._engine_held, self._note, self._parts = 0, "", {}
+            self._engine_held, self._note, self._parts, self._waits = 0, "", {}, {}
             before = [len(a.session.output_ids) for a in turn] if self._trace_file is not None else []
             if self.batch and len(turn) > 1:
                 self._advance_batch(turn)
@@ -578,6 +579,7 @@ class Scheduler:
             "running": sum(1 for n in before if n > 0), "firsts": sum(1 for b, a in zip(before, after) if b == 0 < a),
             "tokens": sum(after) - sum(before), "held": held,
             **({"parts": {k: round(v, 6) for k, v in self._parts.items()}} if self._parts else {}),
+            **({"waits": {k: round(v, 6) for k, v in self._waits.items()}} if self._waits else {}),
             **({"gc": round(self._gc_s, 6)} if self._gc_s else {})}) + "\n"
         try:
             self._trace_file.write(line)
@@ -738,6 +740,8 @@ class Scheduler:
         """engine.step_many over these requests; where the scheduler left the prefill cap to the
         engine this turn, what it held back counts in the turn's "held"."""
         self._engine(self.engine.step_many, [a.session for a in batch])
+        for name, seconds in (getattr(self.engine, "turn_waits", None) or {}).items():
+            self._waits[name] = self._waits.get(name, 0.0) + seconds  # a prefill's call, then a round's
         if self._engine_caps:
             self._engine_held += getattr(self.engine, "turn_held", 0)
             self._note = getattr(self.engine, "turn_note", "")

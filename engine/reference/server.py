@@ -594,7 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append one JSON line per scheduler turn to PATH: its seconds and those inside the "
                         "engine, the requests it admitted, started and ran, the first tokens and tokens it "
                         "committed, how it stepped them, where a turn of prefills beside a round spent its "
-                        "time, and any garbage collection's time in it (bench/turn_trace.py reads it); off by default")
+                        "time, its writes to the HTTP side during the GPU's work and the wait left after them, and "
+                        "any garbage collection's time in it (bench/turn_trace.py reads it); off by default")
     return p
 
 

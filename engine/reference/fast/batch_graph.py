@@ -26,6 +26,8 @@ verify in each session's timings.
 
 from __future__ import annotations
 
+import time
+
 from typing import TYPE_CHECKING
 
 import torch
@@ -280,7 +282,9 @@ def _replay(engine: Engine, stage: RoundStage, key: tuple) -> list[list[int]]:
     host.copy_(packed, non_blocking=True)
     stage.done.record()
     engine.gpu_busy()
+    t0 = time.perf_counter()
     stage.done.synchronize()
+    engine.count_wait("gpu", time.perf_counter() - t0)
     return host.tolist()
 
 

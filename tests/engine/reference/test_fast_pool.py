@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import random
+import time
 
 import pytest
 import torch
@@ -633,6 +634,22 @@ def test_a_turns_round_is_launched_between_its_prefill_and_the_first_tokens(pair
         engine.step_many([s for s in sessions if not s.done])
     assert [s.output_ids for s in sessions] == [serial.generate(p, gen, s).output_ids
                                                 for p, s in zip(prompts, specs)]
+
+
+def test_the_writes_in_the_gpus_wait_count_towards_the_turn(pair):
+    """Engine.gpu_busy times its on_gpu_wait (a server's writes) into turn_waits["push"], for the
+    turn trace; each step_many starts the count afresh."""
+    model, drafter = pair
+    engine = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=2)
+    engine.on_gpu_wait = lambda: time.sleep(0.001)
+    engine.gpu_busy()
+    engine.gpu_busy()
+    assert set(engine.turn_waits) == {"push"} and engine.turn_waits["push"] >= 0.002
+    engine.count_wait("gpu", 0.5)
+    assert engine.turn_waits["gpu"] == 0.5
+    engine.on_gpu_wait = None
+    engine.step_many([engine.start([1, 2], GenParams(max_new_tokens=2), SpecParams("ar"))])
+    assert engine.turn_waits == {}
 
 
 def test_a_round_that_fails_beside_a_prefill_leaves_the_joiners_new(pair, monkeypatch):

@@ -364,6 +364,7 @@ class CappingEngine(BatchingEngine):
         held = {id(s) for s, ok in zip(new, go) if not ok}
         self.turn_held = len(held)
         self.turn_parts = {"launch": 0.001, "round": 0.002} if new and len(new) < len(sessions) else {}
+        self.turn_waits = {"push": 0.0005, "gpu": 0.002}
         out = super().step_many([s for s in sessions if id(s) not in held])
         results = iter(out)
         return [[] if id(s) in held else next(results) for s in sessions]
@@ -408,6 +409,8 @@ def test_with_mixed_chunks_the_engine_caps_a_turn_that_steps_joiners_with_the_ro
     # where the engine's time went, as it said (fast/batch.py's turn_parts)
     assert together[0]["parts"] == {"launch": 0.001, "round": 0.002}
     assert not any("parts" in t for t in turns if t["how"] != "together")
+    # and its writes in the GPU's wait, and the wait after them (Engine.turn_waits)
+    assert together[0]["waits"] == {"push": 0.0005, "gpu": 0.002}
 
 
 class FailingTogetherEngine(CappingEngine):
@@ -417,6 +420,7 @@ class FailingTogetherEngine(CappingEngine):
         if any(s.output_ids for s in sessions) and any(not s.output_ids for s in sessions):
             # what a failed call left must not count
             self.turn_held, self.turn_note, self.turn_parts = 99, "riders 2x8", {"round": 1.0}
+            self.turn_waits = {"gpu": 1.0}
             raise RuntimeError("batched round failed")
         return super().step_many(sessions)
 
@@ -428,7 +432,7 @@ def test_a_failed_together_turn_steps_its_requests_alone_within_the_cap(tmp_path
     turns = joiners_beside_two_streams(engine, tmp_path)
     together = [t for t in turns if t["how"] == "together"]
     assert (together[0]["new"], together[0]["held"], together[0]["firsts"], together[0]["note"]) == (2, 2, 2, "")
-    assert "parts" not in together[0]
+    assert "parts" not in together[0] and "waits" not in together[0]
 
 
 def test_no_cap_when_the_engine_has_none():
