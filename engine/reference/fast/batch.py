@@ -116,9 +116,9 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         # What prefills on its own is capped (a rider's chunk is bounded by its shape instead,
         # and counts first).
         ridden = riders[0] if riders else []
-        rest = [i for i in new if not any(sessions[i] is r for r in ridden)]
-        held = engine.held_by_prefill_cap(ridden + [sessions[i] for i in rest])
-        held -= {id(r) for r in ridden}
+        ridden_ids = {id(r) for r in ridden}
+        rest = [i for i in new if id(sessions[i]) not in ridden_ids]
+        held = engine.held_by_prefill_cap(ridden + [sessions[i] for i in rest]) - ridden_ids
         engine.turn_held = len(held)
         new = [i for i in new if id(sessions[i]) not in held]
         rest = [i for i in rest if id(sessions[i]) not in held]
@@ -151,7 +151,7 @@ def _riders(engine: Engine, members: list[Session], new: list[Session], kind: tu
     first; and whether the others are a burst, which prefills beside the round. A burst's
     riders are only those part in: the packed prefill starts every prompt at row 0, and one
     left to Session.step() would prefill its rest alone, after the round, outside any graph
-    (a burst turn at concurrency 16 on an H100 took 32-40 ms instead of 9, bench/RESULTS.md)."""
+    (a burst turn at concurrency 16 on an H100 took 32-40 ms instead of about 10, bench/RESULTS.md)."""
     from ddtree.engine.reference.fast import batch_graph, ride
 
     if not ride.riders_run(engine):
@@ -162,7 +162,7 @@ def _riders(engine: Engine, members: list[Session], new: list[Session], kind: tu
         picked = ride.pick(engine, started, b * q, q, burst_check=False) if started else None
         engine.turn_note = "burst" if picked is None else "burst, riders {}x{}".format(*picked[1])
         return picked, True
-    picked = ride.pick(engine, started + [s for s in new if s._prefilled_rows == 0], b * q, q)
+    picked = ride.pick(engine, started + [s for s in new if s._prefilled_rows == 0], b * q, q, burst_check=False)
     if picked is not None:
         engine.turn_note = "riders {}x{}".format(*picked[1])
     return picked, False

@@ -27,7 +27,6 @@ verify in each session's timings.
 from __future__ import annotations
 
 import time
-
 from typing import TYPE_CHECKING
 
 import torch
