@@ -30,7 +30,7 @@ Method:
     .venv/bin/python bench/bench_http_side.py [--model DIR --draft DIR] [--concurrency 32]
         [--algorithm ar] [--budget 8] [--max-new-tokens 64] [--num-prompts N] [--repeats 3]
         [--prompt-chars 300] [--variant LABEL=ARGS ...] [--without MODULES] [--baseline REV]
-        [--out FILE.json]
+        [--out FILE.json] [--py-spy STEM]
         [--keep-logs DIR]
 
 For example, the default server against the single-process one and against the previous commit:
@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.support: the tests' tiny pair and server process
 
 from bench_server import server_flags  # noqa: E402  (this folder is sys.path[0])
+from py_spy import sampled  # noqa: E402
 
 #: What every server runs with: one thread each, so the 2 processes of a server do not fight
 #: over a small box's cores, and no tokenizer thread pool in the HTTP process.
@@ -306,6 +307,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also the default server with these modules (comma-separated) made unimportable, "
                         "e.g. uvloop,httptools: what the server costs without them (default: none)")
     p.add_argument("--out", metavar="FILE.json", help="write every point and the medians here (default: none)")
+    p.add_argument("--py-spy", metavar="STEM", default=None,
+                   help="py-spy samples of each measured point's first HTTP process, every thread with "
+                        "waits and the GIL holder only, into STEM-LABEL-rN{,-gil}.txt (bench/py_spy.py; "
+                        "bench/py_spy_summary.py reads them)")
     p.add_argument("--keep-logs", metavar="DIR",
                    help="write the servers' logs here and keep them (default: a temp dir, removed)")
     args = p.parse_args(argv)
@@ -371,7 +376,8 @@ def run(args: argparse.Namespace, stack: ExitStack, report: dict) -> list[dict]:
     points = report["points"]
     for r in range(args.repeats):
         for server in servers:
-            point = dict(measure(server, prompts, cfg), repeat=r)
+            with sampled(args.py_spy, server.main.pid, f"{server.variant.label}-r{r}"):
+                point = dict(measure(server, prompts, cfg), repeat=r)
             points.append(point)
             print(f"  repeat {r} {point['variant']}: {fmt(point['tok_s'])} tok/s, {point['tokens']} tokens, "
                   f"us/token http {fmt(point['http_us'])} (busiest {fmt(point['busiest_http_us'])}) "
