@@ -502,11 +502,10 @@ class _Frames:
 class RemoteScheduler:
     """The HTTP side's scheduler: each request goes to the engine process, and its updates come
     back to the ticket's sink. Started on an event loop (the server's lifespan), it reads the
-    engine's messages there, as SGLang's tokenizer manager reads its scheduler's: with a reader
-    thread, each message cost two GIL hand-offs with the loop, and a sample of a busy HTTP process
-    found its loop thread in a fifth of its samples waiting for the GIL back after a socket write
-    (bench/RESULTS.md). Started elsewhere (tests, DDTREE_ENGINE_READER=thread), a reader thread
-    reads them and calls the sinks, as a Scheduler calls them on its own thread.
+    engine's messages there, as SGLang's tokenizer manager reads its scheduler's, with no thread
+    to hand the GIL to and back on every message. Started elsewhere (tests,
+    DDTREE_ENGINE_READER=thread), a reader thread reads them and calls the sinks, as a Scheduler
+    calls them on its own thread. Which is faster is measured in bench/RESULTS.md.
 
     Two locks, never held together: `_lock` guards the tickets and queries, `_send_lock` the
     socket. Nobody holds `_lock` while a send may block on a full socket, so the reader, which
