@@ -714,7 +714,8 @@ class RemoteScheduler:
 
     def _read_until_stopped(self, timeout: float) -> None:
         """stop() on the event loop: read on here, blocking, until the engine says it stopped or
-        goes, or timeout passes (as stop() joins the reader thread)."""
+        goes, or timeout passes (as stop() joins the reader thread; then what is still held fails,
+        since nothing reads after this)."""
         if self._read_ended:
             return
         self._stop_reading()
@@ -722,6 +723,7 @@ class RemoteScheduler:
         while (ended := self._handle_frames()) is None:
             left = end - time.monotonic()
             if left <= 0:
+                self._ended(wait=False)
                 return
             if not select.select([self._sock], [], [], left)[0]:
                 continue

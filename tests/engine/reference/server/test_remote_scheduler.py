@@ -257,3 +257,22 @@ def stop_on_the_loop(reader) -> None:
     assert sched._sock.fileno() == -1  # its duplicate descriptor is closed; the connection's is not
     assert not engine.closed
     engine.close()
+
+
+def test_a_stop_the_engine_never_answers_fails_what_was_held_once_its_time_is_up():
+    with running_loop() as loop:
+        sched, engine, failures = connect(Running(), loop)
+        _, got = submit(sched)
+        assert engine.recv()[0] == "submit"
+
+        async def stop() -> None:
+            sched.stop(0.0)  # the engine never says "stopped"
+
+        with pytest.raises(AssertionError, match="nothing should wait"):
+            # Running.wait raises once stop() moves on to wait for the process: by then what the
+            # scheduler held has failed, and no reader is left to leave it hanging.
+            asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=60)
+        final = got.get(timeout=0)
+        assert final.done and isinstance(final.error, EngineError)
+        assert failures == []  # a stop the server asked for is no failure
+        engine.close()
