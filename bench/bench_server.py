@@ -428,8 +428,7 @@ def main() -> int:
                         "server runs its rounds, and process-wN with N HTTP processes (--tokenizer-worker-num N); "
                         "+wait, +thread or +inline after one sets the engine process's outbox mode "
                         "(DDTREE_OUTBOX), then +rideN the rider row width (DDTREE_RIDE_ROW) and +burstN ride.BURST_ROUNDS "
-                        "(DDTREE_BURST_ROUNDS), and +readerthread has the HTTP process read the engine on a "
-                        "thread (DDTREE_ENGINE_READER=thread), not its event loop; a value given again "
+                        "(DDTREE_BURST_ROUNDS); a value given again "
                         "runs again, as VALUE#2 (A B A B); default process")
     p.add_argument("--trace-turns", metavar="STEM", default=None,
                    help="--grid: the server's --trace-turns, into STEM-LOOP.jsonl per engine loop; each cell "
@@ -456,10 +455,10 @@ def main() -> int:
         p.error(f"--again takes thread or busyN, got {','.join(args.again)}")
     if not args.engine_loops or any(
             not re.fullmatch(r"(thread|process(-w[1-9][0-9]?)?)(\+(wait|thread|inline))?(\+ride[1-9][0-9]*)?"
-                             r"(\+burst[1-9][0-9]*)?(\+readerthread)?", loop)
+                             r"(\+burst[1-9][0-9]*)?", loop)
             for loop in args.engine_loops):
         p.error("--engine-loops takes thread, process or process-wN, each with +wait, +thread or +inline or not, "
-                f"then +rideN, +burstN and +readerthread or not, got {','.join(args.engine_loops) or 'nothing'}")
+                f"then +rideN and +burstN or not, got {','.join(args.engine_loops) or 'nothing'}")
     settings = [m for loop in args.engine_loops for m in re.finditer(r"\+(ride|burst)([0-9]+)", loop)]
     if settings:
         from ddtree.engine.reference.fast.ride import OVERRIDES

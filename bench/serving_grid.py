@@ -601,15 +601,12 @@ def loop_labels(loops: list[str]) -> list[str]:
 def loop_env(loop: str) -> Iterator[None]:
     """The environment of a server started inside, from a loop value's +PARTs: wait, thread or
     inline set DDTREE_OUTBOX (engine_loop._Outbox's mode), rideN DDTREE_RIDE_ROW (fast/ride.py's
-    row width when several joiners ride), burstN DDTREE_BURST_ROUNDS (ride.BURST_ROUNDS),
-    readerthread DDTREE_ENGINE_READER=thread (the HTTP process reads the engine on a thread, not
-    its event loop), so one grid measures one setting against another."""
+    row width when several joiners ride), burstN DDTREE_BURST_ROUNDS (ride.BURST_ROUNDS), so one
+    grid measures one setting against another."""
     env = {}
     for part in loop.partition("#")[0].split("+")[1:]:
         setting = re.fullmatch(r"(ride|burst)([1-9][0-9]*)", part)
-        if part == "readerthread":
-            env["DDTREE_ENGINE_READER"] = "thread"
-        elif setting:
+        if setting:
             from ddtree.engine.reference.fast.ride import OVERRIDES
 
             env[OVERRIDES[setting.group(1)][0]] = setting.group(2)

@@ -28,18 +28,14 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import importlib
 import itertools
 import logging
 import os
-import pickle
 import queue
-import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -61,10 +57,6 @@ log = logging.getLogger(__name__)
 #: overrides the choice by device, to measure one against another (bench_server.py).
 OUTBOX_MODES = ("wait", "thread", "inline")
 OUTBOX_MODE = os.environ.get("DDTREE_OUTBOX", "")
-#: Where the HTTP process reads the engine's messages (RemoteScheduler): on its event loop, or on
-#: a reader thread where none runs. DDTREE_ENGINE_READER=thread forces the thread, to measure one
-#: against the other (bench_server.py).
-READER_MODE = os.environ.get("DDTREE_ENGINE_READER", "")
 
 
 @dataclass(frozen=True)
@@ -470,42 +462,9 @@ def _settle(future: Future, result: Any = None, error: BaseException | None = No
             future.set_result(result)
 
 
-class _Frames:
-    """multiprocessing.Connection's messages cut from bytes as they arrive: each is a 4-byte
-    big-endian length (-1 and then an 8-byte one past 2 GiB), then that many bytes of pickle."""
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> None:
-        self._buf += data
-
-    def pop(self) -> bytes | None:
-        """The next whole message's bytes, or None until more arrive."""
-        buf = self._buf
-        if len(buf) < 4:
-            return None
-        (size,) = struct.unpack_from("!i", buf)
-        head = 4
-        if size == -1:
-            if len(buf) < 12:
-                return None
-            (size,) = struct.unpack_from("!Q", buf, 4)
-            head = 12
-        if len(buf) < head + size:
-            return None
-        payload = bytes(buf[head:head + size])
-        del buf[:head + size]
-        return payload
-
-
 class RemoteScheduler:
     """The HTTP side's scheduler: each request goes to the engine process, and its updates come
-    back to the ticket's sink. Started on an event loop (the server's lifespan), it reads the
-    engine's messages there, as SGLang's tokenizer manager reads its scheduler's, with no thread
-    to hand the GIL to and back on every message. Started elsewhere (tests,
-    DDTREE_ENGINE_READER=thread), a reader thread reads them and calls the sinks, as a Scheduler
-    calls them on its own thread. Which is faster is measured in bench/RESULTS.md.
+    back to the ticket's sink (on a reader thread, as a Scheduler calls sinks on its own).
 
     Two locks, never held together: `_lock` guards the tickets and queries, `_send_lock` the
     socket. Nobody holds `_lock` while a send may block on a full socket, so the reader, which
@@ -540,24 +499,9 @@ class RemoteScheduler:
         self._failure: str | None = None
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self._observed_done = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that reads, if one does
-        self._sock: socket.socket | None = None  # the connection's socket, read without blocking
-        self._frames = _Frames()
-        self._read_ended = False
 
     def start(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if loop is not None and READER_MODE != "thread":
-            self._loop = loop
-            # A second descriptor of the same socket, read with MSG_DONTWAIT: the connection's
-            # own stays blocking, so a send still waits for room rather than failing.
-            self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))
-            loop.add_reader(self._sock.fileno(), self._readable)
-        else:
-            self._reader.start()
+        self._reader.start()
         if self.workers > 1:
             threading.Thread(target=self._send_observed, name="engine-observed", daemon=True).start()
 
@@ -575,13 +519,6 @@ class RemoteScheduler:
     @property
     def failure(self) -> str | None:
         return self._failure
-
-    @property
-    def reader(self) -> str | None:
-        """Where the engine's messages are read: "loop", "thread", or None before start()."""
-        if self._loop is not None:
-            return "loop"
-        return "thread" if self._reader.is_alive() or self._read_ended else None
 
     @property
     def confirms_admission(self) -> bool:
@@ -635,10 +572,7 @@ class RemoteScheduler:
             self._stopping = True
         self._observed_done.set()
         self._send(("stop", timeout))
-        if self._loop is not None:
-            self._read_until_stopped(timeout + 10)  # the loop waits here, as it did on the thread
-        else:
-            self._reader.join(timeout + 10)
+        self._reader.join(timeout + 10)
         if self.process is None:
             return
         try:
@@ -660,112 +594,32 @@ class RemoteScheduler:
         return True
 
     def _read(self) -> None:
-        """The reader thread's loop (no event loop reads)."""
+        alive = False
         while True:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):
                 break
             except Exception as exc:  # a message that does not unpickle: which tickets it held is lost
-                self._unreadable(exc)
-                self._ended(wait=False)
-                return
-            if not self._handle(message):
+                log.exception("a message from the engine process could not be read")
+                self._failure = self._failure or (f"a message from the engine process could not be read "
+                                                  f"({type(exc).__name__}: {exc})")
+                alive = True
                 break
-        self._ended()
-
-    def _readable(self) -> None:
-        """On the event loop: take what the socket holds and handle each whole message in it."""
-        gone = False
-        try:
-            while True:
-                data = self._sock.recv(1 << 20, socket.MSG_DONTWAIT)
-                if not data:
-                    gone = True
-                    break
-                self._frames.feed(data)
-                if len(data) < 1 << 20:
-                    break
-        except BlockingIOError:
-            pass
-        except OSError:
-            gone = True
-        ended = self._handle_frames()
-        if ended is None and not gone:
-            return
-        self._stop_reading()
-        self._read_ended = True
-        # Failing what was held may wait for the engine process to exit: not on the loop.
-        wait = ended is not False
-        threading.Thread(target=self._ended, args=(wait,), name="engine-ended", daemon=True).start()
-
-    def _handle_frames(self) -> bool | None:
-        """Handle the whole messages received so far: None while the engine talks on, True once it
-        has stopped, False if a message could not be read."""
-        while (payload := self._frames.pop()) is not None:
-            try:
-                message = pickle.loads(payload)
-            except Exception as exc:  # as in _read
-                self._unreadable(exc)
-                return False
-            if not self._handle(message):
-                return True
-        return None
-
-    def _read_until_stopped(self, timeout: float) -> None:
-        """stop() on the event loop: read on here, blocking, until the engine says it stopped or
-        goes, or timeout passes (as stop() joins the reader thread; then what is still held fails,
-        since nothing reads after this)."""
-        if self._read_ended:
-            return
-        self._stop_reading()
-        end = time.monotonic() + timeout
-        while (ended := self._handle_frames()) is None:
-            left = end - time.monotonic()
-            if left <= 0:
-                self._ended(wait=False)
-                return
-            if not select.select([self._sock], [], [], left)[0]:
-                continue
-            try:
-                data = self._sock.recv(1 << 20, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                continue
-            except OSError:
-                data = b""
-            if not data:
+            kind = message[0]
+            if kind == "updates":
+                self._deliver(message[1])
+            elif kind == "snapshot":
+                self._answer(message[1], message[2])
+            elif kind == "admitted":
+                ticket = self._tickets.get(message[1])
+                if ticket is not None:
+                    ticket.settle_admission()
+            elif kind == "dead":  # the engine's loop raised; its process exits next
+                self._failure = message[1]
+            elif kind == "stopped":
                 break
-            self._frames.feed(data)
-        self._ended(wait=ended is not False)
-
-    def _stop_reading(self) -> None:
-        if self._loop is not None and self._sock is not None and self._sock.fileno() != -1:
-            try:
-                self._loop.remove_reader(self._sock.fileno())
-            except (RuntimeError, ValueError):  # the loop has closed
-                pass
-
-    def _unreadable(self, exc: BaseException) -> None:
-        log.error("a message from the engine process could not be read", exc_info=exc)
-        self._failure = self._failure or (f"a message from the engine process could not be read "
-                                          f"({type(exc).__name__}: {exc})")
-
-    def _handle(self, message: tuple) -> bool:
-        """One message from the engine; False once it says it has stopped."""
-        kind = message[0]
-        if kind == "updates":
-            self._deliver(message[1])
-        elif kind == "snapshot":
-            self._answer(message[1], message[2])
-        elif kind == "admitted":
-            ticket = self._tickets.get(message[1])
-            if ticket is not None:
-                ticket.settle_admission()
-        elif kind == "dead":  # the engine's loop raised; its process exits next
-            self._failure = message[1]
-        elif kind == "stopped":
-            return False
-        return True
+        self._ended(wait=not alive)
 
     def _deliver(self, items: list[tuple[int, int, tuple]]) -> None:
         for tid, turn, fields in items:
@@ -797,9 +651,6 @@ class RemoteScheduler:
     def _ended(self, wait: bool = True) -> None:
         """The engine process is gone (stopped, or died), or sent what this side cannot read
         (wait=False: it still runs, until the server's stop ends it): fail whatever it still held."""
-        self._read_ended = True
-        if self._sock is not None:
-            self._sock.close()  # its duplicate only: the connection's own stays open
         if wait and self.process is not None:
             try:
                 self.process.wait(10)

@@ -226,8 +226,6 @@ def build_app(api: Api) -> Starlette:
             "batch": config.batch, "engine_loop": api.engine_loop,
             "engine_outbox": getattr(engine, "outbox", None),  # engine_loop.outbox_mode, with its own process
             "tokenizer_worker_num": getattr(api.scheduler, "workers", 1),
-            # Where this HTTP process reads the engine process's messages (engine_loop.RemoteScheduler).
-            "engine_reader": getattr(api.scheduler, "reader", None),
             "http_pid": os.getpid(),  # which HTTP process answered (with several, each has its own)
             "chunked_prefill_size": engine.prefill_chunk or -1,
             "enable_mixed_chunk": engine.mixed_chunk,

@@ -52,7 +52,6 @@ def test_engine_process_serves_the_single_process_tokens_and_dies_with_the_serve
         info = httpx.get(srv.url + "/server_info").json()
         assert info["engine_loop"] == "process" and info["backend"] == "transformers"
         assert info["engine_outbox"] == "inline"  # a CPU's round: the engine's thread writes at once
-        assert info["engine_reader"] == "loop"  # the HTTP process reads the engine on its event loop
         assert info["chunked_prefill_size"] == 3 and info["stream_interval"] == 4
         assert info["enable_mixed_chunk"] is True and info["max_prefill_tokens"] == 5
         engines = psutil.Process(srv.proc.pid).children()

@@ -4,12 +4,8 @@ and an engine that goes away. No torch, no engine: the other end of the socket i
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import pickle
 import queue
 import socket
-import struct
 import threading
 from concurrent.futures import CancelledError
 from multiprocessing.connection import Connection
@@ -17,7 +13,7 @@ from multiprocessing.connection import Connection
 import pytest
 
 from ddtree.engine.errors import EngineError
-from ddtree.engine.reference.engine_loop import RemoteScheduler, _Frames
+from ddtree.engine.reference.engine_loop import RemoteScheduler
 from ddtree.engine.reference.scheduler import QueueFull, ShuttingDown, Snapshot, Stats, Update
 
 
@@ -50,52 +46,19 @@ class Failures(list):
         return list(self)
 
 
-@contextlib.contextmanager
-def running_loop():
-    """An event loop on a thread of its own (the server's is its main thread)."""
-    loop = asyncio.new_event_loop()
-    runs = threading.Thread(target=loop.run_forever, daemon=True)
-    runs.start()
-    try:
-        yield loop
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        runs.join(30)
-        loop.close()
-
-
-@pytest.fixture(params=["loop", "thread"])
-def reader(request):
-    """Where the scheduler reads the engine: on an event loop, as the server starts it, or on its
-    reader thread (None)."""
-    if request.param == "thread":
-        yield None
-        return
-    with running_loop() as loop:
-        yield loop
-
-
-def connect(process, loop=None) -> tuple[RemoteScheduler, Connection, Failures]:
-    """A started RemoteScheduler on `process` (started on `loop` if given), the engine's end of
-    its socket, and its failures."""
+def connect(process) -> tuple[RemoteScheduler, Connection, Failures]:
+    """A started RemoteScheduler on `process`, the engine's end of its socket, and its failures."""
     ours, theirs = socket.socketpair()
     failures = Failures()
     sched = RemoteScheduler(process, Connection(ours.detach()), max_running=1, max_queued=1,
                             on_failure=failures.append)
-    if loop is None:
-        sched.start()
-    else:
-        async def start() -> None:
-            sched.start()
-
-        asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=30)
-        assert sched._loop is loop
+    sched.start()
     return sched, Connection(theirs.detach()), failures
 
 
 @pytest.fixture
-def pair(reader):
-    sched, engine, failures = connect(Exited(), reader)
+def pair():
+    sched, engine, failures = connect(Exited())
     yield sched, engine, failures
     engine.close()
 
@@ -191,8 +154,8 @@ class Running(Exited):
         raise AssertionError("nothing should wait for an engine that is still running")
 
 
-def test_a_message_that_cannot_be_read_fails_what_was_held_and_the_server_at_once(reader):
-    sched, engine, failures = connect(Running(), reader)
+def test_a_message_that_cannot_be_read_fails_what_was_held_and_the_server_at_once():
+    sched, engine, failures = connect(Running())
     try:
         _, got = submit(sched)
         engine.send(("updates", [(0, 0, tuple(Update(done=True, finish_reason="abort", error=Picky("odd", 1))))]))
@@ -200,79 +163,4 @@ def test_a_message_that_cannot_be_read_fails_what_was_held_and_the_server_at_onc
         assert final.done and "could not be read" in str(final.error)
         assert len(failures.wait()) == 1 and "TypeError" in failures[0]
     finally:
-        engine.close()
-
-
-def test_frames_are_cut_from_bytes_that_arrive_one_at_a_time():
-    ours, theirs = socket.socketpair()
-    sender, raw = Connection(ours.detach()), theirs
-    messages = [("updates", [(0, 1, (5,))]), ("snapshot", 3, "x" * 20000), ("stopped",)]
-    for message in messages:
-        sender.send(message)
-    sender.close()
-    data = b""
-    while chunk := raw.recv(65536):
-        data += chunk
-    raw.close()
-    frames, got = _Frames(), []
-    for i in range(len(data)):
-        frames.feed(data[i:i + 1])
-        while (payload := frames.pop()) is not None:
-            got.append(pickle.loads(payload))
-    assert got == messages
-    # Past 2 GiB a message's length is -1 and then 8 bytes (multiprocessing.connection).
-    body = pickle.dumps(("stopped",))
-    frames.feed(struct.pack("!i", -1) + struct.pack("!Q", len(body))[:5])
-    assert frames.pop() is None
-    frames.feed(struct.pack("!Q", len(body))[5:] + body)
-    assert pickle.loads(frames.pop()) == ("stopped",) and frames.pop() is None
-
-
-def test_stop_on_the_loop_delivers_a_large_update_sent_before_stopped():
-    with running_loop() as loop:
-        stop_on_the_loop(loop)
-
-
-def stop_on_the_loop(reader) -> None:
-    sched, engine, _ = connect(Exited(), reader)
-    ticket, got = submit(sched)
-    assert engine.recv()[0] == "submit"
-    big = tuple(range(300_000))  # over a megabyte pickled: several reads
-
-    def engine_side() -> None:
-        assert engine.recv()[0] == "stop"
-        engine.send(("updates", [(ticket.tid, 0, tuple(Update(new_ids=big, done=True)))]))
-        engine.send(("stopped",))
-
-    answering = threading.Thread(target=engine_side, daemon=True)
-    answering.start()
-
-    async def stop() -> None:
-        sched.stop(30)
-
-    asyncio.run_coroutine_threadsafe(stop(), reader).result(timeout=60)
-    answering.join(30)
-    final = got.get(timeout=30)
-    assert final.done and final.new_ids == big and ticket.finished
-    assert sched._sock.fileno() == -1  # its duplicate descriptor is closed; the connection's is not
-    assert not engine.closed
-    engine.close()
-
-
-def test_a_stop_the_engine_never_answers_fails_what_was_held_once_its_time_is_up():
-    with running_loop() as loop:
-        sched, engine, failures = connect(Running(), loop)
-        _, got = submit(sched)
-        assert engine.recv()[0] == "submit"
-
-        async def stop() -> None:
-            sched.stop(0.0)  # the engine never says "stopped"
-
-        with pytest.raises(AssertionError, match="nothing should wait"):
-            # Running.wait raises once stop() moves on to wait for the process: by then what the
-            # scheduler held has failed, and no reader is left to leave it hanging.
-            asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=60)
-        final = got.get(timeout=0)
-        assert final.done and isinstance(final.error, EngineError)
-        assert failures == []  # a stop the server asked for is no failure
         engine.close()
