@@ -16,7 +16,9 @@ list of requests into the point's figures. No torch here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import gc
 import json
 import math
 import random
@@ -450,6 +452,24 @@ def _session(cfg: BenchConfig) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False, read_bufsize=2**20)
 
 
+@contextlib.contextmanager
+def _heap_frozen():
+    """Leave every object alive before the point out of the collections during it (gc.freeze, as
+    the builtin server's processes do once ready). A full collection walks the whole heap: with
+    torch imported (a bench script, or a job beside one) that is about 0.1 s, in which no request
+    is sent and no chunk read, so the server sits idle and the point's throughput and tails count
+    the client's pause. Seen as a 117-134 ms idle engine mid-point at c=64 on an H200
+    (bench/RESULTS.md). A process that had frozen its heap itself keeps it frozen."""
+    frozen_before = gc.get_freeze_count() > 0
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if not frozen_before:
+            gc.unfreeze()
+
+
 async def run_point_async(url: str, prompts: list[Prompt], cfg: BenchConfig, *,
                           warmup_prompts: list[Prompt] | None = None,
                           stop: threading.Event | None = None) -> PointResult:
@@ -466,9 +486,10 @@ async def run_point_async(url: str, prompts: list[Prompt], cfg: BenchConfig, *,
             warm_results, _, _ = await _run_requests(session, url, warm, warm_cfg, stop)
             if warm_results and not any(r.ok for r in warm_results):
                 warnings.append(f"every warm-up request failed ({warm_results[0].error}: {warm_results[0].detail})")
-        wall_start = time.time()
-        results, t_start, t_end = await _run_requests(session, url, prompts, cfg, stop)
-        wall_end = time.time()
+        with _heap_frozen():
+            wall_start = time.time()
+            results, t_start, t_end = await _run_requests(session, url, prompts, cfg, stop)
+            wall_end = time.time()
     metrics = point_metrics(results, concurrency=cfg.concurrency, duration_s=t_end - t_start)
     return PointResult(requests=results, metrics=metrics, warnings=warnings, started_at=wall_start, ended_at=wall_end)
 

@@ -1,9 +1,11 @@
 """The bench client against a real builtin server subprocess (tiny random pair, loopback)."""
 
+import gc
 import socket
 
 import pytest
 
+from ddtree.engine.serving import bench
 from ddtree.engine.serving.bench import BenchConfig, EngineNotReady, run_point, wait_ready
 from ...support.client import EngineClient
 from ddtree.engine.serving.prompts import Prompt, load_prompts
@@ -47,6 +49,43 @@ def test_server_rejection_is_a_counted_failure_not_a_crash(server):
     assert result.metrics["requests_ok"] == 0
     assert result.metrics["failures"] == {"http 400": 2}
     assert "budget" in result.requests[0].detail
+
+
+def _freeze_counts(monkeypatch) -> list[int]:
+    """How many objects gc.freeze had set aside as each batch of requests (warm-up, then the
+    measured one) began."""
+    seen, run = [], bench._run_requests
+
+    async def counted(*args, **kwargs):
+        seen.append(gc.get_freeze_count())
+        return await run(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "_run_requests", counted)
+    return seen
+
+
+def test_the_measured_requests_run_with_the_heap_out_of_the_collections(server, monkeypatch):
+    """A full collection of a heap with torch in it stalls the client ~0.1 s, with the server idle
+    meanwhile: the point's requests run with what was alive before them frozen, and the heap
+    is the caller's again after."""
+    heap = [{"n": i} for i in range(20_000)]  # alive before the point: must not be walked during it
+    seen = _freeze_counts(monkeypatch)
+    result = run_point(server.url, PROMPTS[:2], BenchConfig(concurrency=2, max_new_tokens=4, warmup=1))
+    assert result.metrics["requests_ok"] == 2
+    warm, measured = seen
+    assert warm == 0 and measured >= len(heap)
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_heap_the_caller_froze_stays_frozen(server, monkeypatch):
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        seen = _freeze_counts(monkeypatch)
+        run_point(server.url, PROMPTS[:1], BenchConfig(max_new_tokens=2))
+        assert seen[0] >= before and gc.get_freeze_count() >= before > 0
+    finally:
+        gc.unfreeze()
 
 
 def _closed_port() -> int:
