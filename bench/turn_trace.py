@@ -80,6 +80,8 @@ def summary(turns: list[dict]) -> dict:
         "tail_kinds": dict(Counter(how for _, how in tail).most_common()),
         # The engine's idle share of the cell: time between turns, waiting for requests.
         "idle_pct": 100 * (1 - sum(t["s"] for t in turns) / span) if (span := _span(turns)) > 0 else None,
+        # Its longest such wait: one stall (a client's pause) against many short ones.
+        "idle_max_ms": 1000 * max((b["t"] - a["t"] - a["s"] for a, b in zip(turns, turns[1:])), default=0.0),
         "first_tokens": sum(t["firsts"] for t in turns),
         "tokens": sum(t["tokens"] for t in turns),
         # Turns that held joiners back under the server's --max-prefill-tokens (traces from
@@ -93,7 +95,8 @@ def summary(turns: list[dict]) -> dict:
 
 
 def show(label: str, s: dict) -> None:
-    idle = f", the engine idle {s['idle_pct']:.1f}% of the time" if s["idle_pct"] is not None else ""
+    idle = (f", the engine idle {s['idle_pct']:.1f}% of the time (at most {s['idle_max_ms']:.1f} ms at once)"
+            if s["idle_pct"] is not None else "")
     held = f", {s['held_turns']} holding joiners back (--max-prefill-tokens)" if s["held_turns"] else ""
     print(f"{label}: {s['turns']} turns, {s['tokens']} tokens, {s['first_tokens']} first tokens{idle}{held}")
     for how, k in s["kinds"].items():

@@ -325,6 +325,16 @@ class Engine:
         usage = getattr(self.impl, "pool_usage", None)
         return usage() if usage is not None else None
 
+    def lone_round(self, session: Session) -> bool:
+        """Whether this running session, the only one of a turn, should step through step_many
+        rather than alone (Session.step): on the pooled fast backend, a slot without graphs of its
+        own takes the pool's graphed round instead of an eager forward (fast/batch.py)."""
+        if self.backend != "fast" or self.impl.pool is None or session.done or session._bonus is None:
+            return False
+        from ddtree.engine.reference.fast.batch import _lone_round
+
+        return self.impl.pool.index_of(session._cache) is not None and _lone_round(self, session)
+
     def step_many(self, sessions: list[Session]) -> list[list[int]]:
         """One round of each session, batched: every draft in one drafter forward and every verify
         in one target forward (on a CPU, verifies of very different sizes go in separate forwards).

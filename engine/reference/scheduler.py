@@ -550,7 +550,7 @@ class Scheduler:
             turn, held = self._cap_prefills(turn)
             self._engine_held, self._note, self._parts, self._waits = 0, "", {}, {}
             before = [len(a.session.output_ids) for a in turn] if self._trace_file is not None else []
-            if self.batch and len(turn) > 1:
+            if self.batch and (len(turn) > 1 or (turn and self._lone_round(turn[0]))):
                 self._advance_batch(turn)
             else:
                 self._how = "alone"
@@ -668,6 +668,12 @@ class Scheduler:
         return (self.batch and len(turn) > 1 and bool(new) and live > 1
                 and getattr(self.engine, "mixed_chunk", False))
 
+    def _lone_round(self, active: _Active) -> bool:
+        """Whether a request running by itself goes to the engine's step_many (Engine.lone_round:
+        a pool slot without graphs of its own), not Session.step."""
+        lone = getattr(self.engine, "lone_round", None)
+        return lone is not None and not active.ticket.cancelled and lone(active.session)
+
     def _advance_batch(self, turn: list[_Active]) -> None:
         live, fresh = [], []
         for active in turn:
@@ -701,11 +707,11 @@ class Scheduler:
                 self._advance(active)
         if fresh:
             self._published()  # first tokens leave before the others' round, as promised above
-        if len(live) < 2:
-            for active in live:
-                self._advance(active)
+        if len(live) == 1 and self._lone_round(live[0]) or len(live) > 1:
+            self._step_together(live, len(live))
             return
-        self._step_together(live, len(live))
+        for active in live:
+            self._advance(active)
 
     def _step_together(self, turn: list[_Active], live: int) -> None:
         """These requests in one engine call, `live` of them running. With mixed chunks on, new

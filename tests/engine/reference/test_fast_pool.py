@@ -696,3 +696,47 @@ def test_a_prompts_drafter_rows_go_in_with_its_prefill(pair):
     assert all(len(s.output_ids) == 1 and s._pending.shape[0] == 0 for s in sessions)
     assert all(s._draft_cache.length == 20 for s in sessions)
     assert batch_graph.eligible(engine, sessions) == ("tree", 16)
+
+
+@pytest.mark.parametrize("spec", [SpecParams("ar"), SpecParams("ddtree", 4)], ids=lambda s: f"{s.algorithm}{s.budget}")
+@pytest.mark.parametrize("lone_slot", [0, 2])
+def test_the_last_session_on_a_slot_without_graphs_takes_the_round_alone(pair, graphed, spec, lone_slot):
+    """A c=16 point's last request, on a pool slot past the graphed ones, stepped alone ran its
+    forward eagerly (33 ms on an H200 against a 2.5 ms round): it takes the round, a batch of
+    one (the power of two that covers its slot), and decodes as serial."""
+    model, drafter = pair
+    serial = Engine(model, drafter, backend="fast", max_budget=64)
+    pooled = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=4)
+    pooled.impl.batch_static = True
+    lengths = [3, 3, 3]
+    lengths[lone_slot] = 20  # this one outlives the others
+    jobs = [([5 + i, 9, 11 + i], spec, n) for i, n in enumerate(lengths)]
+    want = [serial.generate(p, GenParams(max_new_tokens=n), s).output_ids for p, s, n in jobs]
+    sessions = [pooled.start(p, GenParams(max_new_tokens=n), s) for p, s, n in jobs]
+    assert [pooled.impl.pool.index_of(s._cache) for s in sessions] == [0, 1, 2]
+    while not all(s.done for s in sessions):
+        pooled.step_many([s for s in sessions if not s.done])
+    assert [s.output_ids for s in sessions] == want
+    lone = [b for _, _, b in graphed[-5:]]
+    assert lone == [1 if lone_slot == 0 else 4] * 5  # slots 0..b-1: the lone row's round
+    for s in sessions:
+        s.close()
+    gc.collect()
+    assert len(pooled.impl._free) == pooled.impl.pool.slots
+
+
+def test_a_session_on_a_graphed_slot_steps_alone_on_its_own_graphs(pair):
+    model, drafter = pair
+    engine = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=4)
+    engine.impl.batch_static = True
+    session = engine.start([5, 9, 11], GenParams(max_new_tokens=4), SpecParams("ar"))
+    assert not engine.lone_round(session)  # a prefill is no round
+    session.step()
+    assert engine.lone_round(session)
+    session._cache.graphs[(1, 8)] = object()  # as FastTarget.capture leaves a graphed slot's cache
+    assert not engine.lone_round(session)
+    engine.impl.batch_static = False  # and with rounds on the pool eager, alone as before
+    session._cache.graphs.clear()
+    assert not engine.lone_round(session)
+    session.close()
+    assert not engine.lone_round(session)

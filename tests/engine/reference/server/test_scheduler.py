@@ -290,6 +290,34 @@ class BatchingEngine(FakeEngine):
         return [s.step() for s in sessions]
 
 
+class LoneRoundEngine(BatchingEngine):
+    """BatchingEngine whose sessions tagged 9 sit where stepping alone would be slow
+    (Engine.lone_round: a pool slot without graphs of its own)."""
+
+    def lone_round(self, session):
+        return session.tag == 9 and bool(session.output_ids)
+
+
+def test_a_lone_request_on_a_slot_without_graphs_still_goes_to_step_many(tmp_path):
+    """The last request of a batch steps through step_many where the engine says it should
+    (its pool slot has no graphs: alone would run eagerly), and alone elsewhere."""
+    engine = LoneRoundEngine()
+    trace = tmp_path / "turns.jsonl"
+    sched = Scheduler(engine, max_running=4, max_queued=4, batch=True, trace_turns=str(trace))
+    queues = [collect(sched, tag, n)[1] for tag, n in ((9, 10), (2, 4))]
+    outs = run_all(sched, queues)
+    assert [[i for u in q for i in u.new_ids] for q in outs] == [[9000 + i for i in range(10)],
+                                                                  [2000 + i for i in range(4)]]
+    assert engine.batches[-3:] == [[9]] * 3  # 9 outlives 2 by three rounds of two tokens
+    turns = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [t["how"] for t in turns[-3:]] == ["step"] * 3
+
+    engine = LoneRoundEngine()
+    sched = Scheduler(engine, max_running=4, max_queued=4, batch=True)
+    run_all(sched, [collect(sched, tag, n)[1] for tag, n in ((3, 10), (2, 4))])
+    assert engine.batches[-1] == [2, 3] and engine.log[-3:] == [3, 3, 3]  # alone, as before
+
+
 def test_batched_turns_step_all_running_sessions_at_once():
     engine = BatchingEngine()
     engine.gate = threading.Event()
