@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# This tree's server against an older tree's, A B A B on one GPU box, through bench/gpu_pool.sh's
+# grid (each side's own bench script, client and server). The older tree goes in BASE, made here
+# first and carried with the working tree (untracked, not ignored):
+#   rm -rf .base && mkdir .base && git archive REV | tar -x -C .base && rm -rf .base/bench/results \
+#       && find .base/assets -type f -size +50k -delete    # the grid on random weights needs no assets
+#   BASE=.base RUNS="base new base new" GRID_ARGS="--concurrency 64,16,1 --waves 8 --enable-mixed-chunk --algorithms ar" \
+#       bash bench/gpu_ab.sh
+# Writes $OUT/grid-ab-<side><n>.{json,txt} (and the turn traces, gzipped), and prints each run's summary.
+set -u
+OUT=${OUT:?set OUT}
+BASE=${BASE:-.base}
+[ -d "$BASE" ] || { echo "no $BASE: see this script's header" >&2; exit 1; }
+ln -sfn "$PWD/.whl" "$BASE/.whl"
+n=0
+for side in ${RUNS:-base new base new}; do
+    n=$((n + 1))
+    dir=.; [ "$side" = base ] && dir=$BASE
+    (cd "$dir" && OUT=$OUT NAME=ab-$side$n PART=grid SHAPE=${SHAPE:-1.7b} VERIFY_GRID=--skip-batching TRACE=1 \
+        TIME_BUDGET=${TIME_BUDGET:-140} GRID_TIMEOUT=${GRID_TIMEOUT:-170} GRID_ARGS="${GRID_ARGS:-}" \
+        bash bench/gpu_pool.sh > /dev/null 2>&1)
+    echo "== $side$n"
+    grep -A9 "^process (" "$OUT/grid-ab-$side$n.txt"
+    grep "^c=" "$OUT/grid-ab-$side$n.txt" | head -6
+done
