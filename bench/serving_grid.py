@@ -24,6 +24,7 @@ skipped; the JSON is rewritten after every cell, so a cut-off run keeps what it 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import re
 import statistics
@@ -113,9 +114,13 @@ def server_cell(url: str, args, concurrency: int, spec: dict, engine_pid: int | 
                       speculative=spec)
     warmed = run_point(url, warm, cfg)  # the warm-up apart, so the turn counters below see only the cell
     before = engine_turns(url)
-    with sampled(getattr(args, "py_spy", None), engine_pid, name):
+    collections: list = []
+    with sampled(getattr(args, "py_spy", None), engine_pid, name), client_collections(collections):
         result = run_point(url, prompts, cfg)
     cell = {k: result.metrics.get(k) for k in POINT_KEYS}
+    cell["client_gc"] = collections_during(collections, result.started_at, result.ended_at)
+    if cell["client_gc"]["full"]:
+        print(f"  (the client's full garbage collections during the point: {cell['client_gc']})", flush=True)
     cell.update(turn_figures(before, engine_turns(url)))
     # Since the server's warm-up: a count that grows in a cell is a first-use stall in it.
     cell["late_triton_compiles"] = ((server_info(url) or {}).get("internal_states") or [{}])[0].get(
@@ -129,6 +134,31 @@ def server_cell(url: str, args, concurrency: int, spec: dict, engine_pid: int | 
     if failed:
         cell["first_failure"] = f"{failed[0].error}: {failed[0].detail}"
     return cell
+
+
+@contextlib.contextmanager
+def client_collections(out: list):
+    """This process's garbage collections meanwhile, as (wall time at the start, generation,
+    seconds): a full one in the client is a pause in the point's sending and reading."""
+    started = [0.0, 0.0]
+
+    def hook(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = time.time(), time.perf_counter()
+        else:
+            out.append((started[0], info["generation"], time.perf_counter() - started[1]))
+    gc.callbacks.append(hook)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(hook)
+
+
+def collections_during(seen: list, start: float, end: float) -> dict:
+    """The collections that began during the point's requests (not its warm-up or set-up)."""
+    inside = [(g, s) for t, g, s in seen if start <= t <= end]
+    return {"collections": len(inside), "full": sum(1 for g, _ in inside if g == 2),
+            "ms": round(1000 * sum(s for _, s in inside), 2), "longest_ms": round(1000 * max((s for _, s in inside), default=0), 2)}
 
 
 def engine_pid(proc) -> int | None:
