@@ -68,6 +68,7 @@ def test_the_measured_requests_run_with_the_heap_out_of_the_collections(server, 
     """A full collection of a heap with torch in it stalls the client ~0.1 s, with the server idle
     meanwhile: the point's requests run with what was alive before them frozen, and the heap
     is the caller's again after."""
+    gc.unfreeze()  # whatever an earlier test in this process froze: the client's own case here
     heap = [{"n": i} for i in range(20_000)]  # alive before the point: must not be walked during it
     seen = _freeze_counts(monkeypatch)
     result = run_point(server.url, PROMPTS[:2], BenchConfig(concurrency=2, max_new_tokens=4, warmup=1))
