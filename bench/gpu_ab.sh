@@ -4,6 +4,8 @@
 # first and carried with the working tree (untracked, not ignored):
 #   rm -rf .base && mkdir .base && git archive REV | tar -x -C .base && rm -rf .base/bench/results \
 #       && find .base/assets -type f -size +50k -delete    # the grid on random weights needs no assets
+#   (and, to compare a harness change's records on both sides, that one file from this tree:
+#    git show HEAD:bench/serving_grid.py > .base/bench/serving_grid.py)
 #   BASE=.base RUNS="base new base new" GRID_ARGS="--concurrency 64,16,1 --waves 8 --enable-mixed-chunk --algorithms ar" \
 #       bash bench/gpu_ab.sh
 # Writes $OUT/grid-ab-<side><n>.{json,txt} (and the turn traces, gzipped), and prints each run's summary.
