@@ -707,7 +707,7 @@ class Scheduler:
                 self._advance(active)
         if fresh:
             self._published()  # first tokens leave before the others' round, as promised above
-        if len(live) == 1 and self._lone_round(live[0]) or len(live) > 1:
+        if len(live) > 1 or (live and self._lone_round(live[0])):
             self._step_together(live, len(live))
             return
         for active in live:

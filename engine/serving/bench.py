@@ -458,8 +458,9 @@ def _heap_frozen():
     the builtin server's processes do once ready). A full collection walks the whole heap: with
     torch imported (a bench script, or a job beside one) that is about 0.1 s, in which no request
     is sent and no chunk read, so the server sits idle and the point's throughput and tails count
-    the client's pause. Seen as a 117-134 ms idle engine mid-point at c=64 on an H200
-    (bench/RESULTS.md). A process that had frozen its heap itself keeps it frozen."""
+    the client's pause: the likely cause of an H200 grid's engine sitting idle 117-134 ms at a
+    c=64 wave boundary (bench/RESULTS.md; not yet confirmed). A process that had frozen its heap
+    itself keeps it frozen."""
     frozen_before = gc.get_freeze_count() > 0
     gc.collect()
     gc.freeze()
