@@ -1,0 +1,128 @@
+"""_EventStream's own stream/listener pair (in place of Starlette's anyio task group): a stream
+that ends stops the listener, a client that leaves stops the stream, and errors and cancels of the
+serving task still reach it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ddtree.engine.reference.server import _EventStream
+
+SCOPE = {"type": "http", "asgi": {"spec_version": "2.3"}}
+
+
+class Client:
+    """An ASGI receive that says http.disconnect once `leave` is set, and a send that records."""
+
+    def __init__(self) -> None:
+        self.leave = asyncio.Event()
+        self.sent: list[dict] = []
+        self.sent_one = asyncio.Event()
+
+    async def receive(self) -> dict:
+        await self.leave.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        self.sent.append(message)
+        self.sent_one.set()
+
+
+def bodies(client: Client) -> list[bytes]:
+    return [m["body"] for m in client.sent if m["type"] == "http.response.body"]
+
+
+def others() -> set[asyncio.Task]:
+    return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+
+
+def test_a_stream_that_ends_stops_its_listener():
+    async def main():
+        closed = []
+
+        async def chunks():
+            yield b"a"
+            yield b"b"
+
+        client = Client()
+        await _EventStream(chunks(), lambda: closed.append(1))(SCOPE, client.receive, client.send)
+        await asyncio.sleep(0)
+        return client, closed, others()
+
+    client, closed, left = asyncio.run(main())
+    assert bodies(client) == [b"a", b"b", b""]
+    assert closed == [1]
+    assert left == set()
+
+
+def test_a_client_that_leaves_stops_the_stream_and_releases_it():
+    async def main():
+        closed, never = [], asyncio.Event()
+
+        async def chunks():
+            yield b"a"
+            await never.wait()  # the engine has nothing more yet
+            yield b"b"
+
+        client = Client()
+        serving = asyncio.create_task(_EventStream(chunks(), lambda: closed.append(1))(
+            SCOPE, client.receive, client.send))
+        while not bodies(client):
+            await client.sent_one.wait()
+            client.sent_one.clear()
+        client.leave.set()
+        await serving  # returns: a client leaving is no error
+        await asyncio.sleep(0)
+        return client, closed, others()
+
+    client, closed, left = asyncio.run(main())
+    assert bodies(client) == [b"a"]
+    assert closed == [1]
+    assert left == set()
+
+
+def test_an_error_in_the_body_reaches_the_server():
+    async def main():
+        closed = []
+
+        async def chunks():
+            yield b"a"
+            raise RuntimeError("boom")
+
+        client = Client()
+        with pytest.raises(RuntimeError, match="boom"):
+            await _EventStream(chunks(), lambda: closed.append(1))(SCOPE, client.receive, client.send)
+        await asyncio.sleep(0)
+        return closed, others()
+
+    closed, left = asyncio.run(main())
+    assert closed == [1]
+    assert left == set()
+
+
+def test_cancelling_the_serving_task_cancels_the_stream():
+    async def main():
+        closed, never = [], asyncio.Event()
+
+        async def chunks():
+            yield b"a"
+            await never.wait()
+            yield b"b"
+
+        client = Client()
+        serving = asyncio.create_task(_EventStream(chunks(), lambda: closed.append(1))(
+            SCOPE, client.receive, client.send))
+        while not bodies(client):
+            await client.sent_one.wait()
+            client.sent_one.clear()
+        serving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await serving
+        await asyncio.sleep(0)
+        return closed, others()
+
+    closed, left = asyncio.run(main())
+    assert closed == [1]
+    assert left == set()
