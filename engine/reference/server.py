@@ -91,8 +91,17 @@ class _EventStream(StreamingResponse):
         self.on_close = on_close
 
     async def stream_response(self, send: Any) -> None:
+        # Starlette's, except that the chunk ending in SSE_DONE is the body's last: it goes with
+        # more_body False, so the end of the response costs no write of its own. A request's
+        # final chunk carries its SSE_DONE for the same reason (the chunks() of build_app).
         try:
-            await super().stream_response(send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            ended = False
+            async for chunk in self.body_iterator:  # run to its end, so that its finally runs now
+                ended = chunk.endswith(SSE_DONE)
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+            if not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self.on_close()
 
@@ -310,10 +319,10 @@ def build_app(api: Api) -> Starlette:
                         text_sent, ids_sent = len(r.text), len(r.ids)
                     else:
                         text, ids = r.text, list(r.ids)
-                    yield _sse({"text": text, "output_ids": ids, "meta_info": api.meta_info(req, r, final=r.done)})
+                    piece = _sse({"text": text, "output_ids": ids, "meta_info": api.meta_info(req, r, final=r.done)})
+                    yield piece + SSE_DONE if r.done else piece  # updates() ends after done
             except EngineError as exc:
-                yield _sse({"error": {"message": str(exc)}})
-            yield SSE_DONE
+                yield _sse({"error": {"message": str(exc)}}) + SSE_DONE
 
         return _EventStream(chunks(), run.cancel)
 
@@ -369,19 +378,20 @@ def build_app(api: Api) -> Starlette:
             try:
                 if chat:
                     yield chunk("", None, role=True)
+                last = b""
                 async for r in run.updates():
                     delta = r.text[sent:]
                     sent = len(r.text)
                     if r.done:
-                        yield chunk(delta, finish())
+                        last = chunk(delta, finish())
                     elif delta:
                         yield chunk(delta, None)
                 if include_usage:
-                    yield _sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
-                                "usage": usage()})
+                    last += _sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
+                                  "usage": usage()})
+                yield last + SSE_DONE
             except EngineError as exc:
-                yield _sse({"error": {"message": str(exc), "type": "InternalServerError", "code": 500}})
-            yield SSE_DONE
+                yield _sse({"error": {"message": str(exc), "type": "InternalServerError", "code": 500}}) + SSE_DONE
 
         return _EventStream(chunks(), run.cancel)
 

@@ -126,3 +126,20 @@ def test_cancelling_the_serving_task_cancels_the_stream():
     closed, left = asyncio.run(main())
     assert closed == [1]
     assert left == set()
+
+
+def test_the_chunk_with_done_ends_the_body_in_the_same_send():
+    from ddtree.engine.reference.server import SSE_DONE
+
+    async def main():
+        async def chunks():
+            yield b"data: 1\n\n"
+            yield b"data: 2\n\n" + SSE_DONE
+
+        client = Client()
+        await _EventStream(chunks(), lambda: None)(SCOPE, client.receive, client.send)
+        return client
+
+    client = asyncio.run(main())
+    body = [(m["body"], m["more_body"]) for m in client.sent if m["type"] == "http.response.body"]
+    assert body == [(b"data: 1\n\n", True), (b"data: 2\n\n" + SSE_DONE, False)]
