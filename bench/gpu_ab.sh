@@ -3,7 +3,7 @@
 # grid (each side's own bench script, client and server). The older tree goes in BASE, made here
 # first and carried with the working tree (untracked, not ignored):
 #   rm -rf .base && mkdir .base && git archive REV | tar -x -C .base && rm -rf .base/bench/results \
-#       && find .base/assets -type f -size +50k -delete    # the grid on random weights needs no assets
+#       && find .base/assets/demo -type f -size +50k -delete    # the grid on random weights needs no demo pair (it does need assets/prompts)
 #   (and, to compare a harness change's records on both sides, that one file from this tree:
 #    git show HEAD:bench/serving_grid.py > .base/bench/serving_grid.py)
 #   BASE=.base RUNS="base new base new" GRID_ARGS="--concurrency 64,16,1 --waves 8 --enable-mixed-chunk --algorithms ar" \
@@ -13,6 +13,8 @@ set -u
 OUT=${OUT:?set OUT}
 BASE=${BASE:-.base}
 [ -d "$BASE" ] || { echo "no $BASE: see this script's header" >&2; exit 1; }
+# The grid's prompts are an asset: a base made without them fails every cell (12-07's first try).
+[ -s "$BASE/assets/prompts/code.jsonl" ] || { echo "$BASE has no assets/prompts/code.jsonl: see this script's header" >&2; exit 1; }
 ln -sfn "$PWD/.whl" "$BASE/.whl"
 n=0
 for side in ${RUNS:-base new base new}; do
