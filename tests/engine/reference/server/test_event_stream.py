@@ -57,21 +57,27 @@ def test_a_stream_that_ends_stops_its_listener():
     assert left == set()
 
 
+async def stalled_stream(client: Client, closed: list) -> asyncio.Task:
+    """A stream that has sent its first chunk and waits for an update that never comes."""
+    never = asyncio.Event()
+
+    async def chunks():
+        yield b"a"
+        await never.wait()  # the engine has nothing more yet
+        yield b"b"
+
+    serving = asyncio.create_task(_EventStream(chunks(), lambda: closed.append(1))(
+        SCOPE, client.receive, client.send))
+    while not bodies(client):
+        await client.sent_one.wait()
+        client.sent_one.clear()
+    return serving
+
+
 def test_a_client_that_leaves_stops_the_stream_and_releases_it():
     async def main():
-        closed, never = [], asyncio.Event()
-
-        async def chunks():
-            yield b"a"
-            await never.wait()  # the engine has nothing more yet
-            yield b"b"
-
-        client = Client()
-        serving = asyncio.create_task(_EventStream(chunks(), lambda: closed.append(1))(
-            SCOPE, client.receive, client.send))
-        while not bodies(client):
-            await client.sent_one.wait()
-            client.sent_one.clear()
+        client, closed = Client(), []
+        serving = await stalled_stream(client, closed)
         client.leave.set()
         await serving  # returns: a client leaving is no error
         await asyncio.sleep(0)
@@ -104,19 +110,8 @@ def test_an_error_in_the_body_reaches_the_server():
 
 def test_cancelling_the_serving_task_cancels_the_stream():
     async def main():
-        closed, never = [], asyncio.Event()
-
-        async def chunks():
-            yield b"a"
-            await never.wait()
-            yield b"b"
-
-        client = Client()
-        serving = asyncio.create_task(_EventStream(chunks(), lambda: closed.append(1))(
-            SCOPE, client.receive, client.send))
-        while not bodies(client):
-            await client.sent_one.wait()
-            client.sent_one.clear()
+        client, closed = Client(), []
+        serving = await stalled_stream(client, closed)
         serving.cancel()
         with pytest.raises(asyncio.CancelledError):
             await serving
