@@ -118,10 +118,18 @@ class _EventStream(StreamingResponse):
         streaming.add_done_callback(lambda _: listening.cancel())
         listening.add_done_callback(lambda _: streaming.cancel())
         try:
-            await streaming
+            # wait() leaves the stream alone when this task is cancelled, so a CancelledError here
+            # is always this task's own (a shutdown), never the stream's ended by the listener.
+            await asyncio.wait((streaming,))
         except asyncio.CancelledError:
-            if not listening.done() or listening.cancelled():
-                raise  # this task was cancelled, not the stream ended by the client leaving
+            streaming.cancel()
+            listening.cancel()
+            await asyncio.wait((streaming, listening))  # the request released before this ends
+            raise
+        if streaming.cancelled():
+            listening.result()  # the client left: nothing, or what receive() raised
+            return
+        streaming.result()
         if self.background is not None:
             await self.background()
 

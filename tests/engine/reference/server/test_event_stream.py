@@ -138,3 +138,46 @@ def test_the_chunk_with_done_ends_the_body_in_the_same_send():
     client = asyncio.run(main())
     body = [(m["body"], m["more_body"]) for m in client.sent if m["type"] == "http.response.body"]
     assert body == [(b"data: 1\n\n", True), (b"data: 2\n\n" + SSE_DONE, False)]
+
+
+@pytest.mark.parametrize("leave_first", [False, True])
+def test_a_cancel_of_the_serving_task_is_kept_when_the_client_leaves_at_once(leave_first):
+    # A shutdown's cancel and a disconnect in the same loop turn: the cancel must still reach
+    # whoever cancelled (Starlette's own __call__ keeps it too).
+    async def main():
+        client, closed = Client(), []
+        serving = await stalled_stream(client, closed)
+        if leave_first:
+            client.leave.set()
+        serving.cancel()
+        client.leave.set()
+        with pytest.raises(asyncio.CancelledError):
+            await serving
+        await asyncio.sleep(0)
+        return closed, others()
+
+    closed, left = asyncio.run(main())
+    assert closed == [1]
+    assert left == set()
+
+
+def test_an_error_in_receive_reaches_the_server():
+    async def main():
+        client, closed = Client(), []
+        broken = asyncio.Event()
+
+        async def receive() -> dict:
+            await broken.wait()
+            raise RuntimeError("receive failed")
+
+        client.receive = receive
+        serving = await stalled_stream(client, closed)
+        broken.set()
+        with pytest.raises(RuntimeError, match="receive failed"):
+            await serving
+        await asyncio.sleep(0)
+        return closed, others()
+
+    closed, left = asyncio.run(main())
+    assert closed == [1]
+    assert left == set()
