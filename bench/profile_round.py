@@ -220,7 +220,13 @@ def main(argv=None) -> int:
                         "torch's cuBLASLt path (preferred_blas_library) with torch's workspace")
     p.add_argument("--split", action="store_true",
                    help="after the profiles, each DDTree budget's round split into draft / tree / verify / "
-                        "commit, synchronised (bench_engine.round_ms), 20 rounds")
+                        "commit, synchronised (bench_engine.round_ms), 20 rounds, no draft ahead")
+    p.add_argument("--draft-ahead", default="on", choices=("on", "off", "both"),
+                   help="a lone session's next draft step queued before the host reads its walk (FastPath."
+                        "draft_ahead); both: each drafting row twice, on then off (rows named ...-noahead)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="profile the whole list of rows this many times, in turn (rows after the first "
+                        "pass named ...-r2, ...-r3), so a difference can be told from drift")
     p.add_argument("--out")
     args = p.parse_args(argv)
     if args.blas != "engine":
@@ -231,12 +237,19 @@ def main(argv=None) -> int:
             torch.backends.cuda.preferred_blas_library("cublaslt")
     with torch.inference_mode():
         engine, prompt = load(args)
-        specs = [("ar", SpecParams("ar")), ("dflash", SpecParams("dflash"))]
-        specs += [(f"ddtree-{b}", SpecParams("ddtree", b)) for b in args.budgets]
+        base = [("ar", SpecParams("ar")), ("dflash", SpecParams("dflash"))]
+        base += [(f"ddtree-{b}", SpecParams("ddtree", b)) for b in args.budgets]
+        modes = {"on": [True], "off": [False], "both": [True, False]}[args.draft_ahead]
+        specs = []
+        for r in range(1, args.repeats + 1):
+            tag = f"-r{r}" if r > 1 else ""
+            for name, spec in base:
+                for ahead in (modes if spec.algorithm != "ar" else modes[:1]):
+                    specs.append((name + ("" if ahead or args.draft_ahead == "off" else "-noahead") + tag, spec, ahead))
         result = {"pair": args.pair, "device": args.device, "attention": engine.attention, "batch": args.batch,
                   "pool_slots": args.pool_slots, "one_graph": args.one_graph, "folds": not args.no_folds,
                   "rows_kernel": not args.no_rows, "wide_rows": args.wide_rows, "one_row_attention": args.one_row_attention,
-                  "blas": args.blas, "rows": {}}
+                  "blas": args.blas, "draft_ahead": args.draft_ahead, "rows": {}}
         gemv, drafts = engine.target.model.gemv, engine.impl.drafts
         result["few_row_tune"] = {"target": {str(k): v for k, v in sorted(gemv.measured_rows.items())},
                                   "target_picked": {str(k): str(v) for k, v in sorted(gemv.picked_rows.items())},
@@ -245,7 +258,8 @@ def main(argv=None) -> int:
         print(f"[{args.pair}] few-row kernel: target {len(gemv.picked_rows)} of {len(gemv.measured_rows)} (rows, shape), "
               f"drafter {len(drafts.linear.kernel) if drafts else 0} of {len(drafts.linear.measured) if drafts else 0}",
               flush=True)
-        for name, spec in specs:
+        for name, spec, ahead in specs:
+            engine.impl.draft_ahead = ahead
             result["rows"][name] = row = profile(engine, prompt, spec, args.rounds, args.device, args.top,
                                                  shapes=args.eager, batch=args.batch, one_graph=args.one_graph)
             print(f"[{args.pair} {engine.attention}] {name}: wall {row['wall_ms_per_round']} ms/round, GPU busy "
@@ -256,6 +270,8 @@ def main(argv=None) -> int:
                 print(f"    {k['us_per_round']:9.2f} us idle x{k['per_round']:<6} before {k['before']}", flush=True)
             for k in row.get("top_ops", [])[:12]:
                 print(f"    {k['us_per_round']:9.2f} us  x{k['per_round']:<6} {k['op']} {k['shapes']}", flush=True)
+        # The split syncs between a round's parts: a draft run ahead would land in "commit".
+        engine.impl.draft_ahead = False
         if args.split:
             result["split"] = {str(b): row for b, row in round_ms(engine, prompt, args.budgets, 20).items()}
             for b, row in result["split"].items():

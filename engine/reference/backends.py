@@ -81,9 +81,10 @@ class TransformersPath:
         """The target forward over a tree's nodes after `start` committed rows, features on."""
         return self.engine.target.forward(tree.tokens, tree.depths + start, cache, mask, features=True)
 
-    def walk_logits(self, tree: Tree, logits: torch.Tensor, choose, greedy: bool
+    def walk_logits(self, tree: Tree, logits: torch.Tensor, choose, greedy: bool, *, ahead: bool = False
                     ) -> tuple[torch.Tensor, list[int], list[int]]:
-        """walk(tree, choose(logits)): the target's choice at every node (logits [n, V]), then the walk."""
+        """walk(tree, choose(logits)): the target's choice at every node (logits [n, V]), then the
+        walk. ahead (a next draft may follow) is for the fast path; nothing here runs ahead."""
         return self.walk(tree, choose(logits))
 
     def accepted_features(self, features: torch.Tensor, path: torch.Tensor) -> torch.Tensor:

@@ -198,7 +198,7 @@ class Session:
         t2 = self.engine.clock()
         out = engine.impl.verify(tree, self._start, self._cache, mask)
         t3 = self.engine.clock()
-        path, path_list, new = self._walk(tree, out.logits)
+        path, path_list, new = self._walk(tree, out.logits, ahead=self._may_draft_again())
         self._cache.compact(self._start, path, path_list)
         features = engine.impl.accepted_features(out.features, path)
         committed = self._advance(path_list, new, features, drafted=True)
@@ -210,9 +210,17 @@ class Session:
         return committed
 
     # ---- round pieces shared with the batched step (batch.py) -------------------------------
-    def _walk(self, tree: Tree, logits: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
-        """The target's choice at every node (logits [n, V]), the accepted path and the new tokens."""
-        return self.engine.impl.walk_logits(tree, logits, self._choose, self.gen.greedy)
+    def _walk(self, tree: Tree, logits: torch.Tensor, ahead: bool = False) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The target's choice at every node (logits [n, V]), the accepted path and the new
+        tokens. ahead: the backend may start the next round's draft before the host reads the walk."""
+        return self.engine.impl.walk_logits(tree, logits, self._choose, self.gen.greedy, ahead=ahead)
+
+    def _may_draft_again(self) -> bool:
+        """Whether a round that commits one token leaves room for another drafted round (a
+        draft run ahead of a round that never comes is wasted GPU time, not a wrong token)."""
+        wanted = self.gen.max_new_tokens - len(self.output_ids) - 1
+        room = self.engine.context_window - self._start - 1
+        return min(self.engine.block_size - 1, wanted - 1, room - 1) > 0
 
     def _advance(self, path_list: list[int], new: list[int], features: torch.Tensor | None, *,
                  drafted: bool) -> list[int]:

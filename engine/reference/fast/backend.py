@@ -13,7 +13,10 @@ On a slot each graph writes what the next one reads, where it reads it, so a rou
 replays and a few fills (fast/probe.HostWork counts them): the draft step (append + block) writes
 its logits where the slot's tree (or chain) graph reads them; that graph writes the verify's
 inputs and the walk's parents into the target's stage (FastTarget.stage_tree); the walk takes
-the greedy argmax itself and writes the accepted features into the drafter's staging rows.
+the greedy argmax itself and writes the accepted features, their count and the bonus into the
+drafter's inputs. So the next round's draft step needs nothing from the host, and a session
+stepping alone has it replayed right after the walk, before the host waits for the walk's result
+(walk_logits, draft ahead): the GPU drafts while the host books the round and comes back.
 """
 
 from __future__ import annotations
@@ -99,6 +102,11 @@ class FastPath:
         self._parents_staged: torch.Tensor | None = None
         self._pool = None
         self.pool = None
+        # id(a slot's drafter count tensor, its walks' draft_next[0]) -> that slot's drafter cache.
+        self._next_of: dict[int, object] = {}
+        # Queue a lone session's next draft step before reading its walk (walk_logits); off
+        # only to measure what it saves (bench/profile_round.py --draft-ahead).
+        self.draft_ahead = True
         # Homogeneous greedy rounds on the pool run as one graph per shape on CUDA
         # (fast/batch_graph.py); batch_static runs that code without graphs (tests, on a CPU).
         self.batch_static = False
@@ -176,6 +184,7 @@ class FastPath:
                     self.drafts._compiled_block = None
                     self.drafts.capture(draft_cache)
                 cache.sink = draft_cache.static.feats
+                cache.draft_next = (draft_cache.static.count, draft_cache.static.ids)
                 cache.max_path = draft_cache.static.ids.shape[0]
             try:
                 self.target.capture(cache)
@@ -253,8 +262,10 @@ class FastPath:
             # Walks of this slot stage the accepted features in the drafter's rows (commit.py);
             # a walk graph captured without a sink keeps writing none (it says so on its io).
             cache.sink = static.feats
+            cache.draft_next = (static.count, static.ids)
             cache.max_path = static.ids.shape[0]  # a tree of the drafter's block: at most B nodes deep
             self._sources[static.out.data_ptr()] = (static.out, static.ids, cache)
+            self._next_of[id(static.count)] = draft_cache
         self._slots.append(pair)
         self._free.append(pair)
 
@@ -395,20 +406,44 @@ class FastPath:
         return self.walk_logits(tree, None, lambda _logits: posterior, False, int(posterior.shape[0]))
 
     def walk_logits(self, tree: Tree, logits: torch.Tensor | None, choose, greedy: bool,
-                    n: int | None = None) -> tuple[torch.Tensor, list[int], list[int]]:
+                    n: int | None = None, *, ahead: bool = False) -> tuple[torch.Tensor, list[int], list[int]]:
         """walk(tree, choose(logits)), where a greedy walk after a static verify takes the
-        argmax inside the walk graph (no argmax launched, the logits never leave the stage)."""
+        argmax inside the walk graph (no argmax launched, the logits never leave the stage).
+
+        ahead: a next round may draft. On a slot whose walk writes the drafter's inputs, that
+        round's draft step is then queued right after the walk, before the host waits for the
+        walk's result, so the GPU drafts while the host books this round and comes back
+        (FastDrafter.draft_ahead; its next draft() takes the logits, anything else drops them)."""
         n = tree.size if n is None else n
         last = self.target.take_verify(n)
         staged, self._parents_staged = self._parents_staged, None
         if last is not None and tree.size == last.n:
             parents = None if staged is tree.tokens else tree.parents
+            draft = self._ahead_cache(last.cache()) if ahead and self.draft_ahead else None
+            then = None
+            if draft is not None:
+                def then(draft=draft, start=last.start):
+                    self.drafts.draft_ahead(draft, start)
             if greedy:
-                return self.target.walk_commit(last, parents, None, greedy=True, copy=False)
-            return self.target.walk_commit(last, parents, choose(logits), copy=False)
+                out = self.target.walk_commit(last, parents, None, greedy=True, copy=False, then=then)
+            else:
+                out = self.target.walk_commit(last, parents, choose(logits), copy=False, then=then)
+            if self.target.wrote_next:
+                self.drafts.note_ahead(self._next_of[id(last.cache().draft_next[0])], len(out[1]), out[2][-1])
+            return out
         posterior = choose(logits)
         order, count = walk_device(tree, posterior)
         return fetch_walk(tree, posterior, order, count)
+
+    def _ahead_cache(self, cache):
+        """The slot's drafter cache whose next draft step can run ahead of this cache's walk, or None."""
+        if cache is None or cache.draft_next is None:
+            return None
+        draft = self._next_of.get(id(cache.draft_next[0]))
+        static = draft.static if draft is not None else None
+        if static is None or not static.buckets or static.buckets[-1] < (cache.max_path or 0):
+            return None
+        return draft
 
     def accepted_features(self, features: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
         """The accepted rows' features for the next draft (where the walk staged them, no copy)."""

@@ -96,6 +96,9 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         from ddtree.engine.reference.fast import batch_graph
 
         members = [sessions[i] for i in pooled]
+        for s in members:  # a draft step run ahead while one stepped alone is not this round's
+            if s._draft_cache is not None:
+                engine.impl.drafts.settle(s._draft_cache)
         append_prompts(engine, members)
         impl = engine.impl
         kind = batch_graph.eligible(engine, members) if (impl.graphs or impl.batch_static) else None

@@ -83,6 +83,9 @@ class StaticKVCache:
         # A drafter's staging rows [r, W] where walks put the accepted features (backend.py
         # pairs a slot's two caches), or None.
         self.sink: torch.Tensor | None = None
+        # The drafter's (append count, block ids) where walks put the accepted count and the
+        # bonus (commit.walk_commit_static), or None.
+        self.draft_next: tuple | None = None
         # The most nodes a walk can accept (a drafter's block: the bonus and its drafts), so a
         # walk moves only that many K/V rows; None: up to the whole query.
         self.max_path: int | None = None
@@ -109,6 +112,7 @@ class StaticKVCache:
         cache.moved = None
         cache.slot = None
         cache.sink = None
+        cache.draft_next = None
         cache.max_path = None
         cache.set_length(0)
         return cache
@@ -123,6 +127,7 @@ class StaticKVCache:
         other.stages, other.graphs, other.walks = self.stages, self.graphs, self.walks
         other.spans = self.spans
         other.sink = self.sink
+        other.draft_next = self.draft_next
         other.max_path = self.max_path
         other.slot = self.slot
         other.moved = None

@@ -33,6 +33,7 @@ class WalkIO:
     greedy: torch.Tensor      # 0-dim bool (input): take the argmax of the verify's logits, not posterior
     graph: object = None      # the captured walk, or None (run walk_commit_static)
     sink: torch.Tensor | None = None  # the feature sink the captured walk writes (see capture)
+    draft_next: tuple | None = None   # the drafter's (count, ids) the captured walk writes
     # What the device inputs hold now (None: unknown), so a round refills only what changed.
     count_set: int | None = None
     greedy_set: bool | None = None
@@ -60,7 +61,7 @@ def set_walk_inputs(io: WalkIO, n: int, greedy: bool) -> None:
 
 def walk_commit_static(tokens: torch.Tensor, visible: torch.Tensor, io: WalkIO, cache,
                        logits: torch.Tensor | None = None, features: torch.Tensor | None = None,
-                       sink: torch.Tensor | None = None) -> None:
+                       sink: torch.Tensor | None = None, draft_next: tuple | None = None) -> None:
     """tokens [q] (the verify's ids), visible [q, q] bool (its ancestor matrix, padded rows see
     themselves only); writes io.packed and moves the cache's accepted rows. No host sync.
 
@@ -68,7 +69,10 @@ def walk_commit_static(tokens: torch.Tensor, visible: torch.Tensor, io: WalkIO, 
     (taken here, so a greedy round launches no argmax of its own) instead of io.posterior.
     features [q, W] and sink [r, W]: the features of the first r rows in walk order go to the
     sink (the drafter's staging rows, fast/draft.py), the accepted ones first, so the next draft
-    reads them where they are."""
+    reads them where they are. draft_next: the drafter's append count (0-dim long) and block ids
+    [B] long, which get the accepted count and the bonus: with the sink, everything the next
+    draft step reads, so it can be launched before the host has read this walk (a draft ahead,
+    backend.py)."""
     q = int(tokens.shape[0])
     idx = io.arange
     real = idx < io.count
@@ -101,3 +105,8 @@ def walk_commit_static(tokens: torch.Tensor, visible: torch.Tensor, io: WalkIO, 
     if sink is not None and features is not None:
         rows = min(q, int(sink.shape[0]))
         sink[:rows].copy_(features.index_select(0, order[:rows]))
+    if draft_next is not None:
+        real = io.count > 0  # a capture's warm-up has no real nodes: leave the drafter's inputs
+        next_count, next_ids = draft_next
+        next_count.copy_(torch.where(real, count, next_count))
+        next_ids[:1].copy_(torch.where(real, bonus, next_ids[:1]))

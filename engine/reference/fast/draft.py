@@ -162,6 +162,9 @@ class _StaticIO:
     out: torch.Tensor          # [B-1, V] float32: what a whole draft step (append + block) writes
     bonus_set: int | None = None  # the bonus ids[0] holds now (None: unknown)
     count_set: int | None = None  # the count `count` holds now
+    # (context rows before it, count, bonus) of a draft step already run ahead on these inputs
+    # (FastDrafter.draft_ahead): its rows are in and length_t counts them, the host length not yet.
+    ahead: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -215,6 +218,8 @@ class DraftContextCache:
         """Empty the cache in place, keeping its buffers and graphs for the next sequence."""
         self.length = 0
         self.length_t.zero_()
+        if self.static is not None:
+            self.static.ahead = None
 
 
 class FastDrafter:
@@ -338,6 +343,7 @@ class FastDrafter:
     @torch.no_grad()
     def append(self, pending: torch.Tensor, cache: DraftContextCache) -> None:
         """Add the features [p, K*H] of positions length..length+p-1 to the cache."""
+        self.settle(cache)
         if pending.dim() != 2 or pending.shape[1] != self.feature_width:
             raise BadParams(f"pending features must be [rows, {self.feature_width}], got {tuple(pending.shape)}")
         p = pending.shape[0]
@@ -441,6 +447,7 @@ class FastDrafter:
         if static is None:
             hidden = self._block_eager(self._block_ids(bonus), start, cache)
             return self.linear(self.lm_head, hidden[1:]).float()
+        self.settle(cache)
         self._set_bonus(static, bonus)
         static.start.fill_(start)
         if cache.graphs is not None:
@@ -458,6 +465,13 @@ class FastDrafter:
             raise BadParams(f"draft depth {depth} outside 0..{self.block_size - 1} (the drafter's block)")
         static = cache.static
         p = int(pending.shape[0])
+        if static is not None and static.ahead is not None:
+            if static.ahead == (cache.length, p, bonus) and start == cache.length + p \
+                    and self.staged_in_place(pending, cache):
+                static.ahead = None  # this step already ran: its logits are in static.out
+                cache.length += p
+                return static.out[:depth]
+            self.settle(cache)
         if static is not None and p > 0 and cache.length + p == start:
             if cache.length + p > cache.capacity:
                 raise BadParams(f"drafter cache full: {cache.length} + {p} rows exceed capacity "
@@ -476,6 +490,38 @@ class FastDrafter:
             hidden = self._block_eager(self._block_ids(bonus), start, cache)
             return self.linear(self.lm_head, hidden[1:1 + depth]).float()
         return self.block(bonus, start, cache)[:depth]
+
+    def draft_ahead(self, cache: DraftContextCache, length: int) -> None:
+        """Run the next draft step now, from what a walk wrote into this cache's inputs (the
+        accepted features in the staging rows, their count, the bonus in ids[0]; commit.py),
+        before the host knows how many rows that is: the widest append bucket, with `count` rows
+        real. length: the context rows before them (the session's host length). The host then
+        calls note_ahead with the count and bonus it read, and the next draft() with those takes
+        the logits without running anything (anything else settles first)."""
+        static = cache.static
+        widest = static.buckets[-1]
+        if cache.graphs is not None:
+            cache.graphs.drafts[widest].replay()
+        else:  # the same code on a CPU
+            self._draft_static(cache, widest)
+        static.ahead = (length, None, None)
+
+    @staticmethod
+    def note_ahead(cache: DraftContextCache, count: int, bonus: int) -> None:
+        """What the last walk wrote into the drafter's inputs (and the draft run ahead on them)."""
+        static = cache.static
+        static.count_set, static.bonus_set = count, bonus
+        if static.ahead is not None:
+            static.ahead = (static.ahead[0], count, bonus)
+
+    @staticmethod
+    def settle(cache: DraftContextCache) -> None:
+        """Drop a draft step run ahead that will not be used: its rows past the host length stay
+        unread, and the device length goes back to the host's."""
+        static = cache.static
+        if static is not None and static.ahead is not None:
+            static.ahead = None
+            cache.length_t.fill_(cache.length)
 
     def _set_bonus(self, target: torch.Tensor | _StaticIO, bonus: int | torch.Tensor) -> None:
         """Write the bonus into ids[0] (target: the ids, or a static cache's inputs, where an int

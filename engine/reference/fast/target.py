@@ -28,6 +28,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
@@ -147,6 +148,9 @@ class FastTarget(HeadShapes):
         self._last: _Verify | None = None
         # (sink, count) after a walk that staged the accepted features in a drafter's rows.
         self.staged: tuple[torch.Tensor, int] | None = None
+        self.wrote_next = False  # whether the last walk_commit wrote the drafter's next inputs
+        self._pinned: dict[int, torch.Tensor] = {}  # walk results read back (_read_packed)
+        self._read_done = torch.cuda.Event() if self.device.type == "cuda" else None
         model.rope(self._arange[:1], self.dtype)  # moves the RoPE table to the device now, not in a capture
 
     def new_cache_rows(self) -> int:
@@ -403,7 +407,8 @@ class FastTarget(HeadShapes):
 
     @torch.no_grad()
     def walk_commit(self, last: _Verify, parents: torch.Tensor, posterior: torch.Tensor | None,
-                    greedy: bool = False, copy: bool = True) -> tuple[torch.Tensor, list[int], list[int]]:
+                    greedy: bool = False, copy: bool = True,
+                    then: Callable[[], None] | None = None) -> tuple[torch.Tensor, list[int], list[int]]:
         """The walk and commit of a static verify: (path, path_list, new_tokens) as fetch_walk.
 
         parents [n] and posterior [n] long: the tree's parents (None: stage_tree wrote them) and
@@ -412,7 +417,12 @@ class FastTarget(HeadShapes):
         in the stage, gathers the accepted K/V rows to start.. and packs count, order and tokens;
         one transfer reads them. The cache then skips the row move in compact(start, path,
         path_list). Where the cache has a feature sink (a drafter's staging rows), the accepted
-        features land there too and `staged` says so.
+        features land there too and `staged` says so; where it has the drafter's inputs too
+        (draft_next), `wrote_next` says the walk wrote them.
+
+        then: work to queue on the device after the walk and before the host waits for it (the
+        next round's draft step, backend.FastPath): the packed result comes back through a
+        pinned buffer and an event, so the host does not wait for that work too.
         """
         cache, stage, q, n = last.cache(), last.stage, last.q, last.n
         io = cache.walks.get(q)
@@ -425,18 +435,37 @@ class FastTarget(HeadShapes):
         set_walk_inputs(io, n, greedy)
         if io.graph is not None:
             io.graph.replay()
-            sink = io.sink
+            sink, draft_next = io.sink, io.draft_next
         else:
-            sink = cache.sink
-            walk_commit_static(stage.ids, stage.tree, io, cache, stage.logits, stage.features, sink)
-        packed = io.packed.tolist()  # the round's one host sync
+            sink, draft_next = cache.sink, cache.draft_next
+            walk_commit_static(stage.ids, stage.tree, io, cache, stage.logits, stage.features, sink, draft_next)
+        packed = self._read_packed(io.packed, then if draft_next is not None else None)  # the round's one sync
         c = packed[0]
+        self.wrote_next = draft_next is not None
         cache.moved = (last.start, c)
         self.staged = (sink, c) if sink is not None and stage.features is not None else None
         path = io.packed[1:1 + c]
         if copy:  # the buffer is rewritten by the next walk (copy=False: a round reads it first)
             path = path.clone()
         return path, packed[1:1 + c], packed[1 + q:1 + q + c]
+
+    def _read_packed(self, packed: torch.Tensor, then: Callable[[], None] | None) -> list[int]:
+        """packed as a list, with `then` queued after it on the device and not waited for."""
+        if then is None:
+            return packed.tolist()
+        if packed.device.type != "cuda":
+            out = packed.tolist()
+            then()
+            return out
+        n = int(packed.shape[0])
+        host = self._pinned.get(n)
+        if host is None:
+            host = self._pinned[n] = torch.empty(n, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        self._read_done.record()
+        then()
+        self._read_done.synchronize()
+        return host.tolist()
 
     def accepted_features(self, features: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
         """The features of the accepted rows [c, W]: the sink's rows where the last walk staged
@@ -525,9 +554,11 @@ class FastTarget(HeadShapes):
                     io.count_set = None
                     io.graph = None
                     io.sink = cache.sink  # what this graph writes the accepted features to
+                    io.draft_next = cache.draft_next
 
                     def walk(stage=stage, io=io):
-                        walk_commit_static(stage.ids, stage.tree, io, cache, stage.logits, stage.features, io.sink)
+                        walk_commit_static(stage.ids, stage.tree, io, cache, stage.logits, stage.features, io.sink,
+                                           io.draft_next)
                     io.graph = record_graph(walk, pool, self.device, _WARMUP_RUNS)[0]
         torch.cuda.synchronize(self.device)
         for q, kv in sorted(graphs):

@@ -123,8 +123,8 @@ def test_batched_against_plain_ar_with_a_branching_oracle():
     skipped = []
     walk = Session._walk
 
-    def recording_walk(self, tree, logits):
-        path, path_list, new = walk(self, tree, logits)
+    def recording_walk(self, tree, logits, ahead=False):
+        path, path_list, new = walk(self, tree, logits, ahead)
         skipped.append(path_list[-1] != len(path_list) - 1)
         return path, path_list, new
 

@@ -40,3 +40,21 @@ def test_a_round_is_four_replays_one_sync_and_a_few_fills(fast, spec):
             assert work.launches <= 4, work.ops
     finally:
         sess.close()
+
+
+@pytest.mark.parametrize("spec", [SpecParams("ddtree", 16), SpecParams("dflash")], ids=["ddtree", "dflash"])
+def test_drafts_run_ahead_on_graphs_decode_what_drafts_run_in_turn_decode(fast, spec):
+    """The next draft step replayed before the host reads the walk (FastDrafter.draft_ahead):
+    the same tokens and acceptance as the draft step replayed at the next round's start, and
+    its logits are taken, not drafted again."""
+    prompts = [list(range(3, 40)), list(range(50, 61)), [7, 1, 7, 1, 9] * 6]
+    gen = GenParams(max_new_tokens=120, ignore_eos=True)
+    runs = {}
+    for ahead in (True, False):
+        fast.impl.draft_ahead = ahead
+        try:
+            runs[ahead] = [fast.generate(p, gen, spec) for p in prompts]
+        finally:
+            fast.impl.draft_ahead = True
+    for a, b in zip(runs[True], runs[False]):
+        assert a.output_ids == b.output_ids and a.accept_lengths == b.accept_lengths
