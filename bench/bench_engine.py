@@ -93,9 +93,13 @@ def host_work(sess, rounds: int = 3) -> dict:
 def round_ms(engine, prompt, budgets: list[int], repeats: int) -> dict:
     """A DDTree round's parts (draft / tree / verify / commit), synchronised, median over rounds;
     "commit" holds the walk (decode times everything after the verify forward as commit). Each
-    budget's row also counts a round's host work (host_work)."""
+    budget's row also counts a round's host work (host_work). The fast path's draft ahead is off
+    meanwhile: synchronised, the next round's draft step would be timed as this round's commit."""
     from ddtree.engine.reference.engine import GenParams, SpecParams
 
+    ahead = getattr(engine.impl, "draft_ahead", None)
+    if ahead is not None:
+        engine.impl.draft_ahead = False
     engine.sync_timings = True
     rounds = {}
     for budget in budgets:
@@ -118,6 +122,8 @@ def round_ms(engine, prompt, budgets: list[int], repeats: int) -> dict:
         med.update(work)
         rounds[budget] = med
     engine.sync_timings = False
+    if ahead is not None:
+        engine.impl.draft_ahead = ahead
     return rounds
 
 

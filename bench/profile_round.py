@@ -270,8 +270,6 @@ def main(argv=None) -> int:
                 print(f"    {k['us_per_round']:9.2f} us idle x{k['per_round']:<6} before {k['before']}", flush=True)
             for k in row.get("top_ops", [])[:12]:
                 print(f"    {k['us_per_round']:9.2f} us  x{k['per_round']:<6} {k['op']} {k['shapes']}", flush=True)
-        # The split syncs between a round's parts: a draft run ahead would land in "commit".
-        engine.impl.draft_ahead = False
         if args.split:
             result["split"] = {str(b): row for b, row in round_ms(engine, prompt, args.budgets, 20).items()}
             for b, row in result["split"].items():
