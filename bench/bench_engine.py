@@ -93,13 +93,10 @@ def host_work(sess, rounds: int = 3) -> dict:
 def round_ms(engine, prompt, budgets: list[int], repeats: int) -> dict:
     """A DDTree round's parts (draft / tree / verify / commit), synchronised, median over rounds;
     "commit" holds the walk (decode times everything after the verify forward as commit). Each
-    budget's row also counts a round's host work (host_work). The fast path's draft ahead is off
-    meanwhile: synchronised, the next round's draft step would be timed as this round's commit."""
+    budget's row also counts a round's host work (host_work), unsynchronised, as served. (The
+    fast path runs no draft ahead while a round's parts are timed: FastPath.walk_logits.)"""
     from ddtree.engine.reference.engine import GenParams, SpecParams
 
-    ahead = getattr(engine.impl, "draft_ahead", None)
-    if ahead is not None:
-        engine.impl.draft_ahead = False
     engine.sync_timings = True
     rounds = {}
     for budget in budgets:
@@ -108,12 +105,16 @@ def round_ms(engine, prompt, budgets: list[int], repeats: int) -> dict:
         for _ in range(4):  # prefill, then warm rounds
             sess.step()
         per = {k: [] for k in ("draft", "tree", "verify", "commit")}
-        for _ in range(repeats):
-            before = dict(sess.timings)
-            sess.step()
-            for k in per:
-                per[k].append((sess.timings[k] - before[k]) * 1000)
+        try:
+            for _ in range(repeats):
+                before = dict(sess.timings)
+                sess.step()
+                for k in per:
+                    per[k].append((sess.timings[k] - before[k]) * 1000)
+        finally:
+            engine.sync_timings = False
         work = host_work(sess)
+        engine.sync_timings = True
         sess.close()
         med = {k: round(statistics.median(v), 3) for k, v in per.items()}
         med["round"] = round(sum(med[k] for k in per), 3)
@@ -122,8 +123,6 @@ def round_ms(engine, prompt, budgets: list[int], repeats: int) -> dict:
         med.update(work)
         rounds[budget] = med
     engine.sync_timings = False
-    if ahead is not None:
-        engine.impl.draft_ahead = ahead
     return rounds
 
 

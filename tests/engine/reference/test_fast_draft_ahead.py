@@ -69,6 +69,18 @@ def test_drafts_run_ahead_decode_what_the_reference_decodes(spec, counts):
     assert counts["dropped"] == 0
 
 
+def test_no_draft_runs_ahead_while_a_rounds_parts_are_timed(counts):
+    """With Engine.sync_timings each part of a round is timed after the GPU drains: a draft
+    ahead would be timed as the commit, so none runs (bench_engine.round_ms's split)."""
+    fast = _fast(1)
+    fast.sync_timings = True
+    fast.generate(PROMPTS[0], GenParams(max_new_tokens=30, ignore_eos=True), SpecParams("ddtree", 16))
+    assert counts["ahead"] == 0
+    fast.sync_timings = False
+    fast.generate(PROMPTS[0], GenParams(max_new_tokens=30, ignore_eos=True), SpecParams("ddtree", 16))
+    assert counts["ahead"] > 0
+
+
 def test_sampled_rounds_draw_the_same_with_and_without_drafts_ahead(counts):
     gen = GenParams(max_new_tokens=30, ignore_eos=True, temperature=0.9, top_p=0.95, seed=7)
     spec = SpecParams("ddtree", 16)
