@@ -74,19 +74,28 @@ async def stalled_stream(client: Client, closed: list) -> asyncio.Task:
     return serving
 
 
+async def settled(closed: list) -> tuple[list, set]:
+    """One loop turn later: the request's releases, and the tasks still running besides this one."""
+    await asyncio.sleep(0)
+    return closed, others()
+
+
+def assert_released(closed: list, left: set) -> None:
+    assert closed == [1]  # released once
+    assert left == set()  # no task of the stream left behind
+
+
 def test_a_client_that_leaves_stops_the_stream_and_releases_it():
     async def main():
         client, closed = Client(), []
         serving = await stalled_stream(client, closed)
         client.leave.set()
         await serving  # returns: a client leaving is no error
-        await asyncio.sleep(0)
-        return client, closed, others()
+        return client, await settled(closed)
 
-    client, closed, left = asyncio.run(main())
+    client, released = asyncio.run(main())
     assert bodies(client) == [b"a"]
-    assert closed == [1]
-    assert left == set()
+    assert_released(*released)
 
 
 def test_an_error_in_the_body_reaches_the_server():
@@ -100,12 +109,9 @@ def test_an_error_in_the_body_reaches_the_server():
         client = Client()
         with pytest.raises(RuntimeError, match="boom"):
             await _EventStream(chunks(), lambda: closed.append(1))(SCOPE, client.receive, client.send)
-        await asyncio.sleep(0)
-        return closed, others()
+        return await settled(closed)
 
-    closed, left = asyncio.run(main())
-    assert closed == [1]
-    assert left == set()
+    assert_released(*asyncio.run(main()))
 
 
 def test_the_chunk_with_done_ends_the_body_in_the_same_send():
@@ -139,12 +145,9 @@ def test_cancelling_the_serving_task_cancels_the_stream(leaves):
             client.leave.set()
         with pytest.raises(asyncio.CancelledError):
             await serving
-        await asyncio.sleep(0)
-        return closed, others()
+        return await settled(closed)
 
-    closed, left = asyncio.run(main())
-    assert closed == [1]
-    assert left == set()
+    assert_released(*asyncio.run(main()))
 
 
 def test_an_error_in_receive_reaches_the_server():
@@ -161,9 +164,6 @@ def test_an_error_in_receive_reaches_the_server():
         broken.set()
         with pytest.raises(RuntimeError, match="receive failed"):
             await serving
-        await asyncio.sleep(0)
-        return closed, others()
+        return await settled(closed)
 
-    closed, left = asyncio.run(main())
-    assert closed == [1]
-    assert left == set()
+    assert_released(*asyncio.run(main()))
