@@ -102,8 +102,6 @@ class FastPath:
         self._parents_staged: torch.Tensor | None = None
         self._pool = None
         self.pool = None
-        # id(a slot's drafter count tensor, its walks' draft_next[0]) -> that slot's drafter cache.
-        self._next_of: dict[int, object] = {}
         # Queue a lone session's next draft step before reading its walk (walk_logits); off
         # only to measure what it saves (bench/profile_round.py --draft-ahead).
         self.draft_ahead = True
@@ -184,7 +182,7 @@ class FastPath:
                     self.drafts._compiled_block = None
                     self.drafts.capture(draft_cache)
                 cache.sink = draft_cache.static.feats
-                cache.draft_next = (draft_cache.static.count, draft_cache.static.ids)
+                cache.draft_next = (draft_cache.static.count, draft_cache.static.ids, draft_cache)
                 cache.max_path = draft_cache.static.ids.shape[0]
             try:
                 self.target.capture(cache)
@@ -262,10 +260,9 @@ class FastPath:
             # Walks of this slot stage the accepted features in the drafter's rows (commit.py);
             # a walk graph captured without a sink keeps writing none (it says so on its io).
             cache.sink = static.feats
-            cache.draft_next = (static.count, static.ids)
+            cache.draft_next = (static.count, static.ids, draft_cache)
             cache.max_path = static.ids.shape[0]  # a tree of the drafter's block: at most B nodes deep
             self._sources[static.out.data_ptr()] = (static.out, static.ids, cache)
-            self._next_of[id(static.count)] = draft_cache
         self._slots.append(pair)
         self._free.append(pair)
 
@@ -432,7 +429,7 @@ class FastPath:
             else:
                 out = self.target.walk_commit(last, parents, choose(logits), copy=False, then=then)
             if self.target.wrote_next:
-                self.drafts.note_ahead(self._next_of[id(last.cache().draft_next[0])], len(out[1]), out[2][-1])
+                self.drafts.note_ahead(last.cache().draft_next[2], len(out[1]), out[2][-1])
             return out
         posterior = choose(logits)
         order, count = walk_device(tree, posterior)
@@ -442,8 +439,8 @@ class FastPath:
         """The slot's drafter cache whose next draft step can run ahead of this cache's walk, or None."""
         if cache is None or cache.draft_next is None:
             return None
-        draft = self._next_of.get(id(cache.draft_next[0]))
-        static = draft.static if draft is not None else None
+        draft = cache.draft_next[2]
+        static = draft.static
         if static is None or not static.buckets or static.buckets[-1] < (cache.max_path or 0):
             return None
         return draft

@@ -83,8 +83,8 @@ class StaticKVCache:
         # A drafter's staging rows [r, W] where walks put the accepted features (backend.py
         # pairs a slot's two caches), or None.
         self.sink: torch.Tensor | None = None
-        # The drafter's (append count, block ids) where walks put the accepted count and the
-        # bonus (commit.walk_commit_static), or None.
+        # The drafter's (append count, block ids, its cache): walks put the accepted count and
+        # the bonus in the first two (commit.walk_commit_static); or None.
         self.draft_next: tuple | None = None
         # The most nodes a walk can accept (a drafter's block: the bonus and its drafts), so a
         # walk moves only that many K/V rows; None: up to the whole query.

@@ -33,7 +33,7 @@ class WalkIO:
     greedy: torch.Tensor      # 0-dim bool (input): take the argmax of the verify's logits, not posterior
     graph: object = None      # the captured walk, or None (run walk_commit_static)
     sink: torch.Tensor | None = None  # the feature sink the captured walk writes (see capture)
-    draft_next: tuple | None = None   # the drafter's (count, ids) the captured walk writes
+    draft_next: tuple | None = None   # the drafter's (count, ids, cache) the captured walk writes
     # What the device inputs hold now (None: unknown), so a round refills only what changed.
     count_set: int | None = None
     greedy_set: bool | None = None
@@ -69,8 +69,8 @@ def walk_commit_static(tokens: torch.Tensor, visible: torch.Tensor, io: WalkIO, 
     (taken here, so a greedy round launches no argmax of its own) instead of io.posterior.
     features [q, W] and sink [r, W]: the features of the first r rows in walk order go to the
     sink (the drafter's staging rows, fast/draft.py), the accepted ones first, so the next draft
-    reads them where they are. draft_next: the drafter's append count (0-dim long) and block ids
-    [B] long, which get the accepted count and the bonus: with the sink, everything the next
+    reads them where they are. draft_next: the drafter's append count (0-dim long), block ids
+    [B] long and the cache they belong to (FastPath's, for the draft ahead); the first two get the accepted count and the bonus: with the sink, everything the next
     draft step reads, so it can be launched before the host has read this walk (a draft ahead,
     backend.py)."""
     q = int(tokens.shape[0])
@@ -107,6 +107,6 @@ def walk_commit_static(tokens: torch.Tensor, visible: torch.Tensor, io: WalkIO, 
         sink[:rows].copy_(features.index_select(0, order[:rows]))
     if draft_next is not None:
         real = io.count > 0  # a capture's warm-up has no real nodes: leave the drafter's inputs
-        next_count, next_ids = draft_next
+        next_count, next_ids = draft_next[:2]
         next_count.copy_(torch.where(real, count, next_count))
         next_ids[:1].copy_(torch.where(real, bonus, next_ids[:1]))
