@@ -411,6 +411,9 @@ def main() -> int:
                    help="--grid: the servers' --max-prefill-tokens (default theirs, 16384)")
     p.add_argument("--enable-mixed-chunk", action="store_true",
                    help="--grid: the server's --enable-mixed-chunk (a joining prompt's chunks ride in the round)")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="--grid: the server's --disable-overlap-schedule, in process too (no AR round runs ahead "
+                        "of the host); run the grid with and without it to measure what the overlap gives")
     p.add_argument("--grid", action="store_true",
                    help="issue 15's table: one batching server and the same loop in process, per concurrency "
                         "and algorithm (replaces the batch / no-batch serving comparison)")
@@ -428,7 +431,7 @@ def main() -> int:
                         "server runs its rounds, and process-wN with N HTTP processes (--tokenizer-worker-num N); "
                         "+wait, +thread or +inline after one sets the engine process's outbox mode "
                         "(DDTREE_OUTBOX), then +rideN the rider row width (DDTREE_RIDE_ROW) and +burstN ride.BURST_ROUNDS "
-                        "(DDTREE_BURST_ROUNDS); a value given again "
+                        "(DDTREE_BURST_ROUNDS), and +noahead its --disable-overlap-schedule; a value given again "
                         "runs again, as VALUE#2 (A B A B); default process")
     p.add_argument("--trace-turns", metavar="STEM", default=None,
                    help="--grid: the server's --trace-turns, into STEM-LOOP.jsonl per engine loop; each cell "
@@ -441,7 +444,7 @@ def main() -> int:
     p.add_argument("--again", default="", metavar="V[,V]",
                    help="--grid: run each in-process cell again per variant, as the server's engine process "
                         "runs: thread (driven from a thread of its own), busyN (N processes spinning beside "
-                        "it); into grid.inprocess_again")
+                        "it), noahead (no AR round run ahead of the host); into grid.inprocess_again")
     p.add_argument("--skip-batching", action="store_true", help="skip the batched-verify timings (not --grid's)")
     p.add_argument("--out", default=None, help="JSON results (default: bench_server.json in a temp folder)")
     args = p.parse_args()
@@ -451,14 +454,14 @@ def main() -> int:
     args.concurrency_list, args.budget_list = int_list(args.concurrency), int_list(args.budgets)
     args.engine_loops = [part.strip() for part in args.engine_loops.split(",") if part.strip()]
     args.again = [part.strip() for part in args.again.split(",") if part.strip()]
-    if any(not re.fullmatch(r"thread|busy[1-9][0-9]?", v) for v in args.again):
-        p.error(f"--again takes thread or busyN, got {','.join(args.again)}")
+    if any(not re.fullmatch(r"thread|noahead|busy[1-9][0-9]?", v) for v in args.again):
+        p.error(f"--again takes thread, noahead or busyN, got {','.join(args.again)}")
     if not args.engine_loops or any(
             not re.fullmatch(r"(thread|process(-w[1-9][0-9]?)?)(\+(wait|thread|inline))?(\+ride[1-9][0-9]*)?"
-                             r"(\+burst[1-9][0-9]*)?", loop)
+                             r"(\+burst[1-9][0-9]*)?(\+noahead)?", loop)
             for loop in args.engine_loops):
         p.error("--engine-loops takes thread, process or process-wN, each with +wait, +thread or +inline or not, "
-                f"then +rideN and +burstN or not, got {','.join(args.engine_loops) or 'nothing'}")
+                f"then +rideN, +burstN and +noahead or not, got {','.join(args.engine_loops) or 'nothing'}")
     settings = [m for loop in args.engine_loops for m in re.finditer(r"\+(ride|burst)([0-9]+)", loop)]
     if settings:
         from ddtree.engine.reference.fast.ride import OVERRIDES
@@ -499,6 +502,8 @@ def main() -> int:
                 interval += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
             if args.enable_mixed_chunk:
                 interval.append("--enable-mixed-chunk")
+            if args.disable_overlap_schedule:
+                interval.append("--disable-overlap-schedule")
             if args.max_prefill_tokens:
                 interval += ["--max-prefill-tokens", str(args.max_prefill_tokens)]
             return server_flags(model, draft, max_running, args.threads, batch=True, device=args.device,

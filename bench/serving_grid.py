@@ -430,17 +430,27 @@ def inprocess_grid(args, engine, specs, concurrencies: list[int], server_cells: 
                 if again_cells is None:
                     break
                 t0 = time.perf_counter()
-                driven = again(variant, lambda: drive(engine, ids, gen, spec, running, lengths))
+                driven = again(variant, lambda: drive(engine, ids, gen, spec, running, lengths), engine)
                 cell = {**cell, **driven, "variant": variant, "wall_s": round(time.perf_counter() - t0, 2)}
                 again_cells.append(cell)
                 save()
                 print(f"  in-process c={c:3d} {name:10s} {line(cell)}  (again: {variant})", flush=True)
 
 
-def again(variant: str, run: Callable[[], dict]) -> dict:
+def again(variant: str, run: Callable[[], dict], engine=None) -> dict:
     """One in-process cell run again in a setting of the server's engine process: "thread" drives
     it from a thread of its own (the server's rounds run on its EngineThread), "busyN" with N
-    processes spinning beside it (the server's HTTP process and client keep cores busy)."""
+    processes spinning beside it (the server's HTTP process and client keep cores busy);
+    "noahead" with no AR round run ahead of the host (the server's --disable-overlap-schedule)."""
+    if variant == "noahead":
+        if not hasattr(engine.impl, "round_ahead"):  # the transformers backend: nothing runs ahead
+            return run()
+        saved = engine.impl.round_ahead
+        engine.impl.round_ahead = False
+        try:
+            return run()
+        finally:
+            engine.impl.round_ahead = saved
     if variant == "thread":
         out: list = []
         worker = threading.Thread(target=lambda: out.append(run()), name="drive")
@@ -614,7 +624,8 @@ def loop_flags(loop: str) -> list[str]:
     HTTP processes, --tokenizer-worker-num N); +PARTs after either set the server's environment
     (loop_env). A value given again is labelled VALUE#2, #3 ... (loop_labels)."""
     where, _, workers = loop.partition("#")[0].partition("+")[0].partition("-w")
-    return ["--engine-loop", where] + (["--tokenizer-worker-num", workers] if workers else [])
+    noahead = ["--disable-overlap-schedule"] if "noahead" in loop.partition("#")[0].split("+")[1:] else []
+    return ["--engine-loop", where] + (["--tokenizer-worker-num", workers] if workers else []) + noahead
 
 
 def loop_labels(loops: list[str]) -> list[str]:
@@ -635,6 +646,8 @@ def loop_env(loop: str) -> Iterator[None]:
     grid measures one setting against another."""
     env = {}
     for part in loop.partition("#")[0].split("+")[1:]:
+        if part == "noahead":  # a server flag (loop_flags)
+            continue
         setting = re.fullmatch(r"(ride|burst)([1-9][0-9]*)", part)
         if setting:
             from ddtree.engine.reference.fast.ride import OVERRIDES

@@ -44,6 +44,7 @@ def server_argv(args: argparse.Namespace) -> list[str]:
                         max_prefill_tokens=getattr(args, "max_prefill_tokens", None),
                         tokenizer_worker_num=getattr(args, "tokenizer_worker_num", None),
                         incremental_streaming_output=bool(getattr(args, "incremental_streaming_output", False)),
+                        disable_overlap_schedule=bool(getattr(args, "disable_overlap_schedule", False)),
                         enable_mixed_chunk=bool(getattr(args, "enable_mixed_chunk", False)))
 
 

@@ -48,6 +48,9 @@ class TransformersPath:
     def release(self, cache, draft_cache) -> None:
         """Dynamic caches are freed with the session."""
 
+    def before_step(self, session) -> None:
+        """Nothing runs ahead of a session here."""
+
     def draft(self, bonus: int, start: int, pending: torch.Tensor, draft_cache, depth: int) -> torch.Tensor:
         """Draft logits [depth, V] (float32) for the block after the bonus token.
 

@@ -89,6 +89,7 @@ class Session:
         """Run one round; return the tokens it committed (empty once done)."""
         if self.done:
             return []
+        self.engine.impl.before_step(self)
         with torch.inference_mode():
             if self._bonus is None:
                 return self._prefill()

@@ -320,6 +320,13 @@ class Engine:
 
         return len(graphs.late_compiles) if graphs.watching else None
 
+    @property
+    def round_ahead(self) -> bool:
+        """Whether AR rounds on the KV pool run ahead of the host (fast/batch_graph.py)."""
+        impl = self.impl
+        return (self.backend == "fast" and impl.pool is not None and impl.round_ahead
+                and (impl.graphs or impl.batch_static))
+
     def pool_usage(self) -> dict | None:
         """The fast backend's KV pool: slots, free slots, bytes, tokens held (None: no pool)."""
         usage = getattr(self.impl, "pool_usage", None)
@@ -328,7 +335,8 @@ class Engine:
     def lone_round(self, session: Session) -> bool:
         """Whether this running session, the only one of a turn, should step through step_many
         rather than alone (Session.step): on the pooled fast backend, a slot without graphs of its
-        own takes the pool's graphed round instead of an eager forward (fast/batch.py)."""
+        own takes the pool's graphed round instead of an eager forward, and a greedy AR session
+        takes it to have its next round run ahead (fast/batch.py)."""
         if self.backend != "fast" or self.impl.pool is None or session.done or session._bonus is None:
             return False
         from ddtree.engine.reference.fast.batch import _lone_round

@@ -81,6 +81,7 @@ class EngineFacts:
     cpu_threads: int | None = None
     outbox: str = ""  # how the engine process sends its updates (outbox_mode)
     cublas_workspace: str | None = None
+    round_ahead: bool = False
 
     @classmethod
     def of(cls, engine: Any) -> "EngineFacts":
@@ -92,7 +93,8 @@ class EngineFacts:
                    prefill_chunk=engine.prefill_chunk, mixed_chunk=bool(engine.mixed_chunk),
                    max_prefill_tokens=int(getattr(engine, "max_prefill_tokens", 0)),
                    cpu_threads=engine.cpu_threads, outbox=outbox_mode(engine),
-                   cublas_workspace=getattr(engine, "cublas_workspace", None))
+                   cublas_workspace=getattr(engine, "cublas_workspace", None),
+                   round_ahead=bool(getattr(engine, "round_ahead", False)))
 
 
 # -- the engine process ------------------------------------------------------------------------

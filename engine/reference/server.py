@@ -266,6 +266,8 @@ def build_app(api: Api) -> Starlette:
             "http_pid": os.getpid(),  # which HTTP process answered (with several, each has its own)
             "chunked_prefill_size": engine.prefill_chunk or -1,
             "enable_mixed_chunk": engine.mixed_chunk,
+            # AR rounds run ahead of the host (fast/batch_graph.py); SGLang's flag turns it off
+            "disable_overlap_schedule": not engine.round_ahead,
             "max_prefill_tokens": engine.max_prefill_tokens,
             "stream_interval": config.stream_interval,
             "incremental_streaming_output": config.incremental_streaming_output,
@@ -684,6 +686,8 @@ def _load(args: argparse.Namespace) -> tuple[Engine, str, str | None]:
     # A target with recurrent layers prefills whole (Session.chunked_prefill), and says so.
     engine.prefill_chunk = 0 if engine.hybrid_reason else max(0, args.chunked_prefill_size)
     engine.mixed_chunk = bool(args.enable_mixed_chunk) and engine.prefill_chunk > 0
+    if engine.backend == "fast":
+        engine.impl.round_ahead = not args.disable_overlap_schedule
     engine.max_prefill_tokens = args.max_prefill_tokens
     engine.cpu_threads = torch.get_num_threads()
     if args.block_size is not None and args.block_size != engine.block_size:

@@ -206,7 +206,8 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
                  chunked_prefill_size: int | None = None, stream_interval: int | None = None,
                  enable_mixed_chunk: bool | None = False, max_prefill_tokens: int | None = None,
                  tokenizer_worker_num: int | None = None,
-                 incremental_streaming_output: bool | None = False) -> list[str]:
+                 incremental_streaming_output: bool | None = False,
+                 disable_overlap_schedule: bool | None = False) -> list[str]:
     """The builtin server's command line. Options left None are not passed (the server's default
     applies); model None is the server's demo pair."""
     argv = [python or sys.executable, "-m", BUILTIN_MODULE]
@@ -234,6 +235,8 @@ def builtin_argv(*, python: str | None = None, model: str | None = None, draft: 
         argv.append("--enable-mixed-chunk")
     if incremental_streaming_output:
         argv.append("--incremental-streaming-output")
+    if disable_overlap_schedule:
+        argv.append("--disable-overlap-schedule")
     return argv
 
 
@@ -382,6 +385,10 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                              "stream waits for (a burst that riding would hold back more than twice as long still prefills "
                              "at once); lower inter-token latency under load, a later first token (as SGLang's flag "
                              "of that name)")
+    parser.add_argument("--disable-overlap-schedule", action="store_true", default=default(False),
+                        help="fast backend with a KV pool: queue no AR round before the host has read the one "
+                             "before it; by default the next round runs on the GPU while the host books and streams "
+                             "the last (as SGLang's overlap scheduler, which its flag of this name turns off)")
     parser.add_argument("--stream-interval", type=positive if passthrough else int, default=default(1),
                         help="tokens a running request gathers before they are sent: every update costs the HTTP "
                              "process a chunk, so at high token rates a larger value serves more tokens/s, in "

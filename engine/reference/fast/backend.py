@@ -105,6 +105,10 @@ class FastPath:
         # Queue a lone session's next draft step before reading its walk (walk_logits); off
         # only to measure what it saves (bench/profile_round.py --draft-ahead).
         self.draft_ahead = True
+        # A graphed AR round on the pool queues the next one before the host reads it
+        # (fast/batch_graph.py); off only to measure what that saves (bench_server.py --round-ahead).
+        self.round_ahead = True
+        self.joining: set[int] = set()  # id() of sessions prefilled since the last pool round (fast/batch.py)
         # Homogeneous greedy rounds on the pool run as one graph per shape on CUDA
         # (fast/batch_graph.py); batch_static runs that code without graphs (tests, on a CPU).
         self.batch_static = False
@@ -209,7 +213,7 @@ class FastPath:
                 self.add_slot(self.pool.caches[i], self.pool.draft_caches[i] if self.drafts else None)
             say(f"KV pool: {self.pool.slots} sessions, {self.pool.nbytes() / 2**30:.2f} GiB")
         self.graphs = True
-        if self.pool is not None and self.pool.slots > 1:
+        if self.pool is not None and (self.pool.slots > 1 or self.round_ahead):
             from ddtree.engine.reference.fast.batch_graph import precapture
 
             from ddtree.engine.reference.fast import prefill
@@ -251,6 +255,8 @@ class FastPath:
                        "bytes": pool.nbytes(), "bytes_per_token": pool.bytes_per_token,
                        "tokens_per_slot": pool.slot_tokens, "used_tokens": tokens,
                        "token_usage": tokens / (pool.slots * pool.slot_tokens)}
+        if self._round_stage is not None:  # AR rounds run ahead: launched, taken, dropped
+            self._usage["rounds_ahead"] = dict(self._round_stage.ahead_counts)
 
     def add_slot(self, cache, draft_cache) -> None:
         """Put a (target cache, drafter cache) pair in the pool that sessions draw from."""
@@ -304,6 +310,21 @@ class FastPath:
         if not any(slot is free for free in self._free):
             self._free.append(slot)
         self.refresh_usage()
+
+    def before_step(self, session) -> None:
+        """A session about to step alone: a pool round run ahead with it in goes back first
+        (its slot's own graphs read the host's length); a prefill means a session joins the
+        pool's next round, which then runs no round ahead of it."""
+        if session._bonus is None:
+            self.joining.add(id(session))
+        stage = self._round_stage
+        pending = stage.ahead if stage is not None else None
+        if pending is not None and session._cache is not None:
+            row = pending.rows.get(session._cache.slot)
+            if row is not None and row[0]() is session:
+                from ddtree.engine.reference.fast.batch_graph import drop_ahead
+
+                drop_ahead(self.engine)
 
     def draft(self, bonus: int, start: int, pending: torch.Tensor, draft_cache, depth: int) -> torch.Tensor:
         return self.drafts.draft(bonus, start, pending, draft_cache, depth)

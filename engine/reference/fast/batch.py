@@ -63,9 +63,17 @@ def _lone_round(engine: Engine, session: Session) -> bool:
     """Whether the one running session on the pool takes the batched round (a batch of one)
     rather than stepping alone: where its slot has no graphs of its own (past the backend's
     graphed slots) and rounds on the pool are graphed, alone would run its forward eagerly.
-    On an H200's 1.7B that was 33-37 ms where a round is 2.5 (a c=16 point's last request)."""
+    On an H200's 1.7B that was 33-37 ms where a round is 2.5 (a c=16 point's last request).
+    And a greedy AR session wherever AR rounds run ahead (batch_graph.runs_ahead)."""
     impl = engine.impl
-    return (impl.graphs or impl.batch_static) and not session._cache.graphs
+    if not (impl.graphs or impl.batch_static):
+        return False
+    from ddtree.engine.reference.fast import batch_graph
+
+    # An AR session too where its rounds run ahead (batch_graph.py): its slot's own graphs read
+    # the next token from the host, the pool's round leaves it on the device.
+    return not session._cache.graphs or (session.mode == "ar" and session.gen.greedy
+                                          and batch_graph.runs_ahead(engine, ("ar", 0)))
 
 
 def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
@@ -87,6 +95,7 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
             pooled.append(i)
         else:
             alone.append(i)
+    engine.impl.joining.update(id(sessions[i]) for i in new)
     if len(pooled) == 1 and not _lone_round(engine, sessions[pooled[0]]):
         alone += pooled
         pooled = []
@@ -102,7 +111,12 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         append_prompts(engine, members)
         impl = engine.impl
         kind = batch_graph.eligible(engine, members) if (impl.graphs or impl.batch_static) else None
-        if kind is not None and new:
+        # A round already run ahead for these sessions is this turn's: new ones prefill beside
+        # it (they cannot ride in a round that has run).
+        taking = kind is not None and batch_graph.takes_ahead(engine, members, kind)
+        if not taking:
+            batch_graph.drop_ahead(engine)
+        if kind is not None and new and not taking:
             riders, burst = _riders(engine, members, [sessions[i] for i in new], kind)
 
     marks = {"decided": time.perf_counter()}
@@ -112,8 +126,12 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         if pooled:
             with torch.inference_mode():
                 if kind is not None:
+                    # No round runs ahead of one that a session prefilled since the last round
+                    # (here, or in a call of its own) will join.
+                    ahead = impl.joining <= {id(s) for s in members}
                     results, ridden = batch_graph.graphed_round(engine, members, kind, graphs=impl.graphs,
-                                                                riders=riders)
+                                                                riders=riders, ahead=ahead)
+                    impl.joining.clear()
                     for s, tokens in zip(riders[0] if riders else [], ridden):
                         out[sessions.index(s)] = tokens
                 else:

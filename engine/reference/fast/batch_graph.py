@@ -19,6 +19,16 @@ context window): nodes past the row's cap get token -1 and are never accepted. S
 tokens are still the target's greedy choices, exactly what plain decoding gives; only the tree
 differs from the one the single path would build at that cap, which changes no output.
 
+The next AR round runs ahead of the host (FastPath.round_ahead): a graphed AR round leaves every
+input of the next one on the device (the lengths and each row's next token, the bonus), so right
+after its replay the next round's is queued too, before the host waits for this one's result.
+The GPU then runs round k+1 while the host books round k, streams it and comes back; the next
+graphed_round over the same sessions (or some of them: the others finished) takes that round's
+result instead of launching one. Rows whose session reaches its length limit in round k are
+inactive in it; a session that stops on a token wastes one row of work, never a token. Anything
+else (another round mix, new sessions joining the round, a session stepping alone) first drops it:
+the lengths of the sessions still on their slots go back to the host's (drop_ahead), device-side.
+
 On a CPU the same function runs without a graph (FastPath.batch_static, for tests). A graphed
 round is one replay, so its phases cannot be told apart on the host: its time is booked as
 verify in each session's timings.
@@ -27,6 +37,8 @@ verify in each session's timings.
 from __future__ import annotations
 
 import time
+import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,6 +66,16 @@ if TYPE_CHECKING:
 _WARMUP_RUNS = 2
 
 
+@dataclass
+class Ahead:
+    """A round queued before the host read the one before it (see the module docstring)."""
+    key: tuple
+    lane: int                                 # which of the stage's two read-backs it uses
+    rows: dict[int, tuple[weakref.ref, int]]  # slot -> (its session, that session's verify count then)
+    saved: torch.Tensor                       # the pool's lengths before it (a device copy)
+    packed: torch.Tensor | None = None        # without graphs: its result, computed already
+
+
 class RoundStage:
     """The buffers every round graph of one pool reads and writes (graphs bake their addresses)."""
 
@@ -74,8 +96,12 @@ class RoundStage:
         self.holds: dict[int, tuple[int, int]] = {}
         self.graphs: dict[tuple, tuple[object, torch.Tensor]] = {}
         self.graph_pool = None
-        self.host: dict[tuple, torch.Tensor] = {}  # key -> pinned copy of its packed walks
-        self.done = torch.cuda.Event() if device.type == "cuda" else None
+        # (key, lane) -> pinned copy of its packed walks; an event a lane: a round and the one
+        # run ahead of it are read back through different lanes.
+        self.host: dict[tuple, torch.Tensor] = {}
+        self.done = [torch.cuda.Event(), torch.cuda.Event()] if device.type == "cuda" else None
+        self.ahead: Ahead | None = None
+        self.ahead_counts = {"launched": 0, "taken": 0, "dropped": 0}
         self.riders: dict[tuple[int, int], ride.RiderStage] = {}  # shape -> its buffers (fast/ride.py)
         self._engine = engine
 
@@ -109,55 +135,70 @@ def eligible(engine: Engine, sessions: list[Session]) -> tuple | None:
 
 
 def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graphs: bool,
-                  riders: tuple[list[Session], tuple[int, int]] | None = None
+                  riders: tuple[list[Session], tuple[int, int]] | None = None, ahead: bool = False
                   ) -> tuple[list[list[int]], list[list[int]]]:
     """The round of these sessions (all eligible with `kind`) through the stage, with the riders'
     next prefill chunks in its forward (ride.pick's riders and shape, fast/ride.py); graphs=False
     runs the same code without capture. Returns each session's committed tokens, and each
-    rider's."""
+    rider's. A round run ahead for these sessions is taken rather than launched; ahead: queue
+    the next round too before reading this one (where runs_ahead allows it)."""
     impl, target = engine.impl, engine.target
     pool: KVPool = impl.pool
     stage: RoundStage = impl.round_stage()
     slots = [pool.index_of(s._cache) for s in sessions]
-    b, q = round_shape(engine, sessions, kind)
     mode, budget = kind
-    span = max(s._start for s in sessions) + q
-    cache_rows = target.new_cache_rows()
-    span = kv_bucket(cache_rows, span, target.kv_spans(cache_rows)) if target.bucket_kv else cache_rows
     t0 = engine.clock()
-    # What the stage must hold: the active rows, their depth caps and, where a session's
-    # features are not already staged (it joined, or ran elsewhere), its bonus and features.
-    active = [False] * pool.slots
-    caps = [0] * pool.slots
-    staged = []
-    for s, r in zip(sessions, slots):
-        active[r] = True
-        caps[r] = s._depth_cap()
-        # The stage still holds this session's state when its last round was a graphed one
-        # here (same session, same round count) and its pending rows are the staged ones.
-        held = stage.holds.get(r) == (id(s), s.verify_ct)
-        if mode != "ar" and s._pending.data_ptr() != stage.feats[r].data_ptr():
-            held = False
-        if not held:
-            staged.append((s, r))
-    stage.stage_rows(active, caps)
-    for s, r in staged:
-        stage.bonus[r] = s._bonus
-        if mode != "ar":
-            rows = int(s._pending.shape[0])
-            stage.feats[r, :rows].copy_(s._pending)
-            stage.count[r] = rows
-    saved = (pool.lengths.clone(), pool.dlengths.clone() if pool.dlengths is not None else None)
+    pending = stage.ahead
+    taken = riders is None and takes_ahead(engine, sessions, kind)
+    if pending is not None and not taken:
+        drop_ahead(engine)
     shape, counts, riding = 0, [], []
-    if riders is not None:
-        riding, shape = riders
-        counts = ride.stage(engine, stage.rider(shape), riding)
-    key = (mode, budget, b, span, shape)
+    if taken:
+        stage.ahead = None
+        stage.ahead_counts["taken"] += 1
+        key, lane, saved = pending.key, pending.lane, (pending.saved, None)
+    else:
+        b, q = round_shape(engine, sessions, kind)
+        span = _span(engine, max(s._start for s in sessions) + q)
+        # What the stage must hold: the active rows, their depth caps and, where a session's
+        # features are not already staged (it joined, or ran elsewhere), its bonus and features.
+        active = [False] * pool.slots
+        caps = [0] * pool.slots
+        staged = []
+        for s, r in zip(sessions, slots):
+            active[r] = True
+            caps[r] = s._depth_cap()
+            # The stage still holds this session's state when its last round was a graphed one
+            # here (same session, same round count) and its pending rows are the staged ones.
+            held = stage.holds.get(r) == (id(s), s.verify_ct)
+            if mode != "ar" and s._pending.data_ptr() != stage.feats[r].data_ptr():
+                held = False
+            if not held:
+                staged.append((s, r))
+        stage.stage_rows(active, caps)
+        for s, r in staged:
+            stage.bonus[r] = s._bonus
+            if mode != "ar":
+                rows = int(s._pending.shape[0])
+                stage.feats[r, :rows].copy_(s._pending)
+                stage.count[r] = rows
+        saved = (pool.lengths.clone(), pool.dlengths.clone() if pool.dlengths is not None else None)
+        if riders is not None:
+            riding, shape = riders
+            counts = ride.stage(engine, stage.rider(shape), riding)
+        key = (mode, budget, b, span, shape)
+        lane = 0 if pending is None else 1 - pending.lane
+    following = None
     try:
+        packed = None
+        if not taken:
+            packed = _launch(engine, stage, key, lane, graphs)
+        if ahead and not riding:
+            following = _run_ahead(engine, stage, sessions, slots, kind, 1 - lane, graphs)
         if graphs:
-            rows_out = unpack_walks(_replay(engine, stage, key))
+            rows_out = unpack_walks(_read(engine, stage, key, lane))
         else:
-            rows_out = unpack_walks(static_round(engine, stage, *key).tolist())
+            rows_out = unpack_walks((pending.packed if taken else packed).tolist())
     except BaseException:
         # Put the lengths back and forget what the stage held. A failure after the replay has
         # run leaves the staged features (a held session's pending rows) as the replay wrote
@@ -184,12 +225,100 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
         features = stage.feats[r, :tau] if mode != "ar" else None
         committed.append(s._advance(path, new, features, drafted=mode != "ar"))
         stage.holds[r] = (id(s), s.verify_ct)
+    stage.ahead = following
     share = (t1 - t0) / (len(sessions) + len(riding))
     for s in sessions:
         s.timings["verify"] += share
     if not riding:
         return committed, []
     return committed, ride.finish(engine, stage.rider(shape), riding, counts, share)
+
+
+def _span(engine: Engine, rows: int) -> int:
+    """The KV span a round reads for contexts of up to `rows` rows (its queries included)."""
+    target = engine.target
+    cache_rows = target.new_cache_rows()
+    return kv_bucket(cache_rows, rows, target.kv_spans(cache_rows)) if target.bucket_kv else cache_rows
+
+
+def runs_ahead(engine: Engine, kind: tuple) -> bool:
+    """Whether rounds of this kind may run ahead: AR rounds (whose next inputs are all on the
+    device), with FastPath.round_ahead on and no round's parts timed one by one."""
+    return kind[0] == "ar" and engine.impl.round_ahead and not engine.sync_timings
+
+
+def takes_ahead(engine: Engine, sessions: list[Session], kind: tuple) -> bool:
+    """Whether the round run ahead is these sessions' next round: each of them was in it, at the
+    round count it has now, and every other session of it has ended."""
+    stage = engine.impl._round_stage
+    pending = stage.ahead if stage is not None else None
+    if pending is None or pending.key[:2] != kind:
+        return False
+    for s in sessions:
+        row = pending.rows.get(s._cache.slot)
+        if row is None or row[0]() is not s or row[1] != s.verify_ct:
+            return False
+    return len(_still_on(pending)) == len(sessions)
+
+
+def _still_on(pending: Ahead) -> list[int]:
+    """The slots of the round run ahead whose session is still running on them."""
+    kept = []
+    for r, (ref, _) in pending.rows.items():
+        s = ref()
+        if s is not None and not s.done and s._cache is not None and s._cache.slot == r:
+            kept.append(r)
+    return kept
+
+
+def drop_ahead(engine: Engine) -> None:
+    """Undo the round run ahead, if any: the sessions of it still on their slots get their
+    lengths back (a device-side copy, no wait); what else it wrote lies past those lengths,
+    where no query looks. Their rows are restaged on their next graphed round."""
+    stage = engine.impl._round_stage
+    pending = stage.ahead if stage is not None else None
+    if pending is None:
+        return
+    stage.ahead = None
+    stage.ahead_counts["dropped"] += 1
+    pool: KVPool = engine.impl.pool
+    kept = _still_on(pending)
+    for r in pending.rows:
+        stage.holds.pop(r, None)
+    if kept:
+        device = pool.lengths.device
+        index = torch.tensor(kept, dtype=torch.long)
+        if device.type == "cuda":  # pinned, so the copy does not wait for the queued work
+            index = index.pin_memory()
+        index = index.to(device, non_blocking=True)
+        pool.lengths.index_copy_(0, index, pending.saved.index_select(0, index))
+
+
+def _run_ahead(engine: Engine, stage: RoundStage, sessions: list[Session], slots: list[int],
+               kind: tuple, lane: int, graphs: bool) -> Ahead | None:
+    """Queue the round after the one just launched, for the sessions that may still run after
+    it, at the shape that covers them: None where none may, or its graph is not captured yet."""
+    if not runs_ahead(engine, kind):
+        return None
+    pool: KVPool = engine.impl.pool
+    window = engine.context_window
+    # An AR round commits one token a session: those it leaves at their limit stop there.
+    going = [(s, r) for s, r in zip(sessions, slots)
+             if len(s.output_ids) + 2 <= s.gen.max_new_tokens and s._start + 1 < window]
+    if not going:
+        return None
+    b, q = round_shape(engine, [s for s, _ in going], kind)
+    key = (*kind, b, _span(engine, max(s._start for s, _ in going) + 1 + q), 0)
+    if graphs and key not in stage.graphs:
+        return None  # captured on its first ordinary round, not here with a round in flight
+    active = [False] * pool.slots
+    for _, r in going:
+        active[r] = True
+    saved = pool.lengths.clone()
+    stage.stage_rows(active, [0] * pool.slots)
+    packed = _launch(engine, stage, key, lane, graphs)
+    stage.ahead_counts["launched"] += 1
+    return Ahead(key, lane, {r: (weakref.ref(s), s.verify_ct + 1) for s, r in going}, saved, packed)
 
 
 def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
@@ -217,11 +346,13 @@ def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
     made = 0
     for mode, budget in kinds:
         q = _width(engine, mode, budget, depth)
+        # A lone AR session takes the pool's round too where AR rounds run ahead (fast/batch.py).
+        widths = ([1] if 1 not in sizes and runs_ahead(engine, (mode, budget)) else []) + sizes
         # graphed_round's span: the bucket of (longest context + q), the context at least 1.
         first = kv_bucket(rows, 1 + q, buckets)
         later = [size for size in buckets if size > first][:1]
         for span in [first, *later]:
-            for b in sizes:
+            for b in widths:
                 shapes = [0]
                 if riding:
                     shapes += ride.shapes(engine, b * q)
@@ -234,7 +365,7 @@ def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
                         made += 1
         if progress is not None:
             progress(f"captured batched-round graphs for {mode}{'@' + str(budget) if budget else ''} "
-                     f"(batches {sizes})")
+                     f"(batches {widths})")
     return made
 
 
@@ -266,25 +397,33 @@ def _width(engine: Engine, mode: str, budget: int, depth: int) -> int:
     return next((size for size in engine.target.buckets if size >= n), n)
 
 
-def _replay(engine: Engine, stage: RoundStage, key: tuple) -> list[list[int]]:
-    """Replay the key's graph and read its packed walks: the round's one host sync, waited for
-    on an event with the GIL released (a server's HTTP thread streams meanwhile), from pinned
-    memory."""
+def _launch(engine: Engine, stage: RoundStage, key: tuple, lane: int, graphs: bool) -> torch.Tensor | None:
+    """Queue the key's round: on CUDA, its graph's replay and the copy of its packed walks into
+    the lane's pinned buffer, then the lane's event; without graphs, run it and return them."""
+    if not graphs:
+        return static_round(engine, stage, *key)
     found = stage.graphs.get(key)
     if found is None:
         found = stage.graphs[key] = capture(engine, stage, key)
     graph, packed = found
-    host = stage.host.get(key)
+    host = stage.host.get((key, lane))
     if host is None:
-        host = stage.host[key] = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host = stage.host[(key, lane)] = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
     graph.replay()
     host.copy_(packed, non_blocking=True)
-    stage.done.record()
+    stage.done[lane].record()
+    return None
+
+
+def _read(engine: Engine, stage: RoundStage, key: tuple, lane: int) -> list[list[int]]:
+    """The packed walks of the round _launch queued on this lane: the round's one host sync,
+    waited for on an event with the GIL released (a server's HTTP thread streams meanwhile),
+    from pinned memory."""
     engine.gpu_busy()
     t0 = time.perf_counter()
-    stage.done.synchronize()
+    stage.done[lane].synchronize()
     engine.count_wait("gpu", time.perf_counter() - t0)
-    return host.tolist()
+    return stage.host[(key, lane)].tolist()
 
 
 def capture(engine: Engine, stage: RoundStage, key: tuple) -> tuple[object, torch.Tensor]:

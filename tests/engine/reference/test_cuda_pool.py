@@ -107,3 +107,40 @@ def test_a_burst_rides_the_prompts_part_in_graphed(engines, monkeypatch):
     engine.warmup()
     assert engine.impl.graphs
     burst_beside_a_prompt_part_in(serial, engine, monkeypatch)
+
+
+def test_ar_rounds_run_ahead_graphed_decode_as_serial(engines):
+    """AR rounds replayed one ahead of the host (fast/batch_graph.py): sessions of different
+    lengths, one ending on a stop token, a joiner, and the last one alone on the pool's b=1 graph;
+    every device length stays the host's (one more where a round ran ahead) and each output is
+    the serial one."""
+    from .test_fast_round_ahead import _in_step
+
+    serial, pooled = engines
+    assert pooled.round_ahead
+    rng = random.Random(11)
+    prompts = [[rng.randrange(64) for _ in range(rng.randrange(2, 20))] for _ in range(6)]
+    lengths = [5, 9, 14, 30, 30, 40]
+    plain = [serial.generate(p, GenParams(max_new_tokens=n), SpecParams("ar")).output_ids
+             for p, n in zip(prompts, lengths)]
+    gens = [GenParams(max_new_tokens=n, stop_token_ids=(plain[3][7],) if i == 3 else ())
+            for i, n in enumerate(lengths)]
+    want = [serial.generate(p, g, SpecParams("ar")).output_ids for p, g in zip(prompts, gens)]
+    counts = dict(pooled.impl.round_stage().ahead_counts)
+    sessions = [pooled.start(p, g, SpecParams("ar")) for p, g in zip(prompts[:5], gens[:5])]
+    turn = 0
+    while not all(s.done for s in sessions) or len(sessions) < 6:
+        if turn == 6:
+            sessions.append(pooled.start(prompts[5], gens[5], SpecParams("ar")))
+        live = [s for s in sessions if not s.done]
+        if len(live) == 1:
+            assert pooled.lone_round(live[0])
+        pooled.step_many(live)
+        _in_step(pooled, sessions)
+        turn += 1
+    assert [s.output_ids for s in sessions] == want
+    now = pooled.impl.round_stage().ahead_counts
+    assert now["taken"] - counts["taken"] > 30 and now["dropped"] == counts["dropped"]
+    assert any(key[:3] == ("ar", 0, 1) for key in pooled.impl.round_stage().graphs)
+    gc.collect()
+    assert len(pooled.impl._free) == pooled.impl.pool.slots

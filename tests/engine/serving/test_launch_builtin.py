@@ -55,3 +55,16 @@ def test_mixed_chunks_pass_on_when_asked():
     argv = builtin_argv(**{k.replace("-", "_"): v for k, v in vars(args).items() if k != "draft"}, draft=args.draft)
     assert "--incremental-streaming-output" in argv
     assert "--enable-mixed-chunk" not in builtin_argv()
+
+
+def test_the_overlap_schedule_turns_off_when_asked():
+    """SGLang's flag of that name (its 0.5.23 help lists it), for the builtin server's rounds
+    run ahead (fast/batch_graph.py)."""
+    assert "--disable-overlap-schedule" not in builtin_argv()
+    args = serve_parser().parse_args(["--disable-overlap-schedule"])
+    argv = builtin_argv(**{k.replace("-", "_"): v for k, v in vars(args).items() if k != "draft"}, draft=args.draft)
+    assert "--disable-overlap-schedule" in argv
+    from ddtree.engine.reference import server
+
+    assert server.build_parser().parse_args(argv[3:]).disable_overlap_schedule
+    assert not server.build_parser().parse_args([]).disable_overlap_schedule

@@ -54,6 +54,7 @@ def test_engine_process_serves_the_single_process_tokens_and_dies_with_the_serve
         assert info["engine_outbox"] == "inline"  # a CPU's round: the engine's thread writes at once
         assert info["chunked_prefill_size"] == 3 and info["stream_interval"] == 4
         assert info["enable_mixed_chunk"] is True and info["max_prefill_tokens"] == 5
+        assert info["disable_overlap_schedule"] is True  # the transformers backend runs no round ahead
         engines = psutil.Process(srv.proc.pid).children()
         assert [p.cmdline()[1:3] for p in engines] == [["-m", "ddtree.engine.reference.engine_loop"]]
         assert greedy_outputs(srv.url) == want
