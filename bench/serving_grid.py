@@ -263,7 +263,8 @@ def drive(engine, prompts: list[list[int]], gen, spec, concurrency: int,
           lengths: list[int | None] | None = None) -> dict:
     """The server scheduler's loop without HTTP: each turn admits waiting prompts up to
     `concurrency` running sessions, prefills the fresh ones together, then steps the others
-    together (`Engine.step_many`; one session alone steps by itself, as the scheduler does; with
+    together (`Engine.step_many`; one session alone steps by itself unless Engine.lone_round says
+    otherwise, as the scheduler does; with
     --enable-mixed-chunk, fresh and running ones in one call, as the scheduler does then). A
     prompt arrives when an earlier session finishes (the sweep client's closed loop), so TTFT
     counts the wait for the next turn as it does through the server. ITL splits a round's gap
@@ -307,7 +308,8 @@ def drive(engine, prompts: list[list[int]], gen, spec, concurrency: int,
 
     def step(group) -> None:
         nonlocal gpu_wait
-        if len(group) > 1:
+        lone = getattr(engine, "lone_round", None)  # as the scheduler routes one running request
+        if len(group) > 1 or (group[0][1].output_ids and lone is not None and lone(group[0][1])):
             new = timed(engine.step_many, [s for _, s in group])
             gpu_wait += (getattr(engine, "turn_waits", None) or {}).get("gpu", 0.0)
         else:

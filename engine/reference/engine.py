@@ -335,8 +335,7 @@ class Engine:
     def lone_round(self, session: Session) -> bool:
         """Whether this running session, the only one of a turn, should step through step_many
         rather than alone (Session.step): on the pooled fast backend, a slot without graphs of its
-        own takes the pool's graphed round instead of an eager forward, and a greedy AR session
-        takes it to have its next round run ahead (fast/batch.py)."""
+        own takes the pool's graphed round instead of an eager forward (fast/batch.py)."""
         if self.backend != "fast" or self.impl.pool is None or session.done or session._bonus is None:
             return False
         from ddtree.engine.reference.fast.batch import _lone_round

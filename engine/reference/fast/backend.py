@@ -213,7 +213,7 @@ class FastPath:
                 self.add_slot(self.pool.caches[i], self.pool.draft_caches[i] if self.drafts else None)
             say(f"KV pool: {self.pool.slots} sessions, {self.pool.nbytes() / 2**30:.2f} GiB")
         self.graphs = True
-        if self.pool is not None and (self.pool.slots > 1 or self.round_ahead):
+        if self.pool is not None and self.pool.slots > 1:
             from ddtree.engine.reference.fast.batch_graph import precapture
 
             from ddtree.engine.reference.fast import prefill

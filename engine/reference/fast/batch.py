@@ -64,16 +64,11 @@ def _lone_round(engine: Engine, session: Session) -> bool:
     rather than stepping alone: where its slot has no graphs of its own (past the backend's
     graphed slots) and rounds on the pool are graphed, alone would run its forward eagerly.
     On an H200's 1.7B that was 33-37 ms where a round is 2.5 (a c=16 point's last request).
-    And a greedy AR session wherever AR rounds run ahead (batch_graph.runs_ahead)."""
+    Not an AR session on a graphed slot to have its next round run ahead (batch_graph.py): on
+    an H100's 1.7B the pool's b=1 round took 2.00 ms a token through the server against 1.95
+    on the slot's own graphs (bench/RESULTS.md)."""
     impl = engine.impl
-    if not (impl.graphs or impl.batch_static):
-        return False
-    from ddtree.engine.reference.fast import batch_graph
-
-    # An AR session too where its rounds run ahead (batch_graph.py): its slot's own graphs read
-    # the next token from the host, the pool's round leaves it on the device.
-    return not session._cache.graphs or (session.mode == "ar" and session.gen.greedy
-                                          and batch_graph.runs_ahead(engine, ("ar", 0)))
+    return (impl.graphs or impl.batch_static) and not session._cache.graphs
 
 
 def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:

@@ -346,13 +346,11 @@ def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
     made = 0
     for mode, budget in kinds:
         q = _width(engine, mode, budget, depth)
-        # A lone AR session takes the pool's round too where AR rounds run ahead (fast/batch.py).
-        widths = ([1] if 1 not in sizes and runs_ahead(engine, (mode, budget)) else []) + sizes
         # graphed_round's span: the bucket of (longest context + q), the context at least 1.
         first = kv_bucket(rows, 1 + q, buckets)
         later = [size for size in buckets if size > first][:1]
         for span in [first, *later]:
-            for b in widths:
+            for b in sizes:
                 shapes = [0]
                 if riding:
                     shapes += ride.shapes(engine, b * q)
@@ -365,7 +363,7 @@ def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:
                         made += 1
         if progress is not None:
             progress(f"captured batched-round graphs for {mode}{'@' + str(budget) if budget else ''} "
-                     f"(batches {widths})")
+                     f"(batches {sizes})")
     return made
 
 

@@ -111,7 +111,7 @@ def test_a_burst_rides_the_prompts_part_in_graphed(engines, monkeypatch):
 
 def test_ar_rounds_run_ahead_graphed_decode_as_serial(engines):
     """AR rounds replayed one ahead of the host (fast/batch_graph.py): sessions of different
-    lengths, one ending on a stop token, a joiner, and the last one alone on the pool's b=1 graph;
+    lengths, one ending on a stop token, a joiner, and the last one alone on its slot's own graphs;
     every device length stays the host's (one more where a round ran ahead) and each output is
     the serial one."""
     from .test_fast_round_ahead import _in_step
@@ -133,14 +133,11 @@ def test_ar_rounds_run_ahead_graphed_decode_as_serial(engines):
         if turn == 6:
             sessions.append(pooled.start(prompts[5], gens[5], SpecParams("ar")))
         live = [s for s in sessions if not s.done]
-        if len(live) == 1:
-            assert pooled.lone_round(live[0])
         pooled.step_many(live)
         _in_step(pooled, sessions)
         turn += 1
     assert [s.output_ids for s in sessions] == want
     now = pooled.impl.round_stage().ahead_counts
-    assert now["taken"] - counts["taken"] > 30 and now["dropped"] == counts["dropped"]
-    assert any(key[:3] == ("ar", 0, 1) for key in pooled.impl.round_stage().graphs)
+    assert now["taken"] - counts["taken"] > 10 and now["dropped"] - counts["dropped"] <= 1  # the last one alone
     gc.collect()
     assert len(pooled.impl._free) == pooled.impl.pool.slots

@@ -268,13 +268,7 @@ def test_precapture_covers_every_batch_size_and_kind(pair, monkeypatch):
     keys = set(engine.impl.round_stage().graphs)
     assert {k[:2] for k in keys} == {("ar", 0), ("chain", 0), ("tree", 16), ("tree", 64)}
     assert {k[4] for k in keys} == {0}  # no prefill chunk: no riders
-    # AR also at 1: a lone AR session takes the pool's round, whose next runs ahead.
-    assert {k[2] for k in keys if k[0] != "ar"} == {2, 4, 6} and made == len(keys) and len(said) == 4
-    assert {k[2] for k in keys if k[0] == "ar"} == {1, 2, 4, 6}
-    engine.impl.round_ahead = False
-    engine.impl.round_stage().graphs.clear()
-    batch_graph.precapture(engine, (16,))
-    assert {k[2] for k in engine.impl.round_stage().graphs} == {2, 4, 6}
+    assert {k[2] for k in keys} == {2, 4, 6} and made == len(keys) and len(said) == 4
     # The smallest span of each kind is the one a round over a short context takes.
     from ddtree.engine.reference.fast.cache import kv_bucket
 
@@ -731,22 +725,16 @@ def test_the_last_session_on_a_slot_without_graphs_takes_the_round_alone(pair, g
     assert len(pooled.impl._free) == pooled.impl.pool.slots
 
 
-@pytest.mark.parametrize("spec", [SpecParams("ddtree", 4), SpecParams("ar")], ids=lambda s: s.algorithm)
-def test_a_session_on_a_graphed_slot_steps_alone_on_its_own_graphs(pair, spec):
-    """Except a greedy AR one while AR rounds run ahead (fast/batch_graph.py): the pool's round
-    leaves its next token on the device, its slot's graphs take it from the host."""
+def test_a_session_on_a_graphed_slot_steps_alone_on_its_own_graphs(pair):
     model, drafter = pair
     engine = Engine(model, drafter, backend="fast", max_budget=64, pool_slots=4)
     engine.impl.batch_static = True
-    session = engine.start([5, 9, 11], GenParams(max_new_tokens=4), spec)
+    session = engine.start([5, 9, 11], GenParams(max_new_tokens=4), SpecParams("ar"))
     assert not engine.lone_round(session)  # a prefill is no round
     session.step()
     assert engine.lone_round(session)
     session._cache.graphs[(1, 8)] = object()  # as FastTarget.capture leaves a graphed slot's cache
-    assert engine.lone_round(session) == (spec.algorithm == "ar")
-    engine.impl.round_ahead = False
     assert not engine.lone_round(session)
-    engine.impl.round_ahead = True
     engine.impl.batch_static = False  # and with rounds on the pool eager, alone as before
     session._cache.graphs.clear()
     assert not engine.lone_round(session)
