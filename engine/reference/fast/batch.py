@@ -96,6 +96,7 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         pooled = []
     kind = riders = None
     burst = False
+    waiting = 0  # new sessions that wait a turn behind a round run ahead
     if pooled:
         from ddtree.engine.reference.fast import batch_graph
 
@@ -106,13 +107,20 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         append_prompts(engine, members)
         impl = engine.impl
         kind = batch_graph.eligible(engine, members) if (impl.graphs or impl.batch_static) else None
-        # A round already run ahead for these sessions is this turn's: new ones prefill beside
-        # it (they cannot ride in a round that has run).
+        # A round already run ahead for these sessions is this turn's. New sessions cannot ride
+        # in a round that has run: with mixed chunks they wait a turn (so no running stream
+        # waits for a prefill of their own), else they prefill beside it.
         taking = kind is not None and batch_graph.takes_ahead(engine, members, kind)
         if not taking:
             batch_graph.drop_ahead(engine)
         if kind is not None and new and not taking:
             riders, burst = _riders(engine, members, [sessions[i] for i in new], kind)
+        if taking and new and engine.mixed_chunk:
+            from ddtree.engine.reference.fast import ride
+
+            if ride.riders_run(engine):
+                waiting, new = len(new), []
+                engine.turn_note = "ahead, new wait"
 
     marks = {"decided": time.perf_counter()}
 
@@ -144,7 +152,7 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
         ridden_ids = {id(r) for r in ridden}
         rest = [i for i in new if id(sessions[i]) not in ridden_ids]
         held = engine.held_by_prefill_cap(ridden + [sessions[i] for i in rest]) - ridden_ids
-        engine.turn_held = len(held)
+        engine.turn_held = len(held) + waiting
         new = [i for i in new if id(sessions[i]) not in held]
         rest = [i for i in rest if id(sessions[i]) not in held]
         for i, tokens in zip(rest, _prefill(engine, [sessions[i] for i in rest], then=advance)):

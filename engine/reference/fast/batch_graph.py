@@ -19,15 +19,17 @@ context window): nodes past the row's cap get token -1 and are never accepted. S
 tokens are still the target's greedy choices, exactly what plain decoding gives; only the tree
 differs from the one the single path would build at that cap, which changes no output.
 
-The next AR round runs ahead of the host (FastPath.round_ahead): a graphed AR round leaves every
-input of the next one on the device (the lengths and each row's next token, the bonus), so right
-after its replay the next round's is queued too, before the host waits for this one's result.
+The next round runs ahead of the host (FastPath.round_ahead): a graphed round leaves every input
+of the next one on the device (the lengths, each row's bonus and, drafting, its accepted features
+and their count) but the depth caps, which the host sets for the worst case (Session._depth_cap
+as if the round in flight accepted all it may). So right after its replay the next round's is
+queued too, before the host waits for this one's result.
 The GPU then runs round k+1 while the host books round k, streams it and comes back; the next
 graphed_round over the same sessions (or some of them: the others finished) takes that round's
 result instead of launching one. Rows whose session reaches its length limit in round k are
 inactive in it; a session that stops on a token wastes one row of work, never a token. Anything
 else (another round mix, new sessions joining the round, a session stepping alone) first drops it:
-the lengths of the sessions still on their slots go back to the host's (drop_ahead), device-side.
+the sessions still on their slots get their lengths and staged rows back (drop_ahead), device-side.
 
 On a CPU the same function runs without a graph (FastPath.batch_static, for tests). A graphed
 round is one replay, so its phases cannot be told apart on the host: its time is booked as
@@ -70,10 +72,12 @@ _WARMUP_RUNS = 2
 class Ahead:
     """A round queued before the host read the one before it (see the module docstring)."""
     key: tuple
-    lane: int                                 # which of the stage's two read-backs it uses
-    rows: dict[int, tuple[weakref.ref, int]]  # slot -> (its session, that session's verify count then)
-    saved: torch.Tensor                       # the pool's lengths before it (a device copy)
-    packed: torch.Tensor | None = None        # without graphs: its result, computed already
+    lane: int                                      # which of the stage's two read-backs it uses
+    rows: dict[int, tuple[weakref.ref, int, int]]  # slot -> (its session, its verify count then, depth cap)
+    # Device copies from before it: the pool's lengths, the drafter's, and the stage's bonus,
+    # feature counts and features (None where there is no drafter).
+    saved: tuple
+    packed: torch.Tensor | None = None             # without graphs: its result, computed already
 
 
 class RoundStage:
@@ -156,7 +160,8 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
     if taken:
         stage.ahead = None
         stage.ahead_counts["taken"] += 1
-        key, lane, saved = pending.key, pending.lane, (pending.saved, None)
+        key, lane, saved = pending.key, pending.lane, pending.saved[:2]
+        caps = {r: row[2] for r, row in pending.rows.items()}
     else:
         b, q = round_shape(engine, sessions, kind)
         span = _span(engine, max(s._start for s in sessions) + q)
@@ -194,7 +199,8 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
         if not taken:
             packed = _launch(engine, stage, key, lane, graphs)
         if ahead and not riding:
-            following = _run_ahead(engine, stage, sessions, slots, kind, 1 - lane, graphs)
+            following = _run_ahead(engine, stage, sessions, slots, kind, [caps[r] for r in slots], 1 - lane,
+                                   graphs)
         if graphs:
             rows_out = unpack_walks(_read(engine, stage, key, lane))
         else:
@@ -241,10 +247,9 @@ def _span(engine: Engine, rows: int) -> int:
     return kv_bucket(cache_rows, rows, target.kv_spans(cache_rows)) if target.bucket_kv else cache_rows
 
 
-def runs_ahead(engine: Engine, kind: tuple) -> bool:
-    """Whether rounds of this kind may run ahead: AR rounds (whose next inputs are all on the
-    device), with FastPath.round_ahead on and no round's parts timed one by one."""
-    return kind[0] == "ar" and engine.impl.round_ahead and not engine.sync_timings
+def runs_ahead(engine: Engine) -> bool:
+    """Whether rounds may run ahead: FastPath.round_ahead on, and no round's parts timed one by one."""
+    return engine.impl.round_ahead and not engine.sync_timings
 
 
 def takes_ahead(engine: Engine, sessions: list[Session], kind: tuple) -> bool:
@@ -264,7 +269,7 @@ def takes_ahead(engine: Engine, sessions: list[Session], kind: tuple) -> bool:
 def _still_on(pending: Ahead) -> list[int]:
     """The slots of the round run ahead whose session is still running on them."""
     kept = []
-    for r, (ref, _) in pending.rows.items():
+    for r, (ref, _, _) in pending.rows.items():
         s = ref()
         if s is not None and not s.done and s._cache is not None and s._cache.slot == r:
             kept.append(r)
@@ -291,34 +296,54 @@ def drop_ahead(engine: Engine) -> None:
         if device.type == "cuda":  # pinned, so the copy does not wait for the queued work
             index = index.pin_memory()
         index = index.to(device, non_blocking=True)
-        pool.lengths.index_copy_(0, index, pending.saved.index_select(0, index))
+        # A held session's pending features are a view of its staged rows: they go back too.
+        with torch.inference_mode():  # the stage's buffers are made in it (round_stage's first use)
+            for now, before in zip((pool.lengths, pool.dlengths, stage.bonus, stage.count, stage.feats),
+                                   pending.saved):
+                if before is not None:
+                    now.index_copy_(0, index, before.index_select(0, index))
 
 
 def _run_ahead(engine: Engine, stage: RoundStage, sessions: list[Session], slots: list[int],
-               kind: tuple, lane: int, graphs: bool) -> Ahead | None:
-    """Queue the round after the one just launched, for the sessions that may still run after
-    it, at the shape that covers them: None where none may, or its graph is not captured yet."""
-    if not runs_ahead(engine, kind):
+               kind: tuple, caps: list[int], lane: int, graphs: bool) -> Ahead | None:
+    """Queue the round after the one just launched (whose depth caps were `caps`), for the
+    sessions that may still run after it, at the shape that covers them: None where none may, or
+    its graph is not captured yet."""
+    if not runs_ahead(engine):
         return None
     pool: KVPool = engine.impl.pool
     window = engine.context_window
-    # An AR round commits one token a session: those it leaves at their limit stop there.
-    going = [(s, r) for s, r in zip(sessions, slots)
+    # The round in flight commits at least one token a session: those it leaves at a limit stop.
+    going = [(s, r, cap) for s, r, cap in zip(sessions, slots, caps)
              if len(s.output_ids) + 2 <= s.gen.max_new_tokens and s._start + 1 < window]
     if not going:
         return None
-    b, q = round_shape(engine, [s for s, _ in going], kind)
-    key = (*kind, b, _span(engine, max(s._start for s, _ in going) + 1 + q), 0)
+    mode = kind[0]
+    most = max(s._start + cap + 1 for s, _, cap in going)  # the longest context it can leave
+    b, q = round_shape(engine, [s for s, _, _ in going], kind)
+    key = (*kind, b, _span(engine, most + q), 0)
     if graphs and key not in stage.graphs:
         return None  # captured on its first ordinary round, not here with a round in flight
     active = [False] * pool.slots
-    for _, r in going:
+    ahead_caps = [0] * pool.slots
+    rows = {}
+    for s, r, cap in going:
         active[r] = True
-    saved = pool.lengths.clone()
-    stage.stage_rows(active, [0] * pool.slots)
+        if mode != "ar":
+            # As Session._depth_cap after the round in flight had accepted all it may (cap + 1
+            # tokens): the next round's tree never goes past what is wanted, or past the window,
+            # whatever that round accepts; shallower than it could be only near those limits.
+            wanted = s.gen.max_new_tokens - len(s.output_ids) - (cap + 1)
+            room = window - s._start - (cap + 1)
+            ahead_caps[r] = max(0, min(engine.block_size - 1, wanted - 1, room - 1))
+        rows[r] = (weakref.ref(s), s.verify_ct + 1, ahead_caps[r])
+    drafting = mode != "ar" and stage.feats is not None
+    saved = (pool.lengths.clone(), pool.dlengths.clone() if drafting else None, stage.bonus.clone(),
+             stage.count.clone() if drafting else None, stage.feats.clone() if drafting else None)
+    stage.stage_rows(active, ahead_caps)
     packed = _launch(engine, stage, key, lane, graphs)
     stage.ahead_counts["launched"] += 1
-    return Ahead(key, lane, {r: (weakref.ref(s), s.verify_ct + 1) for s, r in going}, saved, packed)
+    return Ahead(key, lane, rows, saved, packed)
 
 
 def precapture(engine: Engine, budgets: tuple[int, ...], progress=None) -> int:

@@ -203,13 +203,17 @@ def test_chunks_riding_in_graphed_rounds_decode_as_serial(pair, spec, monkeypatc
     assert chunked.pool_usage()["free_slots"] == 8
 
 
-def test_with_mixed_chunks_a_long_prompt_rides_in_the_running_round_a_chunk_a_turn(pair, monkeypatch):
+@pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "not-ahead"])
+def test_with_mixed_chunks_a_long_prompt_rides_in_the_running_round_a_chunk_a_turn(pair, monkeypatch, ahead):
     """The scheduler steps new and running requests in one call (--enable-mixed-chunk): the long
-    prompt's chunks ride in the running streams' round, one a turn, with no turn of its own."""
+    prompt's chunks ride in the running streams' round, one a turn, with no turn of its own.
+    Where the streams' round has run ahead (fast/batch_graph.py), it cannot take a rider: the
+    prompt waits that one turn, and rides from the next."""
     from ddtree.engine.reference.fast import ride
 
     _, engine = engines(pair, "fast", pool_slots=4)
     engine.impl.batch_static = True
+    engine.impl.round_ahead = ahead
     engine.mixed_chunk = True
     rides = []
     real_finish = ride.finish
@@ -226,7 +230,7 @@ def test_with_mixed_chunks_a_long_prompt_rides_in_the_running_round_a_chunk_a_tu
         prompt = list(range(1, 4 * CHUNK + 2))  # 5 chunks
         ticket = sched.submit(prompt, GenParams(max_new_tokens=2, ignore_eos=True), SpecParams("ar"), long.put)
         head = long.get(timeout=120)
-        assert head.new_ids and head.turn == ticket.submitted_turn + 5
+        assert head.new_ids and head.turn == ticket.submitted_turn + 5 + ahead
         assert rides == [[CHUNK]] * 4 + [[1]]
         updates = [firsts[0]]
         while not updates[-1].done:

@@ -11,6 +11,7 @@ next round cannot be known.
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 
@@ -42,16 +43,25 @@ def _serial(pair, jobs) -> list[list[int]]:
 
 
 def _in_step(engine: Engine, sessions) -> None:
-    """Each running session's device length is its host length, plus one where a round run
-    ahead holds it."""
+    """Each running session's device lengths are its host's, plus what a round run ahead with it
+    added: in the target, the rows it committed (one for AR, read from its packed result); in
+    the drafter, the features of the round before it (the session's pending rows)."""
     stage = engine.impl._round_stage
     pending = stage.ahead if stage is not None else None
+    pool = engine.impl.pool
     for s in sessions:
         if s.done:
             continue
-        row = pending.rows.get(s._cache.slot) if pending is not None else None
-        ahead = 1 if row is not None and row[0]() is s else 0
-        assert int(engine.impl.pool.lengths[s._cache.slot]) == s._cache.length + ahead
+        slot = s._cache.slot
+        row = pending.rows.get(slot) if pending is not None else None
+        ahead = row is not None and row[0]() is s
+        committed = 0
+        if ahead:
+            committed = 1 if s.mode == "ar" else len(batch_graph.unpack_walks(pending.packed.tolist())[slot][0])
+        assert int(pool.lengths[slot]) == s._cache.length + committed
+        if s._draft_cache is not None and pool.dlengths is not None:
+            appended = int(s._pending.shape[0]) if ahead else 0
+            assert int(pool.dlengths[slot]) == s._draft_cache.length + appended
 
 
 def _counts(engine: Engine) -> dict:
@@ -101,32 +111,34 @@ def test_ar_rounds_run_ahead_and_decode_as_serial(pair):
     _finish(engine, sessions)
 
 
-def test_a_joiner_prefills_beside_the_round_run_ahead(pair):
-    """A new session in a turn whose round has run ahead: the round is taken and the prompt
-    prefills beside it, with mixed chunks on too (a round that has run takes no riders); no
-    round runs ahead of a turn with a joiner."""
+@pytest.mark.parametrize("mixed", [False, True], ids=["beside", "mixed-chunks"])
+def test_a_joiner_in_a_turn_whose_round_ran_ahead(pair, mixed):
+    """A new session in a turn whose round has run ahead: the round is taken. The prompt cannot
+    ride in a round that has run: it prefills beside it, or with mixed chunks it waits that turn
+    (no running stream waits for a prefill of its own) and rides in the next. No round runs
+    ahead of a turn with a joiner, and nothing is dropped."""
     jobs = [([5, 9, 11], 12), ([7, 3], 12), ([1, 2, 3, 4, 6, 2, 9], 9)]
     want = _serial(pair, [(p, GenParams(max_new_tokens=n), AR) for p, n in jobs])
-    for mixed in (False, True):
-        engine = _engine(pair)
-        engine.mixed_chunk = mixed
-        first = [engine.start(p, GenParams(max_new_tokens=n), AR) for p, n in jobs[:2]]
-        engine.step_many(first)
-        engine.step_many(first)
-        engine.step_many(first)
-        assert engine.impl.round_stage().ahead is not None
-        joiner = engine.start(jobs[2][0], GenParams(max_new_tokens=jobs[2][1]), AR)
-        sessions = first + [joiner]
-        engine.step_many(sessions)
-        assert joiner.output_ids and _counts(engine)["taken"] == 2
-        assert engine.impl.round_stage().ahead is None
+    engine = _engine(pair)
+    if mixed:
+        engine.mixed_chunk, engine.prefill_chunk = True, 4
+    first = [engine.start(p, GenParams(max_new_tokens=n), AR) for p, n in jobs[:2]]
+    engine.step_many(first)
+    engine.step_many(first)
+    engine.step_many(first)
+    assert engine.impl.round_stage().ahead is not None
+    joiner = engine.start(jobs[2][0], GenParams(max_new_tokens=jobs[2][1]), AR)
+    sessions = first + [joiner]
+    engine.step_many(sessions)
+    assert _counts(engine)["taken"] == 2 and engine.impl.round_stage().ahead is None
+    assert bool(joiner.output_ids) != mixed and (engine.turn_held == 1) == mixed
+    _in_step(engine, sessions)
+    while not all(s.done for s in sessions):
+        engine.step_many([s for s in sessions if not s.done])
         _in_step(engine, sessions)
-        while not all(s.done for s in sessions):
-            engine.step_many([s for s in sessions if not s.done])
-            _in_step(engine, sessions)
-        assert [s.output_ids for s in sessions] == want, mixed
-        assert _counts(engine)["dropped"] == 0
-        _finish(engine, sessions)
+    assert [s.output_ids for s in sessions] == want
+    assert _counts(engine)["dropped"] == 0
+    _finish(engine, sessions)
 
 
 def test_a_joiner_prefilled_in_a_call_of_its_own_costs_no_round(pair):
@@ -264,13 +276,55 @@ def test_a_round_that_fails_after_its_next_is_queued_changes_no_session(pair, mo
     _finish(engine, sessions)
 
 
-def test_only_ar_rounds_run_ahead():
-    engine = type("E", (), {})()
-    engine.impl = type("I", (), {"round_ahead": True})()
-    engine.sync_timings = False
-    assert batch_graph.runs_ahead(engine, ("ar", 0))
-    assert not batch_graph.runs_ahead(engine, ("chain", 0))
-    assert not batch_graph.runs_ahead(engine, ("tree", 16))
+@pytest.mark.parametrize("spec", [SpecParams("dflash"), SpecParams("ddtree", 4), SpecParams("ddtree", 16)],
+                         ids=lambda s: f"{s.algorithm}{s.budget}")
+def test_drafting_rounds_run_ahead_and_decode_as_serial(pair, spec):
+    """DFlash and DDTree rounds too: the drafter's rows, the staged features and the bonus are
+    the device's; only the depth caps come from the host, set for the worst case. Sessions of
+    different lengths, a joiner, a session stepping alone (a drop) and the end of each decode as
+    serial, with every device length (the drafter's too) the host's plus the round run ahead."""
+    prompts = [[5, 9, 11], [7, 3], [1, 2, 3, 4], [8], [6, 6, 1, 2, 9]]
+    lengths = [4, 11, 25, 40, 18]
+    jobs = [(p, GenParams(max_new_tokens=n), spec) for p, n in zip(prompts, lengths)]
+    want = _serial(pair, jobs)
+    engine = _engine(pair, slots=5)
+    sessions = [engine.start(*job) for job in jobs[:4]]
+    turn = 0
+    while not all(s.done for s in sessions) or len(sessions) < 5:
+        if turn == 5:
+            sessions.append(engine.start(*jobs[4]))
+        live = [s for s in sessions if not s.done]
+        if turn == 9 and not live[1].done:
+            live[1].step()  # alone: the round run ahead goes back
+            _in_step(engine, sessions)
+        engine.step_many(live)
+        _in_step(engine, sessions)
+        turn += 1
+    assert [s.output_ids for s in sessions] == want
+    counts = _counts(engine)
+    assert counts["taken"] > 5 and counts["dropped"] == 1
+    _finish(engine, sessions)
+
+
+@pytest.mark.parametrize("spec", [AR, SpecParams("ddtree", 16)], ids=lambda s: s.algorithm)
+def test_a_round_run_ahead_stops_at_the_context_window(pair, spec):
+    """Its depth caps assume the round before it accepted all it could: a session near the
+    window ends where it ends decoding serially (a deeper cap would commit past it)."""
+    model, drafter = pair
+    serial = Engine(model, drafter, backend="fast", max_budget=16, context_window=40)
+    pooled = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=4, context_window=40)
+    pooled.impl.batch_static = True
+    jobs = [([5, 9, 11] * 4, GenParams(max_new_tokens=200), spec), ([7, 3] * 3, GenParams(max_new_tokens=200), spec),
+            ([1, 2], GenParams(max_new_tokens=200), spec)]
+    want = [serial.generate(*job).output_ids for job in jobs]
+    sessions = [pooled.start(*job) for job in jobs]
+    while not all(s.done for s in sessions):
+        pooled.step_many([s for s in sessions if not s.done])
+        _in_step(pooled, sessions)
+    assert [s.output_ids for s in sessions] == want
+    assert all(s.finish_reason == "length" and s._start <= 40 for s in sessions)
+    assert _counts(pooled)["taken"] > 5
+    _finish(pooled, sessions)
 
 
 def test_a_device_length_check_sees_a_wrong_length(pair):
@@ -283,3 +337,26 @@ def test_a_device_length_check_sees_a_wrong_length(pair):
     with pytest.raises(AssertionError):
         _in_step(engine, sessions)
     _finish(engine, sessions)
+
+
+def test_the_demo_pairs_long_accepted_paths_stop_at_the_window_too():
+    """With a trained drafter whole blocks get accepted, so a round run ahead whose depth caps
+    trusted the host's state from before the round in flight would go past the window."""
+    root = Path(__file__).resolve().parents[3] / "assets" / "demo"
+    if not (root / "target" / "config.json").is_file():
+        pytest.skip("the demo pair is not in assets/demo")
+    serial = Engine.load(root / "target", root / "drafter", backend="fast", context_window=96)
+    pooled = Engine.load(root / "target", root / "drafter", backend="fast", context_window=96, pool_slots=4)
+    pooled.impl.batch_static = True
+    prompts = [serial.tokenizer.encode(text) for text in ("def fibonacci(n):", "class Stack:\n    def push(self, x):",
+                                                           "import os\n\ndef list_files(path):")]
+    jobs = [(p, GenParams(max_new_tokens=400, ignore_eos=True), SpecParams("ddtree", 8)) for p in prompts]
+    want = [serial.generate(*job) for job in jobs]
+    assert max(max(s.accept_lengths) for s in want) >= 4  # long accepted paths, or this tests nothing
+    sessions = [pooled.start(*job) for job in jobs]
+    while not all(s.done for s in sessions):
+        pooled.step_many([s for s in sessions if not s.done])
+        _in_step(pooled, sessions)
+    assert [s.output_ids for s in sessions] == [s.output_ids for s in want]
+    assert _counts(pooled)["taken"] > 5
+    _finish(pooled, sessions)
