@@ -232,7 +232,9 @@ class Session:
         tau = len(path_list)
         self._start += tau
         self._bonus = new[-1]
-        self.accept_lengths.append(tau)
+        # A round run ahead (fast/batch_graph.py) may accept past the tokens still wanted: it
+        # is booked at what it commits, as the round capped at them (_depth_cap) would be.
+        self.accept_lengths.append(min(tau, self.gen.max_new_tokens - len(self.output_ids)))
         self.verify_ct += 1
         return self._commit(new)
 

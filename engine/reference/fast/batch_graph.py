@@ -21,9 +21,9 @@ differs from the one the single path would build at that cap, which changes no o
 
 The next round runs ahead of the host (FastPath.round_ahead): a graphed round leaves every input
 of the next one on the device (the lengths, each row's bonus and, drafting, its accepted features
-and their count) but the depth caps, which the host sets for the worst case (Session._depth_cap
-as if the round in flight accepted all it may). So right after its replay the next round's is
-queued too, before the host waits for this one's result.
+and their count) but the depth caps, which the host sets so that the round never writes past the
+window (Session._depth_cap as if the round in flight accepted all it may). So right after its
+replay the next round's is queued too, before the host waits for this one's result.
 The GPU then runs round k+1 while the host books round k, streams it and comes back; the next
 graphed_round over the same sessions (or some of them: the others finished) takes that round's
 result instead of launching one. Rows whose session reaches its length limit in round k are
@@ -330,10 +330,12 @@ def _run_ahead(engine: Engine, stage: RoundStage, sessions: list[Session], slots
     for s, r, cap in going:
         active[r] = True
         if mode != "ar":
-            # As Session._depth_cap after the round in flight had accepted all it may (cap + 1
-            # tokens): the next round's tree never goes past what is wanted, or past the window,
-            # whatever that round accepts; shallower than it could be only near those limits.
-            wanted = s.gen.max_new_tokens - len(s.output_ids) - (cap + 1)
+            # As Session._depth_cap after the round in flight, for the window as if that round
+            # had accepted all it may (cap + 1 tokens): the next round never writes past the
+            # cache, whatever that round accepts (shallower than it could be only near the
+            # window). For the tokens wanted, as if it accepted one: a path past them commits
+            # only those and is booked at that length (Session._advance), as the serial round's.
+            wanted = s.gen.max_new_tokens - len(s.output_ids) - 1
             room = window - s._start - (cap + 1)
             ahead_caps[r] = max(0, min(engine.block_size - 1, wanted - 1, room - 1))
         rows[r] = (weakref.ref(s), s.verify_ct + 1, ahead_caps[r])

@@ -286,7 +286,10 @@ def test_drafting_rounds_run_ahead_and_decode_as_serial(pair, spec):
     prompts = [[5, 9, 11], [7, 3], [1, 2, 3, 4], [8], [6, 6, 1, 2, 9]]
     lengths = [4, 11, 25, 40, 18]
     jobs = [(p, GenParams(max_new_tokens=n), spec) for p, n in zip(prompts, lengths)]
-    want = _serial(pair, jobs)
+    model, drafter = pair
+    serial = Engine(model, drafter, backend="fast", max_budget=16)
+    alone = [serial.generate(*job) for job in jobs]
+    want = [s.output_ids for s in alone]
     engine = _engine(pair, slots=5)
     sessions = [engine.start(*job) for job in jobs[:4]]
     turn = 0
@@ -301,6 +304,9 @@ def test_drafting_rounds_run_ahead_and_decode_as_serial(pair, spec):
         _in_step(engine, sessions)
         turn += 1
     assert [s.output_ids for s in sessions] == want
+    # Booked as the serial rounds are, the last ones too (their trees may go past the tokens
+    # wanted: Session._advance books what they commit).
+    assert [s.accept_lengths for s in sessions] == [s.accept_lengths for s in alone]
     counts = _counts(engine)
     assert counts["taken"] > 5 and counts["dropped"] == 1
     _finish(engine, sessions)
@@ -339,18 +345,22 @@ def test_a_device_length_check_sees_a_wrong_length(pair):
     _finish(engine, sessions)
 
 
-def test_the_demo_pairs_long_accepted_paths_stop_at_the_window_too():
-    """With a trained drafter whole blocks get accepted, so a round run ahead whose depth caps
-    trusted the host's state from before the round in flight would go past the window."""
+@pytest.mark.parametrize("limit", ["window", "length"])
+def test_the_demo_pairs_long_accepted_paths_end_where_serial_ones_do(limit):
+    """With a trained drafter whole blocks get accepted. Near the window, a round run ahead
+    whose depth caps trusted the host's state from before the round in flight would write past
+    the cache; near the length limit its path may go past the tokens wanted, and is booked at
+    what it commits, so even the acceptance is the serial one's."""
     root = Path(__file__).resolve().parents[3] / "assets" / "demo"
     if not (root / "target" / "config.json").is_file():
         pytest.skip("the demo pair is not in assets/demo")
-    serial = Engine.load(root / "target", root / "drafter", backend="fast", context_window=96)
-    pooled = Engine.load(root / "target", root / "drafter", backend="fast", context_window=96, pool_slots=4)
+    window, wanted = (96, 400) if limit == "window" else (512, 29)
+    serial = Engine.load(root / "target", root / "drafter", backend="fast", context_window=window)
+    pooled = Engine.load(root / "target", root / "drafter", backend="fast", context_window=window, pool_slots=4)
     pooled.impl.batch_static = True
     prompts = [serial.tokenizer.encode(text) for text in ("def fibonacci(n):", "class Stack:\n    def push(self, x):",
                                                            "import os\n\ndef list_files(path):")]
-    jobs = [(p, GenParams(max_new_tokens=400, ignore_eos=True), SpecParams("ddtree", 8)) for p in prompts]
+    jobs = [(p, GenParams(max_new_tokens=wanted, ignore_eos=True), SpecParams("ddtree", 8)) for p in prompts]
     want = [serial.generate(*job) for job in jobs]
     assert max(max(s.accept_lengths) for s in want) >= 4  # long accepted paths, or this tests nothing
     sessions = [pooled.start(*job) for job in jobs]
@@ -358,5 +368,7 @@ def test_the_demo_pairs_long_accepted_paths_stop_at_the_window_too():
         pooled.step_many([s for s in sessions if not s.done])
         _in_step(pooled, sessions)
     assert [s.output_ids for s in sessions] == [s.output_ids for s in want]
+    if limit == "length":
+        assert [s.accept_lengths for s in sessions] == [s.accept_lengths for s in want]
     assert _counts(pooled)["taken"] > 5
     _finish(pooled, sessions)
