@@ -315,7 +315,9 @@ class FastPath:
         """A session about to step alone: a pool round run ahead with it in goes back first
         (its slot's own graphs read the host's length); a prefill means a session joins the
         pool's next round, which then runs no round ahead of it."""
-        if session._bonus is None:
+        if session._bonus is None and self.pool is not None:
+            if len(self.joining) > 4 * self.pool.slots:  # no pool round in a long while: stale
+                self.joining.clear()
             self.joining.add(id(session))
         stage = self._round_stage
         pending = stage.ahead if stage is not None else None

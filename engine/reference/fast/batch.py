@@ -90,7 +90,8 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
             pooled.append(i)
         else:
             alone.append(i)
-    engine.impl.joining.update(id(sessions[i]) for i in new)
+    if pool is not None:
+        engine.impl.joining.update(id(sessions[i]) for i in new)
     if len(pooled) == 1 and not _lone_round(engine, sessions[pooled[0]]):
         alone += pooled
         pooled = []
@@ -139,6 +140,7 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
                         out[sessions.index(s)] = tokens
                 else:
                     results = batched_round(engine, members)
+                    impl.joining.clear()
             for i, tokens in zip(pooled, results):
                 out[i] = tokens
         for i in alone:

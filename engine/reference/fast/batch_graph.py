@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ddtree.engine.reference.fast.batch import append_context, argmax_rows, batch_plan, draft_block
+from ddtree.engine.reference.fast.batch import _lone_round, append_context, argmax_rows, batch_plan, draft_block
 from ddtree.engine.reference.fast.batch_tree import (
     TreeBatch,
     build_trees_device,
@@ -210,9 +210,13 @@ def graphed_round(engine: Engine, sessions: list[Session], kind: tuple, *, graph
         # run leaves the staged features (a held session's pending rows) as the replay wrote
         # them: that session's next drafts may accept less, but what it commits stays exact,
         # since the walk checks every draft against the target.
-        pool.lengths.copy_(saved[0])
-        if saved[1] is not None:
-            pool.dlengths.copy_(saved[1])
+        if taken:  # its copies are a turn old: only its own sessions' rows go back
+            stage.ahead = pending
+            drop_ahead(engine)
+        else:
+            pool.lengths.copy_(saved[0])
+            if saved[1] is not None:
+                pool.dlengths.copy_(saved[1])
         for s in riding:  # their host lengths too: a next prefill starts where its rows end
             s._cache.set_length(s._prefilled_rows)
         stage.holds.clear()
@@ -316,8 +320,8 @@ def _run_ahead(engine: Engine, stage: RoundStage, sessions: list[Session], slots
     # The round in flight commits at least one token a session: those it leaves at a limit stop.
     going = [(s, r, cap) for s, r, cap in zip(sessions, slots, caps)
              if len(s.output_ids) + 2 <= s.gen.max_new_tokens and s._start + 1 < window]
-    if not going:
-        return None
+    if not going or (len(going) == 1 and not _lone_round(engine, going[0][0])):
+        return None  # (one left steps alone on its slot's graphs, which would drop it)
     mode = kind[0]
     most = max(s._start + cap + 1 for s, _, cap in going)  # the longest context it can leave
     b, q = round_shape(engine, [s for s, _, _ in going], kind)

@@ -226,6 +226,49 @@ def test_a_round_over_some_of_the_sessions_run_ahead_drops_it(pair):
     _finish(engine, sessions)
 
 
+def test_a_taken_round_that_fails_leaves_a_session_prefilled_since_as_it_is(pair, monkeypatch):
+    """The scheduler prefills a joiner in a call of its own, then the running sessions' round
+    (the one run ahead) raises: only that round's sessions go back, the joiner's prefilled rows
+    stay (a copy of every length taken a turn earlier would have zeroed its length)."""
+    jobs = [([5, 9, 11], 10), ([7, 3], 10), ([1, 2, 3, 4], 8)]
+    want = _serial(pair, [(p, GenParams(max_new_tokens=n), AR) for p, n in jobs])
+    engine = _engine(pair)
+    running = [engine.start(p, GenParams(max_new_tokens=n), AR) for p, n in jobs[:2]]
+    engine.step_many(running)
+    engine.step_many(running)
+    joiner = engine.start(jobs[2][0], GenParams(max_new_tokens=jobs[2][1]), AR)
+    engine.step_many([joiner])
+    before = [(list(s.output_ids), s._cache.length) for s in running]
+    real = batch_graph.unpack_walks
+    monkeypatch.setattr(batch_graph, "unpack_walks", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError):
+        engine.step_many(running)
+    monkeypatch.setattr(batch_graph, "unpack_walks", real)
+    assert [(list(s.output_ids), s._cache.length) for s in running] == before
+    sessions = running + [joiner]
+    _in_step(engine, sessions)
+    while not all(s.done for s in sessions):
+        engine.step_many([s for s in sessions if not s.done])
+        _in_step(engine, sessions)
+    assert [s.output_ids for s in sessions] == want
+    _finish(engine, sessions)
+
+
+def test_no_round_runs_ahead_for_one_session_left_on_its_slots_own_graphs(pair):
+    """It steps alone next (Engine.lone_round), which would only drop it."""
+    engine = _engine(pair)
+    pair_ = [engine.start([5, 9, 11], GenParams(max_new_tokens=n), AR) for n in (2, 12)]
+    short, long = pair_
+    engine.step_many(pair_)  # the prefills: one token each
+    long._cache.graphs[(1, 8)] = object()  # as FastTarget.capture leaves a graphed slot's cache
+    engine.step_many(pair_)  # short's last round: the next would be long's alone
+    assert short.done and engine.impl.round_stage().ahead is None
+    long._cache.graphs.clear()
+    engine.step_many([long])  # on a slot without graphs it takes the pool's round: one runs ahead
+    assert engine.impl.round_stage().ahead is not None
+    _finish(engine, pair_)
+
+
 def test_nothing_runs_ahead_when_off_or_timed(pair):
     jobs = [([5, 9, 11], 6), ([7, 3], 6)]
     want = _serial(pair, [(p, GenParams(max_new_tokens=n), AR) for p, n in jobs])
