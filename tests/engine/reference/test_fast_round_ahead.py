@@ -64,6 +64,25 @@ def _in_step(engine: Engine, sessions) -> None:
             assert int(pool.dlengths[slot]) == s._draft_cache.length + appended
 
 
+def _run_out(engine: Engine, sessions) -> None:
+    """Step the running sessions together until every one is done, checking _in_step each turn."""
+    while not all(s.done for s in sessions):
+        engine.step_many([s for s in sessions if not s.done])
+        _in_step(engine, sessions)
+
+
+def _two_running(pair, length: int = 10):
+    """(engine, sessions, their serial outputs): two AR sessions two turns in, their prefills and
+    a round that ran the next one ahead."""
+    jobs = [([5, 9, 11], length), ([7, 3], length)]
+    want = _serial(pair, [(p, GenParams(max_new_tokens=n), AR) for p, n in jobs])
+    engine = _engine(pair)
+    sessions = [engine.start(p, GenParams(max_new_tokens=n), AR) for p, n in jobs]
+    engine.step_many(sessions)
+    engine.step_many(sessions)
+    return engine, sessions, want
+
+
 def _counts(engine: Engine) -> dict:
     return dict(engine.impl.round_stage().ahead_counts)
 
@@ -133,9 +152,7 @@ def test_a_joiner_in_a_turn_whose_round_ran_ahead(pair, mixed):
     assert _counts(engine)["taken"] == 2 and engine.impl.round_stage().ahead is None
     assert bool(joiner.output_ids) != mixed and (engine.turn_held == 1) == mixed
     _in_step(engine, sessions)
-    while not all(s.done for s in sessions):
-        engine.step_many([s for s in sessions if not s.done])
-        _in_step(engine, sessions)
+    _run_out(engine, sessions)
     assert [s.output_ids for s in sessions] == want
     assert _counts(engine)["dropped"] == 0
     _finish(engine, sessions)
@@ -157,28 +174,19 @@ def test_a_joiner_prefilled_in_a_call_of_its_own_costs_no_round(pair):
     engine.step_many(running)
     assert engine.impl.round_stage().ahead is None
     sessions = running + [joiner]
-    while not all(s.done for s in sessions):
-        engine.step_many([s for s in sessions if not s.done])
-        _in_step(engine, sessions)
+    _run_out(engine, sessions)
     assert [s.output_ids for s in sessions] == want
     assert _counts(engine)["dropped"] == 0 and _counts(engine)["taken"] > 0
     _finish(engine, sessions)
 
 
 def test_a_session_stepping_alone_drops_the_round_run_ahead(pair):
-    jobs = [([5, 9, 11], 10), ([7, 3], 10)]
-    want = _serial(pair, [(p, GenParams(max_new_tokens=n), AR) for p, n in jobs])
-    engine = _engine(pair)
-    sessions = [engine.start(p, GenParams(max_new_tokens=n), AR) for p, n in jobs]
-    engine.step_many(sessions)
-    engine.step_many(sessions)
+    engine, sessions, want = _two_running(pair)
     assert engine.impl.round_stage().ahead is not None
     sessions[0].step()  # on its slot's own path: the host's length must be the device's
     assert _counts(engine)["dropped"] == 1 and engine.impl.round_stage().ahead is None
     _in_step(engine, sessions)
-    while not all(s.done for s in sessions):
-        engine.step_many([s for s in sessions if not s.done])
-        _in_step(engine, sessions)
+    _run_out(engine, sessions)
     assert [s.output_ids for s in sessions] == want
     _finish(engine, sessions)
 
@@ -199,9 +207,7 @@ def test_another_round_mix_drops_the_round_run_ahead(pair, joiner):
     sessions.append(engine.start(*jobs[2]))
     engine.step_many(sessions[2:])  # its prefill, in a call of its own: nothing dropped yet
     assert engine.impl.round_stage().ahead is not None
-    while not all(s.done for s in sessions):
-        engine.step_many([s for s in sessions if not s.done])
-        _in_step(engine, sessions)
+    _run_out(engine, sessions)
     assert [s.output_ids for s in sessions] == want
     assert _counts(engine)["dropped"] == 1
     _finish(engine, sessions)
@@ -210,18 +216,11 @@ def test_another_round_mix_drops_the_round_run_ahead(pair, joiner):
 def test_a_round_over_some_of_the_sessions_run_ahead_drops_it(pair):
     """Only those that ended may be missing: a session still running whose row ran ahead and
     is not in the round would keep a device length one past its host's."""
-    jobs = [([5, 9, 11], 10), ([7, 3], 10)]
-    want = _serial(pair, [(p, GenParams(max_new_tokens=n), AR) for p, n in jobs])
-    engine = _engine(pair)
-    sessions = [engine.start(p, GenParams(max_new_tokens=n), AR) for p, n in jobs]
-    engine.step_many(sessions)
-    engine.step_many(sessions)
+    engine, sessions, want = _two_running(pair)
     engine.step_many(sessions[:1])
     assert _counts(engine)["dropped"] == 1
     _in_step(engine, sessions)
-    while not all(s.done for s in sessions):
-        engine.step_many([s for s in sessions if not s.done])
-        _in_step(engine, sessions)
+    _run_out(engine, sessions)
     assert [s.output_ids for s in sessions] == want
     _finish(engine, sessions)
 
@@ -247,9 +246,7 @@ def test_a_taken_round_that_fails_leaves_a_session_prefilled_since_as_it_is(pair
     assert [(list(s.output_ids), s._cache.length) for s in running] == before
     sessions = running + [joiner]
     _in_step(engine, sessions)
-    while not all(s.done for s in sessions):
-        engine.step_many([s for s in sessions if not s.done])
-        _in_step(engine, sessions)
+    _run_out(engine, sessions)
     assert [s.output_ids for s in sessions] == want
     _finish(engine, sessions)
 
@@ -290,12 +287,7 @@ def test_nothing_runs_ahead_when_off_or_timed(pair):
 def test_a_round_that_fails_after_its_next_is_queued_changes_no_session(pair, monkeypatch):
     """The round run ahead raises: the turn's round is undone with it (the lengths go back to
     the turn's start), nothing is left to take, and decoding goes on as serial."""
-    jobs = [([5, 9, 11], 9), ([7, 3], 9)]
-    want = _serial(pair, [(p, GenParams(max_new_tokens=n), AR) for p, n in jobs])
-    engine = _engine(pair)
-    sessions = [engine.start(p, GenParams(max_new_tokens=n), AR) for p, n in jobs]
-    engine.step_many(sessions)
-    engine.step_many(sessions)
+    engine, sessions, want = _two_running(pair, 9)
     before = [(list(s.output_ids), s._cache.length) for s in sessions]
     real = batch_graph.static_round
     batch_graph.drop_ahead(engine)  # so this turn launches its own round, then the next
@@ -367,9 +359,7 @@ def test_a_round_run_ahead_stops_at_the_context_window(pair, spec):
             ([1, 2], GenParams(max_new_tokens=200), spec)]
     want = [serial.generate(*job).output_ids for job in jobs]
     sessions = [pooled.start(*job) for job in jobs]
-    while not all(s.done for s in sessions):
-        pooled.step_many([s for s in sessions if not s.done])
-        _in_step(pooled, sessions)
+    _run_out(pooled, sessions)
     assert [s.output_ids for s in sessions] == want
     assert all(s.finish_reason == "length" and s._start <= 40 for s in sessions)
     assert _counts(pooled)["taken"] > 5
@@ -407,9 +397,7 @@ def test_the_demo_pairs_long_accepted_paths_end_where_serial_ones_do(limit):
     want = [serial.generate(*job) for job in jobs]
     assert max(max(s.accept_lengths) for s in want) >= 4  # long accepted paths, or this tests nothing
     sessions = [pooled.start(*job) for job in jobs]
-    while not all(s.done for s in sessions):
-        pooled.step_many([s for s in sessions if not s.done])
-        _in_step(pooled, sessions)
+    _run_out(pooled, sessions)
     assert [s.output_ids for s in sessions] == [s.output_ids for s in want]
     if limit == "length":
         assert [s.accept_lengths for s in sessions] == [s.accept_lengths for s in want]
