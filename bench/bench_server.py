@@ -412,7 +412,7 @@ def main() -> int:
     p.add_argument("--enable-mixed-chunk", action="store_true",
                    help="--grid: the server's --enable-mixed-chunk (a joining prompt's chunks ride in the round)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
-                   help="--grid: the server's --disable-overlap-schedule, in process too (no AR round runs ahead "
+                   help="--grid: the server's --disable-overlap-schedule, in process too (no round runs ahead "
                         "of the host); run the grid with and without it to measure what the overlap gives")
     p.add_argument("--grid", action="store_true",
                    help="issue 15's table: one batching server and the same loop in process, per concurrency "
@@ -444,7 +444,7 @@ def main() -> int:
     p.add_argument("--again", default="", metavar="V[,V]",
                    help="--grid: run each in-process cell again per variant, as the server's engine process "
                         "runs: thread (driven from a thread of its own), busyN (N processes spinning beside "
-                        "it), noahead (no AR round run ahead of the host); into grid.inprocess_again")
+                        "it), noahead (no round run ahead of the host); into grid.inprocess_again")
     p.add_argument("--skip-batching", action="store_true", help="skip the batched-verify timings (not --grid's)")
     p.add_argument("--out", default=None, help="JSON results (default: bench_server.json in a temp folder)")
     args = p.parse_args()

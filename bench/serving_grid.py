@@ -443,7 +443,7 @@ def again(variant: str, run: Callable[[], dict], engine=None) -> dict:
     """One in-process cell run again in a setting of the server's engine process: "thread" drives
     it from a thread of its own (the server's rounds run on its EngineThread), "busyN" with N
     processes spinning beside it (the server's HTTP process and client keep cores busy);
-    "noahead" with no AR round run ahead of the host (the server's --disable-overlap-schedule)."""
+    "noahead" with no round run ahead of the host (the server's --disable-overlap-schedule)."""
     if variant == "noahead":
         if not hasattr(engine.impl, "round_ahead"):  # the transformers backend: nothing runs ahead
             return run()

@@ -322,7 +322,7 @@ class Engine:
 
     @property
     def round_ahead(self) -> bool:
-        """Whether AR rounds on the KV pool run ahead of the host (fast/batch_graph.py)."""
+        """Whether rounds on the KV pool run ahead of the host (fast/batch_graph.py)."""
         impl = self.impl
         return (self.backend == "fast" and impl.pool is not None and impl.round_ahead
                 and (impl.graphs or impl.batch_static))

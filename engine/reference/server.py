@@ -266,7 +266,7 @@ def build_app(api: Api) -> Starlette:
             "http_pid": os.getpid(),  # which HTTP process answered (with several, each has its own)
             "chunked_prefill_size": engine.prefill_chunk or -1,
             "enable_mixed_chunk": engine.mixed_chunk,
-            # AR rounds run ahead of the host (fast/batch_graph.py); SGLang's flag turns it off
+            # rounds run ahead of the host (fast/batch_graph.py); SGLang's flag turns it off
             "disable_overlap_schedule": not engine.round_ahead,
             "max_prefill_tokens": engine.max_prefill_tokens,
             "stream_interval": config.stream_interval,

@@ -386,7 +386,7 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                              "at once); lower inter-token latency under load, a later first token (as SGLang's flag "
                              "of that name)")
     parser.add_argument("--disable-overlap-schedule", action="store_true", default=default(False),
-                        help="fast backend with a KV pool: queue no AR round before the host has read the one "
+                        help="fast backend with a KV pool: queue no round before the host has read the one "
                              "before it; by default the next round runs on the GPU while the host books and streams "
                              "the last (as SGLang's overlap scheduler, which its flag of this name turns off)")
     parser.add_argument("--stream-interval", type=positive if passthrough else int, default=default(1),

@@ -105,8 +105,8 @@ class FastPath:
         # Queue a lone session's next draft step before reading its walk (walk_logits); off
         # only to measure what it saves (bench/profile_round.py --draft-ahead).
         self.draft_ahead = True
-        # A graphed AR round on the pool queues the next one before the host reads it
-        # (fast/batch_graph.py); off only to measure what that saves (bench_server.py --round-ahead).
+        # A graphed round on the pool queues the next one before the host reads it
+        # (fast/batch_graph.py); off with the server's --disable-overlap-schedule.
         self.round_ahead = True
         self.joining: set[int] = set()  # id() of sessions prefilled since the last pool round (fast/batch.py)
         # Homogeneous greedy rounds on the pool run as one graph per shape on CUDA
@@ -255,7 +255,7 @@ class FastPath:
                        "bytes": pool.nbytes(), "bytes_per_token": pool.bytes_per_token,
                        "tokens_per_slot": pool.slot_tokens, "used_tokens": tokens,
                        "token_usage": tokens / (pool.slots * pool.slot_tokens)}
-        if self._round_stage is not None:  # AR rounds run ahead: launched, taken, dropped
+        if self._round_stage is not None:  # rounds run ahead: launched, taken, dropped
             self._usage["rounds_ahead"] = dict(self._round_stage.ahead_counts)
 
     def add_slot(self, cache, draft_cache) -> None:

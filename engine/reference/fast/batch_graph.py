@@ -282,8 +282,8 @@ def _still_on(pending: Ahead) -> list[int]:
 
 def drop_ahead(engine: Engine) -> None:
     """Undo the round run ahead, if any: the sessions of it still on their slots get their
-    lengths back (a device-side copy, no wait); what else it wrote lies past those lengths,
-    where no query looks. Their rows are restaged on their next graphed round."""
+    lengths, the drafter's, and their staged bonus and features back (device-side copies, no
+    wait); what else it wrote lies past those lengths, where no query looks."""
     stage = engine.impl._round_stage
     pending = stage.ahead if stage is not None else None
     if pending is None:
