@@ -308,8 +308,7 @@ def drive(engine, prompts: list[list[int]], gen, spec, concurrency: int,
 
     def step(group) -> None:
         nonlocal gpu_wait
-        lone = getattr(engine, "lone_round", None)  # as the scheduler routes one running request
-        if len(group) > 1 or (group[0][1].output_ids and lone is not None and lone(group[0][1])):
+        if len(group) > 1 or engine.lone_round(group[0][1]):  # as the scheduler routes one request
             new = timed(engine.step_many, [s for _, s in group])
             gpu_wait += (getattr(engine, "turn_waits", None) or {}).get("gpu", 0.0)
         else:
@@ -439,7 +438,7 @@ def inprocess_grid(args, engine, specs, concurrencies: list[int], server_cells: 
                 print(f"  in-process c={c:3d} {name:10s} {line(cell)}  (again: {variant})", flush=True)
 
 
-def again(variant: str, run: Callable[[], dict], engine=None) -> dict:
+def again(variant: str, run: Callable[[], dict], engine) -> dict:
     """One in-process cell run again in a setting of the server's engine process: "thread" drives
     it from a thread of its own (the server's rounds run on its EngineThread), "busyN" with N
     processes spinning beside it (the server's HTTP process and client keep cores busy);
