@@ -223,7 +223,8 @@ def main(argv=None) -> int:
                         "commit, synchronised (bench_engine.round_ms), 20 rounds, no draft ahead")
     p.add_argument("--draft-ahead", default="on", choices=("on", "off", "both"),
                    help="a lone session's next draft step queued before the host reads its walk (FastPath."
-                        "draft_ahead); both: each drafting row twice, on then off (rows named ...-noahead)")
+                        "draft_ahead), and a lone AR session's next step before its token is read (fast/"
+                        "step_ahead.py); both: each row twice, on then off (rows named ...-noahead)")
     p.add_argument("--repeats", type=int, default=1,
                    help="profile the whole list of rows this many times, in turn (rows after the first "
                         "pass named ...-r2, ...-r3), so a difference can be told from drift")
@@ -244,7 +245,7 @@ def main(argv=None) -> int:
         for r in range(1, args.repeats + 1):
             tag = f"-r{r}" if r > 1 else ""
             for name, spec in base:
-                for ahead in (modes if spec.algorithm != "ar" else modes[:1]):
+                for ahead in modes:
                     specs.append((name + ("" if ahead or args.draft_ahead == "off" else "-noahead") + tag, spec, ahead))
         result = {"pair": args.pair, "device": args.device, "attention": engine.attention, "batch": args.batch,
                   "pool_slots": args.pool_slots, "one_graph": args.one_graph, "folds": not args.no_folds,
@@ -260,6 +261,7 @@ def main(argv=None) -> int:
               flush=True)
         for name, spec, ahead in specs:
             engine.impl.draft_ahead = ahead
+            engine.impl.round_ahead = ahead  # and a lone AR session's next step (fast/step_ahead.py)
             result["rows"][name] = row = profile(engine, prompt, spec, args.rounds, args.device, args.top,
                                                  shapes=args.eager, batch=args.batch, one_graph=args.one_graph)
             print(f"[{args.pair} {engine.attention}] {name}: wall {row['wall_ms_per_round']} ms/round, GPU busy "

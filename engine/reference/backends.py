@@ -51,6 +51,10 @@ class TransformersPath:
     def before_step(self, session) -> None:
         """Nothing runs ahead of a session here."""
 
+    def ar_step(self, cache, bonus: int, again: bool) -> None:
+        """No step of its own: Session runs the plain forward."""
+        return None
+
     def draft(self, bonus: int, start: int, pending: torch.Tensor, draft_cache, depth: int) -> torch.Tensor:
         """Draft logits [depth, V] (float32) for the block after the bonus token.
 

@@ -168,14 +168,19 @@ class Session:
         t0 = self.engine.clock()
         target = self.engine.target
         device = target.device
-        ids = torch.tensor([self._bonus], dtype=torch.long, device=device)
-        positions = torch.tensor([self._start], dtype=torch.long, device=device)
         features = self.mode != "ar"
-        out = target.forward(ids, positions, self._cache, features=features)
-        t1 = self.engine.clock()
-        choice = self._choose(out.logits)
-        self.engine.gpu_busy()
-        token = int(choice[0])
+        token = None
+        if not features and self.gen.greedy:
+            token = self.engine.impl.ar_step(self._cache, self._bonus, again=self._may_step_again())
+            t1 = self.engine.clock()
+        if token is None:
+            ids = torch.tensor([self._bonus], dtype=torch.long, device=device)
+            positions = torch.tensor([self._start], dtype=torch.long, device=device)
+            out = target.forward(ids, positions, self._cache, features=features)
+            t1 = self.engine.clock()
+            choice = self._choose(out.logits)
+            self.engine.gpu_busy()
+            token = int(choice[0])
         if features:
             self._pending = torch.cat((self._pending, out.features), dim=0)
         self._start += 1
@@ -222,6 +227,12 @@ class Session:
         wanted = self.gen.max_new_tokens - len(self.output_ids) - 1
         room = self.engine.context_window - self._start - 1
         return min(self.engine.block_size - 1, wanted - 1, room - 1) > 0
+
+    def _may_step_again(self) -> bool:
+        """Whether an AR step that commits one token leaves room for another (a step run ahead
+        of one that never comes is wasted GPU time, not a wrong token)."""
+        wanted = self.gen.max_new_tokens - len(self.output_ids) - 1
+        return wanted > 0 and self._start + 1 < self.engine.context_window
 
     def _advance(self, path_list: list[int], new: list[int], features: torch.Tensor | None, *,
                  drafted: bool) -> list[int]:

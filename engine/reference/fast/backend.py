@@ -33,6 +33,7 @@ from ddtree.engine.reference.errors import ModelLoadError
 from ddtree.engine.reference.fast.draft import FastDrafter
 from ddtree.engine.reference.fast.graphs import record_graph, warmup_scope
 from ddtree.engine.reference.fast.model import DecoderConfig, DenseDecoder, unsupported_reason
+from ddtree.engine.reference.fast.step_ahead import StepAhead
 from ddtree.engine.reference.fast.target import FastTarget
 from ddtree.engine.reference.tree import Tree, build_tree_device, fetch_walk, walk_device
 
@@ -109,6 +110,8 @@ class FastPath:
         # (fast/batch_graph.py); off with the server's --disable-overlap-schedule.
         self.round_ahead = True
         self.joining: set[int] = set()  # id() of sessions prefilled since the last pool round (fast/batch.py)
+        # A lone greedy AR session's next step, queued before its token is read (same switch).
+        self.steps = StepAhead(target)
         # Homogeneous greedy rounds on the pool run as one graph per shape on CUDA
         # (fast/batch_graph.py); batch_static runs that code without graphs (tests, on a CPU).
         self.batch_static = False
@@ -257,6 +260,7 @@ class FastPath:
                        "token_usage": tokens / (pool.slots * pool.slot_tokens)}
         if self._round_stage is not None:  # rounds run ahead: launched, taken, dropped
             self._usage["rounds_ahead"] = dict(self._round_stage.ahead_counts)
+        self._usage["steps_ahead"] = dict(self.steps.counts)
 
     def add_slot(self, cache, draft_cache) -> None:
         """Put a (target cache, drafter cache) pair in the pool that sessions draw from."""
@@ -327,6 +331,13 @@ class FastPath:
                 from ddtree.engine.reference.fast.batch_graph import drop_ahead
 
                 drop_ahead(self.engine)
+
+    def ar_step(self, cache, bonus: int, again: bool) -> int | None:
+        """A greedy AR step on its slot's graphs, the next one queued before this token is read
+        when `again` (fast/step_ahead.py); None where that path does not serve the cache."""
+        engine = self.engine
+        again = again and self.round_ahead and not engine.sync_timings
+        return self.steps.step(cache, bonus, again, engine.gpu_busy)
 
     def draft(self, bonus: int, start: int, pending: torch.Tensor, draft_cache, depth: int) -> torch.Tensor:
         return self.drafts.draft(bonus, start, pending, draft_cache, depth)

@@ -251,6 +251,40 @@ class FastTarget(HeadShapes):
         stage.n_set = n  # stage_tree left the padded rows' identity for this n
         return self._static_out(cache, stage, q, n, start, True, False, False)
 
+    def step_one(self, cache: StaticKVCache, token: int | torch.Tensor) -> _Stage | None:
+        """One row at the cache's length, on the static path (its graph, or on a CPU the code
+        the graph captures): the token an int, or a [1] long device tensor read in place (no
+        host copy, so it may be the argmax of a step the host has not read yet). Its logits are
+        the returned stage's logits[0]. It leaves cache.length alone (the caller books the row
+        once it takes it: fast/step_ahead.py). None where no static path serves it."""
+        start = cache.length
+        found = self._graph_for(cache, 1)
+        if found is not None:
+            q, graph = found
+            stage = cache.stages[q]
+        elif not cache.graphs and self.static and start + self._bucket(1) <= cache.rows:
+            q, graph = self._bucket(1), None
+            stage = self._stage_for(cache, q)
+        else:
+            return None
+        cache.moved = None
+        self._last = None
+        self.staged = None
+        if isinstance(token, int):
+            stage.ids[:1].fill_(token)
+        else:
+            stage.ids[:1].copy_(token)
+        stage.positions[:1].fill_(start)
+        if stage.n_set != 1:
+            stage.tree.copy_(self._eye[:q, :q])
+            stage.n_set = 1
+        if graph is not None:
+            graph.replay()
+        else:
+            span = kv_bucket(cache.rows, start + q) if self.bucket_kv else cache.rows
+            self.static_forward(stage.ids, stage.positions, stage.tree, cache, span, stage)
+        return stage
+
     def _static_out(self, cache: StaticKVCache, stage: _Stage, q: int, n: int, start: int,
                     features: bool, last_only: bool, copy: bool) -> ForwardOut:
         logits, feats = stage.logits, stage.features

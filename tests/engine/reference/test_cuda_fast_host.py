@@ -64,3 +64,36 @@ def test_drafts_run_ahead_on_graphs_decode_what_drafts_run_in_turn_decode(fast, 
     for a, b in zip(runs[True], runs[False]):
         assert a.output_ids == b.output_ids
         assert abs(len(a.accept_lengths) - len(b.accept_lengths)) <= max(2, len(b.accept_lengths) // 20)
+
+
+def test_ar_steps_run_ahead_on_graphs_decode_as_steps_in_turn(fast):
+    """A lone greedy AR step with the next one queued before its token is read
+    (fast/step_ahead.py): one replay and one sync a step, nothing copied from the host, every
+    step after a request's first taken from the one run ahead, and the tokens of steps run in
+    turn (round_ahead off)."""
+    prompts = [list(range(3, 40)), list(range(50, 61)), [7, 1, 7, 1, 9] * 6]
+    gen = GenParams(max_new_tokens=100, ignore_eos=True)
+    runs = {}
+    for ahead in (False, True):
+        fast.impl.round_ahead = ahead
+        before = dict(fast.impl.steps.counts)
+        try:
+            runs[ahead] = [fast.generate(p, gen, SpecParams("ar")).output_ids for p in prompts]
+        finally:
+            fast.impl.round_ahead = True
+        got = {k: fast.impl.steps.counts[k] - before[k] for k in before}
+        want = {"launched": 98 * len(prompts), "taken": 98 * len(prompts), "dropped": 0} if ahead else \
+            {"launched": 0, "taken": 0, "dropped": 0}
+        assert got == want
+    assert runs[True] == runs[False]
+    sess = fast.start(list(range(3, 40)), GenParams(max_new_tokens=50, ignore_eos=True), SpecParams("ar"))
+    try:
+        for _ in range(3):
+            sess.step()
+        for _ in range(3):
+            with HostWork() as work:
+                sess.step()
+            assert work.replays == 1, work.ops
+            assert work.syncs == 1 and work.h2d == 0, work.ops
+    finally:
+        sess.close()

@@ -1,0 +1,139 @@
+"""A lone greedy AR session's next step queued before the host reads its token
+(fast/step_ahead.py), on the slot path that CUDA graphs capture, run on a CPU.
+
+What must hold: the tokens are the reference's; every step of a request after its first takes
+the step run ahead of it; the host's length and the device's stay equal (the row a step run
+ahead writes is booked only when it is taken); a step run ahead that is not taken (a stop token,
+another session, a batched round in between) is dropped and changes no token; nothing runs
+ahead where the next step is unknown, timed, sampled or switched off.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ddtree.engine.reference.engine import Engine, GenParams, SpecParams
+
+from .conftest import make_drafter, make_target
+from .test_fast_round_host import PROMPTS, _fast
+
+AR = SpecParams("ar")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = make_target(63)
+    return Engine(model, make_drafter(model, block_size=8, seed=5))
+
+
+def _steps(engine: Engine) -> dict:
+    return dict(engine.impl.steps.counts)
+
+
+def _step_checked(sess) -> list[int]:
+    """One step, then the device length must be the host's: a step run ahead wrote its row past
+    the length and must not have counted it."""
+    out = sess.step()
+    if not sess.done:
+        assert int(sess._cache.length_t) == sess._cache.length == sess._start
+    return out
+
+
+def test_steps_run_ahead_decode_what_the_reference_decodes(reference):
+    fast = _fast(1)
+    gen = GenParams(max_new_tokens=40, ignore_eos=True)
+    for prompt in PROMPTS:
+        sess = fast.start(prompt, gen, AR)
+        while not sess.done:
+            _step_checked(sess)
+        assert sess.output_ids == reference.generate(prompt, gen, AR).output_ids
+    # Per request: the prefill gives the first token, then 39 steps; each but the first takes the
+    # step run ahead of it, and the last runs none ahead (no token is wanted after it).
+    assert _steps(fast) == {"launched": 38 * len(PROMPTS), "taken": 38 * len(PROMPTS), "dropped": 0}
+
+
+def test_a_step_run_ahead_of_a_stop_token_is_dropped_and_changes_nothing(reference):
+    fast = _fast(1)
+    prompt = PROMPTS[0]
+    full = reference.generate(prompt, GenParams(max_new_tokens=30, ignore_eos=True), AR).output_ids
+    stop = full[12]
+    gen = GenParams(max_new_tokens=30, stop_token_ids=[stop], ignore_eos=True)
+    want = reference.generate(prompt, gen, AR)
+    assert want.finish_reason == "stop" and len(want.output_ids) < 30
+    got = fast.generate(prompt, gen, AR)
+    assert got.output_ids == want.output_ids and got.finish_reason == "stop"
+    assert _steps(fast)["launched"] == _steps(fast)["taken"] + 1  # the step after the stop token
+    # The slot's next session starts over it: the stale step is dropped, not taken.
+    again = fast.generate(PROMPTS[1], GenParams(max_new_tokens=20, ignore_eos=True), AR)
+    assert again.output_ids == reference.generate(PROMPTS[1], GenParams(max_new_tokens=20, ignore_eos=True),
+                                                  AR).output_ids
+    assert _steps(fast)["dropped"] == 1
+
+
+def test_sessions_stepping_in_turn_drop_each_others_steps_and_decode_as_alone(reference):
+    """Two sessions on two slots stepped one after the other: each step finds the other's step
+    run ahead, drops it and runs its own, so nothing is taken and every token is still right."""
+    fast = _fast(2)
+    gen = GenParams(max_new_tokens=16, ignore_eos=True)
+    a, b = fast.start(PROMPTS[0], gen, AR), fast.start(PROMPTS[1], gen, AR)
+    while not (a.done and b.done):
+        for s in (a, b):
+            if not s.done:
+                _step_checked(s)
+    assert a.output_ids == reference.generate(PROMPTS[0], gen, AR).output_ids
+    assert b.output_ids == reference.generate(PROMPTS[1], gen, AR).output_ids
+    counts = _steps(fast)
+    assert counts["taken"] == 0 and counts["dropped"] >= counts["launched"] - 1 > 0
+
+
+def test_a_session_between_lone_steps_and_pool_rounds_decodes_as_serial():
+    """On a KV pool, a session steps alone (its next step run ahead), then rides batched rounds
+    beside a joiner (which compute that step again), then steps alone once more: the step run
+    ahead before the batched rounds is dropped, and both decode what they decode serially."""
+    model = make_target(0)
+    drafter = make_drafter(model, block_size=8, seed=1)
+    serial = Engine(model, drafter, backend="fast", max_budget=16)
+    engine = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=4)
+    engine.impl.batch_static = True
+    engine.target.static = True
+    gen = GenParams(max_new_tokens=24, ignore_eos=True)
+    a = engine.start([5, 9, 11], gen, AR)
+    for _ in range(4):
+        _step_checked(a)
+    assert _steps(engine)["launched"] >= 3
+    b = engine.start([7, 3], GenParams(max_new_tokens=8, ignore_eos=True), AR)
+    while not b.done:
+        engine.step_many([a, b])
+    while not a.done:
+        _step_checked(a)
+    assert a.output_ids == serial.generate([5, 9, 11], gen, AR).output_ids
+    assert b.output_ids == serial.generate([7, 3], GenParams(max_new_tokens=8, ignore_eos=True), AR).output_ids
+    assert _steps(engine)["dropped"] >= 1
+
+
+@pytest.mark.parametrize("case", ["timed", "off", "sampled", "dflash"])
+def test_nothing_runs_ahead_where_the_next_step_is_not_known_or_not_wanted(case, reference):
+    fast = _fast(1)
+    gen = GenParams(max_new_tokens=20, ignore_eos=True)
+    spec = AR
+    if case == "timed":
+        fast.sync_timings = True  # each part of a round is timed after the GPU drains
+    elif case == "off":
+        fast.impl.round_ahead = False  # the server's --disable-overlap-schedule
+    elif case == "sampled":
+        gen = GenParams(max_new_tokens=20, ignore_eos=True, temperature=0.8, seed=3)
+    else:
+        spec = SpecParams("dflash")  # its last rounds step without a draft, features on
+    got = fast.generate(PROMPTS[0], gen, spec)
+    assert _steps(fast)["launched"] == 0
+    if gen.greedy:
+        assert got.output_ids == reference.generate(PROMPTS[0], gen, spec).output_ids
+
+
+def test_steps_ahead_are_counted_in_the_pool_usage():
+    model = make_target(0)
+    engine = Engine(model, make_drafter(model, block_size=8, seed=1), backend="fast", max_budget=16,
+                    pool_slots=2)
+    engine.target.static = True
+    engine.generate([5, 9, 11], GenParams(max_new_tokens=10, ignore_eos=True), AR)
+    assert engine.pool_usage()["steps_ahead"] == {"launched": 8, "taken": 8, "dropped": 0}
