@@ -386,9 +386,10 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                              "at once); lower inter-token latency under load, a later first token (as SGLang's flag "
                              "of that name)")
     parser.add_argument("--disable-overlap-schedule", action="store_true", default=default(False),
-                        help="fast backend with a KV pool: queue no round before the host has read the one "
-                             "before it; by default the next round runs on the GPU while the host books and streams "
-                             "the last (as SGLang's overlap scheduler, which its flag of this name turns off)")
+                        help="fast backend: queue no round on the KV pool, nor a lone greedy AR request's step, "
+                             "before the host has read the one before it; by default the next one runs on the GPU "
+                             "while the host books and streams the last (as SGLang's overlap scheduler, which its "
+                             "flag of this name turns off)")
     parser.add_argument("--stream-interval", type=positive if passthrough else int, default=default(1),
                         help="tokens a running request gathers before they are sent: every update costs the HTTP "
                              "process a chunk, so at high token rates a larger value serves more tokens/s, in "
