@@ -29,18 +29,26 @@ def fast():
 
 @pytest.mark.parametrize("spec", [SpecParams("ddtree", 16), SpecParams("dflash")], ids=["ddtree", "dflash"])
 def test_a_round_is_four_replays_one_sync_and_a_few_fills(fast, spec):
-    sess = fast.start(list(range(3, 40)), GenParams(max_new_tokens=200, ignore_eos=True), spec)
+    for work in _host_work(fast, spec):
+        assert work.replays == 4, work.ops
+        assert work.syncs == 1 and work.h2d == 0, work.ops
+        assert work.launches <= 4, work.ops
+
+
+def _host_work(engine, spec) -> list[HostWork]:
+    """What each of a session's rounds 4-6 did on the host."""
+    sess = engine.start(list(range(3, 40)), GenParams(max_new_tokens=200, ignore_eos=True), spec)
+    works = []
     try:
         for _ in range(3):
             sess.step()
         for _ in range(3):
             with HostWork() as work:
                 sess.step()
-            assert work.replays == 4, work.ops
-            assert work.syncs == 1 and work.h2d == 0, work.ops
-            assert work.launches <= 4, work.ops
+            works.append(work)
     finally:
         sess.close()
+    return works
 
 
 @pytest.mark.parametrize("spec", [SpecParams("ddtree", 16), SpecParams("dflash")], ids=["ddtree", "dflash"])
@@ -86,14 +94,6 @@ def test_ar_steps_run_ahead_on_graphs_decode_as_steps_in_turn(fast):
             {"launched": 0, "taken": 0, "dropped": 0}
         assert got == want
     assert runs[True] == runs[False]
-    sess = fast.start(list(range(3, 40)), GenParams(max_new_tokens=50, ignore_eos=True), SpecParams("ar"))
-    try:
-        for _ in range(3):
-            sess.step()
-        for _ in range(3):
-            with HostWork() as work:
-                sess.step()
-            assert work.replays == 1, work.ops
-            assert work.syncs == 1 and work.h2d == 0, work.ops
-    finally:
-        sess.close()
+    for work in _host_work(fast, SpecParams("ar")):
+        assert work.replays == 1, work.ops
+        assert work.syncs == 1 and work.h2d == 0, work.ops
