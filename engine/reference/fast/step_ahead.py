@@ -73,7 +73,7 @@ class StepAhead:
         self._ahead(cache, token, 1 - at)
         busy()
         self._read.synchronize()
-        return int(self._host.item())
+        return int(self._host.tolist()[0])  # a host read: the sync was the event's
 
     def _ahead(self, cache: StaticKVCache, token: torch.Tensor, into: int) -> None:
         stage = self.target.step_one(cache, token)
