@@ -64,9 +64,9 @@ def _lone_round(engine: Engine, session: Session) -> bool:
     rather than stepping alone: where its slot has no graphs of its own (past the backend's
     graphed slots) and rounds on the pool are graphed, alone would run its forward eagerly.
     On an H200's 1.7B that was 33-37 ms where a round is 2.5 (a c=16 point's last request).
-    A lone AR session on a graphed slot keeps its own graphs, though the pool's round would run
-    its next round ahead (batch_graph.py): on an H100's 1.7B the pool's b=1 round took 2.00 ms a
-    token through the server against 1.95 on the slot's graphs (bench/RESULTS.md)."""
+    A lone AR session on a graphed slot keeps its own graphs: on an H100's 1.7B the pool's b=1
+    round, run ahead, took 2.00 ms a token through the server against 1.95 on the slot's graphs,
+    and 1.86 once the slot's next step ran ahead too (fast/step_ahead.py; bench/RESULTS.md)."""
     impl = engine.impl
     return (impl.graphs or impl.batch_static) and not session._cache.graphs
 
