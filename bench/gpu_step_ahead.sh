@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# A lone greedy AR session's next step queued before its token is read (fast/step_ahead.py), on
-# and off in the same process, A B A B (profile_round.py --draft-ahead both --repeats 2), on the
-# 8B shape and the demo pair; then the CUDA tests that cover it. One GPU call. Writes under $OUT.
+# A lone greedy AR session's next step queued before its token is read (fast/step_ahead.py): the
+# CUDA tests that cover it, then on and off in the same process, A B A B (profile_round.py
+# --draft-ahead both --repeats 2), on the 8B shape and the demo pair. One GPU call. Writes under $OUT.
 #   bash bench/gpu_step_ahead.sh
 # A fresh machine's 8B warm-up compiles for over 150 s: the 8B profile has the largest limit. The tests
 # compile first on a cold machine: 150 s cut the last one short there (bench/RESULTS.md).
