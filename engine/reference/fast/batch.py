@@ -95,6 +95,10 @@ def step_many(engine: Engine, sessions: list[Session]) -> list[list[int]]:
     if len(pooled) == 1 and not _lone_round(engine, sessions[pooled[0]]):
         alone += pooled
         pooled = []
+    if pooled or new:
+        # A batched round writes past the length of every slot below its batch, as inactive
+        # rows: a lone step run ahead must not be booked over that (fast/step_ahead.py).
+        engine.impl.steps.drop()
     kind = riders = None
     burst = False
     waiting = 0  # new sessions that wait a turn behind a round run ahead

@@ -13,7 +13,11 @@ session's form of the pool's rounds run ahead (fast/batch_graph.py), under the s
 A step run ahead that nobody takes (the session stopped on that token, reached its length, or
 went into a batched round) costs GPU time and nothing else: it wrote the K/V row past the cache's
 length, which no query sees and the next step at that position writes again, and the host's
-length never counted it.
+length never counted it. A taken step books that row without writing it again, so nothing else
+may write it meanwhile: a batched round on the pool writes past the length of every slot below
+its batch as an inactive row, so fast/batch.step_many drops a pending step before any pool work
+(drop). Steps run ahead only for a session whose last step was the last one here: sessions
+stepping in turn (no batching) would drop every one.
 """
 
 from __future__ import annotations
@@ -27,6 +31,16 @@ from ddtree.engine.reference.fast.cache import StaticKVCache
 from ddtree.engine.reference.fast.target import FastTarget
 
 
+class _InOrder:
+    """A CPU's stand-in for the read's event: its work has run by the time it is queued."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class StepAhead:
     def __init__(self, target: FastTarget) -> None:
         self.target = target
@@ -34,10 +48,17 @@ class StepAhead:
         self._tokens = torch.zeros(2, dtype=torch.long, device=device)  # this step's and the next one's argmax
         cuda = device.type == "cuda"
         self._host = torch.zeros(1, dtype=torch.long, pin_memory=cuda)
-        self._read = torch.cuda.Event() if cuda else None
+        self._read = torch.cuda.Event() if cuda else _InOrder()
         # (the session's cache, weakly; the position its step ran at; which of _tokens holds its argmax)
         self.pending: tuple[weakref.ref, int, int] | None = None
+        self._last: weakref.ref | None = None  # the cache of the last step here
         self.counts = {"launched": 0, "taken": 0, "dropped": 0}
+
+    def drop(self) -> None:
+        """Forget the pending step: something else is about to write past a slot's length."""
+        if self.pending is not None:
+            self.pending = None
+            self.counts["dropped"] += 1
 
     def step(self, cache: StaticKVCache, bonus: int, again: bool,
              busy: Callable[[], None] = lambda: None) -> int | None:
@@ -46,6 +67,8 @@ class StepAhead:
         busy: called once the GPU has its work, right before the host waits for the token.
         None where no static path serves this cache (the caller runs the plain step)."""
         start = cache.length
+        again = again and self._last is not None and self._last() is cache
+        self._last = weakref.ref(cache)
         pending, self.pending = self.pending, None
         if pending is not None and pending[0]() is cache and pending[1] == start:
             at = pending[2]
@@ -63,13 +86,8 @@ class StepAhead:
         if not again:
             busy()
             return int(token.item())
-        if self._read is None:  # a CPU runs in order anyway: read, then queue the next step
-            busy()
-            out = int(token.item())
-            self._ahead(cache, token, 1 - at)
-            return out
         self._host.copy_(token, non_blocking=True)
-        self._read.record(torch.cuda.current_stream(token.device))
+        self._read.record(torch.cuda.current_stream(token.device) if token.is_cuda else None)
         self._ahead(cache, token, 1 - at)
         busy()
         self._read.synchronize()
