@@ -124,16 +124,22 @@ def test_the_next_step_is_queued_before_the_host_waits_for_this_token(monkeypatc
     assert all(r[0] == "record" and w[0] == "wait" and w[1] == r[1] + 1 for r, w in pairs)
 
 
+def _pooled() -> tuple[Engine, Engine]:
+    """(an engine without a pool, one with a 4-slot KV pool whose rounds and lone steps run the
+    code graphs capture) over the same tiny pair."""
+    model = make_target(0)
+    drafter = make_drafter(model, block_size=8, seed=1)
+    engine = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=4)
+    engine.impl.batch_static = True
+    engine.target.static = True
+    return Engine(model, drafter, backend="fast", max_budget=16), engine
+
+
 def test_a_session_between_lone_steps_and_pool_rounds_decodes_as_serial():
     """On a KV pool, a session steps alone (its next step run ahead), then rides batched rounds
     beside a joiner (which compute that step again), then steps alone once more: the step run
     ahead before the batched rounds is dropped, and both decode what they decode serially."""
-    model = make_target(0)
-    drafter = make_drafter(model, block_size=8, seed=1)
-    serial = Engine(model, drafter, backend="fast", max_budget=16)
-    engine = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=4)
-    engine.impl.batch_static = True
-    engine.target.static = True
+    serial, engine = _pooled()
     gen = GenParams(max_new_tokens=24, ignore_eos=True)
     a = engine.start([5, 9, 11], gen, AR)
     for _ in range(4):
@@ -153,12 +159,7 @@ def test_a_batched_round_without_a_session_drops_its_step_run_ahead():
     """A pooled session stepping alone while batched rounds run over another: each round writes
     past the first session's length as an inactive row, over the row its step run ahead wrote,
     so that step must be dropped, not booked (fast/batch.step_many); it decodes as serial."""
-    model = make_target(0)
-    drafter = make_drafter(model, block_size=8, seed=1)
-    serial = Engine(model, drafter, backend="fast", max_budget=16)
-    engine = Engine(model, drafter, backend="fast", max_budget=16, pool_slots=4)
-    engine.impl.batch_static = True
-    engine.target.static = True
+    serial, engine = _pooled()
     gen = GenParams(max_new_tokens=24, ignore_eos=True)
     a, b = engine.start([5, 9, 11], gen, AR), engine.start([7, 3], gen, AR)
     a.step(), b.step()  # the prefills
