@@ -322,7 +322,8 @@ class Engine:
 
     @property
     def round_ahead(self) -> bool:
-        """Whether rounds on the KV pool run ahead of the host (fast/batch_graph.py)."""
+        """Whether rounds on the KV pool run ahead of the host (fast/batch_graph.py). The same
+        switch, FastPath.round_ahead, runs a lone greedy AR step ahead (fast/step_ahead.py)."""
         impl = self.impl
         return (self.backend == "fast" and impl.pool is not None and impl.round_ahead
                 and (impl.graphs or impl.batch_static))

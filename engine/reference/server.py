@@ -266,7 +266,8 @@ def build_app(api: Api) -> Starlette:
             "http_pid": os.getpid(),  # which HTTP process answered (with several, each has its own)
             "chunked_prefill_size": engine.prefill_chunk or -1,
             "enable_mixed_chunk": engine.mixed_chunk,
-            # rounds run ahead of the host (fast/batch_graph.py); SGLang's flag turns it off
+            # the pool's rounds run ahead of the host (fast/batch_graph.py), and under the same
+            # switch a lone greedy AR request's steps (fast/step_ahead.py); SGLang's flag turns it off
             "disable_overlap_schedule": not engine.round_ahead,
             "max_prefill_tokens": engine.max_prefill_tokens,
             "stream_interval": config.stream_interval,
