@@ -322,11 +322,15 @@ class Engine:
 
     @property
     def round_ahead(self) -> bool:
-        """Whether rounds on the KV pool run ahead of the host (fast/batch_graph.py). The same
-        switch, FastPath.round_ahead, runs a lone greedy AR step ahead (fast/step_ahead.py)."""
+        """Whether anything runs ahead of the host: rounds on the KV pool (fast/batch_graph.py,
+        on graphs or the batched static path) or, under the same switch FastPath.round_ahead, a
+        lone greedy AR step on the target's static path (fast/step_ahead.py), which a fast
+        engine without a pool has too."""
         impl = self.impl
-        return (self.backend == "fast" and impl.pool is not None and impl.round_ahead
-                and (impl.graphs or impl.batch_static))
+        if self.backend != "fast" or not impl.round_ahead:
+            return False
+        pooled = impl.pool is not None and (impl.graphs or impl.batch_static)
+        return pooled or impl.graphs or impl.target.static
 
     def pool_usage(self) -> dict | None:
         """The fast backend's KV pool: slots, free slots, bytes, tokens held (None: no pool)."""

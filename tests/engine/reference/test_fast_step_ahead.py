@@ -197,3 +197,19 @@ def test_steps_ahead_are_counted_in_the_pool_usage():
     engine.target.static = True
     engine.generate([5, 9, 11], GenParams(max_new_tokens=10, ignore_eos=True), AR)
     assert engine.pool_usage()["steps_ahead"] == {"launched": 7, "taken": 7, "dropped": 0}
+
+
+def test_round_ahead_says_whether_steps_run_ahead_without_a_pool(reference):
+    """/server_info's disable_overlap_schedule is `not engine.round_ahead`: a fast engine
+    without a KV pool runs its lone AR steps ahead, so it must read true there, and false once
+    the switch is off or where nothing static serves a step."""
+    fast = _fast(1)
+    assert fast.impl.pool is None and fast.round_ahead
+    fast.generate(PROMPTS[0], GenParams(max_new_tokens=8, ignore_eos=True), AR)
+    assert _steps(fast)["launched"] > 0
+    fast.impl.round_ahead = False
+    assert not fast.round_ahead
+    eager = Engine(reference.model, reference.drafter, backend="fast", max_budget=32)
+    eager.target.static = False
+    assert not eager.round_ahead
+    assert not reference.round_ahead  # the transformers backend runs nothing ahead
