@@ -35,7 +35,7 @@ python3 -c "import aiohttp, httpx, starlette, uvicorn" || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
     tests=${CUDA_TESTS:-tests/engine/reference/test_cuda_pool.py tests/engine/reference/test_batch_tree.py}
-    timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m cuda -x $tests > "$OUT/cuda-pool-tests.txt" 2>&1
+    timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -p no:logging -m cuda -x $tests > "$OUT/cuda-pool-tests.txt" 2>&1
     tail -15 "$OUT/cuda-pool-tests.txt"
 fi
 grid() {  # grid NAME EXTRA_ARGS...: one bench_server.py --grid run, written as grid-NAME.*
