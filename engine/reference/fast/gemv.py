@@ -64,6 +64,7 @@ class RowsConfig:
     block_k: int
     warps: int
     stages: int = 2
+    fma: bool = False  # triton_gemv.rows_fma (elementwise products, no tl.dot), for float32
 
 
 # Few-row products: 2..ROWS_MAX rows (a one-session verify's query buckets, the drafter's block).
@@ -81,16 +82,25 @@ ROWS_TILES = ((16, 64, 4), (32, 64, 4), (64, 32, 4))
 # on: not yet measured with the folds or through a round.
 WIDE_TILES = ((128, 128, 8, 4), (64, 128, 4, 4), (128, 64, 8, 3))
 WIDE_MIN_ROWS = 33
+# Tiles of the elementwise kernel (rows, outputs, inputs a step, warps), for 4-byte weights: the
+# demo pair's float32 verify and drafter products, where every tiling of tl.dot (16+ rows by 16+
+# outputs) and cuBLAS took 7-23 us a product at 2-33 rows by 256-768 inputs on an H100 (bench/
+# RESULTS.md), several times a one-row GEMV's 2. Each keeps 8192 float32 partial sums a program
+# (64 a thread at 4 warps); wide K steps, since a program's plain loads wait step by step.
+FMA_TILES = ((4, 8, 256, 4), (8, 4, 256, 4), (8, 8, 128, 4), (4, 4, 512, 4))
 
 
-def rows_configs(m: int, wide: bool = False) -> tuple[RowsConfig, ...]:
-    """The tilings the tune tries for m rows (wide: WIDE_TILES too, from WIDE_MIN_ROWS rows)."""
+def rows_configs(m: int, wide: bool = False, fma: bool = False) -> tuple[RowsConfig, ...]:
+    """The tilings the tune tries for m rows (wide: WIDE_TILES too, from WIDE_MIN_ROWS rows;
+    fma: FMA_TILES too)."""
     cover = 16
     while cover < min(m, 64):
         cover *= 2
     configs = tuple(RowsConfig(bm, bn, bk, w) for bm in sorted({16, cover}) for bn, bk, w in ROWS_TILES)
     if wide and m >= WIDE_MIN_ROWS:
         configs += tuple(RowsConfig(cover, bn, bk, w, st) for bn, bk, w, st in WIDE_TILES)
+    if fma:
+        configs += tuple(RowsConfig(bm, bn, bk, w, fma=True) for bm, bn, bk, w in FMA_TILES)
     return configs
 
 
@@ -146,8 +156,9 @@ def launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
                 pre: int = 0, residual: Optional[torch.Tensor] = None, norm: Optional[torch.Tensor] = None,
                 eps: float = 0.0) -> torch.Tensor:
     """x [m, K] (or [m, 2K] with _SILU) @ weight[N, K]^T (+ bias) (+ residual [m, N]) -> [m, N]
-    in x's dtype, on the few-row kernel with this tiling; pre as `launch`'s."""
-    from ddtree.engine.reference.fast.triton_gemv import rows
+    in x's dtype, on the few-row kernel with this tiling (config.fma: the elementwise one);
+    pre as `launch`'s."""
+    from ddtree.engine.reference.fast.triton_gemv import rows, rows_fma
 
     n, k = weight.shape
     m = x.shape[0]
@@ -160,6 +171,13 @@ def launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     # first read it from L2. Outputs first, a 65-row verify on 64-row tiles read an 8B layer's
     # weights from memory twice (each pass outgrows L2).
     grid = (-(-m // config.block_m), -(-n // config.block_n))
+    if config.fma:
+        rows_fma[grid](x, weight, bias if bias is not None else x, out,
+                       residual.contiguous() if residual is not None else x, norm if norm is not None else x,
+                       m, n, k, x.stride(0), weight.stride(0), float(eps), HAS_BIAS=bias is not None,
+                       BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRE=pre,
+                       HAS_RES=residual is not None, num_warps=config.warps, num_stages=config.stages)
+        return out
     rows[grid](x, weight, bias if bias is not None else x, out,
                residual.contiguous() if residual is not None else x, norm if norm is not None else x,
                m, n, k, x.stride(0), weight.stride(0), float(eps), HAS_BIAS=bias is not None,
@@ -172,12 +190,21 @@ def launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 @torch.library.custom_op("ddtree::gemm_rows", mutates_args=())
 def _gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                norm: Optional[torch.Tensor], eps: float, pre: int, block_m: int, block_n: int, block_k: int,
-               warps: int, stages: int) -> torch.Tensor:
-    return launch_rows(x, weight, bias, RowsConfig(block_m, block_n, block_k, warps, stages), pre, residual, norm, eps)
+               warps: int, stages: int, fma: bool = False) -> torch.Tensor:
+    return launch_rows(x, weight, bias, RowsConfig(block_m, block_n, block_k, warps, stages, fma), pre, residual,
+                       norm, eps)
+
+
+def gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], config: RowsConfig, pre: int = 0,
+              residual: Optional[torch.Tensor] = None, norm: Optional[torch.Tensor] = None,
+              eps: float = 0.0) -> torch.Tensor:
+    """launch_rows through its custom op (what a compiled layer calls as it is)."""
+    return torch.ops.ddtree.gemm_rows(x, weight, bias, residual, norm, eps, pre, config.block_m, config.block_n,
+                                      config.block_k, config.warps, config.stages, config.fma)
 
 
 @_gemm_rows.register_fake
-def _(x, weight, bias, residual, norm, eps, pre, block_m, block_n, block_k, warps, stages):
+def _(x, weight, bias, residual, norm, eps, pre, block_m, block_n, block_k, warps, stages, fma=False):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
@@ -241,6 +268,8 @@ class Gemv:
         # True: tune_rows tries WIDE_TILES too, for 2-byte weights (bf16/fp16). Off until measured
         # through a round (profile_round.py --wide-rows).
         self.wide_rows = False
+        # True: tune_rows tries FMA_TILES too, for 4-byte weights (the demo pair's float32).
+        self.fma_rows = True
         self.enabled = True  # False: F.linear runs every product and tune measures nothing (benchmarks)
         # False: norm, activation and residual run as torch ops around every product, one row (the
         # kernel) or many (row_ops) (benchmarks).
@@ -278,8 +307,7 @@ class Gemv:
             return out if residual is None else residual + out
         code, norm, eps = _fold_args(pre)
         if isinstance(config, RowsConfig):
-            return torch.ops.ddtree.gemm_rows(x, weight, bias, residual, norm, eps, code, config.block_m,
-                                              config.block_n, config.block_k, config.warps, config.stages)
+            return gemm_rows(x, weight, bias, config, code, residual, norm, eps)
         return torch.ops.ddtree.gemv(x, weight, bias, residual, norm, eps, code, config.block_n, config.block_k,
                                      config.warps, config.stages)
 
@@ -343,7 +371,8 @@ class Gemv:
                 x = torch.randn((m, shape[1] * (2 if pre == "silu" else 1)), device=weight.device, dtype=weight.dtype)
                 res = torch.randn((m, shape[0]), device=weight.device, dtype=weight.dtype) if residual else None
                 times = {base: replay_us(lambda: [plain(x, w, b, pre, res) for w, b in group], weight.device, 1)}
-                configs = rows_configs(m, wide=self.wide_rows and weight.element_size() == 2)
+                configs = rows_configs(m, wide=self.wide_rows and weight.element_size() == 2,
+                                       fma=self.fma_rows and weight.element_size() == 4)
                 for config in configs:
                     try:
                         times[str(config)] = replay_us(

@@ -75,6 +75,7 @@ class RowLinears:
         self.swap: set[tuple[int, int, int]] = set()
         self.kernel: dict[tuple[int, int, int], object] = {}  # (m, k, n) -> gemv.RowsConfig
         self.kernels = True  # tune tries the few-row kernel too (Gemv.rows says why); False: cuBLAS alone
+        self.fma = True  # and its elementwise tiles (gemv.FMA_TILES; Gemv.fma_rows)
         # (m, k, n) -> (F.linear us, swapped us or None, best few-row kernel us or None)
         self.measured: dict[tuple[int, int, int], tuple[float, float | None, float | None]] = {}
 
@@ -83,8 +84,9 @@ class RowLinears:
             key = (x.shape[0], *module.weight.shape[::-1])
             config = self.kernel.get(key)
             if config is not None:
-                return torch.ops.ddtree.gemm_rows(x, module.weight, module.bias, None, None, 0.0, 0, config.block_m,
-                                                  config.block_n, config.block_k, config.warps, config.stages)
+                from ddtree.engine.reference.fast.gemv import gemm_rows
+
+                return gemm_rows(x, module.weight, module.bias, config)
             if key in self.swap:
                 return _swapped(x, module.weight, module.bias)
         return module(x)
@@ -110,9 +112,13 @@ class RowLinears:
             swapped = replay_us(lambda: _swapped(x, lin.weight, lin.bias), self.device) if m <= 16 else None
             best = None
             if kernels:
-                times = {c: replay_us(lambda c=c: gemv.launch_rows(x, lin.weight, lin.bias, c), self.device)
-                         for c in gemv.rows_configs(m)}
-                best = min(times, key=times.get)
+                times = {}
+                for c in gemv.rows_configs(m, fma=self.fma):
+                    try:
+                        times[c] = replay_us(lambda c=c: gemv.launch_rows(x, lin.weight, lin.bias, c), self.device)
+                    except Exception as exc:  # noqa: BLE001 - as Gemv.tune_rows: a tiling this GPU cannot run
+                        log.info("few-row tiling %s does not run at %s: %s", c, (m, k, n), str(exc)[:120])
+                best = min(times, key=times.get) if times else None
             kernel = times[best] if best is not None else None
             self.measured[(m, k, n)] = (round(plain, 2), None if swapped is None else round(swapped, 2),
                                         None if kernel is None else round(kernel, 2))

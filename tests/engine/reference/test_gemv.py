@@ -118,7 +118,10 @@ def test_tune_measures_nothing_off_cuda():
     (2, 64, 512, RowsConfig(16, 64, 64, 4), False), (17, 48, 256, RowsConfig(32, 32, 64, 4), True),
     (65, 37, 100, RowsConfig(64, 16, 32, 4), True), (65, 40, 96, RowsConfig(16, 32, 64, 4), False),  # 5 row tiles
     (3, 5, 33, RowsConfig(16, 16, 32, 4), True),  # ragged N and K
-    (40, 150, 130, RowsConfig(64, 128, 64, 8, 3), True)])  # a wide tile (WIDE_TILES), ragged
+    (40, 150, 130, RowsConfig(64, 128, 64, 8, 3), True),  # a wide tile (WIDE_TILES), ragged
+    # the elementwise kernel (FMA_TILES): row tiles past m, ragged N and K, K over several steps
+    (17, 48, 256, RowsConfig(8, 8, 64, 4, fma=True), True), (3, 5, 33, RowsConfig(4, 4, 16, 4, fma=True), True),
+    (9, 37, 300, RowsConfig(4, 8, 128, 4, fma=True), False)])
 def test_rows_kernel_equals_the_product(m, n, k, config, bias):
     x, w, b = _case(n, k, torch.float32, bias, n + k + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -141,13 +144,18 @@ def test_rows_configs_cover_the_rows_with_at_most_two_row_tiles():
     assert rows_configs(17, wide=True) == rows_configs(17)
     extra = set(rows_configs(65, wide=True)) - set(rows_configs(65))
     assert len(extra) == 3 and {c.block_m for c in extra} == {64} and {c.stages for c in extra} >= {3, 4}
+    # The elementwise tiles: only when asked, at every row count, each with 8192 partial sums.
+    assert not any(c.fma for c in rows_configs(17, wide=True))
+    fma = set(rows_configs(2, fma=True)) - set(rows_configs(2))
+    assert len(fma) == 4 and all(c.fma and c.block_m * c.block_n * c.block_k == 8192 for c in fma)
 
 
 def test_the_row_tune_skips_a_tiling_that_does_not_run_and_tries_wide_ones_only_when_asked(monkeypatch):
     """A tiling past a GPU's shared memory fails in Triton's compile (in the timing's warm-up):
     the tune leaves it out and picks among the rest; wide tiles are tried for 2-byte weights only
-    when Gemv.wide_rows is on. (The tune's timing is faked here: no GPU.)"""
-    from ddtree.engine.reference.fast.gemv import WIDE_TILES
+    when Gemv.wide_rows is on, the elementwise ones for 4-byte weights. (The tune's timing is
+    faked here: no GPU.)"""
+    from ddtree.engine.reference.fast.gemv import FMA_TILES, WIDE_TILES
 
     monkeypatch.setattr(gemv_module, "_tunable", lambda weight: True)
     tried = []
@@ -171,12 +179,14 @@ def test_the_row_tune_skips_a_tiling_that_does_not_run_and_tries_wide_ones_only_
         tried.clear()
         gemv.tune_rows([[(torch.zeros(64, 32, dtype=dtype), None)]], [65])
         times = gemv.measured_rows[(65, 64, 32)]
-        assert len(times) == 1 + len(rows_configs(65)) + (2 if wide and dtype == torch.bfloat16 else 0)
+        extra = (2 if wide and dtype == torch.bfloat16 else 0) + (len(FMA_TILES) if dtype == torch.float32 else 0)
+        assert len(times) == 1 + len(rows_configs(65)) + extra
         assert (gemv.picked_rows[(65, 64, 32)].stages > 2) == (wide and dtype == torch.bfloat16)
 
 
+@pytest.mark.parametrize("fma", [False, True], ids=["dot", "fma"])
 @pytest.mark.parametrize("fold", ["rms", "silu+residual", "residual"])
-def test_few_row_folds_equal_the_torch_ops(fold, monkeypatch):
+def test_few_row_folds_equal_the_torch_ops(fold, fma, monkeypatch):
     """The folds of the one-row kernel, per row, on the few-row kernel: an RMSNorm over each row,
     silu(gate) * up, the residual add, against the torch ops (`plain`), in one launch."""
     from ddtree.engine.reference.fast.gemv import plain
@@ -193,7 +203,7 @@ def test_few_row_folds_equal_the_torch_ops(fold, monkeypatch):
         pre, x = "silu", torch.randn(m, 2 * k, generator=g)
     residual = torch.randn(m, n, generator=g) if "residual" in fold else None
     gemv = Gemv()
-    gemv.picked_rows[(m, n, k)] = RowsConfig(16, 16, 32, 4)
+    gemv.picked_rows[(m, n, k)] = RowsConfig(4, 8, 32, 4, fma=True) if fma else RowsConfig(16, 16, 32, 4)
     want = plain(x, w, b, pre, residual)
     args = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in (x, w, b, pre, residual)]
     if isinstance(pre, torch.nn.Module):
@@ -250,7 +260,8 @@ def test_static_path_with_one_row_products_on_the_kernel_decodes_the_same(monkey
 
 
 @pytest.mark.slow
-def test_static_path_with_few_row_products_on_the_kernel_decodes_the_same(monkeypatch):
+@pytest.mark.parametrize("config", [RowsConfig(16, 32, 32, 4), RowsConfig(4, 8, 64, 4, fma=True)], ids=["dot", "fma"])
+def test_static_path_with_few_row_products_on_the_kernel_decodes_the_same(config, monkeypatch):
     """Greedy DDTree and DFlash output, token for token: the static path with every product of
     the target's verify (q/k/v, o, gate/up, down, the head, at every query bucket) on the
     few-row kernel, against plain AR on the eager path."""
@@ -258,7 +269,7 @@ def test_static_path_with_few_row_products_on_the_kernel_decodes_the_same(monkey
     decoder = fast.target.model
     for m in fast.target.buckets[1:]:
         for shape in shapes:
-            decoder.gemv.picked_rows[(m, *shape)] = RowsConfig(16, 32, 32, 4)
+            decoder.gemv.picked_rows[(m, *shape)] = config
     rows = []
     real = gemv_module.launch_rows
     monkeypatch.setattr(gemv_module, "launch_rows", lambda *a: rows.append(a[0].shape[0]) or real(*a))
@@ -367,7 +378,8 @@ def test_cuda_rows_tune_and_every_tiling(dtype):
     assert {m for m, _, _ in gemv.measured_rows} == {2, 17, 65}
     for key, times in gemv.measured_rows.items():
         base = next(v for name, v in times.items() if not name.startswith("RowsConfig"))
-        assert len(times) == 1 + len(rows_configs(key[0])) and all(us > 0 for us in times.values())
+        tried = rows_configs(key[0], fma=dtype == torch.float32)
+        assert len(times) == 1 + len(tried) and all(us > 0 for us in times.values())
         assert key not in gemv.picked_rows or times[str(gemv.picked_rows[key])] <= base
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for group, ((n, k), fold) in zip(groups, shapes):
@@ -378,7 +390,7 @@ def test_cuda_rows_tune_and_every_tiling(dtype):
             residual = torch.randn(m, n, device="cuda", generator=g).to(dtype) if res else None
             want = plain(x.double(), w.double(), None, pre.double() if pre is norm else pre,
                          None if residual is None else residual.double())
-            for config in rows_configs(m):
+            for config in rows_configs(m, fma=True):
                 probe = Gemv()
                 probe.picked_rows[(m, n, k)] = config
                 got = probe(x, w, None, pre, residual).double()
