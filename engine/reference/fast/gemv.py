@@ -171,19 +171,13 @@ def launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     # first read it from L2. Outputs first, a 65-row verify on 64-row tiles read an 8B layer's
     # weights from memory twice (each pass outgrows L2).
     grid = (-(-m // config.block_m), -(-n // config.block_n))
-    if config.fma:
-        rows_fma[grid](x, weight, bias if bias is not None else x, out,
-                       residual.contiguous() if residual is not None else x, norm if norm is not None else x,
-                       m, n, k, x.stride(0), weight.stride(0), float(eps), HAS_BIAS=bias is not None,
-                       BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRE=pre,
-                       HAS_RES=residual is not None, num_warps=config.warps, num_stages=config.stages)
-        return out
-    rows[grid](x, weight, bias if bias is not None else x, out,
-               residual.contiguous() if residual is not None else x, norm if norm is not None else x,
-               m, n, k, x.stride(0), weight.stride(0), float(eps), HAS_BIAS=bias is not None,
-               BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRE=pre,
-               HAS_RES=residual is not None, IEEE=x.dtype == torch.float32 or x.device.type == "cpu",
-               num_warps=config.warps, num_stages=config.stages)
+    # The elementwise kernel is float32 whatever x is; tl.dot's is exact float32 where x is.
+    kernel, dot = (rows_fma, {}) if config.fma else (rows, {"IEEE": x.dtype == torch.float32 or x.device.type == "cpu"})
+    kernel[grid](x, weight, bias if bias is not None else x, out,
+                 residual.contiguous() if residual is not None else x, norm if norm is not None else x,
+                 m, n, k, x.stride(0), weight.stride(0), float(eps), HAS_BIAS=bias is not None,
+                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRE=pre,
+                 HAS_RES=residual is not None, num_warps=config.warps, num_stages=config.stages, **dot)
     return out
 
 
