@@ -66,6 +66,22 @@ def _rstd(X, xrow, m_ok, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _tile(X, M, N, K, sx, sw, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          PRE: tl.constexpr):
+    """This program's rows and outputs, their masks, X's and W's row offsets, and each row's
+    rstd where an RMSNorm is folded in (PRE 2; zeros otherwise)."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    xrow = m.to(tl.int64) * sx
+    if PRE == 2:
+        rstd = _rstd(X, xrow, m_ok, K, eps, BLOCK_M, BLOCK_K)
+    else:
+        rstd = tl.zeros([BLOCK_M], tl.float32)
+    return m, n, m_ok, n < N, xrow, n.to(tl.int64) * sw, rstd
+
+
+@triton.jit
 def _inputs(X, NORM, xrow, m_ok, k, K, rstd, PRE: tl.constexpr):
     """The [rows, k] tile of the product's input: X's, or what PRE's op would have made of it
     (as gemv's, per row), rounded to X's dtype as that op's output was."""
@@ -101,18 +117,7 @@ def rows(X, W, BIAS, Y, RES, NORM, M, N, K, sx, sw, eps, HAS_BIAS: tl.constexpr,
     program: gemv's product for a few rows, each W tile read once for all of them and multiplied
     with tl.dot (IEEE: in exact float32, as cuBLAS without TF32 does). X's rows are sx apart; Y
     and RES are contiguous [M, N]. PRE as gemv's, RMSNorm per row (rstd from the whole row)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = m < M
-    n_ok = n < N
-    xrow = m.to(tl.int64) * sx
-    wrow = n.to(tl.int64) * sw
-    if PRE == 2:
-        rstd = _rstd(X, xrow, m_ok, K, eps, BLOCK_M, BLOCK_K)
-    else:
-        rstd = tl.zeros([BLOCK_M], tl.float32)
+    m, n, m_ok, n_ok, xrow, wrow, rstd = _tile(X, M, N, K, sx, sw, eps, BLOCK_M, BLOCK_N, BLOCK_K, PRE)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -134,18 +139,7 @@ def rows_fma(X, W, BIAS, Y, RES, NORM, M, N, K, sx, sw, eps, HAS_BIAS: tl.conste
     even a product of 256 outputs runs on about a hundred programs, where tl.dot's 16-row tiles
     of exact float32 (and cuBLAS) left most of the GPU idle over a long K: 21-23 us for the demo
     target's 256 x 768 down product at 17 rows on an H100, against about 2 for one row on gemv."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = m < M
-    n_ok = n < N
-    xrow = m.to(tl.int64) * sx
-    wrow = n.to(tl.int64) * sw
-    if PRE == 2:
-        rstd = _rstd(X, xrow, m_ok, K, eps, BLOCK_M, BLOCK_K)
-    else:
-        rstd = tl.zeros([BLOCK_M], tl.float32)
+    m, n, m_ok, n_ok, xrow, wrow, rstd = _tile(X, M, N, K, sx, sw, eps, BLOCK_M, BLOCK_N, BLOCK_K, PRE)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
