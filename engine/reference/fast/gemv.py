@@ -84,9 +84,11 @@ WIDE_TILES = ((128, 128, 8, 4), (64, 128, 4, 4), (128, 64, 8, 3))
 WIDE_MIN_ROWS = 33
 # Tiles of the elementwise kernel (rows, outputs, inputs a step, warps), for 4-byte weights: the
 # demo pair's float32 verify and drafter products, where every tiling of tl.dot (16+ rows by 16+
-# outputs) and cuBLAS took 7-23 us a product at 2-33 rows by 256-768 inputs on an H100 (bench/
-# RESULTS.md), several times a one-row GEMV's 2. Each keeps 8192 float32 partial sums a program
-# (64 a thread at 4 warps); wide K steps, since a program's plain loads wait step by step.
+# outputs) and cuBLAS took 7-23 us a product at 2-33 rows by 256-768 inputs on an H100, several
+# times a one-row GEMV's 2. Each keeps 8192 float32 partial sums a program (64 a thread at 4
+# warps); wide K steps, since a program's plain loads wait step by step. Measured on an H100
+# (bench/RESULTS.md): at 17 rows the demo target's down product went from 21.8 to 5.2 us, o from
+# 8.3 to 3.5, q/k/v from 9.5 to 4.8; gate/up and the head stayed on cuBLAS.
 FMA_TILES = ((4, 8, 256, 4), (8, 4, 256, 4), (8, 8, 128, 4), (4, 4, 512, 4))
 
 
@@ -262,7 +264,8 @@ class Gemv:
         # True: tune_rows tries WIDE_TILES too, for 2-byte weights (bf16/fp16). Off until measured
         # through a round (profile_round.py --wide-rows).
         self.wide_rows = False
-        # True: tune_rows tries FMA_TILES too, for 4-byte weights (the demo pair's float32).
+        # True: tune_rows tries FMA_TILES too, for 4-byte weights (the demo pair's float32): on an
+        # H100 that took the demo's DDTree-32 round from 1.08 to 0.82 ms. False: without them (A/B).
         self.fma_rows = True
         self.enabled = True  # False: F.linear runs every product and tune measures nothing (benchmarks)
         # False: norm, activation and residual run as torch ops around every product, one row (the
