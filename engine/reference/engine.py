@@ -329,8 +329,7 @@ class Engine:
         impl = self.impl
         if self.backend != "fast" or not impl.round_ahead:
             return False
-        pooled = impl.pool is not None and (impl.graphs or impl.batch_static)
-        return pooled or impl.graphs or impl.target.static
+        return impl.graphs or impl.target.static or (impl.pool is not None and impl.batch_static)
 
     def pool_usage(self) -> dict | None:
         """The fast backend's KV pool: slots, free slots, bytes, tokens held (None: no pool)."""
