@@ -260,7 +260,7 @@ def test_static_path_with_one_row_products_on_the_kernel_decodes_the_same(monkey
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [RowsConfig(16, 32, 32, 4), RowsConfig(4, 8, 64, 4, fma=True)], ids=["dot", "fma"])
+@pytest.mark.parametrize("config", [RowsConfig(16, 32, 32, 4), RowsConfig(16, 32, 32, 4, fma=True)], ids=["dot", "fma"])
 def test_static_path_with_few_row_products_on_the_kernel_decodes_the_same(config, monkeypatch):
     """Greedy DDTree and DFlash output, token for token: the static path with every product of
     the target's verify (q/k/v, o, gate/up, down, the head, at every query bucket) on the
