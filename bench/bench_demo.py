@@ -1,7 +1,7 @@
 """The demo pair on this machine: AR vs DFlash vs DDTree, side by side, on held-out prompts.
 
     .venv/bin/python bench/bench_demo.py [--num-prompts 24] [--budgets 4,8,16,32,64,128]
-        [--max-new-tokens 128] [--threads 2] [--json OUT.json]
+        [--max-new-tokens 128] [--threads 2] [--backends auto|transformers,fast] [--json OUT.json]
 
 Every prompt is decoded by every configuration in turn (the fastest of --repeats runs counts) (the order rotates from prompt to prompt,
 so drift in machine load spreads evenly), after a warm-up that runs each configuration once. At
@@ -10,6 +10,11 @@ lossless); the script counts mismatches. Reported per configuration: tau (mean a
 per verify round, bonus included, over all rounds), the median over prompts of tokens/s, and the
 ratio of that median to AR's, and the median over prompts of the per-prompt ratio to AR (paired,
 so load that changes between prompts cancels).
+
+--backends transformers,fast loads the pair once per backend and runs every configuration of
+each in the same rotation, so the two are compared prompt by prompt under the same load; each
+backend's configurations are checked against the transformers AR's tokens, and each row's
+"vs tf" is its paired median ratio to the same configuration on the transformers backend.
 """
 
 from __future__ import annotations
@@ -24,10 +29,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def configs(budgets: list[int]) -> list[tuple[str, str, int]]:
-    out = [("ar", "ar", 0), ("dflash", "dflash", 0)]
-    out += [(f"ddtree-{b}", "ddtree", b) for b in budgets]
-    return out
+def configs(budgets: list[int], backends: list[str]) -> list[tuple[str, str, str, int]]:
+    """(name, backend, algorithm, budget); a name carries its backend when there are several."""
+    algos = [("ar", "ar", 0), ("dflash", "dflash", 0)] + [(f"ddtree-{b}", "ddtree", b) for b in budgets]
+    return [(name if len(backends) == 1 else f"{backend}:{name}", backend, algorithm, budget)
+            for backend in backends for name, algorithm, budget in algos]
+
+
+def _split(name: str) -> tuple[str, str]:
+    """("fast:", "ddtree-8") for "fast:ddtree-8"; ("", "ar") for "ar"."""
+    backend, _, algo = name.rpartition(":")
+    return (backend + ":" if backend else ""), algo
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,8 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1, help="prompts run by every configuration before timing")
     ap.add_argument("--repeats", type=int, default=2, help="runs per prompt and configuration; the fastest counts")
+    ap.add_argument("--backends", default="auto",
+                    help="comma-separated: auto (the engine's choice), transformers, fast; several run side by side")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
+    backends = [b for b in args.backends.split(",") if b]
+    if not backends or any(b not in ("auto", "transformers", "fast") for b in backends) or len(set(backends)) < len(backends):
+        ap.error(f"--backends: distinct names from auto, transformers, fast (got {args.backends!r})")
 
     import torch
 
@@ -57,38 +74,47 @@ def main(argv: list[str] | None = None) -> int:
         target_dir, draft_dir = demo_paths()
         args.model = args.model or str(target_dir)
         args.draft = args.draft or str(draft_dir)
-    engine = Engine.load(args.model, args.draft, device="cpu")
+    engines = {b: Engine.load(args.model, args.draft, device="cpu", backend=b) for b in backends}
+    engine = next(iter(engines.values()))
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     rows = rows[args.offset:args.offset + args.warmup + args.num_prompts]
     prompts = [engine.tokenizer.encode(r["prompt"], add_special_tokens=False) for r in rows]
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    cfgs = configs(budgets)
+    cfgs = configs(budgets, backends)
+    ar_name = cfgs[0][0]  # the first backend's AR: every output is checked against it
     gen = GenParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     print(f"torch {torch.__version__}, {args.threads} threads; target {args.model}; drafter {args.draft}; "
           f"{len(prompts) - args.warmup} prompts (+{args.warmup} warm-up) from {args.prompts}, "
-          f"max_new_tokens {args.max_new_tokens}", flush=True)
+          f"max_new_tokens {args.max_new_tokens}; backends "
+          + ", ".join(f"{b}={e.backend} ({e.backend_reason})" for b, e in engines.items()), flush=True)
 
     results: dict[str, dict] = {name: {"tok_s": [], "tokens": 0, "rounds": 0, "accepted": 0, "seconds": 0.0,
-                                       "mismatch": 0, "timings": {}, "paired": []} for name, _, _ in cfgs}
+                                       "mismatch": 0, "timings": {}, "paired": [], "vs_tf": []}
+                               for name, _, _, _ in cfgs}
     t_start = time.perf_counter()
     for i, ids in enumerate(prompts):
         warm = i < args.warmup
         order = cfgs[i % len(cfgs):] + cfgs[:i % len(cfgs)]
         ref = None
         outs = {}
-        for name, algorithm, budget in order:
+        for name, backend, algorithm, budget in order:
             # The fastest of a few runs: other processes on a shared machine only ever add time.
-            runs = [engine.generate(ids, gen, SpecParams(algorithm=algorithm, budget=budget))
+            runs = [engines[backend].generate(ids, gen, SpecParams(algorithm=algorithm, budget=budget))
                     for _ in range(args.repeats)]
             outs[name] = min(runs, key=lambda r: r.elapsed_s)
-        ref = outs["ar"].output_ids
+        ref = outs[ar_name].output_ids
         if warm:
             continue
-        for name, _, _ in cfgs:
+        for name, backend, _, _ in cfgs:
             res, r = outs[name], results[name]
             n = len(res.output_ids)
+            prefix, algo = _split(name)
+            own_ar = outs[prefix + "ar"]
             r["tok_s"].append(n / res.elapsed_s)
-            r["paired"].append((n / res.elapsed_s) / (len(ref) / outs["ar"].elapsed_s))
+            r["paired"].append((n / res.elapsed_s) / (len(own_ar.output_ids) / own_ar.elapsed_s))
+            twin = outs.get("transformers:" + algo)
+            if prefix and twin is not None:
+                r["vs_tf"].append((n / res.elapsed_s) / (len(twin.output_ids) / twin.elapsed_s))
             r["tokens"] += n
             r["seconds"] += res.elapsed_s
             r["rounds"] += len(res.accept_lengths)
@@ -100,30 +126,39 @@ def main(argv: list[str] | None = None) -> int:
         if done % 4 == 0:
             print(f"  {done}/{len(prompts) - args.warmup} prompts, {time.perf_counter() - t_start:.0f}s", flush=True)
 
-    ar_med = statistics.median(results["ar"]["tok_s"])
-    dflash_tau = results["dflash"]["accepted"] / max(1, results["dflash"]["rounds"])
-    print(f"\n{'config':<12} {'tau':>6} {'tau/dflash':>10} {'tok/s med':>10} {'vs AR':>7} {'paired':>7} "
-          f"{'tok/s all':>10} {'mismatch':>8}  time split (draft/tree/verify/commit %)")
+    print(f"\n{'config':<24} {'tau':>6} {'tau/dflash':>10} {'tok/s med':>10} {'vs AR':>7} {'paired':>7} "
+          f"{'vs tf':>6} {'tok/s all':>10} {'mismatch':>8}  time split (draft/tree/verify/commit %)")
     summary = {}
-    for name, _, _ in cfgs:
+    for name, backend, _, _ in cfgs:
+        prefix, _ = _split(name)
+        ar_med = statistics.median(results[prefix + "ar"]["tok_s"])
+        dflash_tau = results[prefix + "dflash"]["accepted"] / max(1, results[prefix + "dflash"]["rounds"])
         r = results[name]
         tau = r["accepted"] / max(1, r["rounds"])
         med = statistics.median(r["tok_s"])
         total = sum(r["timings"].values()) or 1.0
         split = "/".join(f"{100 * r['timings'].get(k, 0.0) / total:.0f}" for k in ("draft", "tree", "verify", "commit"))
         paired = statistics.median(r["paired"])
-        print(f"{name:<12} {tau:6.2f} {tau / dflash_tau:10.2f} {med:10.1f} {med / ar_med:7.2f} {paired:7.2f} "
-              f"{r['tokens'] / r['seconds']:10.1f} {r['mismatch']:8d}  {split}")
-        summary[name] = {"tau": tau, "tok_s_median": med, "speedup_vs_ar": med / ar_med,
-                         "speedup_vs_ar_paired_median": paired,
+        vs_tf = statistics.median(r["vs_tf"]) if r["vs_tf"] else None
+        print(f"{name:<24} {tau:6.2f} {tau / dflash_tau:10.2f} {med:10.1f} {med / ar_med:7.2f} {paired:7.2f} "
+              f"{'-' if vs_tf is None else f'{vs_tf:.2f}':>6} {r['tokens'] / r['seconds']:10.1f} {r['mismatch']:8d}  {split}")
+        summary[name] = {"backend": engines[backend].backend, "tau": tau, "tok_s_median": med,
+                         "speedup_vs_ar": med / ar_med, "speedup_vs_ar_paired_median": paired,
+                         "vs_transformers_paired_median": vs_tf,
                          "tok_s_aggregate": r["tokens"] / r["seconds"], "mismatch_vs_ar": r["mismatch"],
                          "tokens": r["tokens"], "rounds": r["rounds"], "timings_s": r["timings"]}
-    best = max((n for n, _, _ in cfgs if n.startswith("ddtree")), key=lambda n: summary[n]["tok_s_median"])
-    line = (f"\nDFlash tau {dflash_tau:.2f}; DDTree best budget {best}: {summary[best]['speedup_vs_ar']:.2f}x AR "
-            f"(paired median {summary[best]['speedup_vs_ar_paired_median']:.2f}x)")
-    if "ddtree-64" in summary:
-        line += f"; ddtree-64 tau / dflash tau = {summary['ddtree-64']['tau'] / dflash_tau:.2f}"
-    print(line)
+    best = None
+    for backend in backends:
+        prefix = "" if len(backends) == 1 else backend + ":"
+        dflash_tau = summary[prefix + "dflash"]["tau"]
+        best = max((n for n, b, _, _ in cfgs if b == backend and n.startswith(prefix + "ddtree")),
+                   key=lambda n: summary[n]["tok_s_median"])
+        line = (f"\n{prefix}DFlash tau {dflash_tau:.2f}; DDTree best budget {best}: "
+                f"{summary[best]['speedup_vs_ar']:.2f}x AR (paired median {summary[best]['speedup_vs_ar_paired_median']:.2f}x)")
+        if prefix + "ddtree-64" in summary:
+            line += f"; ddtree-64 tau / dflash tau = {summary[prefix + 'ddtree-64']['tau'] / dflash_tau:.2f}"
+        print(line, end="")
+    print()
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary, "best": best}, indent=1) + "\n")
     return 0
