@@ -430,5 +430,6 @@ def choose_backend(backend: str, config: dict, device: str) -> tuple[str, str]:
     if reason:
         return "transformers", f"auto: the fast backend does not support it ({reason})"
     if not str(device).startswith("cuda"):
-        return "transformers", "auto: the fast backend pays on CUDA; on a CPU the reference path is used"
+        return "transformers", ("auto: fast is the default on CUDA; on a CPU the reference path is used, whose caches "
+                                "grow as needed (--backend fast preallocates every slot's)")
     return "fast", f"auto: {config.get('model_type', 'this')} is a dense attention decoder on CUDA"

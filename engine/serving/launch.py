@@ -341,7 +341,10 @@ def add_builtin_options(parser: argparse.ArgumentParser, *, passthrough: bool, d
                         help="weights dtype (default: auto, float32 on a CPU and for the demo pair, else bfloat16)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto (default): our fast forward with CUDA graphs for dense Qwen3/Qwen2/Llama/Mistral "
-                             "on CUDA, transformers otherwise; fast or transformers force one")
+                             "on CUDA, transformers otherwise; fast or transformers force one (on a CPU, fast "
+                             "preallocates every request slot's KV cache for the whole context window, and on "
+                             "small models such as the demo pair it decodes faster; "
+                             "bench/bench_demo.py --backends transformers,fast compares them)")
     parser.add_argument("--host", default=HOST, help=f"address to bind (default: {HOST})")
     parser.add_argument("--port", type=port_number if passthrough else int, default=0,
                         help="port (default: 0, a free port printed on stdout)")
