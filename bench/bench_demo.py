@@ -147,12 +147,12 @@ def main(argv: list[str] | None = None) -> int:
                          "vs_transformers_paired_median": vs_tf,
                          "tok_s_aggregate": r["tokens"] / r["seconds"], "mismatch_vs_ar": r["mismatch"],
                          "tokens": r["tokens"], "rounds": r["rounds"], "timings_s": r["timings"]}
-    best = None
+    bests = {}
     for backend in backends:
         prefix = "" if len(backends) == 1 else backend + ":"
         dflash_tau = summary[prefix + "dflash"]["tau"]
-        best = max((n for n, b, _, _ in cfgs if b == backend and n.startswith(prefix + "ddtree")),
-                   key=lambda n: summary[n]["tok_s_median"])
+        best = bests[backend] = max((n for n, b, _, _ in cfgs if b == backend and n.startswith(prefix + "ddtree")),
+                                    key=lambda n: summary[n]["tok_s_median"])
         line = (f"\n{prefix}DFlash tau {dflash_tau:.2f}; DDTree best budget {best}: "
                 f"{summary[best]['speedup_vs_ar']:.2f}x AR (paired median {summary[best]['speedup_vs_ar_paired_median']:.2f}x)")
         if prefix + "ddtree-64" in summary:
@@ -160,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         print(line, end="")
     print()
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary, "best": best}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary,
+                                               # one backend: its best config's name; several: per backend
+                                               "best": bests[backends[0]] if len(backends) == 1 else bests}, indent=1) + "\n")
     return 0
 
 
