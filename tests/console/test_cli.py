@@ -294,7 +294,8 @@ def test_runs_table_filter_and_json(db_path, capsys):
 @pytest.mark.slow
 def test_a_detached_job_outlives_the_cli_and_logs_follow_tails_it(db_path):
     env = dict(os.environ, DDTREE_DB=db_path)
-    command = "for i in 1 2 3; do echo line-$i; sleep 0.3; done"
+    # 3 s: room for a loaded box between the CLI's exit and the read below that finds it running.
+    command = "for i in 1 2 3; do echo line-$i; sleep 1; done"
     out = subprocess.run([EXE, "jobs", "submit", "shell", "--spec", json.dumps({"command": command}), "--detach"],
                          capture_output=True, text=True, env=env, timeout=30)
     assert out.returncode == 0, out.stderr

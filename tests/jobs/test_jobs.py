@@ -82,7 +82,7 @@ def test_runner_survives_the_killed_process_that_submitted_it(db_path):
         f"""
         import sys, time
         from ddtree.jobs import submit
-        print(submit({db_path!r}, "sleep", {{"seconds": 2.0}}), flush=True)
+        print(submit({db_path!r}, "sleep", {{"seconds": 6.0}}), flush=True)
         time.sleep(600)
         """
     )
@@ -91,9 +91,10 @@ def test_runner_survives_the_killed_process_that_submitted_it(db_path):
     wait_state(db_path, job_id, {"running"})
     os.killpg(parent.pid, signal.SIGKILL)  # the console (and its whole group) dies mid-job
     parent.wait()
+    # The job sleeps 6 s: room for a loaded box between its start and this read.
     assert job(db_path, job_id).state == "running"
     j = wait(db_path, job_id, timeout=20)
-    assert j.state == "succeeded" and j.result["slept_s"] >= 2.0
+    assert j.state == "succeeded" and j.result["slept_s"] >= 6.0
 
 
 def test_kind_exception_fails_the_job_with_error_on_row_and_in_log(db_path):

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.timeout(120)
 HERE = Path(__file__).resolve().parent
 
 
-def fake_recipe(tmp_path, prompts_file, mode, **sweep):
+def fake_recipe(tmp_path, prompts_file, mode, ready_timeout_s=60.0, **sweep):
+    """ready_timeout_s: how long a launch may take to announce itself; generous, as a loaded box
+    takes about a second to start the stand-in engine, except where the timeout is the test."""
     exe = tmp_path / "fake-python"
     exe.write_text(f"#!/bin/sh\nexec {sys.executable} {HERE / 'fake_engine.py'} \"$@\"\n")
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
@@ -26,7 +28,7 @@ def fake_recipe(tmp_path, prompts_file, mode, **sweep):
              "max_new_tokens": 4, "warmup": 0, "timeout_s": 10.0, **sweep}
     return {"name": f"fake-{mode}",
             "engine": {"kind": "builtin", "python": str(exe), "model": "/nonexistent/target",
-                       "ready_timeout_s": 2.0, "env": {"FAKE_MODE": mode}},
+                       "ready_timeout_s": ready_timeout_s, "env": {"FAKE_MODE": mode}},
             "sweep": table}
 
 
@@ -43,7 +45,7 @@ def run_sweep(tmp_path, recipe):
 
 @pytest.mark.slow
 def test_engine_never_ready_fails_its_points_with_the_cause(tmp_path, prompts_file):
-    job, points = run_sweep(tmp_path, fake_recipe(tmp_path, prompts_file, "hang"))
+    job, points = run_sweep(tmp_path, fake_recipe(tmp_path, prompts_file, "hang", ready_timeout_s=2.0))
     assert job.state == "failed"
     assert len(points) == 4 and {p.state for p in points} == {"failed"}
     assert all("did not report a listening address within 2s" in p.error for p in points)

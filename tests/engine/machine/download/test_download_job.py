@@ -52,7 +52,9 @@ def test_detached_job_downloads_and_records_progress(hub, tmp_path):
 
 @pytest.mark.slow
 def test_cancel_mid_download_then_resume(hub, tmp_path):
-    hub.rate_bps = 400_000  # 16 files of 96 kB, two at a time: about 2 s in all
+    # 16 files of 96 kB, two at a time: about 5 s in all, room for a loaded box between the
+    # poll that sees 3 done (the count reaches the store every 0.5 s) and the cancel.
+    hub.rate_bps = 150_000
     db_path = tmp_path / "ddtree.db"
     spec = {"repo_id": "acme/many", "endpoint": hub.url, "cache_dir": str(tmp_path / "cache"), "reserve_bytes": 0,
             "max_workers": 2}

@@ -143,15 +143,17 @@ def gone(proc: psutil.Process, polls: int = 600) -> bool:
 
 
 def test_an_engine_that_dies_fails_its_requests_and_the_server_in_one_line(tiny_pair, tmp_path):
-    srv = start(tiny_pair, tmp_path / "server.log")
+    srv = start(tiny_pair, tmp_path / "server.log", "--context-window", "16384")
     try:
         (engine,) = psutil.Process(srv.proc.pid).children()
-        body = {"text": PROMPTS[0], "stream": True, "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}}
+        # Far longer than the test, so that a stall between the first chunk and the signal cannot
+        # let the stream end first.
+        body = {"text": PROMPTS[0], "stream": True, "sampling_params": {"max_new_tokens": 16000, "ignore_eos": True}}
         with httpx.stream("POST", srv.url + "/generate", json=body, timeout=120) as response:
             lines = response.iter_lines()
             first = next(line for line in lines if line.startswith("data:"))
             assert "output_ids" in first  # the request is held: it is streaming
-            # Frozen at once, so its 480 tokens cannot all come before the kill; then killed.
+            # Frozen at once, then killed.
             engine.send_signal(signal.SIGSTOP)
             engine.kill()
             rest = [line for line in lines if line.startswith("data:")]
