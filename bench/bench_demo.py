@@ -13,7 +13,7 @@ so load that changes between prompts cancels).
 
 --backends transformers,fast loads the pair once per backend and runs every configuration of
 each in the same rotation, so the two are compared prompt by prompt under the same load; each
-backend's configurations are checked against the transformers AR's tokens, and each row's
+backend's configurations are checked against the first backend's AR tokens, and each row's
 "vs tf" is its paired median ratio to the same configuration on the transformers backend.
 """
 
@@ -29,17 +29,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def configs(budgets: list[int], backends: list[str]) -> list[tuple[str, str, str, int]]:
-    """(name, backend, algorithm, budget); a name carries its backend when there are several."""
+def label(backends: list[str], backend: str, config: str) -> str:
+    """A configuration's name: "ddtree-8", or "fast:ddtree-8" when several backends run."""
+    return config if len(backends) == 1 else f"{backend}:{config}"
+
+
+def configs(budgets: list[int], backends: list[str]) -> list[tuple[str, str, str, str, int]]:
+    """(name, backend, config, algorithm, budget) for every backend and configuration."""
     algos = [("ar", "ar", 0), ("dflash", "dflash", 0)] + [(f"ddtree-{b}", "ddtree", b) for b in budgets]
-    return [(name if len(backends) == 1 else f"{backend}:{name}", backend, algorithm, budget)
-            for backend in backends for name, algorithm, budget in algos]
-
-
-def _split(name: str) -> tuple[str, str]:
-    """("fast:", "ddtree-8") for "fast:ddtree-8"; ("", "ar") for "ar"."""
-    backend, _, algo = name.rpartition(":")
-    return (backend + ":" if backend else ""), algo
+    return [(label(backends, backend, config), backend, config, algorithm, budget)
+            for backend in backends for config, algorithm, budget in algos]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,14 +89,14 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, dict] = {name: {"tok_s": [], "tokens": 0, "rounds": 0, "accepted": 0, "seconds": 0.0,
                                        "mismatch": 0, "timings": {}, "paired": [], "vs_tf": []}
-                               for name, _, _, _ in cfgs}
+                               for name, *_ in cfgs}
     t_start = time.perf_counter()
     for i, ids in enumerate(prompts):
         warm = i < args.warmup
         order = cfgs[i % len(cfgs):] + cfgs[:i % len(cfgs)]
         ref = None
         outs = {}
-        for name, backend, algorithm, budget in order:
+        for name, backend, _, algorithm, budget in order:
             # The fastest of a few runs: other processes on a shared machine only ever add time.
             runs = [engines[backend].generate(ids, gen, SpecParams(algorithm=algorithm, budget=budget))
                     for _ in range(args.repeats)]
@@ -105,15 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         ref = outs[ar_name].output_ids
         if warm:
             continue
-        for name, backend, _, _ in cfgs:
+        for name, backend, config, _, _ in cfgs:
             res, r = outs[name], results[name]
             n = len(res.output_ids)
-            prefix, algo = _split(name)
-            own_ar = outs[prefix + "ar"]
+            own_ar = outs[label(backends, backend, "ar")]
             r["tok_s"].append(n / res.elapsed_s)
             r["paired"].append((n / res.elapsed_s) / (len(own_ar.output_ids) / own_ar.elapsed_s))
-            twin = outs.get("transformers:" + algo)
-            if prefix and twin is not None:
+            if len(backends) > 1 and "transformers" in backends:
+                twin = outs[label(backends, "transformers", config)]
                 r["vs_tf"].append((n / res.elapsed_s) / (len(twin.output_ids) / twin.elapsed_s))
             r["tokens"] += n
             r["seconds"] += res.elapsed_s
@@ -129,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'config':<24} {'tau':>6} {'tau/dflash':>10} {'tok/s med':>10} {'vs AR':>7} {'paired':>7} "
           f"{'vs tf':>6} {'tok/s all':>10} {'mismatch':>8}  time split (draft/tree/verify/commit %)")
     summary = {}
-    for name, backend, _, _ in cfgs:
-        prefix, _ = _split(name)
-        ar_med = statistics.median(results[prefix + "ar"]["tok_s"])
-        dflash_tau = results[prefix + "dflash"]["accepted"] / max(1, results[prefix + "dflash"]["rounds"])
+    for name, backend, _, _, _ in cfgs:
+        own = results[label(backends, backend, "ar")], results[label(backends, backend, "dflash")]
+        ar_med = statistics.median(own[0]["tok_s"])
+        dflash_tau = own[1]["accepted"] / max(1, own[1]["rounds"])
         r = results[name]
         tau = r["accepted"] / max(1, r["rounds"])
         med = statistics.median(r["tok_s"])
@@ -149,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                          "tokens": r["tokens"], "rounds": r["rounds"], "timings_s": r["timings"]}
     bests = {}
     for backend in backends:
-        prefix = "" if len(backends) == 1 else backend + ":"
+        prefix = label(backends, backend, "")
         dflash_tau = summary[prefix + "dflash"]["tau"]
-        best = bests[backend] = max((n for n, b, _, _ in cfgs if b == backend and n.startswith(prefix + "ddtree")),
+        best = bests[backend] = max((n for n, b, c, _, _ in cfgs if b == backend and c.startswith("ddtree")),
                                     key=lambda n: summary[n]["tok_s_median"])
         line = (f"\n{prefix}DFlash tau {dflash_tau:.2f}; DDTree best budget {best}: "
                 f"{summary[best]['speedup_vs_ar']:.2f}x AR (paired median {summary[best]['speedup_vs_ar_paired_median']:.2f}x)")
