@@ -2,7 +2,9 @@
 the recipe's engine.python. FAKE_MODE (engine.env) picks the fault: `hang` never announces itself,
 `die` exits on its first /generate, `reject` answers 503 to every /generate, `ok` answers each one
 (a JSON body of 4 tokens) after FAKE_DELAY_S seconds. FAKE_ENV_OUT names a
-file to write the HF_TOKEN it was given to (to check a redacted secret still reaches the engine)."""
+file to write the HF_TOKEN it was given to (to check a redacted secret still reaches the engine).
+FAKE_GATE (opt-in) names a directory of tickets: while it exists, each /generate first takes one
+(see take_ticket)."""
 
 import json
 import os
@@ -10,6 +12,27 @@ import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODE = os.environ.get("FAKE_MODE", "reject")
+
+
+def take_ticket(gate: str) -> None:
+    """Hold a /generate until it can take (delete) one ticket file from the directory `gate`, or
+    the directory is gone. A test that must stop a sweep at an exact point (after N requests, with
+    the next one held however slow the box is) puts N tickets in, instead of racing a delay; an
+    unlink succeeds for one taker only, so no lock is needed."""
+    import time
+
+    while True:
+        try:
+            names = os.listdir(gate)
+        except FileNotFoundError:
+            return  # no gate (any more): answer at once
+        for name in names:
+            try:
+                os.unlink(os.path.join(gate, name))
+                return
+            except FileNotFoundError:
+                continue  # another request took it first
+        time.sleep(0.02)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -26,6 +49,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("content-length") or 0))
+        if os.environ.get("FAKE_GATE"):
+            take_ticket(os.environ["FAKE_GATE"])
         if MODE == "die":
             os._exit(3)
         if MODE == "ok":

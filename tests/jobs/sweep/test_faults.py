@@ -231,6 +231,7 @@ def test_runner_killed_at_several_moments_then_resumed_records_every_point_once(
     """Fault injection: SIGKILL of the detached runner after the first point, mid-point, and after
     further points, each followed by `sweep --resume`; the grid ends with every point done exactly
     once (one row, its requests once), no engine row left starting/running and no engine alive."""
+    import itertools
     import os
     import signal
     import time
@@ -241,8 +242,16 @@ def test_runner_killed_at_several_moments_then_resumed_records_every_point_once(
     db_path = tmp_path / "ddtree.db"
     recipe = fake_recipe(tmp_path, prompts_file, "ok", budget=[2, 4, 6], concurrency=[1], repeats=2,
                          num_prompts=2)
-    recipe["engine"]["env"]["FAKE_DELAY_S"] = "0.15"
-    total = 3 * 2  # three budgets, two repeats each
+    # The stand-in engine answers a request only for a ticket taken from this folder (fake_engine's
+    # take_ticket). Each moment gets exactly the tickets that lead to it, so the runner is held there,
+    # its next request waiting, until it is killed, however slow the box: no race with the clock.
+    # Tickets are handed out only once a resume has stopped the killed runner's engine, which could
+    # otherwise take one for a request that nobody records.
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    recipe["engine"]["env"]["FAKE_GATE"] = str(gate)
+    serial = itertools.count()
+    total = 3 * 2  # three budgets, two repeats each, two prompts (requests) each
     job_id = submit(db_path, "sweep", {"recipe": recipe}, detach=True)
     db = open_db(db_path)
 
@@ -261,6 +270,9 @@ def test_runner_killed_at_several_moments_then_resumed_records_every_point_once(
     def states():
         return [p.state for p in sweeps.list_points(db, run_id())] if run_id() else []
 
+    def tickets_left():
+        return len(os.listdir(gate))
+
     def kill_runner(job):
         until(lambda: get_job(db, job).pid is not None, "the runner")
         runner = get_job(db, job)
@@ -272,21 +284,22 @@ def test_runner_killed_at_several_moments_then_resumed_records_every_point_once(
                                           json=True, name=None, yes_large=False)) == 0
         return json.loads(capsys.readouterr().out)["job_id"]
 
-    moments = [lambda: states().count("done") >= 1,  # between points
-               lambda: "running" in states(),  # in the middle of a point
-               lambda: states().count("done") >= 4]  # later, after a restart of the engine
+    # (requests to let through, the moment they lead to, the points done when it is reached)
+    moments = [(2, lambda: states().count("done") >= 1, 1),  # between points: the second one's request is held
+               (1, lambda: "running" in states() and tickets_left() == 0, 1),  # in the middle of a point
+               (6, lambda: states().count("done") >= 4, 4)]  # later, after a restart of the engine
     killed = []
-    for moment in moments:
+    for n, moment, done in moments:
+        for _ in range(n):
+            (gate / f"ticket-{next(serial)}").touch()
         until(moment, "the moment to kill the runner")
         kill_runner(job_id)
         killed.append(job_id)
-        if states().count("done") == total:
-            break
-        job_id = resume()
-    else:
-        until(lambda: get_job(db, job_id).terminal, "the last resume to finish", 90)
+        assert states().count("done") == done and tickets_left() == 0
+        job_id = resume()  # marks the killed job lost and stops its engine before the next tickets
+    gate.rmdir()  # every request is answered from now on
+    until(lambda: get_job(db, job_id).terminal, "the last resume to finish", 90)
 
-    assert len(killed) == len(moments)
     points = sweeps.list_points(db, run_id())
     assert len(points) == total and len({p.point_key for p in points}) == total
     assert [p.state for p in points] == ["done"] * total
