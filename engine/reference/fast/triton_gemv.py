@@ -70,15 +70,22 @@ def _tile(X, M, N, K, sx, sw, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           PRE: tl.constexpr):
     """This program's rows and outputs, their masks, X's and W's row offsets, and each row's
     rstd where an RMSNorm is folded in (PRE 2; zeros otherwise)."""
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m, m_ok, xrow, rstd = _rows_at(X, tl.program_id(0) * BLOCK_M, M, K, sx, eps, BLOCK_M, BLOCK_K, PRE)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return m, n, m_ok, n < N, xrow, n.to(tl.int64) * sw, rstd
+
+
+@triton.jit
+def _rows_at(X, m0, M, K, sx, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr):
+    """Rows m0 .. m0 + BLOCK_M: their indices, mask, X's row offsets, and rstd (as _tile's)."""
+    m = m0 + tl.arange(0, BLOCK_M)
     m_ok = m < M
     xrow = m.to(tl.int64) * sx
     if PRE == 2:
         rstd = _rstd(X, xrow, m_ok, K, eps, BLOCK_M, BLOCK_K)
     else:
         rstd = tl.zeros([BLOCK_M], tl.float32)
-    return m, n, m_ok, n < N, xrow, n.to(tl.int64) * sw, rstd
+    return m, m_ok, xrow, rstd
 
 
 @triton.jit
@@ -165,12 +172,6 @@ def rows_once(X, W, BIAS, Y, RES, NORM, M, N, K, sx, sw, eps, HAS_BIAS: tl.const
     w = tl.load(W + n.to(tl.int64)[:, None] * sw + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                 other=0.0).to(tl.float32)
     for m0 in range(0, M, BLOCK_M):
-        m = m0 + tl.arange(0, BLOCK_M)
-        m_ok = m < M
-        xrow = m.to(tl.int64) * sx
-        if PRE == 2:
-            rstd = _rstd(X, xrow, m_ok, K, eps, BLOCK_M, BLOCK_K)
-        else:
-            rstd = tl.zeros([BLOCK_M], tl.float32)
+        m, m_ok, xrow, rstd = _rows_at(X, m0, M, K, sx, eps, BLOCK_M, BLOCK_K, PRE)
         x = _inputs(X, NORM, xrow, m_ok, k, K, rstd, PRE).to(tl.float32)
         _finish(tl.sum(x[:, None, :] * w[None, :, :], 2), BIAS, Y, RES, m, n, m_ok, n_ok, N, HAS_BIAS, HAS_RES)
