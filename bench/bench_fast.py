@@ -268,13 +268,13 @@ def _graph_counts(engine) -> dict:
             "slot_rows": cache.rows}
 
 
-DEMO_SUFFIXES = {"transformers": ("", "bf16"), "fast": ("", "cublas", "nofma", "noonce", "bf16", "cublas-bf16")}
+DEMO_SUFFIXES = {"transformers": ("", "bf16"), "fast": ("", "cublas", "nofma", "bf16", "cublas-bf16")}
 
 
 def parse_demo_backend(label: str) -> tuple[str, str]:
     """A --demo-backends label -> (backend, suffix): a backend, then "-cublas" for cuBLAS alone
-    (fast only: no few-row kernel), "-nofma" (the few-row kernel without its elementwise tiles) or
-    "-noonce" (without its read-once tiles), then "-bf16" for bfloat16. Anything else is an error, so a
+    (fast only: no few-row kernel) or "-nofma" (the few-row kernel without its elementwise tiles),
+    then "-bf16" for bfloat16. Anything else is an error, so a
     typo never runs the wrong side of an A/B."""
     backend, _, rest = label.partition("-")
     if rest not in DEMO_SUFFIXES.get(backend, ()):
@@ -312,10 +312,6 @@ def bench_demo(args) -> dict:
             engine.target.model.gemv.fma_rows = False
             if engine.impl.drafts is not None:
                 engine.impl.drafts.linear.fma = False
-        if rest == "noonce":
-            engine.target.model.gemv.once_rows = False
-            if engine.impl.drafts is not None:
-                engine.impl.drafts.linear.once = False
         engine.warmup(progress=lambda msg, label=label: print(f"[demo {label}] {msg}", flush=True),
                       budgets=tuple(args.demo_budgets))
         lines = (REPO / "assets" / "prompts" / "code.jsonl").read_text().splitlines()
@@ -375,7 +371,7 @@ def main(argv=None) -> int:
     p.add_argument("--demo-backends", default="transformers,fast",
                    type=lambda s: [x for x in s.split(",") if x and parse_demo_backend(x)],
                    help="transformers, fast, fast-cublas (fast without the few-row kernel), fast-nofma (without its "
-                        "elementwise float32 tiles), fast-noonce (without its read-once ones); a -bf16 "
+                        "elementwise float32 tiles); a -bf16 "
                         "suffix runs it in bfloat16, else float32 (fast-bf16, fast-cublas-bf16)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="measure the fast path with CUDA graphs only (by default also with torch.compile'd layers)")

@@ -5,8 +5,6 @@
 # bench_fast's demo tok/s and tau with and without the tiles (fast, fast-nofma), then the CUDA tests
 # of the lone AR steps run ahead. One GPU call, most important first. Writes under $OUT.
 #   bash bench/gpu_fma_rows.sh
-#   BACKENDS=fast,fast-noonce HOST_TIMEOUT=0 bash bench/gpu_fma_rows.sh  # the read-once tiles (gemv.ONCE_TILES)
-#       on and off, without the host tests
 set -u
 OUT=${OUT:-$PWD/gpu-fma-rows-out}; mkdir -p "$OUT"
 . "$(dirname "$0")/gpu_site.sh"  # installs the checkout to /tmp/site
@@ -21,7 +19,6 @@ timeout ${DEMO_TIMEOUT:-200} python3 bench/bench_fast.py --device cuda --shapes 
     --demo-prompts ${PROMPTS:-8} --demo-budgets 16,32,64 --out "$OUT/demo-fma.json" 2>&1 \
     | grep -v "Loading weights\|profiler_st" > "$OUT/demo-fma.txt"
 grep -v "^\[demo" "$OUT/demo-fma.txt" | tail -20
-[ "${HOST_TIMEOUT:-150}" = 0 ] && exit 0  # HOST_TIMEOUT=0: no host tests
 timeout ${HOST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -p no:logging -m cuda \
     tests/engine/reference/test_cuda_fast_host.py > "$OUT/cuda-tests-host.txt" 2>&1
 tail -3 "$OUT/cuda-tests-host.txt"

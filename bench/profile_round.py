@@ -63,10 +63,6 @@ def load(args):
         engine.target.model.gemv.fma_rows = False
         if engine.impl.drafts is not None:
             engine.impl.drafts.linear.fma = False
-    if args.no_once_rows:
-        engine.target.model.gemv.once_rows = False
-        if engine.impl.drafts is not None:
-            engine.impl.drafts.linear.once = False
     engine.warmup(progress=lambda msg: print(f"[{args.pair}] {msg}", flush=True), budgets=budgets)
     return engine, prompt
 
@@ -220,9 +216,6 @@ def main(argv=None) -> int:
     p.add_argument("--no-fma-rows", action="store_true",
                    help="the tunes do not try the few-row kernel's elementwise tiles (gemv.FMA_TILES, float32 "
                         "weights: the demo pair), which they try by default")
-    p.add_argument("--no-once-rows", action="store_true",
-                   help="the tunes do not try the few-row kernel's read-once tiles (gemv.ONCE_TILES, float32 "
-                        "weights of at most 256 inputs), which they try by default")
     p.add_argument("--wide-rows", action="store_true",
                    help="the target's tune tries the few-row kernel's wide tiles too (gemv.WIDE_TILES; bf16/fp16 "
                         "weights, 33+ rows), off by default until measured through a round")
@@ -263,7 +256,7 @@ def main(argv=None) -> int:
                     specs.append((name + ("" if ahead or args.draft_ahead == "off" else "-noahead") + tag, spec, ahead))
         result = {"pair": args.pair, "device": args.device, "attention": engine.attention, "batch": args.batch,
                   "pool_slots": args.pool_slots, "one_graph": args.one_graph, "folds": not args.no_folds,
-                  "rows_kernel": not args.no_rows, "fma_rows": not args.no_fma_rows, "once_rows": not args.no_once_rows, "wide_rows": args.wide_rows, "one_row_attention": args.one_row_attention,
+                  "rows_kernel": not args.no_rows, "fma_rows": not args.no_fma_rows, "wide_rows": args.wide_rows, "one_row_attention": args.one_row_attention,
                   "blas": args.blas, "draft_ahead": args.draft_ahead, "rows": {}}
         gemv, drafts = engine.target.model.gemv, engine.impl.drafts
         result["few_row_tune"] = {"target": {str(k): v for k, v in sorted(gemv.measured_rows.items())},

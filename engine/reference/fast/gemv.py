@@ -65,7 +65,6 @@ class RowsConfig:
     warps: int
     stages: int = 2
     fma: bool = False  # triton_gemv.rows_fma (elementwise products, no tl.dot), for float32
-    once: bool = False  # triton_gemv.rows_once (fma's products, each W tile read once for all rows; K <= block_k)
 
 
 # Few-row products: 2..ROWS_MAX rows (a one-session verify's query buckets, the drafter's block).
@@ -91,17 +90,11 @@ WIDE_MIN_ROWS = 33
 # (bench/RESULTS.md): at 17 rows the demo target's down product went from 21.8 to 5.2 us, o from
 # 8.3 to 3.5, q/k/v from 9.5 to 4.8; gate/up and the head stayed on cuBLAS.
 FMA_TILES = ((4, 8, 256, 4), (8, 4, 256, 4), (8, 8, 128, 4), (4, 4, 512, 4))
-# Tiles of the read-once elementwise kernel (rows a step, outputs, inputs, warps), for 4-byte
-# weights of at most 256 inputs (the demo pair's q/k/v, o, gate/up and head): a program holds its
-# whole W tile and walks every row, so a wide product runs on N / outputs programs however many
-# rows there are. For the products FMA_TILES lost to cuBLAS (gate/up, the head: 9-12 us at 17-33
-# rows on an H100). Tried when Gemv.once_rows (RowLinears.once) is on.
-ONCE_TILES = ((4, 8, 256, 4), (2, 16, 256, 4), (8, 4, 256, 4), (4, 4, 256, 4))
 
 
-def rows_configs(m: int, wide: bool = False, fma: bool = False, once_k: int = 0) -> tuple[RowsConfig, ...]:
+def rows_configs(m: int, wide: bool = False, fma: bool = False) -> tuple[RowsConfig, ...]:
     """The tilings the tune tries for m rows (wide: WIDE_TILES too, from WIDE_MIN_ROWS rows;
-    fma: FMA_TILES too; once_k, a product's inputs: ONCE_TILES too, those that hold once_k)."""
+    fma: FMA_TILES too)."""
     cover = 16
     while cover < min(m, 64):
         cover *= 2
@@ -110,7 +103,6 @@ def rows_configs(m: int, wide: bool = False, fma: bool = False, once_k: int = 0)
         configs += tuple(RowsConfig(cover, bn, bk, w, st) for bn, bk, w, st in WIDE_TILES)
     if fma:
         configs += tuple(RowsConfig(bm, bn, bk, w, fma=True) for bm, bn, bk, w in FMA_TILES)
-    configs += tuple(RowsConfig(bm, bn, bk, w, once=True) for bm, bn, bk, w in ONCE_TILES if 0 < once_k <= bk)
     return configs
 
 
@@ -166,9 +158,9 @@ def launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
                 pre: int = 0, residual: Optional[torch.Tensor] = None, norm: Optional[torch.Tensor] = None,
                 eps: float = 0.0) -> torch.Tensor:
     """x [m, K] (or [m, 2K] with _SILU) @ weight[N, K]^T (+ bias) (+ residual [m, N]) -> [m, N]
-    in x's dtype, on the few-row kernel with this tiling (config.fma: the elementwise one;
-    config.once: the read-once one, for K <= config.block_k); pre as `launch`'s."""
-    from ddtree.engine.reference.fast.triton_gemv import rows, rows_fma, rows_once
+    in x's dtype, on the few-row kernel with this tiling (config.fma: the elementwise one);
+    pre as `launch`'s."""
+    from ddtree.engine.reference.fast.triton_gemv import rows, rows_fma
 
     n, k = weight.shape
     m = x.shape[0]
@@ -181,12 +173,8 @@ def launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     # first read it from L2. Outputs first, a 65-row verify on 64-row tiles read an 8B layer's
     # weights from memory twice (each pass outgrows L2).
     grid = (-(-m // config.block_m), -(-n // config.block_n))
-    # The elementwise kernels are float32 whatever x is; tl.dot's is exact float32 where x is.
+    # The elementwise kernel is float32 whatever x is; tl.dot's is exact float32 where x is.
     kernel, dot = (rows_fma, {}) if config.fma else (rows, {"IEEE": x.dtype == torch.float32 or x.device.type == "cpu"})
-    if config.once:
-        if k > config.block_k:
-            raise ValueError(f"the read-once tiling {config} holds at most {config.block_k} inputs, not {k}")
-        kernel, dot, grid = rows_once, {}, (-(-n // config.block_n),)
     kernel[grid](x, weight, bias if bias is not None else x, out,
                  residual.contiguous() if residual is not None else x, norm if norm is not None else x,
                  m, n, k, x.stride(0), weight.stride(0), float(eps), HAS_BIAS=bias is not None,
@@ -198,9 +186,9 @@ def launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 @torch.library.custom_op("ddtree::gemm_rows", mutates_args=())
 def _gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                norm: Optional[torch.Tensor], eps: float, pre: int, block_m: int, block_n: int, block_k: int,
-               warps: int, stages: int, fma: bool = False, once: bool = False) -> torch.Tensor:
-    return launch_rows(x, weight, bias, RowsConfig(block_m, block_n, block_k, warps, stages, fma, once), pre,
-                       residual, norm, eps)
+               warps: int, stages: int, fma: bool = False) -> torch.Tensor:
+    return launch_rows(x, weight, bias, RowsConfig(block_m, block_n, block_k, warps, stages, fma), pre, residual,
+                       norm, eps)
 
 
 def gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], config: RowsConfig, pre: int = 0,
@@ -208,11 +196,11 @@ def gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
               eps: float = 0.0) -> torch.Tensor:
     """launch_rows through its custom op (what a compiled layer calls as it is)."""
     return torch.ops.ddtree.gemm_rows(x, weight, bias, residual, norm, eps, pre, config.block_m, config.block_n,
-                                      config.block_k, config.warps, config.stages, config.fma, config.once)
+                                      config.block_k, config.warps, config.stages, config.fma)
 
 
 @_gemm_rows.register_fake
-def _(x, weight, bias, residual, norm, eps, pre, block_m, block_n, block_k, warps, stages, fma=False, once=False):
+def _(x, weight, bias, residual, norm, eps, pre, block_m, block_n, block_k, warps, stages, fma=False):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
@@ -279,9 +267,6 @@ class Gemv:
         # True: tune_rows tries FMA_TILES too, for 4-byte weights (the demo pair's float32): on an
         # H100 that took the demo's DDTree-32 round from 1.08 to 0.82 ms. False: without them (A/B).
         self.fma_rows = True
-        # True: tune_rows tries ONCE_TILES too, for 4-byte weights of at most 256 inputs. False:
-        # without them (A/B: bench_fast's fast-noonce, profile_round.py --no-once-rows).
-        self.once_rows = True
         self.enabled = True  # False: F.linear runs every product and tune measures nothing (benchmarks)
         # False: norm, activation and residual run as torch ops around every product, one row (the
         # kernel) or many (row_ops) (benchmarks).
@@ -383,9 +368,8 @@ class Gemv:
                 x = torch.randn((m, shape[1] * (2 if pre == "silu" else 1)), device=weight.device, dtype=weight.dtype)
                 res = torch.randn((m, shape[0]), device=weight.device, dtype=weight.dtype) if residual else None
                 times = {base: replay_us(lambda: [plain(x, w, b, pre, res) for w, b in group], weight.device, 1)}
-                four = weight.element_size() == 4
                 configs = rows_configs(m, wide=self.wide_rows and weight.element_size() == 2,
-                                       fma=self.fma_rows and four, once_k=shape[1] if self.once_rows and four else 0)
+                                       fma=self.fma_rows and weight.element_size() == 4)
                 for config in configs:
                     try:
                         times[str(config)] = replay_us(

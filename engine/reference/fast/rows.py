@@ -76,7 +76,6 @@ class RowLinears:
         self.kernel: dict[tuple[int, int, int], object] = {}  # (m, k, n) -> gemv.RowsConfig
         self.kernels = True  # tune tries the few-row kernel too (Gemv.rows says why); False: cuBLAS alone
         self.fma = True  # and its elementwise tiles (gemv.FMA_TILES; Gemv.fma_rows)
-        self.once = True  # and its read-once ones (gemv.ONCE_TILES; Gemv.once_rows)
         # (m, k, n) -> (F.linear us, swapped us or None, best few-row kernel us or None)
         self.measured: dict[tuple[int, int, int], tuple[float, float | None, float | None]] = {}
 
@@ -114,7 +113,7 @@ class RowLinears:
             best = None
             if kernels:
                 times = {}
-                for c in gemv.rows_configs(m, fma=self.fma, once_k=k if self.once else 0):
+                for c in gemv.rows_configs(m, fma=self.fma):
                     try:
                         times[c] = replay_us(lambda c=c: gemv.launch_rows(x, lin.weight, lin.bias, c), self.device)
                     except Exception as exc:  # noqa: BLE001 - as Gemv.tune_rows: a tiling this GPU cannot run

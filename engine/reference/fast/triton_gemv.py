@@ -70,22 +70,15 @@ def _tile(X, M, N, K, sx, sw, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           PRE: tl.constexpr):
     """This program's rows and outputs, their masks, X's and W's row offsets, and each row's
     rstd where an RMSNorm is folded in (PRE 2; zeros otherwise)."""
-    m, m_ok, xrow, rstd = _rows_at(X, tl.program_id(0) * BLOCK_M, M, K, sx, eps, BLOCK_M, BLOCK_K, PRE)
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return m, n, m_ok, n < N, xrow, n.to(tl.int64) * sw, rstd
-
-
-@triton.jit
-def _rows_at(X, m0, M, K, sx, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr):
-    """Rows m0 .. m0 + BLOCK_M: their indices, mask, X's row offsets, and rstd (as _tile's)."""
-    m = m0 + tl.arange(0, BLOCK_M)
     m_ok = m < M
     xrow = m.to(tl.int64) * sx
     if PRE == 2:
         rstd = _rstd(X, xrow, m_ok, K, eps, BLOCK_M, BLOCK_K)
     else:
         rstd = tl.zeros([BLOCK_M], tl.float32)
-    return m, m_ok, xrow, rstd
+    return m, n, m_ok, n < N, xrow, n.to(tl.int64) * sw, rstd
 
 
 @triton.jit
@@ -154,24 +147,3 @@ def rows_fma(X, W, BIAS, Y, RES, NORM, M, N, K, sx, sw, eps, HAS_BIAS: tl.conste
         w = tl.load(W + wrow[:, None] + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
         acc += x[:, None, :] * w[None, :, :]
     _finish(tl.sum(acc, 2), BIAS, Y, RES, m, n, m_ok, n_ok, N, HAS_BIAS, HAS_RES)
-
-
-@triton.jit
-def rows_once(X, W, BIAS, Y, RES, NORM, M, N, K, sx, sw, eps, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, HAS_RES: tl.constexpr):
-    """rows_fma's product for K <= BLOCK_K, each W tile read once for every row: a program loads
-    its [BLOCK_N, K] tile, then walks all M rows BLOCK_M at a time, summing each block along K
-    at once. rows_fma gives every (row tile, output tile) a program of its own, so at 17-33 rows
-    of a wide product (the demo head's 4096 x 256) it ran several waves of programs that each
-    reload a tile: 20-32 us on an H100, where cuBLAS took 11-12. Here a program's work grows with
-    M instead of the program count."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    k = tl.arange(0, BLOCK_K)
-    k_ok = k < K
-    w = tl.load(W + n.to(tl.int64)[:, None] * sw + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                other=0.0).to(tl.float32)
-    for m0 in range(0, M, BLOCK_M):
-        m, m_ok, xrow, rstd = _rows_at(X, m0, M, K, sx, eps, BLOCK_M, BLOCK_K, PRE)
-        x = _inputs(X, NORM, xrow, m_ok, k, K, rstd, PRE).to(tl.float32)
-        _finish(tl.sum(x[:, None, :] * w[None, :, :], 2), BIAS, Y, RES, m, n, m_ok, n_ok, N, HAS_BIAS, HAS_RES)

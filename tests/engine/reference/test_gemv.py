@@ -121,10 +121,7 @@ def test_tune_measures_nothing_off_cuda():
     (40, 150, 130, RowsConfig(64, 128, 64, 8, 3), True),  # a wide tile (WIDE_TILES), ragged
     # the elementwise kernel (FMA_TILES): row tiles past m, ragged N and K, K over several steps
     (17, 48, 256, RowsConfig(8, 8, 64, 4, fma=True), True), (3, 5, 33, RowsConfig(4, 4, 16, 4, fma=True), True),
-    (9, 37, 300, RowsConfig(4, 8, 128, 4, fma=True), False),
-    # the read-once kernel (ONCE_TILES): row steps past m, ragged N, K under and at the tile
-    (17, 48, 256, RowsConfig(4, 8, 256, 4, once=True), True), (3, 5, 33, RowsConfig(2, 4, 64, 4, once=True), True),
-    (9, 37, 64, RowsConfig(8, 16, 64, 4, once=True), False)])
+    (9, 37, 300, RowsConfig(4, 8, 128, 4, fma=True), False)])
 def test_rows_kernel_equals_the_product(m, n, k, config, bias):
     x, w, b = _case(n, k, torch.float32, bias, n + k + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -151,16 +148,6 @@ def test_rows_configs_cover_the_rows_with_at_most_two_row_tiles():
     assert not any(c.fma for c in rows_configs(17, wide=True))
     fma = set(rows_configs(2, fma=True)) - set(rows_configs(2))
     assert len(fma) == 4 and all(c.fma and c.block_m * c.block_n * c.block_k == 8192 for c in fma)
-    # The read-once tiles: only for a product whose inputs fit one tile.
-    once = set(rows_configs(17, once_k=256)) - set(rows_configs(17))
-    assert len(once) == 4 and all(c.once and not c.fma and c.block_k == 256 for c in once)
-    assert rows_configs(17, once_k=257) == rows_configs(17)
-
-
-def test_the_read_once_tiling_refuses_more_inputs_than_it_holds():
-    w = torch.randn(8, 300)
-    with pytest.raises(ValueError, match="at most 256 inputs"):
-        launch_rows(torch.randn(3, 300).to(DEVICE), w.to(DEVICE), None, RowsConfig(4, 8, 256, 4, once=True))
 
 
 def test_the_row_tune_skips_a_tiling_that_does_not_run_and_tries_wide_ones_only_when_asked(monkeypatch):
@@ -168,7 +155,7 @@ def test_the_row_tune_skips_a_tiling_that_does_not_run_and_tries_wide_ones_only_
     the tune leaves it out and picks among the rest; wide tiles are tried for 2-byte weights only
     when Gemv.wide_rows is on, the elementwise ones for 4-byte weights. (The tune's timing is
     faked here: no GPU.)"""
-    from ddtree.engine.reference.fast.gemv import FMA_TILES, ONCE_TILES, WIDE_TILES
+    from ddtree.engine.reference.fast.gemv import FMA_TILES, WIDE_TILES
 
     monkeypatch.setattr(gemv_module, "_tunable", lambda weight: True)
     tried = []
@@ -192,12 +179,12 @@ def test_the_row_tune_skips_a_tiling_that_does_not_run_and_tries_wide_ones_only_
         tried.clear()
         gemv.tune_rows([[(torch.zeros(64, 32, dtype=dtype), None)]], [65])
         times = gemv.measured_rows[(65, 64, 32)]
-        extra = (2 if wide and dtype == torch.bfloat16 else 0) + (len(FMA_TILES + ONCE_TILES) if dtype == torch.float32 else 0)
+        extra = (2 if wide and dtype == torch.bfloat16 else 0) + (len(FMA_TILES) if dtype == torch.float32 else 0)
         assert len(times) == 1 + len(rows_configs(65)) + extra
         assert (gemv.picked_rows[(65, 64, 32)].stages > 2) == (wide and dtype == torch.bfloat16)
 
 
-@pytest.mark.parametrize("fma", [False, True, "once"], ids=["dot", "fma", "once"])
+@pytest.mark.parametrize("fma", [False, True], ids=["dot", "fma"])
 @pytest.mark.parametrize("fold", ["rms", "silu+residual", "residual"])
 def test_few_row_folds_equal_the_torch_ops(fold, fma, monkeypatch):
     """The folds of the one-row kernel, per row, on the few-row kernel: an RMSNorm over each row,
@@ -216,8 +203,7 @@ def test_few_row_folds_equal_the_torch_ops(fold, fma, monkeypatch):
         pre, x = "silu", torch.randn(m, 2 * k, generator=g)
     residual = torch.randn(m, n, generator=g) if "residual" in fold else None
     gemv = Gemv()
-    gemv.picked_rows[(m, n, k)] = (RowsConfig(4, 8, 128, 4, once=True) if fma == "once"
-                                   else RowsConfig(4, 8, 32, 4, fma=True) if fma else RowsConfig(16, 16, 32, 4))
+    gemv.picked_rows[(m, n, k)] = RowsConfig(4, 8, 32, 4, fma=True) if fma else RowsConfig(16, 16, 32, 4)
     want = plain(x, w, b, pre, residual)
     args = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in (x, w, b, pre, residual)]
     if isinstance(pre, torch.nn.Module):
@@ -274,8 +260,7 @@ def test_static_path_with_one_row_products_on_the_kernel_decodes_the_same(monkey
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [RowsConfig(16, 32, 32, 4), RowsConfig(16, 32, 32, 4, fma=True),
-                                    RowsConfig(4, 16, 128, 4, once=True)], ids=["dot", "fma", "once"])
+@pytest.mark.parametrize("config", [RowsConfig(16, 32, 32, 4), RowsConfig(16, 32, 32, 4, fma=True)], ids=["dot", "fma"])
 def test_static_path_with_few_row_products_on_the_kernel_decodes_the_same(config, monkeypatch):
     """Greedy DDTree and DFlash output, token for token: the static path with every product of
     the target's verify (q/k/v, o, gate/up, down, the head, at every query bucket) on the
@@ -393,7 +378,7 @@ def test_cuda_rows_tune_and_every_tiling(dtype):
     assert {m for m, _, _ in gemv.measured_rows} == {2, 17, 65}
     for key, times in gemv.measured_rows.items():
         base = next(v for name, v in times.items() if not name.startswith("RowsConfig"))
-        tried = rows_configs(key[0], fma=dtype == torch.float32, once_k=key[2] if dtype == torch.float32 else 0)
+        tried = rows_configs(key[0], fma=dtype == torch.float32)
         assert len(times) == 1 + len(tried) and all(us > 0 for us in times.values())
         assert key not in gemv.picked_rows or times[str(gemv.picked_rows[key])] <= base
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -405,7 +390,7 @@ def test_cuda_rows_tune_and_every_tiling(dtype):
             residual = torch.randn(m, n, device="cuda", generator=g).to(dtype) if res else None
             want = plain(x.double(), w.double(), None, pre.double() if pre is norm else pre,
                          None if residual is None else residual.double())
-            for config in rows_configs(m, fma=True, once_k=k):
+            for config in rows_configs(m, fma=True):
                 probe = Gemv()
                 probe.picked_rows[(m, n, k)] = config
                 got = probe(x, w, None, pre, residual).double()
