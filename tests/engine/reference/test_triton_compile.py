@@ -34,4 +34,4 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
     done = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert done.stdout.count("ok ") == 43, done.stdout  # 12 of them the few-row kernels (fast/gemv.py)
+    assert done.stdout.count("ok ") == 40, done.stdout  # 9 of them the few-row kernels (fast/gemv.py)
