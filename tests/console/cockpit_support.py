@@ -13,7 +13,7 @@ from ddtree.jobs.recipe import recipe_from_dict, recipe_to_dict
 from ddtree.store import open_db, sweeps
 from ddtree.store.queries import insert_row, update_row
 
-from ..support.pilot import until  # noqa: F401  (the console tests import it from here)
+from ..support.pilot import on_screen, until  # noqa: F401  (the console tests import them from here)
 
 @pytest.fixture
 def utc(monkeypatch):

@@ -51,7 +51,9 @@ async def test_engine_from_the_form_serves_then_stops(tiny_pair, db_path):
             form.query_one("#model").value = str(target)
             form.query_one("#draft").value = str(drafter)
             form.query_one("#budget").value = "4"
-            await pilot.pause(0.1)
+            # the form checks the fields when it handles their Changed messages: Start once it has
+            await until(pilot, lambda: "budget 4," in str(form.query_one("#form-error").render())
+                        and not form.query_one("#start").disabled, what="the form taking the pair")
             await pilot.click("#start")
             await until(pilot, lambda: table_rows(app, "engine-table")
                         and table_rows(app, "engine-table")[0][STATE] == "running", timeout=120, what="a running engine")

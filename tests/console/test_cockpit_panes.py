@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from .cockpit_support import NOW, fixed_sources, seed_store, table_rows, text_of, until
+from .cockpit_support import NOW, fixed_sources, on_screen, seed_store, table_rows, text_of, until
 from .row_logs import log_of
 
 from ddtree.console.app import make_app
@@ -54,6 +54,17 @@ def form_error(form) -> str:
     return str(form.query_one("#form-error").render())
 
 
+def palette_highlights(app, text: str) -> bool:
+    """Whether the command palette is open with an entry containing `text` highlighted."""
+    from textual.command import CommandList, CommandPalette
+
+    if not isinstance(app.screen, CommandPalette):
+        return False
+    matches = app.screen.query_one(CommandList)
+    at = matches.highlighted
+    return at is not None and text in str(matches.get_option_at_index(at).prompt)
+
+
 async def test_overview_jobs_gpu_strip_disks(seeded, app):
     _, ids = seeded
     async with app.run_test(size=(100, 30)) as pilot:
@@ -93,8 +104,8 @@ async def test_hardware_pane_gpus_links_numa_and_placement(app):
         assert "GPUs with unknown NUMA node: 3" in text_of(app, "numa")
         await until(pilot, lambda: "1. GPUs" in text_of(app, "placements"), what="placements")
         tp = app.query_one("#tp")
-        tp.value = ""
-        await pilot.pause(0.05)
+        tp.value = ""  # the box posts Changed: its handler runs a turn later
+        await until(pilot, lambda: "must be an integer" in text_of(app, "placements"), what="the TP refusal")
         assert "must be an integer" in text_of(app, "placements")
         await pilot.click("#tp")
         await pilot.press("4")
@@ -102,7 +113,7 @@ async def test_hardware_pane_gpus_links_numa_and_placement(app):
         first = text_of(app, "placements").splitlines()[0]
         assert first.startswith("1. GPUs") and first.split()[2].count(",") == 3
         tp.value = "9"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: "needs 9 GPUs" in text_of(app, "placements"), what="TP 9 refused")
         assert "needs 9 GPUs" in text_of(app, "placements")
 
 
@@ -129,18 +140,19 @@ async def test_downloads_pane_form_validates_as_typed(submitting_app):
         assert form.query_one("#start").disabled and "bad glob" in form_error(form)
         form.query_one("#include").value = "*.json, *.safetensors"
         form.query_one("#revision").value = "a b"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: "not a valid revision" in form_error(form), what="the bad revision")
         assert form.query_one("#start").disabled and "not a valid revision" in form_error(form)
         form.query_one("#revision").value = "v2"
         form.query_one("#exclude").value = "/abs"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: "exclude: " in form_error(form), what="the bad exclude glob")
         assert form.query_one("#start").disabled and "bad glob" in form_error(form)
         form.query_one("#exclude").value = "*.pth"
         form.query_one("#reserve").value = "-3"
-        await pilot.pause(0.05)
+        # still disabled, as for the glob before: wait for the reserve's own refusal
+        await until(pilot, lambda: form_error(form).startswith("reserve: "), what="the negative reserve refused")
         assert form.query_one("#start").disabled
         form.query_one("#reserve").value = "20"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: not form.query_one("#start").disabled, what="the valid form")
         assert not form.query_one("#start").disabled
         await pilot.press("enter")
         assert not isinstance(app.screen, DownloadForm)
@@ -156,7 +168,8 @@ async def test_downloads_pane_form_validates_as_typed(submitting_app):
 async def test_a_form_fits_80x24_buttons_and_all(app, form_key):
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press(*form_key)
-        await pilot.pause(0.1)
+        await until(pilot, lambda: app.screen.query("Button") and all(b.region for b in app.screen.query("Button")),
+                    what="the form laid out")
         for button in app.screen.query("Button"):
             region = button.region
             assert region.height and region.bottom <= 24, (button.id, region)
@@ -229,14 +242,14 @@ async def test_engine_form_validates_and_returns_a_job_spec(submitting_app, tmp_
         form.query_one("#draft").value = str(tmp_path / "drafter")
         form.query_one("#budget").value = "16"
         form.query_one("#device").value = "gpu0"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: "device" in form_error(form), what="the bad device")
         assert form.query_one("#start").disabled and "device" in form_error(form)
         form.query_one("#device").value = "cpu"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: not form.query_one("#start").disabled, what="the valid form")
         assert not form.query_one("#start").disabled
         assert form.query_one("#row-backend").display and "on cpu, backend auto" in form_error(form)
         form.query_one("#backend").value = "fast"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: "backend fast" in form_error(form), what="the fast backend")
         assert "on cpu, backend fast" in form_error(form)  # the preview says what will run
         await pilot.click("#start")
         assert submitted and submitted[0][0] == "engine"
@@ -256,14 +269,14 @@ async def test_engine_form_refuses_speculation_on_a_hybrid_target_before_it_star
         form = app.screen
         form.query_one("#model").value = str(tmp_path / "next")
         form.query_one("#draft").value = str(tmp_path / "drafter")
-        await pilot.pause(0.05)
+        await until(pilot, lambda: "refuses ddtree" in form_error(form), what="ddtree refused")
         assert form.query_one("#start").disabled
         assert "refuses ddtree" in form_error(form) and "linear_attention" in form_error(form) and "extra_buffer" in form_error(form)
         form.query_one("#algorithm").value = "dflash"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: "refuses dflash" in form_error(form), what="dflash refused")
         assert form.query_one("#start").disabled and "refuses dflash" in form_error(form)
         form.query_one("#algorithm").value = "ar"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: not form.query_one("#start").disabled, what="ar taken")
         assert not form.query_one("#start").disabled and "will run: builtin" in form_error(form)
         await pilot.click("#start")
     assert submitted and submitted[0][1]["algorithm"] == "ar"
@@ -282,16 +295,19 @@ async def test_engine_form_refuses_cuda_on_a_machine_without_a_gpu(seeded, monke
         await until(pilot, lambda: isinstance(app.screen, EngineForm), what="the engine form")
         form = app.screen
         form.query_one("#device").value = "cuda"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: "no GPU" in form_error(form), what="cuda refused")
         assert form.query_one("#start").disabled
         assert "no GPU" in form_error(form) and "NVML library not found" in form_error(form)
         assert "\n" not in form_error(form).strip()  # one line
         form.query_one("#device").focus()
         await pilot.press("enter")
         assert isinstance(app.screen, EngineForm) and not submitted
+        # the toast is a message of its own: it reaches app._notifications a turn after the key
+        await until(pilot, lambda: any(n.title == "cannot start" and "no GPU" in n.message
+                                       for n in app._notifications), what="the refusal as a toast")
         assert any(n.title == "cannot start" and "no GPU" in n.message for n in app._notifications)
         form.query_one("#device").value = "cpu"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: not form.query_one("#start").disabled, what="cpu taken")
         assert not form.query_one("#start").disabled and "will run: builtin" in form_error(form)
 
 
@@ -303,10 +319,10 @@ async def test_engine_form_takes_a_gpu_that_is_there_and_refuses_one_that_is_not
         await until(pilot, lambda: isinstance(app.screen, EngineForm), what="the engine form")
         form = app.screen
         form.query_one("#device").value = "cuda:0"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: "on cuda:0" in form_error(form), what="cuda:0 taken")
         assert not form.query_one("#start").disabled and "on cuda:0" in form_error(form)
         form.query_one("#device").value = f"cuda:{count}"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: f"no GPU {count} here" in form_error(form), what=f"cuda:{count} refused")
         assert form.query_one("#start").disabled and f"no GPU {count} here" in form_error(form)
 
 
@@ -320,7 +336,7 @@ async def test_engine_form_starts_sglang_on_chosen_gpus(submitting_app, tmp_path
         form = app.screen
         assert not form.query_one("#row-python").display and form.query_one("#row-device").display
         form.query_one("#kind").value = "sglang"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: form.query_one("#row-python").display, what="the sglang fields")
         assert form.query_one("#row-python").display and not form.query_one("#row-device").display
         assert not form.query_one("#row-backend").display  # a builtin-only choice
         assert form.query_one("#start").disabled and "needs model and python" in form_error(form)
@@ -328,20 +344,20 @@ async def test_engine_form_starts_sglang_on_chosen_gpus(submitting_app, tmp_path
         form.query_one("#draft").value = "z-lab/Qwen3-8B-DFlash-b16"
         form.query_one("#algorithm").value = "dflash"
         form.query_one("#python").value = str(python)
-        await pilot.pause(0.05)
+        await until(pilot, lambda: "not found or not executable" in form_error(form), what="the python refused")
         assert "not found or not executable" in form_error(form)  # not executable yet
         python.chmod(0o755)
         form.query_one("#gpus").value = "0, x"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: "gpus must be a list" in form_error(form), what="the bad GPU list")
         assert "gpus must be a list" in form_error(form)
         form.query_one("#gpus").value = "2,3"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: not form.query_one("#start").disabled, what="GPUs 2,3 taken")
         assert not form.query_one("#start").disabled
         assert ("will run: sglang Qwen/Qwen3-8B with drafter z-lab/Qwen3-8B-DFlash-b16, dflash, block the drafter's, "
                 "on GPUs 2,3, TP 2") in form_error(form)  # TP follows the GPUs until one is typed
         assert form.query_one("#row-tp").display
         form.query_one("#tp").value = "1"
-        await pilot.pause(0.05)
+        await until(pilot, lambda: "TP 1" in form_error(form), what="TP 1 taken")
         assert "on GPUs 2,3, TP 1" in form_error(form)
         await pilot.click("#start")
         # the form remembers what was started
@@ -448,7 +464,9 @@ async def test_sweep_form_plans_in_a_thread_one_at_a_time_newest_input_last(seed
         await until(pilot, lambda: calls == ["demo-budgets"], what="the first plan under way")
         for name in ("a", "ab", "abc"):  # typed while it runs: the UI answers, the input waits
             form.query_one("#f-name").value = name
-            await pilot.pause(0.02)
+            # each is handled (queued behind the running plan) before the next: not a fixed pause
+            await until(pilot, lambda: form._pending is not None and form._pending[1]["name"] == name,
+                        what=f"{name!r} queued")
         assert form.query_one("#f-name").value == "abc" and form.query_one("#start").disabled
         gate.set()
         plan = lambda: str(form.query_one("#plan").render())  # noqa: E731
@@ -476,7 +494,7 @@ async def test_history_filter_sort_compare_export(seeded, tmp_path):
         await pilot.press("space", "space")  # marks last-week and yesterday
         assert app.query_one("#history").marked == {ids["old_run"], ids["prev_run"]}
         await pilot.press("c")
-        await until(pilot, lambda: isinstance(app.screen, CompareScreen), what="the comparison")
+        await until(pilot, lambda: on_screen(app, CompareScreen), what="the comparison")
         screen = app.screen
         assert "hardware differs" in str(screen.query_one("#hw-warning").render())
         metrics = str(screen.query_one("#metrics").render())
@@ -500,6 +518,9 @@ async def test_compare_needs_two_runs(app):
         await until(pilot, lambda: len(table_rows(app, "runs")) == 3, what="the runs")
         await pilot.press("c")
         assert not isinstance(app.screen, CompareScreen)
+        # the toast is a message of its own: it reaches app._notifications a turn after the key
+        await until(pilot, lambda: any("select two or more" in n.message for n in app._notifications),
+                    what="the warning")
         assert any("select two or more" in n.message for n in app._notifications)
 
 
@@ -524,7 +545,8 @@ async def test_keys_palette_help_maximise_theme_and_tabs_by_mouse(app):
         assert app.theme != dark
         await pilot.press("ctrl+p")
         await pilot.press(*"to Downl")
-        await pilot.pause(0.3)
+        # the palette gathers its matches on a worker: Enter once the one wanted is highlighted
+        await until(pilot, lambda: palette_highlights(app, "Go to Downloads"), what="the palette's match")
         await pilot.press("enter")
         await until(pilot, lambda: app.current_pane == "downloads", what="the palette's pane")
         await pilot.press("q")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .cockpit_support import NOW, fixed_sources, seed_store, table_rows, until
+from .cockpit_support import NOW, fixed_sources, on_screen, seed_store, table_rows, until
 
 from ddtree.console.app import make_app
 from ddtree.console.screens.history import COLUMNS, CompareScreen, compare_tables
@@ -51,7 +51,7 @@ async def test_compare_counts_points_as_history_does_and_wraps_the_software(tmp_
         assert history[old] == "6/7" and history[prev] == "7/7"  # 5 budgets + the AR and DFlash baselines
         app.query_one("#history").marked = {old, prev}
         await pilot.press("c")
-        await until(pilot, lambda: isinstance(app.screen, CompareScreen), what="the comparison")
+        await until(pilot, lambda: on_screen(app, CompareScreen), what="the comparison")
         metrics = str(app.screen.query_one("#metrics").render())
         done = _lines_of(metrics, "points done")
         assert len(done) == 1 and done[0][17:].split() == [history[old], history[prev]]

@@ -8,7 +8,7 @@ from textual import events
 
 from ddtree.console.app import make_app
 
-from ..support.pilot import open_sweep_form, until
+from ..support.pilot import on_screen, open_sweep_form, until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -167,7 +167,7 @@ async def test_history_enter_opens_the_run_and_space_marks_it(tmp_path):
         burst(app, "space")  # the cursor stays on the last row: Space unmarks it
         await until(pilot, lambda: len(app.query_one("#history").marked) == 1)
         burst(app, "enter")
-        await until(pilot, lambda: isinstance(app.screen, RunScreen))
+        await until(pilot, lambda: on_screen(app, RunScreen))  # pushed by a worker: composed a turn later
         screen = app.screen
         run_id = app.query_one("#history").current()
         assert screen.run.id == run_id

@@ -35,7 +35,9 @@ async def test_the_form_sets_the_gpu_fields_and_remembers_them(tmp_path, submitt
         for field_id, value in (("backend", "transformers"), ("tp", "1"), ("temperature", "0, 0.5"),
                                 ("budgets", "4"), ("baseline", "")):
             form.query_one(f"#f-{field_id}").value = value
-        await until(pilot, lambda: "Plan (dry run)" in _plan(app), what="the plan")
+        # the plan of these fields (T=0.5), not the defaults' plan the form showed on opening: until
+        # the new one is in, Start is disabled and pressing it does nothing
+        await until(pilot, lambda: "Plan (dry run)" in _plan(app) and "T=0.5" in _plan(app), what="the plan")
         form.query_one("#start").press()
         await until(pilot, lambda: len(submitted) == 1, what="the submission")
         with open_db(db_path) as db:
@@ -48,10 +50,11 @@ async def test_the_form_sets_the_gpu_fields_and_remembers_them(tmp_path, submitt
         assert form.query_one("#f-temperature").value == "0, 0.5"
         assert form.query_one("#f-backend").value == "transformers"
         form.query_one("#f-recipe").value = str(tmp_path / "some.toml")
-        await pilot.pause()
+        # the box posts Changed; the form greys the fields out when it handles it, a turn later
+        await until(pilot, lambda: form.query_one("#f-tp").disabled, what="the fields greyed out")
         assert form.query_one("#f-tp").disabled and form.query_one("#f-kind").disabled
         form.query_one("#f-recipe").value = ""
-        await pilot.pause()
+        await until(pilot, lambda: not form.query_one("#f-tp").disabled, what="the fields back")
         assert not form.query_one("#f-tp").disabled
 
 

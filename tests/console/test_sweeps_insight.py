@@ -9,7 +9,7 @@ from ddtree.console.app import make_app
 from ddtree.store import open_db
 
 from ..store.sentinel_support import SOFTWARE, store_run
-from .cockpit_support import NOW, fixed_sources, table_rows, text_of, until
+from .cockpit_support import NOW, fixed_sources, on_screen, table_rows, text_of, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,7 +77,7 @@ async def test_history_flags_the_slow_run_and_its_detail_says_why(tmp_path):
         assert flags()[str(slow)].startswith("⚠ c=1: budgets 8-64 20% slower than the last 3")
         assert flags()[str(fine[0])] == "" and flags()[str(fine[2])] == "ok vs 2"
         app.open_run(slow)
-        await until(pilot, lambda: isinstance(app.screen, RunScreen), what="the run")
+        await until(pilot, lambda: on_screen(app, RunScreen), what="the run")
         await until(pilot, lambda: "against runs" in str(app.screen.query_one("#run-sentinel").render()),
                     what="the sentinel")
         text = str(app.screen.query_one("#run-sentinel").render())
