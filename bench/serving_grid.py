@@ -524,7 +524,7 @@ def summarize(server: list[dict] | None, inprocess: list[dict] | None, specs, co
         top = 16 if 16 in concurrencies else max(concurrencies)
         one, many = tok_s(side, 1, "ar"), tok_s(side, top, "ar")
         out[f"ar_scaling_{label}"] = {"concurrency": top, "ratio": many / one if one and many else None}
-        crossover = {}
+        crossover, over_ar = {}, {}
         for name, _ in specs:
             if not name.startswith("ddtree"):
                 continue
@@ -533,7 +533,11 @@ def summarize(server: list[dict] | None, inprocess: list[dict] | None, specs, co
             # The first concurrency measured where DDTree is no faster than AR; None: it beat AR
             # at every one measured (or nothing was measured).
             crossover[name] = next((c for c, d, a in pairs if d <= a), None)
+            # DDTree / AR at each concurrency: on a small pair DDTree can lose at c=1 and win at
+            # c=64 (the demo pair on an H100), which the first loss alone does not show.
+            over_ar[name] = {c: round(d / a, 3) for c, d, a in pairs}
         out[f"crossover_{label}"] = crossover
+        out[f"ddtree_over_ar_{label}"] = over_ar
     ratios = [r["server_over_inprocess"] for r in rows if r["server_over_inprocess"] is not None]
     c16 = srv.get((16, "ar"))
     scaling = out["ar_scaling_server"]
@@ -563,7 +567,8 @@ def print_summary(summary: dict) -> None:
     for label in ("server", "inprocess"):
         sc = summary[f"ar_scaling_{label}"]
         print(f"AR throughput c={sc['concurrency']} / c=1 ({label}): {_num(sc['ratio'], '.2f')}; "
-              f"DDTree no faster than AR from c= {summary[f'crossover_{label}']}")
+              f"DDTree no faster than AR from c= {summary[f'crossover_{label}']}; "
+              f"DDTree / AR tok/s by c: {summary.get(f'ddtree_over_ar_{label}')}")
     print(f"targets: {summary['targets']}")
 
 
