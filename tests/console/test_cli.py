@@ -292,16 +292,20 @@ def test_runs_table_filter_and_json(db_path, capsys):
 
 
 @pytest.mark.slow
-def test_a_detached_job_outlives_the_cli_and_logs_follow_tails_it(db_path):
+def test_a_detached_job_outlives_the_cli_and_logs_follow_tails_it(db_path, tmp_path):
     env = dict(os.environ, DDTREE_DB=db_path)
-    # 3 s: room for a loaded box between the CLI's exit and the read below that finds it running.
-    command = "for i in 1 2 3; do echo line-$i; sleep 1; done"
+    # The job waits while the gate file exists, so it is still running at the read below however
+    # slow the box; the test opens the gate once it has seen that.
+    gate = tmp_path / "gate"
+    gate.touch()
+    command = f"for i in 1 2 3; do echo line-$i; done; while [ -e '{gate}' ]; do sleep 0.05; done"
     out = subprocess.run([EXE, "jobs", "submit", "shell", "--spec", json.dumps({"command": command}), "--detach"],
                          capture_output=True, text=True, env=env, timeout=30)
     assert out.returncode == 0, out.stderr
     job_id = int(out.stdout.split()[1])
     with open_db(db_path) as db:
         assert not get_job(db, job_id).terminal  # the CLI is gone, the job is not
+    gate.unlink()
     follow = subprocess.run([EXE, "jobs", "logs", str(job_id), "--follow"], capture_output=True, text=True, env=env, timeout=30)
     assert follow.returncode == 0
     # it followed the job to its end: the child's exit, then the final state as the last line
